@@ -1,0 +1,32 @@
+"""memkernels: train larger models on the GPUs you have.
+
+Fused Triton kernels that save less for backward, a caching pool allocator
+with the statistics PyTorch loses under a pluggable allocator, asynchronous
+activation offload, and tools that measure before you optimize.
+
+Importing memkernels is cheap: torch, triton and the C++ core load on first use.
+"""
+import importlib
+
+from memkernels._backend import get_backend, set_backend
+
+__version__ = "0.1.0"
+
+# public name -> module that defines it; resolved on first attribute access.
+_LAZY = {}
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memkernels' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))
+
+
+__all__ = ["get_backend", "set_backend", "__version__"] + sorted(_LAZY)
