@@ -1,0 +1,482 @@
+"""Cross-entropy over huge vocabularies: one Triton program per row, online logsumexp over V.
+
+The math (label smoothing exactly as PyTorch defines it, with class weights,
+soft-cap ``c * tanh(x / c)``, z-loss ``z * lse**2``) is spelled out in
+:mod:`memkernels.reference.cross_entropy`, the pure-PyTorch twin of the kernel
+below; both implement the same two primitives (``loss_rows`` / ``grad_rows``)
+that the memory-lean algorithms here and in ``linear_cross_entropy`` build on.
+
+Memory contract of :func:`cross_entropy`:
+
+- default: forward saves only the per-row float32 logsumexp (4 bytes per row) and
+  references to the logits and targets, which the caller holds anyway; backward
+  writes the gradient straight into the tensor it returns (no V-sized scratch).
+- ``inplace_backward=True``: the forward overwrites the caller's logits with the
+  gradient (scaled for the reduction) and backward only rescales it by the
+  incoming gradient, so no N x V gradient is ever allocated. This destroys the
+  logits, so it is opt-in and refused unless it is safe by construction:
+  the logits must require grad, be a non-leaf, own their storage (not a view) and
+  be contiguous. The version counter is bumped, so an op that saved these
+  logits for its own backward makes autograd raise rather than read gradients.
+  What no check can see is a caller reading the logits again after the loss
+  (e.g. for accuracy): that is the caller's promise when opting in.
+
+Out-of-range targets (neither ``ignore_index`` nor in ``[0, V)``): the CPU
+reference path raises ValueError; the Triton path, which must not synchronize
+with the host, writes NaN into that row's loss (so any reduction is NaN) and
+its gradient.
+
+Reduction ``mean`` divides the cross-entropy by the summed class weight of the
+non-ignored targets (PyTorch's rule; the count when unweighted) and the z-term
+by the count of non-ignored targets. With every target ignored, ``mean`` is NaN
+and the gradient is zero, as in PyTorch.
+"""
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from memkernels._backend import resolve
+from memkernels.reference import cross_entropy as reference
+
+REDUCTIONS = ("none", "mean", "sum")
+# Widest vocabulary block one program holds in registers at a time.
+MAX_BLOCK_V = 4096
+
+
+@triton.jit
+def _tanh(u):
+    # tanh from exp: libdevice is a stub under the interpreter; exp(-2|u|) <= 1 never overflows.
+    e = tl.exp(-2.0 * tl.abs(u))
+    magnitude = (1.0 - e) / (1.0 + e)
+    return tl.where(u < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr,  # (N, W) logits block, fp32/fp16/bf16, row stride stride_logits, unit column stride
+    grad_ptr,  # (N, W) gradient out (may alias logits_ptr), row stride stride_grad; used if WRITE_GRAD
+    target_ptr,  # (N,) int64 class ids over the whole vocabulary
+    class_weight_ptr,  # (V,) fp32 class weights; read if HAS_WEIGHT
+    class_weight_sum_ptr,  # (1,) fp32 sum of the class weights; read if HAS_WEIGHT and SMOOTHING
+    lse_ptr,  # (N,) fp32 logsumexp per row: written if COMPUTE_LOSS, else read
+    loss_ptr,  # (N,) fp32 per-row cross-entropy (with smoothing); written if COMPUTE_LOSS
+    z_ptr,  # (N,) fp32 per-row z-term z_loss * lse^2; written if COMPUTE_LOSS and HAS_Z
+    loss_scale_ptr,  # (1,) or (N,) fp32 d(total)/d(row cross-entropy); read if WRITE_GRAD
+    z_scale_ptr,  # (1,) or (N,) fp32 d(total)/d(row z-term); read if WRITE_GRAD and HAS_Z
+    stride_logits,
+    stride_grad,
+    n_cols,  # W: columns in this block (the whole vocabulary when COMPUTE_LOSS)
+    col_offset,  # class id of column 0 of this block
+    n_classes,  # V
+    ignore_index,
+    smoothing,  # label smoothing epsilon
+    smoothing_per_class,  # epsilon / V
+    softcap,
+    z_loss,
+    SCALE_STRIDE: tl.constexpr,  # 0: one scale for all rows, 1: one per row (reduction "none")
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    COMPUTE_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * stride_logits
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= n_classes))
+    safe_target = tl.where(valid & (target >= 0) & (target < n_classes), target, 0)
+    if HAS_WEIGHT:
+        target_weight = tl.load(class_weight_ptr + safe_target)
+    else:
+        target_weight = 1.0
+    if SMOOTHING:
+        if HAS_WEIGHT:
+            weight_sum = tl.load(class_weight_sum_ptr)
+        else:
+            weight_sum = n_classes * 1.0
+    nan = float("nan")
+
+    if COMPUTE_LOSS:
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.full((), 0.0, tl.float32)
+        weighted_logit_sum = tl.full((), 0.0, tl.float32)  # sum_j w_j * y_j, for smoothing
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            y = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                y = softcap * _tanh(y / softcap)
+            if SMOOTHING:
+                if HAS_WEIGHT:
+                    w = tl.load(class_weight_ptr + col_offset + cols, mask=mask, other=0.0)
+                    weighted_logit_sum += tl.sum(w * y, axis=0)
+                else:
+                    weighted_logit_sum += tl.sum(tl.where(mask, y, 0.0), axis=0)
+            # Padded lanes are masked after the soft-cap: tanh would turn -inf into -softcap.
+            y = tl.where(mask, y, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(y, axis=0))
+            # An all -inf prefix keeps the max at -inf; shift by 0 then to avoid inf - inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            running_sum = running_sum * tl.exp(running_max - shift) + tl.sum(tl.exp(y - shift), axis=0)
+            running_max = new_max
+        lse = running_max + tl.log(running_sum)
+        target_logit = tl.load(logits_row + safe_target).to(tl.float32)
+        if HAS_SOFTCAP:
+            target_logit = softcap * _tanh(target_logit / softcap)
+        ce = target_weight * (lse - target_logit)
+        if SMOOTHING:
+            ce = (1.0 - smoothing) * ce + smoothing_per_class * (weight_sum * lse - weighted_logit_sum)
+        ce = tl.where(valid, ce, 0.0)
+        tl.store(loss_ptr + row, tl.where(out_of_range, nan, ce))
+        tl.store(lse_ptr + row, lse)
+        if HAS_Z:
+            z_term = tl.where(valid, z_loss * lse * lse, 0.0)
+            tl.store(z_ptr + row, tl.where(out_of_range, nan, z_term))
+    else:
+        lse = tl.load(lse_ptr + row)
+
+    if WRITE_GRAD:
+        loss_scale = tl.load(loss_scale_ptr + row * SCALE_STRIDE)
+        target_coef = loss_scale * (1.0 - smoothing) * target_weight  # multiplies (p_j - [j == t])
+        prob_coef = target_coef
+        if SMOOTHING:
+            prob_coef += loss_scale * smoothing_per_class * weight_sum
+        if HAS_Z:
+            prob_coef += tl.load(z_scale_ptr + row * SCALE_STRIDE) * 2.0 * z_loss * lse
+        grad_row = grad_ptr + row * stride_grad
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            y = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                y = softcap * _tanh(y / softcap)
+            g = prob_coef * tl.exp(y - lse)
+            g -= tl.where(cols + col_offset == target, target_coef, 0.0)
+            if SMOOTHING:
+                if HAS_WEIGHT:
+                    w = tl.load(class_weight_ptr + col_offset + cols, mask=mask, other=0.0)
+                else:
+                    w = 1.0
+                g -= loss_scale * smoothing_per_class * w
+            if HAS_SOFTCAP:
+                g *= 1.0 - (y / softcap) * (y / softcap)
+            g = tl.where(valid, g, 0.0)
+            g = tl.where(out_of_range, nan, g)
+            tl.store(grad_row + cols, g.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col_offset, compute_loss):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    write_grad = grad is not None
+    dummy = lse  # any fp32 tensor stands in for pointers a variant never reads
+    scale_stride = 1 if (write_grad and loss_scale.numel() > 1) else 0
+    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
+    _cross_entropy_kernel[(n_rows,)](
+        logits,
+        grad if write_grad else logits,
+        target,
+        cfg.class_weight if cfg.class_weight is not None else dummy,
+        cfg.class_weight_sum if cfg.class_weight_sum is not None else dummy,
+        lse,
+        loss if compute_loss else dummy,
+        z if (compute_loss and z is not None) else dummy,
+        loss_scale if write_grad else dummy,
+        z_scale if (write_grad and z_scale is not None) else dummy,
+        logits.stride(0),
+        grad.stride(0) if write_grad else logits.stride(0),
+        n_cols,
+        col_offset,
+        cfg.n_classes,
+        cfg.ignore_index,
+        cfg.label_smoothing,
+        cfg.label_smoothing / cfg.n_classes,
+        cfg.softcap if cfg.softcap else 1.0,
+        cfg.z_loss,
+        SCALE_STRIDE=scale_stride,
+        HAS_WEIGHT=cfg.class_weight is not None,
+        SMOOTHING=cfg.label_smoothing != 0.0,
+        HAS_SOFTCAP=bool(cfg.softcap),
+        HAS_Z=cfg.z_loss != 0.0,
+        COMPUTE_LOSS=compute_loss,
+        WRITE_GRAD=write_grad,
+        BLOCK_V=block_v,
+        num_warps=_num_warps(block_v),
+    )
+
+
+def _num_warps(block_v):
+    return 8 if block_v >= 2048 else 4
+
+
+def loss_rows_triton(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
+    """Triton twin of :func:`memkernels.reference.cross_entropy.loss_rows` (same contract)."""
+    n_rows = logits.shape[0]
+    ce = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty_like(ce)
+    z = torch.empty_like(ce) if cfg.z_loss else None
+    _launch(logits, target, cfg, lse=lse, loss=ce, z=z, grad=grad, loss_scale=loss_scale, z_scale=z_scale,
+            col_offset=0, compute_loss=True)
+    return ce, z, lse
+
+
+def grad_rows_triton(logits, target, lse, cfg, grad, loss_scale, z_scale, *, col_offset=0):
+    """Triton twin of :func:`memkernels.reference.cross_entropy.grad_rows` (same contract)."""
+    _launch(logits, target, cfg, lse=lse, loss=None, z=None, grad=grad, loss_scale=loss_scale, z_scale=z_scale,
+            col_offset=col_offset, compute_loss=False)
+
+
+def row_kernels(tensor, op_name):
+    """(loss_rows, grad_rows) for the backend that runs ``tensor``."""
+    if resolve(tensor, op_name) == "triton":
+        return loss_rows_triton, grad_rows_triton
+    return reference.loss_rows, reference.grad_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared by cross_entropy and linear_cross_entropy: configuration, validation, reductions.
+
+
+def make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, class_weight):
+    """A LossConfig with the class weights in float32 and their sum (a device tensor: no sync)."""
+    weight32 = None if class_weight is None else class_weight.detach().float().contiguous()
+    return reference.LossConfig(
+        n_classes=n_classes,
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
+        softcap=float(softcap),
+        z_loss=float(z_loss),
+        class_weight=weight32,
+        class_weight_sum=None if weight32 is None else weight32.sum().reshape(1),
+    )
+
+
+def check_targets_if_cpu(backend, target, cfg):
+    """The CPU reference path raises on out-of-range targets; the Triton path writes NaN instead."""
+    if backend == "torch" and target.device.type == "cpu":
+        reference.check_targets(target, cfg.n_classes, cfg.ignore_index)
+
+
+def reduction_scales(target, cfg, reduction):
+    """(loss_scale, z_scale): d(reduced loss)/d(row term) as float32 device tensors of shape (1,).
+
+    For ``mean`` the cross-entropy divides by the summed weight of the kept targets
+    and the z-term by their count; all-ignored gives 1/0 = inf, which the kernels
+    multiply only into zeroed rows (they select, never multiply, the ignored rows).
+    """
+    one = torch.ones(1, dtype=torch.float32, device=target.device)
+    if reduction != "mean":
+        return one, one
+    valid = target != cfg.ignore_index
+    count = valid.sum(dtype=torch.float32).reshape(1)
+    if cfg.class_weight is None:
+        ce_denominator = count
+    else:
+        safe = torch.where(valid, target, torch.zeros_like(target)).clamp(0, cfg.n_classes - 1)
+        ce_denominator = torch.where(valid, cfg.class_weight[safe], 0.0).sum().reshape(1)
+    return one / ce_denominator, one / count
+
+
+def reduce_rows(ce, z, loss_scale, z_scale, reduction):
+    """Combine per-row terms into the loss; returns (loss, z_loss) (z_loss zero-size when unused)."""
+    if reduction == "none":
+        return (ce if z is None else ce + z), (z if z is not None else ce.new_zeros(0))
+    total = ce.sum() * loss_scale[0]
+    if z is None:
+        return total, ce.new_zeros(0)
+    z_total = z.sum() * z_scale[0]
+    return total + z_total, z_total
+
+
+def grad_scales(grad_loss, loss_scale, z_scale, reduction):
+    """Scales for the backward kernels given the incoming gradient of the loss."""
+    grad_loss = grad_loss.float()
+    if reduction == "none":
+        return grad_loss.contiguous(), grad_loss.contiguous()
+    return loss_scale * grad_loss, z_scale * grad_loss
+
+
+def validate_loss_args(target, n_classes, n_rows, *, ignore_index, label_smoothing, reduction, softcap, z_loss,
+                       class_weight, device, weight_name="weight"):
+    """Raise ValueError/TypeError naming the bad argument; shared by both public functions."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a tensor of class ids, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"target must hold integer class ids (e.g. torch.long), got dtype {target.dtype}; "
+                        "class probabilities are not supported")
+    if target.numel() != n_rows:
+        raise ValueError(f"target has {target.numel()} elements (shape {tuple(target.shape)}) but there are "
+                         f"{n_rows} rows of logits; they must match one class id per row")
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but the logits are on {device}; move it with .to()")
+    if n_classes < 1:
+        raise ValueError("the vocabulary size (last dimension of the logits) must be at least 1")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not (0.0 <= float(label_smoothing) <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None and not (float(softcap) > 0.0 and math.isfinite(float(softcap))):
+        raise ValueError(f"softcap must be None or a finite positive number, got {softcap}")
+    if not (float(z_loss) >= 0.0 and math.isfinite(float(z_loss))):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if class_weight is not None:
+        if class_weight.shape != (n_classes,):
+            raise ValueError(f"{weight_name} must have shape ({n_classes},) (one weight per class), "
+                             f"got {tuple(class_weight.shape)}")
+        if class_weight.device != device:
+            raise ValueError(f"{weight_name} is on {class_weight.device} but the logits are on {device}")
+
+
+# ----------------------------------------------------------------------------------------------
+# cross_entropy on given logits
+
+
+def _forward(logits, target, cfg, reduction, backend):
+    loss_rows, _ = row_kernels(logits, "cross_entropy")
+    check_targets_if_cpu(backend, target, cfg)
+    loss_scale, z_scale = reduction_scales(target, cfg, reduction)
+    ce, z, lse = loss_rows(logits, target, cfg)
+    loss, z_loss = reduce_rows(ce, z, loss_scale, z_scale, reduction)
+    return loss, z_loss, lse, loss_scale, z_scale
+
+
+@torch.library.custom_op("memkernels::cross_entropy", mutates_args=())
+def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],
+                      ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
+                      reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
+    loss, z_loss_out, lse, _, _ = _forward(logits, target, cfg, reduction, resolve(logits, "cross_entropy"))
+    return loss, z_loss_out, lse
+
+
+@_cross_entropy_op.register_fake
+def _(logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction):
+    n_rows = logits.shape[0]
+    loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
+    z_shape = (0,) if not z_loss else ((n_rows,) if reduction == "none" else ())
+    return loss, logits.new_empty(z_shape, dtype=torch.float32), logits.new_empty((n_rows,), dtype=torch.float32)
+
+
+@torch.library.custom_op("memkernels::cross_entropy_backward", mutates_args=())
+def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                               lse: torch.Tensor, class_weight: Optional[torch.Tensor], ignore_index: int,
+                               label_smoothing: float, softcap: float, z_loss: float,
+                               reduction: str) -> torch.Tensor:
+    cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
+    _, grad_rows = row_kernels(logits, "cross_entropy")
+    loss_scale, z_scale = grad_scales(grad_loss, *reduction_scales(target, cfg, reduction), reduction)
+    grad = torch.empty_like(logits)
+    grad_rows(logits, target, lse, cfg, grad, loss_scale, z_scale)
+    return grad
+
+
+@_cross_entropy_backward_op.register_fake
+def _(grad_loss, logits, target, lse, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction = inputs
+    ctx.save_for_backward(logits, target, output[2], class_weight)
+    ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction)
+
+
+def _backward(ctx, grad_loss, grad_z_loss, grad_lse):
+    # z_loss and lse are returned detached by the public function; only the loss carries gradient.
+    logits, target, lse, class_weight = ctx.saved_tensors
+    grad = _cross_entropy_backward_op(grad_loss, logits, target, lse, class_weight, *ctx.options)
+    return grad, None, None, None, None, None, None, None
+
+
+_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """Forward writes the reduction-scaled gradient into the logits; backward rescales it in place."""
+
+    @staticmethod
+    def forward(ctx, logits, target, cfg, reduction, backend):
+        loss_rows, _ = row_kernels(logits, "cross_entropy")
+        check_targets_if_cpu(backend, target, cfg)
+        loss_scale, z_scale = reduction_scales(target, cfg, reduction)
+        ce, z, _ = loss_rows(logits, target, cfg, grad=logits, loss_scale=loss_scale, z_scale=z_scale)
+        torch.autograd.graph.increment_version(logits)
+        ctx.save_for_backward(logits)
+        ctx.reduction = reduction
+        loss, z_loss = reduce_rows(ce, z, loss_scale, z_scale, reduction)
+        ctx.mark_non_differentiable(z_loss)
+        return loss, z_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss):
+        (grad,) = ctx.saved_tensors  # a second backward fails here: the in-place rescale bumped its version
+        scale = grad_loss.reshape(-1, 1) if ctx.reduction == "none" else grad_loss
+        return grad.mul_(scale.to(grad.dtype)), None, None, None, None
+
+
+def _check_inplace_allowed(logits):
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        raise ValueError("inplace_backward=True needs logits that require grad (with grad mode on): "
+                         "there is no gradient to write; drop inplace_backward")
+    if logits.grad_fn is None:
+        raise ValueError("inplace_backward=True refuses a leaf tensor: its values belong to the caller. "
+                         "Pass the output of the LM head, or drop inplace_backward")
+    if logits._base is not None or not logits.is_contiguous():
+        raise ValueError("inplace_backward=True needs logits that own a contiguous storage (not a view): "
+                         "other tensors may share a view's memory. Drop inplace_backward or pass .contiguous()")
+
+
+def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                  softcap=None, z_loss=0.0, return_z_loss=False, inplace_backward=False):
+    """Cross-entropy of ``logits`` against class ids, without an N x V float32 log-softmax.
+
+    Args:
+        logits: (..., V) float32/float16/bfloat16.
+        target: (...) integer class ids in [0, V) or ``ignore_index``.
+        weight: optional (V,) class weights (as ``torch.nn.functional.cross_entropy``).
+        label_smoothing: epsilon in [0, 1], PyTorch's definition (also with ``weight``).
+        reduction: "none" (shape of ``target``, float32), "mean" or "sum" (0-d float32).
+        softcap: optional c > 0: the loss sees ``c * tanh(logits / c)``.
+        z_loss: factor z >= 0 of the auxiliary ``z * logsumexp**2`` per kept row
+            (reduction "mean" averages it over the kept rows).
+        return_z_loss: also return the z-term (already included in the loss), detached, for logging.
+        inplace_backward: overwrite ``logits`` with their gradient during forward (see module docs).
+    Returns:
+        loss, or ``(loss, z_loss)`` with ``return_z_loss``. float32.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError("logits must be a floating-point tensor of shape (..., V)")
+    if logits.dim() == 0:
+        raise ValueError("logits must have at least one dimension (the classes)")
+    n_classes = logits.shape[-1]
+    n_rows = logits.numel() // max(n_classes, 1)
+    validate_loss_args(target, n_classes, n_rows, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                       reduction=reduction, softcap=softcap, z_loss=z_loss, class_weight=weight,
+                       device=logits.device)
+    out_shape = target.shape
+    target = target.reshape(-1).long()
+    softcap = float(softcap) if softcap is not None else 0.0
+    if inplace_backward:
+        _check_inplace_allowed(logits)
+        cfg = make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, weight)
+        loss, z = _InplaceCrossEntropy.apply(logits.view(n_rows, n_classes), target, cfg, reduction,
+                                             resolve(logits, "cross_entropy"))
+    else:
+        loss, z, _ = _cross_entropy_op(logits.reshape(n_rows, n_classes).contiguous(), target,
+                                       None if weight is None else weight.detach(), ignore_index,
+                                       float(label_smoothing), softcap, float(z_loss), reduction)
+    if reduction == "none":
+        loss = loss.view(out_shape)
+        z = z.view(out_shape) if z.numel() else z
+    if not return_z_loss:
+        return loss
+    return loss, (z.detach() if z.numel() else torch.zeros_like(loss).detach())
