@@ -18,7 +18,8 @@ Strategies:
   e.g. with ``retain_graph=True``, raises). Needs a scalar loss: with
   ``reduction="none"`` the per-row incoming gradient is unknown in the forward.
 - ``"recompute"`` (Cut Cross-Entropy's idea): the forward keeps only the per-token
-  float32 logsumexp (4 bytes per token) plus references to the inputs. Backward
+  logsumexp, as two float32 (max, log-sum) so the backward's probabilities are as
+  accurate as eager's: 8 bytes per token, plus references to the inputs. Backward
   tiles the *vocabulary*: per tile of classes it recomputes ``logits[:, tile]``,
   turns it into its gradient in place, and writes ``dW[tile]`` with a single GEMM
   over all tokens (so ``dW`` needs no float32 accumulator), accumulating ``dX``
@@ -43,10 +44,12 @@ import torch
 from memkernels._backend import resolve
 from memkernels.ops.cross_entropy import (
     check_targets_if_cpu,
+    finish_output,
+    forward_grad_scales,
     grad_scales,
     make_config,
     reduce_rows,
-    reduction_scales,
+    reduction_denominators,
     row_kernels,
     validate_loss_args,
 )
@@ -79,17 +82,17 @@ def _float32(tensor):
 def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None):
     """Loss over token chunks; with ``grads`` = (dX or None, dW32 or None, dB32 or None) also the gradients.
 
-    Returns (loss, z_loss, lse) with lse (N,) float32.
+    Returns (loss, z_loss, lse) with lse (N, 2) float32 (the logsumexp as max + log-sum).
     """
     backend = resolve(hidden, _OP)
     loss_rows, _ = row_kernels(hidden, _OP)
     check_targets_if_cpu(backend, target, cfg)
     n_tokens = hidden.shape[0]
     rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes) // cfg.n_classes)
-    loss_scale, z_scale = reduction_scales(target, cfg, reduction)
+    denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
     ce = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     z = torch.empty_like(ce) if cfg.z_loss else None
-    lse = torch.empty_like(ce)
+    lse = torch.empty(n_tokens, 2, dtype=torch.float32, device=hidden.device)
     for start in range(0, n_tokens, rows_per_chunk):
         end = min(start + rows_per_chunk, n_tokens)
         hidden_rows = hidden[start:end]
@@ -109,7 +112,7 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
         if z is not None:
             z[start:end] = z_rows
         del logits
-    loss, z_loss = reduce_rows(ce, z, loss_scale, z_scale, reduction)
+    loss, z_loss = reduce_rows(ce, z, denominators, reduction)
     return loss, z_loss, lse
 
 
@@ -118,7 +121,7 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
     _, grad_rows = row_kernels(hidden, _OP)
     n_tokens = hidden.shape[0]
     cols_per_tile = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes) // max(n_tokens, 1))
-    loss_scale, z_scale = grad_scales(grad_loss, *reduction_scales(target, cfg, reduction), reduction)
+    loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
     needs_hidden, needs_weight, needs_bias = needs
     half = hidden.dtype != torch.float32
     grad_hidden = None
@@ -170,7 +173,7 @@ def _loss_shapes(hidden, z_loss, reduction):
 def _(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction,
       chunk_size):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
-    return loss, z, hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
+    return loss, z, hidden.new_empty((hidden.shape[0], 2), dtype=torch.float32)
 
 
 @torch.library.custom_op("memkernels::linear_cross_entropy_recompute_backward", mutates_args=())
@@ -336,9 +339,4 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
         loss, z, *_ = _chunked_op(hidden2d, weight, target, bias, class_weight, *options, *needs)
     else:
         loss, z, _ = _recompute_op(hidden2d, weight, target, bias, class_weight, *options)
-    if reduction == "none":
-        loss = loss.view(out_shape)
-        z = z.view(out_shape) if z.numel() else z
-    if not return_z_loss:
-        return loss
-    return loss, (z.detach() if z.numel() else torch.zeros_like(loss).detach())
+    return finish_output(loss, z, out_shape, reduction, return_z_loss)

@@ -45,7 +45,7 @@ class LossConfig(NamedTuple):
     softcap: float  # 0.0 means no soft-cap
     z_loss: float
     class_weight: Optional[torch.Tensor]  # (V,) float32, or None
-    class_weight_sum: Optional[torch.Tensor]  # () float32 sum of class_weight, or None
+    class_weight_sum: Optional[torch.Tensor]  # (1,) float64 sum of class_weight, or None
 
 
 def check_targets(target, n_classes, ignore_index, argument="target"):
@@ -69,6 +69,15 @@ def _softcapped(logits, cfg):
     return y
 
 
+def _softcapped_with_slope(logits, cfg):
+    """(y, dy/dx) with the slope 1 - tanh^2 from tanh itself (y / c would add a rounding); slope None
+    without soft-cap."""
+    if not cfg.softcap:
+        return logits.float(), None
+    capped = torch.tanh(logits.float() / cfg.softcap)
+    return cfg.softcap * capped, capped.square_().neg_().add_(1.0)
+
+
 def _target_terms(target, cfg):
     """valid rows, out-of-range rows, a safe gather index and the target's class weight."""
     valid = target != cfg.ignore_index
@@ -79,7 +88,7 @@ def _target_terms(target, cfg):
 
 
 def _finish(values, valid, out_of_range):
-    """Zero for ignored rows, NaN for rows with an out-of-range target (broadcasts over columns)."""
+    """Zero for ignored rows, NaN for rows with an out-of-range target."""
     values = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
     return torch.where(out_of_range, torch.full((), float("nan"), device=values.device), values)
 
@@ -88,61 +97,104 @@ def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
     """Cross-entropy of full rows.
 
     logits: (R, V) float; target: (R,) int64.
-    Returns ``(ce, zt, lse)``, each (R,) float32 (``zt`` is None when ``cfg.z_loss == 0``).
+    Returns ``(ce, zt, lse_parts)``: ce and zt (R,) float32 (``zt`` is None when
+    ``cfg.z_loss == 0``); lse_parts (R, 2) float32, the logsumexp as ``(max, log-sum)``
+    with ``lse = max + log-sum``: one float32 lse would round by eps*|lse|, which
+    exp turns into a relative error of every probability in the backward.
     With ``grad`` (an (R, V) buffer, possibly ``logits`` itself) the gradient of
     ``sum(loss_scale * ce + z_scale * zt)`` is written into it; ``loss_scale`` and
     ``z_scale`` are float32 tensors of shape () or (R,).
     """
     y = _softcapped(logits, cfg)
-    lse = torch.logsumexp(y, dim=1)
+    row_max = y.max(dim=1).values
+    # exp(-inf - -inf) is NaN: a row of -inf keeps max -inf but is shifted by 0.
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    # Row sums and per-row results in float64, as in the kernel (see there why).
+    log_sum = torch.exp(y - shift[:, None]).sum(dim=1, dtype=torch.float64).log_()
+    lse_parts = torch.stack([shift, log_sum.float()], dim=1)
+    lse = shift.double() + log_sum
     valid, out_of_range, safe, w_t = _target_terms(target, cfg)
-    nll = lse - y.gather(1, safe[:, None]).squeeze(1)
+    nll = (shift - y.gather(1, safe[:, None]).squeeze(1)).double() + log_sum
     eps = cfg.label_smoothing
     ce = nll if w_t is None else w_t * nll
     if eps:
         if cfg.class_weight is None:
-            smooth = cfg.n_classes * lse - y.sum(1)
+            smooth = cfg.n_classes * lse - y.sum(1, dtype=torch.float64)
         else:
-            smooth = cfg.class_weight_sum * lse - y @ cfg.class_weight
+            smooth = cfg.class_weight_sum * lse - y.double() @ cfg.class_weight.double()
         ce = (1.0 - eps) * ce + eps / cfg.n_classes * smooth
+    ce = ce.float()
     ce = _finish(ce, valid, out_of_range)
-    zt = _finish(cfg.z_loss * lse * lse, valid, out_of_range) if cfg.z_loss else None
+    zt = _finish((cfg.z_loss * (lse * lse)).float(), valid, out_of_range) if cfg.z_loss else None
     if grad is not None:
-        _write_grad(y, target, lse, cfg, grad, loss_scale, z_scale, col_offset=0)
-    return ce, zt, lse
+        del y  # the gradient pass recomputes it with the soft-cap slope
+        grad_rows(logits, target, lse_parts, cfg, grad, loss_scale, z_scale)
+    return ce, zt, lse_parts
 
 
-def grad_rows(logits, target, lse, cfg, grad, loss_scale, z_scale, *, col_offset=0):
+def grad_rows(logits, target, lse_parts, cfg, grad, loss_scale, z_scale, *, col_offset=0):
     """Gradient of columns ``[col_offset, col_offset + logits.shape[1])`` of every row.
 
-    logits: (R, W) float, a column block of the full (R, V) logits; target, lse: (R,);
+    logits: (R, W) float, a column block of the full (R, V) logits; target: (R,);
+    lse_parts: (R, 2) from :func:`loss_rows`;
     grad: (R, W) buffer written in place (may be ``logits``); scales as in :func:`loss_rows`.
     """
-    _write_grad(_softcapped(logits, cfg), target, lse, cfg, grad, loss_scale, z_scale, col_offset)
+    _write_grad(*_softcapped_with_slope(logits, cfg), target, lse_parts, cfg, grad, loss_scale, z_scale,
+                col_offset)
 
 
-def _write_grad(y, target, lse, cfg, grad, loss_scale, z_scale, col_offset):
+def _write_grad(y, slope, target, lse_parts, cfg, grad, loss_scale, z_scale, col_offset):
+    # In place where possible: besides the block, a few float32 copies (y when converted or
+    # soft-capped, the soft-cap slope, g when grad is not float32, and the smoothing/z term).
+    # y may be the caller's float32 logits block itself (no soft-cap); grad may be that same
+    # buffer: every read of y happens before the exp below overwrites it.
     valid, out_of_range, _, w_t = _target_terms(target, cfg)
     eps = cfg.label_smoothing
-    loss_scale = loss_scale.reshape(-1)
-    target_coef = loss_scale * (1.0 - eps) * (w_t if w_t is not None else 1.0)  # multiplies p_j - [j == t]
-    prob_coef = target_coef
+    loss_scale = loss_scale.reshape(-1, 1)
+    target_coef = loss_scale * (1.0 - eps) * (w_t[:, None] if w_t is not None else 1.0)
+    g = grad if grad.dtype == torch.float32 else torch.empty_like(y)
+    torch.sub(y, lse_parts[:, :1], out=g).sub_(lse_parts[:, 1:])  # two parts: see the kernel
+    lse = lse_parts.sum(dim=1)
+    p = g.exp_()
+    extra = None  # the terms multiplying p other than the target's, grouped as in the kernel
     if eps:
-        weight_sum = cfg.class_weight_sum if cfg.class_weight is not None else cfg.n_classes
-        prob_coef = prob_coef + loss_scale * eps / cfg.n_classes * weight_sum
-    if cfg.z_loss:
-        prob_coef = prob_coef + z_scale.reshape(-1) * 2.0 * cfg.z_loss * lse
-    p = torch.exp(y - lse[:, None])
-    g = prob_coef.reshape(-1, 1) * p
-    cols = torch.arange(col_offset, col_offset + y.shape[1], device=y.device)
-    hit = cols[None, :] == target[:, None]
-    g = g - torch.where(hit, target_coef.reshape(-1, 1).expand_as(g), torch.zeros((), device=g.device))
-    if eps:
+        smooth_coef = loss_scale * (eps / cfg.n_classes)
         if cfg.class_weight is None:
-            uniform = torch.full((1, y.shape[1]), 1.0, device=g.device)
+            extra = (p * cfg.n_classes - 1.0).mul_(smooth_coef)
         else:
-            uniform = cfg.class_weight[col_offset:col_offset + y.shape[1]][None, :]
-        g = g - (loss_scale.reshape(-1, 1) * eps / cfg.n_classes) * uniform
-    if cfg.softcap:
-        g = g * (1.0 - (y / cfg.softcap) ** 2)
-    grad.copy_(_finish(g, valid[:, None], out_of_range[:, None]))
+            class_weight = cfg.class_weight[col_offset:col_offset + y.shape[1]]
+            extra = (p * cfg.class_weight_sum.float() - class_weight[None, :]).mul_(smooth_coef)
+    if cfg.z_loss:
+        z_term = p * (z_scale.reshape(-1, 1) * 2.0 * cfg.z_loss * lse[:, None])
+        extra = z_term if extra is None else extra.add_(z_term)
+    local = target - col_offset
+    hit = valid & ~out_of_range & (local >= 0) & (local < y.shape[1])
+    g.mul_(target_coef)
+    g.scatter_add_(1, torch.where(hit, local, 0)[:, None], torch.where(hit[:, None], -target_coef, 0.0))
+    if extra is not None:
+        g.add_(extra)
+    if slope is not None:
+        g.mul_(slope)
+    g.masked_fill_(~valid[:, None], 0.0).masked_fill_(out_of_range[:, None], float("nan"))
+    if g is not grad:
+        grad.copy_(g)
+
+
+def eager_cross_entropy(logits, target, weight=None, *, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                        softcap=None, z_loss=0.0):
+    """The plain (memory-hungry) definition, in the logits' own dtype: the ground truth the tests
+    run in float64 and the benchmark's eager baseline. logits (N, V), target (N,), weight (V,) or None.
+
+    ``reduction="mean"`` averages the z-term over the kept rows (see :func:`loss_rows`).
+    """
+    y = logits if not softcap else softcap * torch.tanh(logits / softcap)
+    loss = torch.nn.functional.cross_entropy(y, target, weight=weight, ignore_index=ignore_index,
+                                             label_smoothing=label_smoothing, reduction=reduction)
+    if not z_loss:
+        return loss
+    valid = target != ignore_index
+    z_rows = torch.where(valid, z_loss * torch.logsumexp(y, dim=-1) ** 2, 0.0)
+    if reduction == "none":
+        return loss + z_rows
+    z_total = z_rows.sum()
+    return loss + (z_total / valid.sum() if reduction == "mean" else z_total)
