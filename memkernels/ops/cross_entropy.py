@@ -417,28 +417,52 @@ def _forward(logits, target, cfg, reduction, backend):
     return loss, z_loss, lse
 
 
-@torch.library.custom_op("memkernels::cross_entropy", mutates_args=())
-def _cross_entropy_op(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],
-                      ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
-                      reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def custom_op(name, impl, fake):
+    """Register ``impl`` as the torch.library custom op ``name`` (what torch.compile keeps whole)."""
+    op = torch.library.custom_op(name, impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+def autograd_pair(op, impl, setup_context, op_backward, eager_backward):
+    """Give ``op`` its autograd formula, and return the same formula as an autograd.Function for eager.
+
+    Eager calls run the Function: the chunk buffers it allocates then pass through the
+    dispatcher where tools (memkernels.meters, profilers) see them, which a custom op's
+    insides do not; torch.compile sees the op (see :func:`apply_op`).
+    """
+    op.register_autograd(op_backward, setup_context=setup_context)
+    return type(f"{op._name.split('::')[-1]}_function", (torch.autograd.Function,), {
+        "forward": staticmethod(impl),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(eager_backward),
+    })
+
+
+def apply_op(op, function, *args):
+    """The custom op while torch.compile traces; its autograd.Function twin in eager mode."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return function.apply(*args)
+
+
+def _cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],
+                           ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
+                           reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
-    loss, z_loss_out, lse = _forward(logits, target, cfg, reduction, resolve(logits, "cross_entropy"))
-    return loss, z_loss_out, lse
+    return _forward(logits, target, cfg, reduction, resolve(logits, "cross_entropy"))
 
 
-@_cross_entropy_op.register_fake
-def _(logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction):
+def _cross_entropy_fake(logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction):
     n_rows = logits.shape[0]
     loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
     z_shape = (0,) if not z_loss else ((n_rows,) if reduction == "none" else ())
     return loss, logits.new_empty(z_shape, dtype=torch.float32), logits.new_empty((n_rows, 2), dtype=torch.float32)
 
 
-@torch.library.custom_op("memkernels::cross_entropy_backward", mutates_args=())
-def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
-                               lse: torch.Tensor, class_weight: Optional[torch.Tensor], ignore_index: int,
-                               label_smoothing: float, softcap: float, z_loss: float,
-                               reduction: str) -> torch.Tensor:
+def _cross_entropy_backward(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                            lse: torch.Tensor, class_weight: Optional[torch.Tensor], ignore_index: int,
+                            label_smoothing: float, softcap: float, z_loss: float, reduction: str) -> torch.Tensor:
     cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     _, grad_rows = row_kernels(logits, "cross_entropy")
     loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
@@ -447,8 +471,8 @@ def _cross_entropy_backward_op(grad_loss: torch.Tensor, logits: torch.Tensor, ta
     return grad
 
 
-@_cross_entropy_backward_op.register_fake
-def _(grad_loss, logits, target, lse, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction):
+def _cross_entropy_backward_fake(grad_loss, logits, target, lse, class_weight, ignore_index, label_smoothing,
+                                 softcap, z_loss, reduction):
     return torch.empty_like(logits)
 
 
@@ -458,14 +482,21 @@ def _setup_context(ctx, inputs, output):
     ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction)
 
 
-def _backward(ctx, grad_loss, grad_z_loss, grad_lse):
-    # z_loss and lse are returned detached by the public function; only the loss carries gradient.
-    logits, target, lse, class_weight = ctx.saved_tensors
-    grad = _cross_entropy_backward_op(grad_loss, logits, target, lse, class_weight, *ctx.options)
-    return grad, None, None, None, None, None, None, None
+def _backward_with(backward):
+    def _backward(ctx, grad_loss, grad_z_loss, grad_lse):
+        # z_loss and lse are returned detached by the public function; only the loss carries gradient.
+        logits, target, lse, class_weight = ctx.saved_tensors
+        grad = backward(grad_loss, logits, target, lse, class_weight, *ctx.options)
+        return grad, None, None, None, None, None, None, None
+    return _backward
 
 
-_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
+_cross_entropy_op = custom_op("memkernels::cross_entropy", _cross_entropy_forward, _cross_entropy_fake)
+_cross_entropy_backward_op = custom_op("memkernels::cross_entropy_backward", _cross_entropy_backward,
+                                       _cross_entropy_backward_fake)
+_CrossEntropyFunction = autograd_pair(_cross_entropy_op, _cross_entropy_forward, _setup_context,
+                                      _backward_with(_cross_entropy_backward_op),
+                                      _backward_with(_cross_entropy_backward))
 
 
 class _InplaceCrossEntropy(torch.autograd.Function):
@@ -539,7 +570,8 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
         loss, z = _InplaceCrossEntropy.apply(logits.view(n_rows, n_classes), target, cfg, reduction,
                                              resolve(logits, "cross_entropy"))
     else:
-        loss, z, _ = _cross_entropy_op(logits.reshape(n_rows, n_classes).contiguous(), target,
-                                       None if weight is None else weight.detach(), ignore_index,
-                                       float(label_smoothing), softcap, float(z_loss), reduction)
+        loss, z, _ = apply_op(_cross_entropy_op, _CrossEntropyFunction,
+                              logits.reshape(n_rows, n_classes).contiguous(), target,
+                              None if weight is None else weight.detach(), ignore_index,
+                              float(label_smoothing), softcap, float(z_loss), reduction)
     return finish_output(loss, z, out_shape, reduction, return_z_loss)

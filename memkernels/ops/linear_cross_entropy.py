@@ -43,7 +43,10 @@ import torch
 
 from memkernels._backend import resolve
 from memkernels.ops.cross_entropy import (
+    apply_op,
+    autograd_pair,
     check_targets_if_cpu,
+    custom_op,
     finish_output,
     forward_grad_scales,
     grad_scales,
@@ -100,15 +103,19 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
         if grads is None:
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg)
         else:
-            ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=logits,
+            # Half inputs: the gradient goes to a float32 chunk (the copy addmm_ needs anyway), so
+            # dW and dB sum unrounded values; dX rounds it once, back in the logits buffer.
+            grad_chunk = logits if logits.dtype == torch.float32 else torch.empty_like(logits, dtype=torch.float32)
+            ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
                                                               loss_scale=loss_scale, z_scale=z_scale)
             grad_hidden, grad_weight32, grad_bias32 = grads
-            if grad_hidden is not None:
-                torch.mm(logits, weight, out=grad_hidden[start:end])
             if grad_weight32 is not None:
-                grad_weight32.addmm_(_float32(logits).t(), _float32(hidden_rows))
+                grad_weight32.addmm_(grad_chunk.t(), _float32(hidden_rows))
             if grad_bias32 is not None:
-                grad_bias32 += logits.sum(0, dtype=torch.float32)
+                grad_bias32 += grad_chunk.sum(0)
+            if grad_hidden is not None:
+                torch.mm(logits.copy_(grad_chunk), weight, out=grad_hidden[start:end])
+            del grad_chunk
         if z is not None:
             z[start:end] = z_rows
         del logits
@@ -151,13 +158,13 @@ def _empty(reference_tensor):
 
 
 # ----------------------------------------------------------------------------------------------
-# "recompute": custom op holding only lse
+# "recompute": holds only the logsumexp
 
 
-@torch.library.custom_op("memkernels::linear_cross_entropy_recompute", mutates_args=())
-def _recompute_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-                  class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-                  z_loss: float, reduction: str, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _recompute_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                       bias: Optional[torch.Tensor], class_weight: Optional[torch.Tensor], ignore_index: int,
+                       label_smoothing: float, softcap: float, z_loss: float, reduction: str,
+                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     return _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction)
 
@@ -169,29 +176,27 @@ def _loss_shapes(hidden, z_loss, reduction):
     return loss, hidden.new_empty(z_shape, dtype=torch.float32)
 
 
-@_recompute_op.register_fake
-def _(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction,
-      chunk_size):
+def _recompute_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
+                    reduction, chunk_size):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
     return loss, z, hidden.new_empty((hidden.shape[0], 2), dtype=torch.float32)
 
 
-@torch.library.custom_op("memkernels::linear_cross_entropy_recompute_backward", mutates_args=())
-def _recompute_backward_op(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
-                           target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
-                           class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
-                           softcap: float, z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool,
-                           needs_weight: bool, needs_bias: bool
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _recompute_backward_impl(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                             target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
+                             class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
+                             softcap: float, z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool,
+                             needs_weight: bool, needs_bias: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     grads = _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size or None, reduction,
                                 (needs_hidden, needs_weight, needs_bias))
     return tuple(g if g is not None else _empty(hidden) for g in grads)
 
 
-@_recompute_backward_op.register_fake
-def _(grad_loss, hidden, weight, target, bias, lse, class_weight, ignore_index, label_smoothing, softcap, z_loss,
-      reduction, chunk_size, needs_hidden, needs_weight, needs_bias):
+def _recompute_backward_fake(grad_loss, hidden, weight, target, bias, lse, class_weight, ignore_index,
+                             label_smoothing, softcap, z_loss, reduction, chunk_size, needs_hidden, needs_weight,
+                             needs_bias):
     return (torch.empty_like(hidden) if needs_hidden else _empty(hidden),
             torch.empty_like(weight) if needs_weight else _empty(hidden),
             torch.empty_like(bias) if needs_bias else _empty(hidden))
@@ -203,26 +208,33 @@ def _recompute_setup(ctx, inputs, output):
     ctx.options = tuple(options)
 
 
-def _recompute_grad(ctx, grad_loss, grad_z_loss, grad_lse):
-    hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
-    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-    grads = _recompute_backward_op(grad_loss, hidden, weight, target, bias, lse, class_weight, *ctx.options, *needs)
-    grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
-    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None
+def _recompute_grad_with(backward):
+    def _recompute_grad(ctx, grad_loss, grad_z_loss, grad_lse):
+        hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        grads = backward(grad_loss, hidden, weight, target, bias, lse, class_weight, *ctx.options, *needs)
+        grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None
+    return _recompute_grad
 
 
-_recompute_op.register_autograd(_recompute_grad, setup_context=_recompute_setup)
+_recompute_op = custom_op("memkernels::linear_cross_entropy_recompute", _recompute_forward, _recompute_fake)
+_recompute_backward_op = custom_op("memkernels::linear_cross_entropy_recompute_backward", _recompute_backward_impl,
+                                   _recompute_backward_fake)
+_RecomputeFunction = autograd_pair(_recompute_op, _recompute_forward, _recompute_setup,
+                                   _recompute_grad_with(_recompute_backward_op),
+                                   _recompute_grad_with(_recompute_backward_impl))
 
 
 # ----------------------------------------------------------------------------------------------
-# "chunked": custom op returning the gradients it computed, held through save_for_backward
+# "chunked": returns the gradients it computed, held through save_for_backward
 
 
-@torch.library.custom_op("memkernels::linear_cross_entropy_chunked", mutates_args=())
-def _chunked_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-                class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-                z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool, needs_weight: bool,
-                needs_bias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                     class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
+                     z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool, needs_weight: bool,
+                     needs_bias: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
     grad_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
@@ -233,9 +245,8 @@ def _chunked_op(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
     return (loss, z_loss_out) + grads
 
 
-@_chunked_op.register_fake
-def _(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction,
-      chunk_size, needs_hidden, needs_weight, needs_bias):
+def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
+                  reduction, chunk_size, needs_hidden, needs_weight, needs_bias):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
     f32 = torch.float32
     return (loss, z,
@@ -262,7 +273,8 @@ def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
 
 
-_chunked_op.register_autograd(_chunked_grad, setup_context=_chunked_setup)
+_chunked_op = custom_op("memkernels::linear_cross_entropy_chunked", _chunked_forward, _chunked_fake)
+_ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, _chunked_grad, _chunked_grad)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -336,7 +348,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
     grad_needed = torch.is_grad_enabled() and any(needs)
     chosen = pick_strategy(strategy, n_tokens, hidden_size, grad_needed, reduction)
     if chosen == "chunked" and grad_needed:
-        loss, z, *_ = _chunked_op(hidden2d, weight, target, bias, class_weight, *options, *needs)
+        loss, z, *_ = apply_op(_chunked_op, _ChunkedFunction, hidden2d, weight, target, bias, class_weight,
+                               *options, *needs)
     else:
-        loss, z, _ = _recompute_op(hidden2d, weight, target, bias, class_weight, *options)
+        loss, z, _ = apply_op(_recompute_op, _RecomputeFunction, hidden2d, weight, target, bias, class_weight,
+                              *options)
     return finish_output(loss, z, out_shape, reduction, return_z_loss)
