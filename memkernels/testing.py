@@ -19,9 +19,11 @@ Why the floor: in float32, eager's error can be ~0 (an op whose float32
 result is the correctly rounded one), and then any different summation order
 would fail. The floor is one rounding of the output dtype at the reference's
 scale: rounding the float64 answer to the dtype moves it by at most
-eps/2 * |value|, so the correctly rounded answer always passes. It stays a
-fraction of eager's own error in bf16/fp16 (which is at least that rounding),
-so it does not make those checks vacuous. Integer and bool outputs get no floor.
+eps/2 * |value|, so the correctly rounded answer always passes. In bf16/fp16
+eager's own error is typically one such rounding or more, so the floor adds
+at most about half to the bound and does not make those checks vacuous
+(tests/test_testing.py pins the smallest systematic error caught per dtype).
+Integer and bool outputs get no floor.
 """
 from dataclasses import dataclass, field
 

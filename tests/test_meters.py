@@ -4,7 +4,10 @@ import weakref
 
 import pytest
 import torch
+import triton
 
+from aot_example_kernels import scale_kernel
+from memkernels._backend import triton_interpreted
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 
 MB = 2**20
@@ -215,3 +218,29 @@ def test_meters_refuse_reentry():
     with meter:
         with pytest.raises(RuntimeError, match="already active"):
             meter.__enter__()
+
+
+class _TritonDouble(torch.autograd.Function):
+    """A Triton launcher the way ops write them: allocate with torch.empty_like, launch, save."""
+
+    @staticmethod
+    def forward(ctx, x):
+        out = torch.empty_like(x)
+        scale_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+@pytest.mark.skipif(not triton_interpreted(), reason="runs the Triton kernel on CPU through the interpreter")
+def test_meters_see_triton_launcher_allocations_only():
+    x = torch.randn(1000, requires_grad=True)
+    with PeakBytesMeter() as peak, SavedBytesMeter() as saved:
+        y = _TritonDouble.apply(x)
+    assert torch.equal(y, x.detach() * 2)
+    # The interpreter's own host copies of the arguments cost nothing on CPU and are not counted.
+    assert peak.peak_bytes == peak.current_bytes == 4000
+    assert saved.new_bytes == 4000 and saved.aliased_bytes == 4000
