@@ -7,6 +7,8 @@ no NVIDIA driver: the real path must end in a clear CudaError, never a crash.
 import ctypes
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +20,7 @@ import memkernels
 pytestmark = pytest.mark.cpp
 
 PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(memkernels.__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def driver_present():
@@ -28,12 +31,13 @@ def driver_present():
         return False
 
 
-def run_python(code, device=None):
+def run_python(code, device=None, extra_env=None):
     """Run `code` in a fresh interpreter importing this checkout's memkernels; return its JSON output."""
     env = dict(os.environ)
     env.pop("MEMKERNELS_DEVICE", None)
     if device is not None:
         env["MEMKERNELS_DEVICE"] = device
+    env.update(extra_env or {})
     env["PYTHONPATH"] = PACKAGE_PARENT + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=PACKAGE_PARENT,
                           capture_output=True, text=True, timeout=120)
@@ -93,6 +97,43 @@ def test_installed_cudart_resolves_and_reports_the_missing_driver():
     assert "found libcudart: " in message
     assert "lacks" not in message, message  # every runtime symbol of the table resolved
     assert "cudaGetDeviceCount returned cudaErrorInsufficientDriver" in message
+
+
+def driver_table_names():
+    """The driver entry points of the table, read from MK_CUDA_DRIVER_FUNCTIONS in csrc/cuda/api.hpp."""
+    with open(os.path.join(ROOT, "csrc", "cuda", "api.hpp")) as f:
+        header = f.read()
+    block = re.search(r"#define MK_CUDA_DRIVER_FUNCTIONS\(X\)(.*?)\n\n", header, re.S).group(1)
+    return re.findall(r"X\((\w+)\)", block)
+
+
+@pytest.mark.skipif(driver_present(), reason="an NVIDIA driver is installed: the fake one would not be picked")
+def test_driver_symbols_resolve_through_cuGetProcAddress_with_the_headers_version(tmp_path):
+    """Run the loader's driver path against tests/fake_libcuda.c: every driver entry of
+    the table must be asked for through cuGetProcAddress_v2 with the CUDA_VERSION of
+    the headers the extension was built with, and a failing cuInit must be reported."""
+    sys.path.insert(0, os.path.join(ROOT, "_build"))
+    try:
+        from cuda_headers import find_cuda_include
+    finally:
+        sys.path.pop(0)
+    include = find_cuda_include()
+    if include is None or shutil.which("gcc") is None:
+        pytest.skip("needs gcc and the CUDA headers")
+    with open(os.path.join(include, "cuda.h")) as f:
+        cuda_version = int(re.search(r"#define CUDA_VERSION (\d+)", f.read()).group(1))
+    subprocess.run(["gcc", "-shared", "-fPIC", f"-I{include}", os.path.join(ROOT, "tests", "fake_libcuda.c"),
+                    "-o", str(tmp_path / "libcuda.so.1")], check=True)
+    log = tmp_path / "requests.log"
+    env = {"LD_LIBRARY_PATH": str(tmp_path) + os.pathsep + os.environ.get("LD_LIBRARY_PATH", ""),
+           "FAKE_LIBCUDA_LOG": str(log)}
+    message = run_python(CATCH_LOAD, extra_env=env)["error"]
+    assert message.startswith("no CUDA driver/library: cuInit(0) returned CUDA_ERROR_NO_DEVICE (100)"), message
+    assert f"found libcuda: {tmp_path / 'libcuda.so.1'}" in message
+    legacy_stream = "1"  # CU_GET_PROC_ADDRESS_LEGACY_STREAM
+    ours = [line.split() for line in log.read_text().splitlines() if line.split()[2:] == [legacy_stream]]
+    assert sorted(name for name, _, _ in ours) == sorted(driver_table_names())
+    assert {int(version) for _, version, _ in ours} == {cuda_version}
 
 
 def test_environment_selects_the_simulator():

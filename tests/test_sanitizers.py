@@ -91,11 +91,12 @@ def build_sanitized(name, flags):
 
 
 def assemble_tree(tree, extension):
-    """The package's Python files + the sanitized extension, the tests and pyproject.toml."""
-    shutil.copytree(os.path.join(ROOT, "memkernels"), os.path.join(tree, "memkernels"),
-                    ignore=shutil.ignore_patterns("*.so", "__pycache__"))
+    """A copy of the checkout (sources, build helpers, tests, pyproject.toml) whose
+    package holds the sanitized extension instead of the regular one."""
+    skip = shutil.ignore_patterns("*.so", "__pycache__")
+    for part in ("memkernels", "tests", "csrc", "_build"):
+        shutil.copytree(os.path.join(ROOT, part), os.path.join(tree, part), ignore=skip)
     shutil.copy2(extension, os.path.join(tree, "memkernels"))
-    shutil.copytree(TESTS, os.path.join(tree, "tests"), ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy2(os.path.join(ROOT, "pyproject.toml"), tree)
 
 

@@ -102,10 +102,14 @@ std::string join(const std::vector<std::string>& parts, const char* sep) {
 
 // Driver symbols: cuGetProcAddress(name, &fn, CUDA_VERSION, ...) returns the
 // version of `name` whose ABI matches the headers we compiled against (e.g.
-// it maps cuMemGetInfo to cuMemGetInfo_v2), which a plain dlsym of the base
-// name does not guarantee. cuGetProcAddress_v2 (driver >= 12.0) has the extra
-// symbolStatus argument; the original (11.3+) does not. Drivers older than
-// 11.3 cannot run CUDA 12 code anyway, so plain dlsym is only a last resort.
+// it maps cuMemGetInfo to cuMemGetInfo_v2; on an older driver, the newest
+// version it has), which a plain dlsym of the base name does not guarantee.
+// cuGetProcAddress_v2 (driver >= 12.0) has the extra symbolStatus argument;
+// the original (11.3+) does not. When the driver answers, its answer stands
+// (a null means the driver is too old for that entry point); plain dlsym is
+// only for drivers older than 11.3, which cannot run CUDA 12 code anyway.
+// LEGACY_STREAM: memkernels uses the legacy default stream throughout (the
+// runtime's plain, non-_ptsz names), so ask for the matching variants.
 void resolve_driver(Api& table, void* libcuda, std::vector<std::string>& missing) {
   auto get_v2 = reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(libcuda, "cuGetProcAddress_v2"));
   auto get_v1 = reinterpret_cast<PFN_cuGetProcAddress_v11030>(dlsym(libcuda, "cuGetProcAddress"));
@@ -113,12 +117,11 @@ void resolve_driver(Api& table, void* libcuda, std::vector<std::string>& missing
     void* fn = nullptr;
     if (get_v2) {
       CUdriverProcAddressQueryResult status{};
-      if (get_v2(name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT, &status) == CUDA_SUCCESS &&
-          status == CU_GET_PROC_ADDRESS_SUCCESS)
-        return fn;
-    } else if (get_v1) {
-      if (get_v1(name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_DEFAULT) == CUDA_SUCCESS) return fn;
+      const bool ok = get_v2(name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status) == CUDA_SUCCESS &&
+                      status == CU_GET_PROC_ADDRESS_SUCCESS;
+      return ok ? fn : nullptr;
     }
+    if (get_v1) return get_v1(name, &fn, CUDA_VERSION, CU_GET_PROC_ADDRESS_LEGACY_STREAM) == CUDA_SUCCESS ? fn : nullptr;
     return dlsym(libcuda, name);
   };
 #define MK_RESOLVE_DRIVER(name)                                                    \

@@ -50,9 +50,21 @@ class AddressArena {
  public:
   ~AddressArena() { unmap(); }
 
+  // Reserve the arena now (it is otherwise reserved on first use). False if
+  // the kernel (or a sanitizer's memory layout) has no such free range.
+  bool reserve(std::size_t size) {
+    if (base_ != 0) return true;
+    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return false;
+    base_ = reinterpret_cast<std::uintptr_t>(p);
+    size_ = size;
+    free_.emplace(base_, size_);
+    return true;
+  }
+
   // 0 when the arena is exhausted or cannot be reserved.
   std::uintptr_t allocate(std::size_t size, std::size_t alignment, std::uintptr_t hint, std::size_t arena_size) {
-    if (base_ == 0 && !reserve(arena_size)) return 0;
+    if (!reserve(arena_size)) return 0;
     if (hint != 0) {
       if (std::uintptr_t at = carve_at(hint, size)) return at;
     }
@@ -93,15 +105,6 @@ class AddressArena {
   }
 
  private:
-  bool reserve(std::size_t size) {
-    void* p = mmap(nullptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) return false;
-    base_ = reinterpret_cast<std::uintptr_t>(p);
-    size_ = size;
-    free_.emplace(base_, size_);
-    return true;
-  }
-
   std::uintptr_t carve_at(std::uintptr_t at, std::size_t size) {
     auto it = free_.upper_bound(at);
     if (it == free_.begin()) return 0;
@@ -184,7 +187,6 @@ class Sim {
   std::mutex mu;
   std::condition_variable changed;
 
-  // ------------------------------------------------------------ state access
   Config cfg;
   std::vector<DeviceStats> devices;
   std::size_t host_in_use = 0, host_peak = 0, reserved_bytes = 0, mapped_bytes = 0, bytes_copied = 0;
@@ -1041,7 +1043,14 @@ void configure(const Config& config) {
   Sim& s = the_sim();
   std::unique_lock<std::mutex> lk(s.mu);
   s.shutdown(lk);
-  s.apply_config(config);
+  // Reserve now, so that an address space the process cannot have is an
+  // error here rather than an out-of-memory code at some later allocation.
+  const bool reserved = s.arena.reserve(config.address_space);
+  s.apply_config(reserved ? config : s.cfg);
+  MK_EXPECTS(reserved,
+             "sim address_space of " + std::to_string(config.address_space) +
+                 " bytes could not be reserved (mmap failed); choose a smaller address_space "
+                 "(under ThreadSanitizer about 256 GiB is the most that reliably fits)");
 }
 
 Config config() {

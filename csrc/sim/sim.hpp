@@ -78,7 +78,7 @@ struct Config {
   std::size_t host_capacity = SIZE_MAX;                   // pinned host bytes
   std::size_t granularity = std::size_t(2) << 20;        // VMM granularity
   Memory memory = Memory::backed;
-  std::size_t address_space = std::size_t(1) << 40;      // virtual / VMM reservation arena
+  std::size_t address_space = std::size_t(1) << 38;      // virtual / VMM reservation arena (256 GiB)
   double sync_timeout_s = 10.0;
 };
 
