@@ -28,6 +28,22 @@
 //   if (err == cudaErrorMemoryAllocation) { ... release cache, retry ... }
 //   MK_CUDA_CHECK(err, "cudaMalloc");          // anything else: throws
 //
+// The primitives later parts build on:
+//   segments         cudaMalloc / cudaFree (cudaFree synchronizes the device),
+//                    or VMM: cuMemGetAllocationGranularity, cuMemAddressReserve,
+//                    cuMemCreate, cuMemMap, cuMemSetAccess, cuMemUnmap,
+//                    cuMemRelease, cuMemAddressFree (expandable segments);
+//   pinned host      cudaHostAlloc / cudaFreeHost;
+//   stream order     cudaEventCreateWithFlags(&e, cudaEventDisableTiming),
+//                    cudaEventRecord(e, stream) when a block is freed on a
+//                    stream, cudaEventQuery(e): cudaSuccess = reusable,
+//                    cudaErrorNotReady = still in use; cudaStreamWaitEvent to
+//                    order a side stream after a compute stream;
+//   copies           cudaMemcpyAsync on a stream from
+//                    cudaStreamCreateWithPriority.
+// Out of memory is cudaErrorMemoryAllocation (runtime) or
+// CUDA_ERROR_OUT_OF_MEMORY (driver), both 2: test the code, do not throw.
+//
 // Members carry the CUDA names, so `cu.cuMemMap(...)` reads like the CUDA
 // documentation. All members are non-null in a table returned by api() or
 // real_api(). Semantics are CUDA's; where the simulator differs (e.g. it is
