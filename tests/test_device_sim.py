@@ -65,6 +65,21 @@ def test_async_copies_run_in_order_on_one_stream(seed):
     assert sim.stats()["bytes_copied"] == 12 * nbytes
 
 
+def test_random_delays_keep_work_pending():
+    # Five operations, each delayed by up to 20 ms: finishing all of them before
+    # the query right after enqueueing would need five draws under ~20 us in total.
+    sim.set_random_delays(max_delay_us=20_000, seed=11)
+    stream = device.stream_create()
+    buf = device.malloc(KiB)
+    payload, payload_ptr = host(KiB)
+    for _ in range(5):
+        device.memcpy_async(buf, payload_ptr, KiB, "host_to_device", stream)
+    assert not device.stream_query(stream)
+    device.stream_synchronize(stream)
+    assert device.stream_query(stream)
+    assert sim.stats()["bytes_copied"] == 5 * KiB
+
+
 def test_event_orders_work_across_streams():
     producer, consumer, unordered = device.stream_create(), device.stream_create(), device.stream_create()
     nbytes = 32 * KiB
