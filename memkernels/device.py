@@ -17,6 +17,8 @@ pointers, streams, events and VMM handles are plain ``int``\\ s. Failures raise
 :class:`memkernels._C.CudaError` with ``.code`` (the CUDA error number) and
 ``.call`` (the failing CUDA function). :data:`sim` steers the simulator:
 capacity, granularity, backed vs. virtual memory, fault injection, counters.
+In the simulator's backed mode device memory is host memory, so a test may
+also read or write it directly (e.g. with ctypes); in virtual mode it must not.
 """
 from memkernels import _C
 

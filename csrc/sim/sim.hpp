@@ -10,6 +10,8 @@
 //            copies really copy. cudaMalloc/cudaHostAlloc use the C heap (so
 //            ASan sees overruns); VMM maps a memfd per physical handle into a
 //            PROT_NONE reservation, so unmapped VMM memory faults on access.
+//            Host code (tests, pool invariant checks) may read and write
+//            backed device memory directly through its pointer.
 //   virtual  addresses only: every device and pinned-host allocation is a
 //            range in one PROT_NONE reservation of `address_space` bytes;
 //            nothing is ever touched (dereferencing faults) and copies are
