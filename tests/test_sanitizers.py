@@ -13,7 +13,9 @@ The sanitized run sets MEMKERNELS_TEST_NO_TORCH=1 so tests/conftest.py does
 not import torch (torch's libraries are not built for the sanitizers); the
 ``cpp`` modules must therefore not import torch either. Every ``cpp`` module
 runs (the full C++-facing set, ``slow`` cases included); new ``cpp`` modules
-are picked up automatically.
+are picked up automatically. The run also sets MEMKERNELS_SANITIZER_RUN to
+the sanitizer's name ("address-undefined" or "thread"), so a long fuzz or
+stress test may scale its iteration count down there (TSan costs 5-15x).
 
 The subprocess runs Python itself (not a shell: bash dies under a preloaded
 libtsan). TSan works here as is (gcc 12, kernel with 28 bits of mmap
@@ -117,7 +119,8 @@ def test_cpp_tests_are_clean_under_sanitizer(name, tmp_path):
     tree = str(tmp_path / "tree")
     assemble_tree(tree, extension)
 
-    env = dict(os.environ, MEMKERNELS_TEST_NO_TORCH="1", LD_PRELOAD=runtime, **RUNTIME_OPTIONS)
+    env = dict(os.environ, MEMKERNELS_TEST_NO_TORCH="1", MEMKERNELS_SANITIZER_RUN=name, LD_PRELOAD=runtime,
+               **RUNTIME_OPTIONS)
     env.pop("MEMKERNELS_DEVICE", None)
     env.pop("PYTHONPATH", None)
     command = [sys.executable, "-c",
