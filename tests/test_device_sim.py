@@ -242,6 +242,28 @@ def test_fail_nth_allocation_counts_malloc_and_mem_create():
     assert sim.stats()["devices"][0]["allocations"] == 3
 
 
+@pytest.mark.parametrize("memory", ["backed", "virtual"])
+def test_absurd_sizes_are_out_of_memory_not_overflow(memory):
+    sim.configure(memory=memory, capacity=(1 << 64) - 1)  # nothing but the address space limits it
+    for nbytes in (1 << 63, (1 << 64) - 1):
+        with pytest.raises(CudaError) as excinfo:
+            device.malloc(nbytes)
+        assert excinfo.value.code == device.CUDA_ERROR_OUT_OF_MEMORY
+        with pytest.raises(CudaError) as excinfo:
+            device.host_alloc(nbytes)
+        assert excinfo.value.code == device.CUDA_ERROR_OUT_OF_MEMORY
+    g = device.mem_granularity()
+    with pytest.raises(CudaError) as excinfo:
+        device.mem_address_reserve(1 << 63)
+    assert excinfo.value.code == device.CUDA_ERROR_OUT_OF_MEMORY
+    # A hint CUDA cannot honour is only a hint: the range goes elsewhere.
+    far = (1 << 64) - g
+    ptr = device.mem_address_reserve(g, hint=far)
+    assert ptr != far
+    device.mem_address_free(ptr, g)
+    assert sim.stats()["devices"][0]["bytes_in_use"] == 0
+
+
 def test_pinned_host_capacity():
     sim.configure(host_capacity=1 * MiB)
     ptr = device.host_alloc(1 * MiB)
@@ -401,6 +423,7 @@ def test_vmm_map_unmap_bookkeeping(memory):
     device.mem_address_free(base, 4 * g)
     stats = sim.stats()
     assert (stats["reserved_bytes"], stats["mapped_bytes"], stats["devices"][0]["bytes_in_use"]) == (0, 0, 0)
+    assert device.mem_address_reserve(2 * g, hint=base + g) == base + g  # a free hinted range is honoured
 
 
 def test_unmap_before_a_queued_copy_runs_is_an_illegal_address():

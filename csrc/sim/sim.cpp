@@ -44,6 +44,9 @@ constexpr const char* kFnNames[] = {
 
 std::size_t round_up(std::size_t n, std::size_t multiple) { return (n + multiple - 1) / multiple * multiple; }
 
+// used + bytes <= limit, without overflow (limit may have been lowered below use).
+bool fits(std::size_t used, std::size_t bytes, std::size_t limit) { return used <= limit && bytes <= limit - used; }
+
 // Hands out address ranges from one PROT_NONE reservation, mapped on first
 // use. Touching a range that nothing was mapped into faults.
 class AddressArena {
@@ -64,7 +67,7 @@ class AddressArena {
 
   // 0 when the arena is exhausted or cannot be reserved.
   std::uintptr_t allocate(std::size_t size, std::size_t alignment, std::uintptr_t hint, std::size_t arena_size) {
-    if (!reserve(arena_size)) return 0;
+    if (!reserve(arena_size) || size > size_ || alignment > size_) return 0;
     if (hint != 0) {
       if (std::uintptr_t at = carve_at(hint, size)) return at;
     }
@@ -110,7 +113,7 @@ class AddressArena {
     if (it == free_.begin()) return 0;
     --it;
     const std::uintptr_t start = it->first, end = it->first + it->second;
-    if (at < start || at + size > end) return 0;
+    if (at < start || at > end || size > end - at) return 0;
     free_.erase(it);
     if (at > start) free_.emplace(start, at - start);
     if (at + size < end) free_.emplace(at + size, end - (at + size));
@@ -221,7 +224,7 @@ class Sim {
       ++injected_failures;
       return false;
     }
-    return devices[device].bytes_in_use + bytes <= cfg.capacity;
+    return fits(devices[device].bytes_in_use, bytes, cfg.capacity);
   }
   void charge_device(int device, std::size_t bytes) {
     DeviceStats& d = devices[device];
@@ -553,6 +556,7 @@ void* take_memory(Sim& s, std::size_t bytes, std::size_t* arena_bytes) {
     void* p = nullptr;
     return posix_memalign(&p, kAllocAlignment, bytes) == 0 ? p : nullptr;
   }
+  if (bytes > SIZE_MAX - kAllocAlignment) return nullptr;
   const std::size_t rounded = round_up(bytes, kAllocAlignment);
   const std::uintptr_t at = s.arena.allocate(rounded, kAllocAlignment, 0, s.cfg.address_space);
   if (at != 0) *arena_bytes = rounded;
@@ -612,7 +616,7 @@ cudaError_t cudaHostAlloc(void** ptr, size_t size, unsigned int flags) {
   if (ptr == nullptr) return cudaErrorInvalidValue;
   *ptr = nullptr;
   if (size == 0) return cudaSuccess;
-  if (s.host_in_use + size > s.cfg.host_capacity) return cudaErrorMemoryAllocation;
+  if (!fits(s.host_in_use, size, s.cfg.host_capacity)) return cudaErrorMemoryAllocation;
   Region region;
   region.size = size;
   region.kind = RegionKind::host;
