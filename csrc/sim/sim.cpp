@@ -68,7 +68,7 @@ class AddressArena {
   // 0 when the arena is exhausted or cannot be reserved.
   std::uintptr_t allocate(std::size_t size, std::size_t alignment, std::uintptr_t hint, std::size_t arena_size) {
     if (!reserve(arena_size) || size > size_ || alignment > size_) return 0;
-    if (hint != 0) {
+    if (hint != 0 && hint % alignment == 0) {  // an unaligned hint is ignored
       if (std::uintptr_t at = carve_at(hint, size)) return at;
     }
     for (const auto& [start, length] : free_) {
