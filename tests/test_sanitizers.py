@@ -47,10 +47,13 @@ SANITIZERS = {
 }
 RUNTIME_OPTIONS = {
     # Python itself leaks by design at exit; leak checking would only report that.
-    "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0",
+    # allocator_may_return_null: an impossible size must come back as NULL (as
+    # from glibc), which the simulator turns into an out-of-memory code; the
+    # sanitizers' default is to abort instead.
+    "ASAN_OPTIONS": "detect_leaks=0:halt_on_error=1:abort_on_error=0:allocator_may_return_null=1",
     "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
     # Report every race, then exit non-zero at the end.
-    "TSAN_OPTIONS": "halt_on_error=0:exitcode=66:second_deadlock_stack=1",
+    "TSAN_OPTIONS": "halt_on_error=0:exitcode=66:second_deadlock_stack=1:allocator_may_return_null=1",
 }
 REPORT_PATTERNS = re.compile(
     r"ERROR: AddressSanitizer|runtime error:|UndefinedBehaviorSanitizer|"
