@@ -272,3 +272,14 @@ def test_fake_impl_shapes():
         target = torch.zeros(6, dtype=torch.long)
         loss, z, lse = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1, "none")
         assert loss.shape == (6,) and z.shape == (6,) and lse.shape == (6, 2) and loss.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm80_and_sm90_without_spills():
+    from memkernels import aot
+
+    reports = aot.check(names=["cross_entropy"])
+    assert reports and all(not r.error for r in reports), [r.error for r in reports if r.error]
+    assert {r.arch for r in reports} == {80, 90}
+    spilled = [(r.variant, r.arch, r.spill_stores, r.spill_loads) for r in reports if r.spill_stores or r.spill_loads]
+    assert not spilled

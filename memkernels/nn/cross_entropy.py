@@ -16,19 +16,12 @@ class ChunkedCrossEntropyLoss(torch.nn.Module):
                  z_loss=0.0, return_z_loss=False, inplace_backward=False):
         super().__init__()
         self.register_buffer("weight", weight)
-        self.ignore_index = ignore_index
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.z_loss = z_loss
-        self.return_z_loss = return_z_loss
-        self.inplace_backward = inplace_backward
+        self.options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction,
+                        "softcap": softcap, "z_loss": z_loss, "return_z_loss": return_z_loss,
+                        "inplace_backward": inplace_backward}
 
     def forward(self, logits, target):
-        return cross_entropy(logits, target, weight=self.weight, ignore_index=self.ignore_index,
-                             label_smoothing=self.label_smoothing, reduction=self.reduction, softcap=self.softcap,
-                             z_loss=self.z_loss, return_z_loss=self.return_z_loss,
-                             inplace_backward=self.inplace_backward)
+        return cross_entropy(logits, target, weight=self.weight, **self.options)
 
 
 class LinearCrossEntropyLoss(torch.nn.Module):
@@ -42,18 +35,10 @@ class LinearCrossEntropyLoss(torch.nn.Module):
                  z_loss=0.0, strategy="auto", chunk_size=None, return_z_loss=False):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
-        self.ignore_index = ignore_index
-        self.label_smoothing = label_smoothing
-        self.reduction = reduction
-        self.softcap = softcap
-        self.z_loss = z_loss
-        self.strategy = strategy
-        self.chunk_size = chunk_size
-        self.return_z_loss = return_z_loss
+        self.options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction,
+                        "softcap": softcap, "z_loss": z_loss, "strategy": strategy, "chunk_size": chunk_size,
+                        "return_z_loss": return_z_loss}
 
     def forward(self, hidden, weight, target, bias=None):
         return linear_cross_entropy(hidden, weight, target, bias=bias, class_weight=self.class_weight,
-                                    ignore_index=self.ignore_index, label_smoothing=self.label_smoothing,
-                                    reduction=self.reduction, softcap=self.softcap, z_loss=self.z_loss,
-                                    strategy=self.strategy, chunk_size=self.chunk_size,
-                                    return_z_loss=self.return_z_loss)
+                                    **self.options)

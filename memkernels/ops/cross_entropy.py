@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from memkernels import aot
 from memkernels._backend import resolve
 from memkernels.reference import cross_entropy as reference
 
@@ -219,6 +220,31 @@ def _cross_entropy_kernel(
             tl.store(grad_row + cols, _cast_rne(g, grad_ptr.dtype.element_ty), mask=mask)
 
 
+def _aot_variants():
+    """Variants for the ahead-of-time compile check: each pass combination, every feature on
+    (the register-hungriest) and off, for bf16 and fp32 logits."""
+    variants = []
+    for dtype in ("bf16", "fp32"):
+        for compute_loss, write_grad, grad_dtype, pass_label in (
+            (1, 0, dtype, "loss"), (1, 1, "fp32", "loss+grad"), (0, 1, dtype, "grad-only")):
+            for features in (0, 1):
+                signature = {
+                    "logits_ptr": f"*{dtype}", "grad_ptr": f"*{grad_dtype}", "target_ptr": "*i64",
+                    "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp64", "lse_ptr": "*fp32",
+                    "loss_ptr": "*fp32", "z_ptr": "*fp32", "loss_scale_ptr": "*fp32", "z_scale_ptr": "*fp32",
+                    "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
+                    "n_classes": "i32", "ignore_index": "i32", "smoothing": "fp32", "smoothing_per_class": "fp32",
+                    "softcap": "fp32", "z_loss": "fp32",
+                }
+                constexprs = {"SCALE_STRIDE": features, "HAS_WEIGHT": features, "SMOOTHING": features,
+                              "HAS_SOFTCAP": features, "HAS_Z": features, "COMPUTE_LOSS": compute_loss,
+                              "WRITE_GRAD": write_grad, "BLOCK_V": MAX_BLOCK_V}
+                variants.append({"signature": signature, "constexprs": constexprs,
+                                 "num_warps": _num_warps(MAX_BLOCK_V), "num_stages": 1,
+                                 "label": f"{dtype}-{pass_label}-{'all-options' if features else 'plain'}"})
+    return variants
+
+
 def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col_offset, compute_loss):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
@@ -262,6 +288,9 @@ def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col
 
 def _num_warps(block_v):
     return 8 if block_v >= 2048 else 4
+
+
+aot.register(_cross_entropy_kernel, name="cross_entropy", variants=_aot_variants())
 
 
 def loss_rows_triton(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
