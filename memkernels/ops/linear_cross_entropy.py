@@ -58,8 +58,9 @@ from memkernels.ops.cross_entropy import (
 )
 
 STRATEGIES = ("auto", "chunked", "recompute")
-# Budget for the transient logits chunk and its float32 working copy: 32 MiB.
-DEFAULT_CHUNK_BYTES = 32 * 2**20
+# Budget for the transient logits chunk and its float32 gradient (half inputs): 16 MiB. It favours
+# memory; on a GPU, larger chunks (chunk_size=1024 or more tokens) make better GEMMs.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
 _OP = "linear_cross_entropy"
 
 
@@ -112,7 +113,7 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             if grad_weight32 is not None:
                 grad_weight32.addmm_(grad_chunk.t(), _float32(hidden_rows))
             if grad_bias32 is not None:
-                grad_bias32 += grad_chunk.sum(0)
+                grad_bias32 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
                 torch.mm(logits.copy_(grad_chunk), weight, out=grad_hidden[start:end])
             del grad_chunk
@@ -140,14 +141,18 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
         end = min(start + cols_per_tile, cfg.n_classes)
         weight_rows = weight[start:end]
         logits = _logits(hidden, weight_rows, None if bias is None else bias[start:end])
-        grad_rows(logits, target, lse, cfg, logits, loss_scale, z_scale, col_offset=start)
-        if needs_weight:
-            torch.mm(logits.t(), hidden, out=grad_weight[start:end])
+        # Half inputs: the gradient goes to a float32 tile that dX and dB use unrounded;
+        # dW (one GEMM over all tokens, in the weight's dtype) reads it rounded, in the logits buffer.
+        grad_tile = logits if not half else torch.empty_like(logits, dtype=torch.float32)
+        grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=start)
         if needs_bias:
-            grad_bias[start:end] = logits.sum(0, dtype=torch.float32)
+            grad_bias[start:end] = grad_tile.sum(0, dtype=torch.float64)  # as eager's CPU sum
         if needs_hidden:
-            grad_hidden.addmm_(_float32(logits), _float32(weight_rows))
-        del logits
+            grad_hidden.addmm_(grad_tile, _float32(weight_rows))
+        if needs_weight:
+            rounded = logits.copy_(grad_tile) if half else logits
+            torch.mm(rounded.t(), hidden, out=grad_weight[start:end])
+        del logits, grad_tile
     if grad_hidden is not None and half:
         grad_hidden = grad_hidden.to(hidden.dtype)
     return grad_hidden, grad_weight, grad_bias

@@ -63,17 +63,18 @@ def check_targets(target, n_classes, ignore_index, argument="target"):
 
 
 def _softcapped(logits, cfg):
-    y = logits.float()
-    if cfg.softcap:
-        y = cfg.softcap * torch.tanh(y / cfg.softcap)
-    return y
+    """The soft-capped logits in float32; without soft-cap the logits themselves (no copy: every
+    op below that mixes them with float32 computes in float32)."""
+    if not cfg.softcap:
+        return logits
+    return cfg.softcap * torch.tanh(logits.float() / cfg.softcap)
 
 
 def _softcapped_with_slope(logits, cfg):
     """(y, dy/dx) with the slope 1 - tanh^2 from tanh itself (y / c would add a rounding); slope None
     without soft-cap."""
     if not cfg.softcap:
-        return logits.float(), None
+        return logits, None
     capped = torch.tanh(logits.float() / cfg.softcap)
     return cfg.softcap * capped, capped.square_().neg_().add_(1.0)
 
@@ -106,15 +107,15 @@ def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
     ``z_scale`` are float32 tensors of shape () or (R,).
     """
     y = _softcapped(logits, cfg)
-    row_max = y.max(dim=1).values
+    row_max = y.max(dim=1).values.float()
     # exp(-inf - -inf) is NaN: a row of -inf keeps max -inf but is shifted by 0.
     shift = torch.where(row_max == float("-inf"), 0.0, row_max)
     # Row sums and per-row results in float64, as in the kernel (see there why).
-    log_sum = torch.exp(y - shift[:, None]).sum(dim=1, dtype=torch.float64).log_()
+    log_sum = torch.sub(y, shift[:, None]).exp_().sum(dim=1, dtype=torch.float64).log_()
     lse_parts = torch.stack([shift, log_sum.float()], dim=1)
     lse = shift.double() + log_sum
     valid, out_of_range, safe, w_t = _target_terms(target, cfg)
-    nll = (shift - y.gather(1, safe[:, None]).squeeze(1)).double() + log_sum
+    nll = (shift - y.gather(1, safe[:, None]).squeeze(1).float()).double() + log_sum
     eps = cfg.label_smoothing
     ce = nll if w_t is None else w_t * nll
     if eps:
@@ -144,15 +145,15 @@ def grad_rows(logits, target, lse_parts, cfg, grad, loss_scale, z_scale, *, col_
 
 
 def _write_grad(y, slope, target, lse_parts, cfg, grad, loss_scale, z_scale, col_offset):
-    # In place where possible: besides the block, a few float32 copies (y when converted or
-    # soft-capped, the soft-cap slope, g when grad is not float32, and the smoothing/z term).
-    # y may be the caller's float32 logits block itself (no soft-cap); grad may be that same
-    # buffer: every read of y happens before the exp below overwrites it.
+    # In place where possible: besides the block, a few float32 copies (y and the slope with
+    # soft-cap, g when grad is not float32, the smoothing/z term when those are on).
+    # y may be the caller's logits block itself (no soft-cap); grad may be that same buffer:
+    # every read of y happens before the exp below overwrites it.
     valid, out_of_range, _, w_t = _target_terms(target, cfg)
     eps = cfg.label_smoothing
     loss_scale = loss_scale.reshape(-1, 1)
     target_coef = loss_scale * (1.0 - eps) * (w_t[:, None] if w_t is not None else 1.0)
-    g = grad if grad.dtype == torch.float32 else torch.empty_like(y)
+    g = grad if grad.dtype == torch.float32 else torch.empty_like(y, dtype=torch.float32)
     torch.sub(y, lse_parts[:, :1], out=g).sub_(lse_parts[:, 1:])  # two parts: see the kernel
     lse = lse_parts.sum(dim=1)
     p = g.exp_()
