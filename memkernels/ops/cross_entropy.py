@@ -19,7 +19,9 @@ Memory contract of :func:`cross_entropy`:
   be contiguous. The version counter is bumped, so an op that saved these
   logits for its own backward makes autograd raise rather than read gradients.
   What no check can see is a caller reading the logits again after the loss
-  (e.g. for accuracy): that is the caller's promise when opting in.
+  (e.g. for accuracy): that is the caller's promise when opting in. It is an
+  eager-mode feature (a plain autograd.Function, not the custom op); it has not
+  been tested under torch.compile.
 
 Out-of-range targets (neither ``ignore_index`` nor in ``[0, V)``): the CPU
 reference path raises ValueError; the Triton path, which must not synchronize
@@ -221,27 +223,30 @@ def _cross_entropy_kernel(
 
 
 def _aot_variants():
-    """Variants for the ahead-of-time compile check: each pass combination, every feature on
-    (the register-hungriest) and off, for bf16 and fp32 logits."""
+    """Variants for the ahead-of-time compile check: each pass combination and gradient dtype,
+    every feature on (the register-hungriest) and off, for bf16 and fp32 logits."""
     variants = []
-    for dtype in ("bf16", "fp32"):
-        for compute_loss, write_grad, grad_dtype, pass_label in (
-            (1, 0, dtype, "loss"), (1, 1, "fp32", "loss+grad"), (0, 1, dtype, "grad-only")):
-            for features in (0, 1):
-                signature = {
-                    "logits_ptr": f"*{dtype}", "grad_ptr": f"*{grad_dtype}", "target_ptr": "*i64",
-                    "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp64", "lse_ptr": "*fp32",
-                    "loss_ptr": "*fp32", "z_ptr": "*fp32", "loss_scale_ptr": "*fp32", "z_scale_ptr": "*fp32",
-                    "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
-                    "n_classes": "i32", "ignore_index": "i32", "smoothing": "fp32", "smoothing_per_class": "fp32",
-                    "softcap": "fp32", "z_loss": "fp32",
-                }
-                constexprs = {"SCALE_STRIDE": features, "HAS_WEIGHT": features, "SMOOTHING": features,
-                              "HAS_SOFTCAP": features, "HAS_Z": features, "COMPUTE_LOSS": compute_loss,
-                              "WRITE_GRAD": write_grad, "BLOCK_V": MAX_BLOCK_V}
-                variants.append({"signature": signature, "constexprs": constexprs,
-                                 "num_warps": _num_warps(MAX_BLOCK_V), "num_stages": 1,
-                                 "label": f"{dtype}-{pass_label}-{'all-options' if features else 'plain'}"})
+    passes = [("bf16", 1, 0, "bf16", "loss"), ("fp32", 1, 0, "fp32", "loss")]
+    # bf16 logits with an fp32 gradient: linear_cross_entropy's float32 chunk for half inputs.
+    for dtype, grad_dtype in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
+        passes.append((dtype, 1, 1, grad_dtype, f"loss+grad:{grad_dtype}"))
+        passes.append((dtype, 0, 1, grad_dtype, f"grad-only:{grad_dtype}"))
+    for dtype, compute_loss, write_grad, grad_dtype, pass_label in passes:
+        for features in (0, 1):
+            signature = {
+                "logits_ptr": f"*{dtype}", "grad_ptr": f"*{grad_dtype}", "target_ptr": "*i64",
+                "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp64", "lse_ptr": "*fp32",
+                "loss_ptr": "*fp32", "z_ptr": "*fp32", "loss_scale_ptr": "*fp32", "z_scale_ptr": "*fp32",
+                "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
+                "n_classes": "i32", "ignore_index": "i32", "smoothing": "fp32", "smoothing_per_class": "fp32",
+                "softcap": "fp32", "z_loss": "fp32",
+            }
+            constexprs = {"SCALE_STRIDE": features, "HAS_WEIGHT": features, "SMOOTHING": features,
+                          "HAS_SOFTCAP": features, "HAS_Z": features, "COMPUTE_LOSS": compute_loss,
+                          "WRITE_GRAD": write_grad, "BLOCK_V": MAX_BLOCK_V}
+            variants.append({"signature": signature, "constexprs": constexprs,
+                             "num_warps": _num_warps(MAX_BLOCK_V), "num_stages": 1,
+                             "label": f"{dtype}-{pass_label}-{'all-options' if features else 'plain'}"})
     return variants
 
 
@@ -506,6 +511,7 @@ def _cross_entropy_backward_fake(grad_loss, logits, target, lse, class_weight, i
 
 
 def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
     logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction = inputs
     ctx.save_for_backward(logits, target, output[2], class_weight)
     ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction)

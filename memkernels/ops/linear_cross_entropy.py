@@ -208,6 +208,7 @@ def _recompute_backward_fake(grad_loss, hidden, weight, target, bias, lse, class
 
 
 def _recompute_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
     hidden, weight, target, bias, class_weight, *options = inputs
     ctx.save_for_backward(hidden, weight, target, bias, class_weight, output[2])
     ctx.options = tuple(options)
@@ -261,6 +262,10 @@ def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, labe
 
 
 def _chunked_setup(ctx, inputs, output):
+    # The held gradients are outputs only to reach save_for_backward: no gradient flows into them,
+    # and autograd must not materialize zero V x H gradients for them in the backward.
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[2:])
     ctx.dtypes = (inputs[1].dtype, None if inputs[3] is None else inputs[3].dtype)
     ctx.needs = inputs[-3:]
