@@ -11,7 +11,8 @@ Strategies:
   gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)``,
   ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype, with
   ``addmm_`` (no V x H temporary per chunk). What is held until backward —
-  ``dX`` (N x H, input dtype), float32 ``dW`` (V x H) and float32 ``dB`` (V) —
+  ``dX`` (N x H, input dtype), float32 ``dW`` (V x H) and float64 ``dB`` (V, summed
+  across chunks without a rounding per chunk) —
   goes through ``save_for_backward``, so saved-tensor hooks (offload, meters)
   see it. Backward only rescales by the incoming gradient, in place: like
   PyTorch's and Liger's chunked ops it supports a single backward (a second one,
@@ -109,11 +110,11 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             grad_chunk = logits if logits.dtype == torch.float32 else torch.empty_like(logits, dtype=torch.float32)
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
                                                               loss_scale=loss_scale, z_scale=z_scale)
-            grad_hidden, grad_weight32, grad_bias32 = grads
+            grad_hidden, grad_weight32, grad_bias64 = grads
             if grad_weight32 is not None:
                 grad_weight32.addmm_(grad_chunk.t(), _float32(hidden_rows))
-            if grad_bias32 is not None:
-                grad_bias32 += grad_chunk.sum(0, dtype=torch.float64)
+            if grad_bias64 is not None:
+                grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
                 torch.mm(logits.copy_(grad_chunk), weight, out=grad_hidden[start:end])
             del grad_chunk
@@ -244,21 +245,20 @@ def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
     grad_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
-    grad_bias32 = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if needs_bias else None
+    grad_bias64 = torch.zeros(bias.shape, dtype=torch.float64, device=bias.device) if needs_bias else None
     loss, z_loss_out, _ = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
-                                          grads=(grad_hidden, grad_weight32, grad_bias32))
-    grads = tuple(g if g is not None else _empty(hidden) for g in (grad_hidden, grad_weight32, grad_bias32))
+                                          grads=(grad_hidden, grad_weight32, grad_bias64))
+    grads = tuple(g if g is not None else _empty(hidden) for g in (grad_hidden, grad_weight32, grad_bias64))
     return (loss, z_loss_out) + grads
 
 
 def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
                   reduction, chunk_size, needs_hidden, needs_weight, needs_bias):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
-    f32 = torch.float32
     return (loss, z,
             torch.empty_like(hidden) if needs_hidden else _empty(hidden),
-            weight.new_empty(weight.shape, dtype=f32) if needs_weight else _empty(hidden),
-            bias.new_empty(bias.shape, dtype=f32) if needs_bias else _empty(hidden))
+            weight.new_empty(weight.shape, dtype=torch.float32) if needs_weight else _empty(hidden),
+            bias.new_empty(bias.shape, dtype=torch.float64) if needs_bias else _empty(hidden))
 
 
 def _chunked_setup(ctx, inputs, output):
@@ -272,14 +272,14 @@ def _chunked_setup(ctx, inputs, output):
 
 
 def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
-    grad_hidden, grad_weight32, grad_bias32 = ctx.saved_tensors
+    grad_hidden, grad_weight32, grad_bias64 = ctx.saved_tensors
     weight_dtype, bias_dtype = ctx.dtypes
     needs_hidden, needs_weight, needs_bias = ctx.needs
     scale = grad_loss.float()
     # In place: these buffers exist only for this backward (a second backward trips the version check).
     grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if needs_hidden else None
     grad_weight = grad_weight32.mul_(scale).to(weight_dtype) if needs_weight else None
-    grad_bias = grad_bias32.mul_(scale).to(bias_dtype) if needs_bias else None
+    grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
 
 
