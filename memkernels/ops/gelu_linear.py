@@ -108,7 +108,7 @@ _CONFIGS = (
 )
 # One small config under the interpreter: autotuning there would run every config through
 # slow Python, and the blocks' only job on the CPU is to exercise the masking.
-_INTERPRETER_CONFIG = (64, 64, 64, 4, 1)
+_INTERPRETER_CONFIG = (64, 64, 16, 4, 1)
 _GROUP_M = 8
 _SHARED_MEMORY_BYTES = 160 * 1024
 

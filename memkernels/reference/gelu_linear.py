@@ -13,10 +13,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-# A slab of gelu(x) or gelu'(x) this big is the largest transient the reference
-# allocates (16 MiB in fp32): small next to an F-wide activation, big enough that
-# the matmuls stay efficient.
-_SLAB_ELEMENTS = 1 << 22
+# A slab of gelu(x) or gelu'(x) this big (4 MiB in fp32) is the unit of the reference's
+# transients: small next to an F-wide activation, big enough that the matmuls stay efficient.
+_SLAB_ELEMENTS = 1 << 20
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _TANH_CUBIC = 0.044715
@@ -24,15 +23,21 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
 
 def gelu_grad(x, approximate="none"):
-    """d gelu(x) / dx, computed in float32 (float64 stays float64); same shape as x."""
-    x = x.float() if x.dtype != torch.float64 else x
+    """d gelu(x) / dx, computed in float32 (float64 stays float64); same shape as x.
+
+    In-place after the first op, so a slab costs few temporaries.
+    """
+    x = x.to(torch.promote_types(x.dtype, torch.float32))
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (x + _TANH_CUBIC * x.pow(3))
-        t = torch.tanh(inner)
-        dinner = _SQRT_2_OVER_PI * (1.0 + 3.0 * _TANH_CUBIC * x.square())
-        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t.square()) * dinner
-    cdf = 0.5 * (1.0 + torch.erf(x * math.sqrt(0.5)))
-    return cdf + x * torch.exp(-0.5 * x.square()) * _INV_SQRT_2PI
+        inner = (x + _TANH_CUBIC * x.pow(3)).mul_(_SQRT_2_OVER_PI)
+        t = inner.tanh()
+        sech2 = inner.cosh_().square_().reciprocal_()  # 1 - t^2 without its cancellation
+        dinner = x.square().mul_(3.0 * _TANH_CUBIC).add_(1.0).mul_(_SQRT_2_OVER_PI)
+        # 0.5 * (1 + t) + 0.5 * x * sech^2 * dinner
+        return dinner.mul_(x).mul_(sech2).add_(t).add_(1.0).mul_(0.5)
+    pdf_term = x.square().mul_(-0.5).exp_().mul_(x).mul_(_INV_SQRT_2PI)
+    cdf = (x * math.sqrt(0.5)).erf_().add_(1.0).mul_(0.5)
+    return cdf.add_(pdf_term)
 
 
 def _slab(length):
@@ -57,7 +62,7 @@ def grad_input(grad_out2d, x2d, weight, approximate):
     for start in range(0, x2d.shape[0], rows):
         stop = start + rows
         grad_gelu = grad_out2d[start:stop] @ weight
-        grad_x[start:stop] = grad_gelu * gelu_grad(x2d[start:stop], approximate)
+        grad_x[start:stop] = gelu_grad(x2d[start:stop], approximate).mul_(grad_gelu)
     return grad_x
 
 
