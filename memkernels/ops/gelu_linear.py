@@ -91,11 +91,12 @@ def _gelu_grad(x, APPROX_TANH: tl.constexpr):
 
 
 # --------------------------------------------------------------------------------------------
-# Tuning. (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): tensor-core tiles whose A and B
-# stages fit the shared memory of A100 (164 KiB) and H100 (228 KiB) in every dtype, and that
-# compile without spills on sm_80 and sm_90 in all three GEMM roles (GeLU math on a tile costs
-# registers: 128x128 tiles need 8 warps, and BLOCK_K = 64 only fits the smaller tiles). The
-# 32-row tiles serve decode-sized M.
+# Tuning. (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): tensor-core tiles whose pipelined A
+# and B stages fit the shared memory of A100 (164 KiB) and H100 (228 KiB) in every dtype (at most
+# 128 KiB: fp32, 128x128x32, 4 stages), and that compile without spills on sm_80 and sm_90 in
+# all three GEMM roles when the JIT can specialize on 16-divisible pointers and strides (GeLU
+# math on a tile costs registers: 128x128 tiles need 8 warps, BLOCK_K = 64 only fits the
+# smaller tiles). The 32-row tiles serve decode-sized M.
 _CONFIGS = (
     (128, 128, 32, 8, 3),
     (128, 128, 32, 8, 4),
@@ -106,16 +107,40 @@ _CONFIGS = (
     (32, 64, 64, 2, 4),
     (32, 64, 32, 2, 5),
 )
-# One small config under the interpreter: autotuning there would run every config through
-# slow Python, and the blocks' only job on the CPU is to exercise the masking.
+# fp32 with torch's default "highest" matmul precision runs tl.dot as FMAs ("ieee"), which needs
+# far more registers: only these compile without spills (dW, whose A operand is dy.T, needs
+# BLOCK_K = 16).
+_IEEE_CONFIGS = {
+    "fwd": ((128, 128, 32, 8, 3), (128, 128, 32, 8, 4), (64, 64, 32, 4, 4), (32, 64, 32, 2, 5)),
+    "dw": ((64, 64, 16, 8, 3), (64, 32, 16, 4, 3)),
+}
+_IEEE_CONFIGS["dx"] = _IEEE_CONFIGS["fwd"]
+
+
+def _role(gelu_on_b, gelu_grad_epilogue):
+    return "dw" if gelu_on_b else "dx" if gelu_grad_epilogue else "fwd"
+
+
+def _configs_for(role, input_precision):
+    """Tile shapes for one GEMM role ("fwd", "dx", "dw") at one fp32 dot precision."""
+    return _IEEE_CONFIGS[role] if input_precision == "ieee" else _CONFIGS
+
+
+# Under the interpreter, one config: autotuning would run every config through slow Python.
+# BLOCK_K = 16 is the k-depth of a 16-bit tensor-core MMA. The interpreter runs each tl.dot as
+# one sequential numpy matmul, so this makes it accumulate in two levels as the hardware does
+# (within an MMA, then across k-steps into the fp32 accumulator); one 64-long sequential sum is
+# ~1.5x less accurate than eager's blocked CPU GEMM and made small fp32 checks fail by chance.
 _INTERPRETER_CONFIG = (64, 64, 16, 4, 1)
 _GROUP_M = 8
-_SHARED_MEMORY_BYTES = 160 * 1024
 
 
 def _autotune_configs():
-    """The configs to autotune over; a single small one when TRITON_INTERPRET=1."""
-    shapes = [_INTERPRETER_CONFIG] if triton_interpreted() else _CONFIGS
+    """Every tile shape any role may use; a single one when TRITON_INTERPRET=1."""
+    if triton_interpreted():
+        shapes = [_INTERPRETER_CONFIG]
+    else:
+        shapes = dict.fromkeys(_CONFIGS + sum(_IEEE_CONFIGS.values(), ()))
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
                       num_warps=warps, num_stages=stages)
@@ -124,12 +149,11 @@ def _autotune_configs():
 
 
 def _prune_configs(configs, named_args, **kwargs):
-    """Drop configs whose pipelined A and B tiles would not fit in shared memory."""
-    elem = named_args["a_ptr"].element_size()
-    fits = [c for c in configs
-            if (c.kwargs["BLOCK_M"] + c.kwargs["BLOCK_N"]) * c.kwargs["BLOCK_K"] * elem * c.num_stages
-            <= _SHARED_MEMORY_BYTES]
-    return fits or configs[-1:]
+    """Keep the tile shapes of this launch's role and precision (see _configs_for)."""
+    role = _role(kwargs["GELU_ON_B"], kwargs["GELU_GRAD_EPILOGUE"])
+    wanted = set(_configs_for(role, kwargs["INPUT_PRECISION"]))
+    return [c for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in wanted]
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,7 +162,7 @@ def _prune_configs(configs, named_args, **kwargs):
 
 @triton.autotune(
     configs=_autotune_configs(),
-    key=["M", "N", "K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS"],
+    key=["M", "N", "K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS", "INPUT_PRECISION"],
     prune_configs_by={"early_config_prune": _prune_configs},
 )
 @triton.jit
@@ -206,9 +230,9 @@ def _gelu_gemm_kernel(
 
 
 # --------------------------------------------------------------------------------------------
-# Ahead-of-time compile check (memkernels.aot): every tuning config, in each GEMM role, for
-# each operand dtype, with the exact-erf GeLU (the heavier of the two). Unit inner strides are
-# specialized as the JIT does for contiguous tensors.
+# Ahead-of-time compile check (memkernels.aot): every tile shape of each GEMM role, for each
+# operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heavier of the two).
+# Unit inner strides are specialized as the JIT does for contiguous tensors.
 _AOT_ROLES = {
     # role: (flags, unit-stride arguments of contiguous x, W and outputs)
     "fwd": (dict(GELU_ON_A=True, GELU_ON_B=False, GELU_GRAD_EPILOGUE=False, HAS_BIAS=True),
@@ -218,28 +242,29 @@ _AOT_ROLES = {
     "dw": (dict(GELU_ON_A=False, GELU_ON_B=True, GELU_GRAD_EPILOGUE=False, HAS_BIAS=False),
            ("stride_am", "stride_bn", "stride_cn")),
 }
-_AOT_DTYPES = {"bf16": "tf32", "fp16": "tf32", "fp32": "tf32"}
+_AOT_PRECISIONS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
 
 def _aot_variants():
-    """Variant dicts for memkernels.aot.register: configs x roles x dtypes."""
+    """Variant dicts for memkernels.aot.register: roles x dtypes x the role's tile shapes."""
     pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "x_ptr")
     integers = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
                 "stride_cm", "stride_cn", "stride_xm", "stride_xn")
     variants = []
-    for dtype, precision in _AOT_DTYPES.items():
+    for dtype, precision in _AOT_PRECISIONS:
         for role, (flags, unit_strides) in _AOT_ROLES.items():
-            for block_m, block_n, block_k, warps, stages in _CONFIGS:
+            for block_m, block_n, block_k, warps, stages in _configs_for(role, precision):
                 constexprs = dict(flags, APPROX_TANH=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
                                   BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
                 constexprs.update({name: 1 for name in unit_strides})
                 signature = {name: f"*{dtype}" for name in pointers}
                 signature.update({name: "i32" for name in integers})
                 signature.update({name: "constexpr" for name in constexprs})
+                name = "fp32-ieee" if precision == "ieee" else dtype
                 variants.append({
                     "signature": signature, "constexprs": constexprs, "num_warps": warps,
                     "num_stages": stages,
-                    "label": f"{role} {dtype} {block_m}x{block_n}x{block_k} w{warps} s{stages}",
+                    "label": f"{role} {name} {block_m}x{block_n}x{block_k} w{warps} s{stages}",
                 })
     return variants
 
