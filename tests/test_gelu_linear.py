@@ -314,6 +314,12 @@ def test_triton_backend_rejects_float64():
         gelu_linear(x, weight, bias, backend="triton")
 
 
+def test_triton_backend_rejects_a_device_it_cannot_run_on():
+    x, weight, bias = (t.to("meta") for t in make_inputs((3,), 8, 5, torch.float32))
+    with pytest.raises(ValueError, match="backend='triton' cannot run on meta"):
+        gelu_linear(x, weight, bias, backend="triton")
+
+
 # --------------------------------------------------------------------------------------------
 # torch.library registration
 
