@@ -141,7 +141,7 @@ void bind_pool(py::module_& m) {
              MK_EXPECTS(pool == "small" || pool == "large", "pool must be 'small' or 'large', got '" + pool + "'");
              return p.should_split(pool == "small" ? PoolKind::small : PoolKind::large, block, rounded);
            })
-      .def("may_serve", &Policy::may_serve)
+      .def("largest_block_for", &Policy::largest_block_for)
       .def("validate", &Policy::validate);
 
   py::class_<PoolConfig>(m, "PoolConfig")

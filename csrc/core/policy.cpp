@@ -1,5 +1,7 @@
 #include "core/policy.hpp"
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 
 #include "common/check.hpp"
@@ -48,9 +50,11 @@ bool Policy::should_split(PoolKind pool, std::size_t block_size, std::size_t rou
   return pool == PoolKind::small ? remaining >= min_block : remaining >= large_split_min;
 }
 
-bool Policy::may_serve(std::size_t block_size, std::size_t rounded) const {
-  if (oversize_block == 0 || block_size < oversize_block) return true;
-  return double(block_size) <= double(rounded) * oversize_ratio;
+std::size_t Policy::largest_block_for(std::size_t rounded) const {
+  if (oversize_block == 0) return SIZE_MAX;
+  double by_ratio = double(rounded) * oversize_ratio;
+  std::size_t ratio_limit = by_ratio >= double(SIZE_MAX) ? SIZE_MAX : std::size_t(by_ratio);
+  return std::max(oversize_block - 1, ratio_limit);
 }
 
 void Policy::validate() const {

@@ -38,9 +38,9 @@ struct Policy {
   std::size_t fitted_request_limit = 10 * kMiB;  // below: fitted multi-block segments
   std::size_t fitted_segment_max = 20 * kMiB;    // ... of at most this size
   std::size_t large_split_min = 1 * kMiB + 1;    // large-pool remainders below this stay attached
-  double release_before_growth = 0.01;     // <0 disables; see (2) above
-  std::size_t oversize_block = 40 * kMiB;  // 0 disables; see (3) above
-  double oversize_ratio = 3.0;
+  double release_before_growth = 0.03;     // <0 disables; see (2) above
+  std::size_t oversize_block = 32 * kMiB;  // 0 disables; see (3) above
+  double oversize_ratio = 4.0;
 
   // PyTorch's documented defaults (the baseline the benchmark compares with).
   static Policy pytorch();
@@ -49,8 +49,9 @@ struct Policy {
   PoolKind pool_for(std::size_t rounded) const;
   std::size_t segment_size(std::size_t rounded) const;
   bool should_split(PoolKind pool, std::size_t block_size, std::size_t rounded) const;
-  // May a free block of `block_size` serve a request of `rounded` bytes (large pool)?
-  bool may_serve(std::size_t block_size, std::size_t rounded) const;
+  // The largest free block that may serve a request of `rounded` bytes: blocks
+  // below `oversize_block` always may, larger ones up to oversize_ratio x the request.
+  std::size_t largest_block_for(std::size_t rounded) const;
   void validate() const;
 };
 

@@ -106,11 +106,13 @@ void DevicePool::insert_free(Block* block) {
   FreeSet* set = set_of(block);
   MK_ASSERT(set != nullptr, "inserting a block that is not free");
   set->insert(block);
+  if (releasable(block)) idle_bytes_ += block->size;
 }
 
 void DevicePool::erase_free(Block* block) {
   FreeSet* set = set_of(block);
   MK_ASSERT(set != nullptr && set->erase(block) == 1, "free block missing from its free list");
+  if (releasable(block)) idle_bytes_ -= block->size;
 }
 
 Block* DevicePool::find_free(PoolKind pool, StreamId stream, std::size_t rounded) {
@@ -120,11 +122,10 @@ Block* DevicePool::find_free(PoolKind pool, StreamId stream, std::size_t rounded
   key.size = rounded;
   key.addr = 0;
   Block* best = nullptr;
+  std::size_t largest = pool == PoolKind::large ? config_.policy.largest_block_for(rounded) : SIZE_MAX;
   auto consider = [&](FreeSet& set) {
     auto it = set.lower_bound(&key);
-    if (pool == PoolKind::large)
-      while (it != set.end() && !config_.policy.may_serve((*it)->size, rounded)) ++it;
-    if (it != set.end() && (best == nullptr || BySizeAddr{}(*it, best))) best = *it;
+    if (it != set.end() && (*it)->size <= largest && (best == nullptr || BySizeAddr{}(*it, best))) best = *it;
   };
   for (auto& entry : free_[int(pool)].by_stream)
     if (entry.first == stream) consider(entry.second);
@@ -189,13 +190,6 @@ void DevicePool::release_segment(Block* block) {
   segments_.erase(segment->base);
 }
 
-std::size_t DevicePool::releasable_bytes() const {
-  std::size_t total = 0;
-  for (auto& entry : segments_)
-    if (releasable(entry.second->head)) total += entry.second->size;
-  return total;
-}
-
 std::size_t DevicePool::release_cached(std::size_t stop_below, bool oldest_first) {
   std::vector<Segment*> candidates;
   for (auto& entry : segments_)
@@ -223,7 +217,7 @@ Block* DevicePool::new_segment_block(PoolKind pool, StreamId stream, std::size_t
 
   // Release idle whole segments rather than raise the reserved high-water mark.
   if (policy.release_before_growth >= 0.0 && reserved + std::int64_t(preferred) > high_water_) {
-    std::size_t idle = releasable_bytes();
+    std::size_t idle = idle_bytes_;
     if (idle > 0 && double(idle) >= policy.release_before_growth * double(reserved + std::int64_t(preferred)))
       stats_.num_early_releases += std::int64_t(release_cached());
   }
@@ -483,12 +477,17 @@ void DevicePool::reserve(std::size_t bytes, StreamId stream) {
     throw out_of_memory(oom_message(bytes, size) + " (while reserving)");
   }
   block->segment->kept = true;
-  insert_free(block);
+  insert_free(block);  // kept: never counted as idle
 }
 
 void DevicePool::release_reserved() {
   std::lock_guard<std::mutex> lock(mutex_);
-  for (auto& entry : segments_) entry.second->kept = false;
+  for (auto& entry : segments_) {
+    Segment& segment = *entry.second;
+    if (!segment.kept) continue;
+    segment.kept = false;
+    if (releasable(segment.head)) idle_bytes_ += segment.size;
+  }
 }
 
 void DevicePool::set_memory_cap(std::size_t bytes, double fraction) {
@@ -613,6 +612,10 @@ void DevicePool::check_invariants() {
     MK_ASSERT(cursor == seg.base + seg.size, "blocks do not cover their segment");
   }
   MK_ASSERT(allocated_blocks == allocated_.size(), "address map holds blocks that are not allocated");
+  std::size_t idle = 0;
+  for (auto& entry : segments_)
+    if (releasable(entry.second->head)) idle += entry.second->size;
+  MK_ASSERT(idle == idle_bytes_, "idle-segment byte count differs from its recount");
   std::size_t listed = 0;
   for (auto& lists : free_) {
     listed += lists.any.size();

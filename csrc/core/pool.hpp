@@ -157,7 +157,6 @@ class DevicePool {
   bool releasable(const Block* block) const;
   void release_segment(Block* block);
   std::size_t release_cached(std::size_t stop_below = 0, bool oldest_first = false);
-  std::size_t releasable_bytes() const;
   void free_block(Block* block);
   void retire(Block* block);  // no stream uses it any more: stats and trace
   void merge_and_insert(Block* block);
@@ -185,6 +184,7 @@ class DevicePool {
   std::vector<std::unique_ptr<Block>> block_storage_;  // blocks live as long as the pool
   std::vector<Block*> spare_blocks_;
   DeviceStats stats_;
+  std::size_t idle_bytes_ = 0;   // bytes in whole free segments that may be released
   std::int64_t high_water_ = 0;  // reserved-bytes peak, unaffected by reset_peak_stats
   std::uint64_t tick_ = 0;
   std::uint64_t event_seq_ = 0;

@@ -1,0 +1,348 @@
+"""memkernels' caching pool allocator from Python: trace replay and the policy comparison.
+
+``replay(trace)`` runs a recorded PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``)
+through memkernels' pool on a device that hands out virtual addresses (no memory is touched,
+so an 80 GB trace replays on a laptop), and ``print_replay_table`` puts what PyTorch's policy
+did (a model of it, :mod:`memkernels._torch_policy`), what memkernels does, and the ideal (peak
+live bytes) side by side: that is ``memkernels replay TRACE...``.
+
+The C++ pool is in ``csrc/core/`` (policy and the reasons for it: ``csrc/core/policy.hpp``).
+"""
+import os
+import pickle
+import statistics
+import sys
+
+from memkernels._torch_policy import ModelOutOfMemory, TorchPolicyModel
+
+# A device with this much memory never refuses a segment: "no capacity given".
+UNLIMITED_CAPACITY = 1 << 50
+
+_POLICY_KEYS = (
+    "min_block",
+    "small_request",
+    "small_segment",
+    "segment_granularity",
+    "fitted_request_limit",
+    "fitted_segment_max",
+    "large_split_min",
+    "release_before_growth",
+    "oversize_block",
+    "oversize_ratio",
+)
+_POOL_KEYS = ("memory_cap_bytes", "memory_cap_fraction", "gc_threshold", "trace_capacity")
+_REPLAY_ACTIONS = ("alloc", "free_completed")
+
+
+def _C():
+    from memkernels import _C as extension
+
+    return extension
+
+
+# ---------------------------------------------------------------------- traces
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Snapshots are plain data: refuse every global so that no code can run from a file."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(
+            f"trace refers to {module}.{name}; memkernels loads only plain-data snapshots "
+            "(dicts, lists, strings, numbers) and never imports code from a trace file"
+        )
+
+
+def load_trace(trace):
+    """A snapshot dict from a path (a ``_dump_snapshot`` pickle) or an already loaded dict."""
+    if isinstance(trace, (str, os.PathLike)):
+        if not os.path.isfile(trace):
+            raise FileNotFoundError(f"trace: no such file {os.fspath(trace)!r}")
+        with open(trace, "rb") as f:
+            trace = _DataOnlyUnpickler(f).load()
+    if not isinstance(trace, dict) or not isinstance(trace.get("device_traces"), list):
+        raise ValueError(
+            "trace must be a path to a torch.cuda.memory._dump_snapshot pickle or its loaded dict "
+            "with a 'device_traces' list (record with torch.cuda.memory._record_memory_history first)"
+        )
+    return trace
+
+
+def _device_events(snapshot, device):
+    traces = snapshot["device_traces"]
+    if not isinstance(device, int) or not 0 <= device < len(traces):
+        raise ValueError(f"device must be an index into the trace's {len(traces)} device_traces, got {device!r}")
+    return traces[device]
+
+
+def trace_ops(events):
+    """Turn trace events into pool steps ``(slot, is_alloc, size, stream)``.
+
+    Replays ``alloc`` and ``free_completed`` in order. Recording starts mid-run, so a free of
+    an address never allocated in the trace belongs to an earlier allocation and is skipped.
+    Returns ``(ops, num_slots, peak_requested_bytes)``.
+    """
+    ops, slot_of, spare, live_bytes, peak = [], {}, [], 0, 0
+    num_slots = 0
+    for event in events:
+        action = event.get("action")
+        if action not in _REPLAY_ACTIONS:
+            continue
+        addr, size, stream = event["addr"], event["size"], event.get("stream", 0)
+        if action == "alloc":
+            if addr in slot_of:
+                raise ValueError(f"trace allocates address {addr:#x} twice without freeing it")
+            slot = spare.pop() if spare else num_slots
+            num_slots = max(num_slots, slot + 1)
+            slot_of[addr] = (slot, size)
+            ops.append((slot, True, size, stream))
+            live_bytes += size
+            peak = max(peak, live_bytes)
+        elif addr in slot_of:
+            slot, size = slot_of.pop(addr)
+            ops.append((slot, False, 0, stream))
+            spare.append(slot)
+            live_bytes -= size
+    return ops, num_slots, peak
+
+
+# ---------------------------------------------------------------------- pools
+
+
+def _pool_config(policy="memkernels", **config):
+    C = _C()
+    if policy not in ("memkernels", "pytorch"):
+        raise ValueError(f"policy must be 'memkernels' or 'pytorch', got {policy!r}")
+    unknown = sorted(set(config) - set(_POLICY_KEYS) - set(_POOL_KEYS))
+    if unknown:
+        raise TypeError(
+            f"unknown allocator option(s) {unknown}; valid options: {sorted(_POLICY_KEYS + _POOL_KEYS)}"
+        )
+    pool_config = C.PoolConfig()
+    rules = C.PoolPolicy.pytorch() if policy == "pytorch" else C.PoolPolicy()
+    for key in _POLICY_KEYS:
+        if key in config:
+            setattr(rules, key, config[key])
+    pool_config.policy = rules
+    for key in _POOL_KEYS:
+        if key in config:
+            setattr(pool_config, key, config[key])
+    pool_config.validate()
+    return pool_config
+
+
+def _check_capacity(capacity):
+    if capacity is None:
+        return UNLIMITED_CAPACITY
+    if not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"capacity must be a positive number of bytes or None (unlimited), got {capacity!r}")
+    return capacity
+
+
+def _run_pool(ops, num_slots, device, capacity, config):
+    C = _C()
+    pool = C.Pool(_pool_config(**config), C.VirtualUpstream(capacity))
+    run = pool.replay(ops, num_slots, device)
+    return pool.stats(device), run
+
+
+def replay(trace, *, device=0, expandable_segments=False, capacity=None, **config):
+    """Replay a recorded PyTorch trace through memkernels' pool; returns its statistics.
+
+    Args:
+        trace: path to a ``torch.cuda.memory._dump_snapshot`` pickle, or the loaded dict.
+        device: which of the trace's ``device_traces`` to replay.
+        expandable_segments: VMM-backed segments (issue 8, not built yet).
+        capacity: device memory in bytes; None for unlimited. Allocations the device cannot
+            hold after release-and-retry count in ``num_ooms`` and are skipped.
+        **config: pool options (``csrc/core/policy.hpp`` / ``PoolConfig``), e.g.
+            ``release_before_growth``, ``memory_cap_bytes``, ``gc_threshold``; and
+            ``policy='pytorch'`` to run PyTorch's rules in memkernels' pool engine.
+
+    Returns a dict: peak_requested_bytes, peak_allocated_bytes, peak_reserved_bytes,
+    num_device_alloc, num_device_free, num_alloc_retries, num_ooms, ns_per_op (wall time of
+    the pool calls over the number of mallocs and frees), ops, and fragmentation at the end.
+    """
+    if expandable_segments:
+        raise NotImplementedError(
+            "expandable_segments=True needs VMM-backed segments, which are issue 8 and not built yet; "
+            "replay with expandable_segments=False"
+        )
+    capacity = _check_capacity(capacity)
+    ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
+    stats, run = _run_pool(ops, num_slots, device, capacity, config)
+    return _summary(stats, run)
+
+
+def _summary(stats, run):
+    return {
+        "peak_requested_bytes": stats["requested_bytes"]["peak"],
+        "peak_allocated_bytes": stats["allocated_bytes"]["peak"],
+        "peak_reserved_bytes": stats["reserved_bytes"]["peak"],
+        "num_device_alloc": stats["num_device_alloc"],
+        "num_device_free": stats["num_device_free"],
+        "num_alloc_retries": stats["num_alloc_retries"],
+        "num_ooms": stats["num_ooms"],
+        "ns_per_op": run["elapsed_ns"] / max(run["ops"], 1),
+        "ops": run["ops"],
+        "fragmentation": stats["fragmentation"],
+    }
+
+
+# ---------------------------------------------------------------------- PyTorch's policy
+
+
+def replay_pytorch_model(trace, *, device=0, capacity=None):
+    """Replay through the model of PyTorch's caching allocator (:mod:`memkernels._torch_policy`).
+
+    Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
+    ``segment_sizes``, every segment it took from the device, in order.
+    """
+    capacity = None if capacity is None else _check_capacity(capacity)
+    ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
+    model = TorchPolicyModel(capacity=capacity)
+    slots = [None] * num_slots
+    sizes = [0] * num_slots
+    requested = peak_requested = 0
+    for slot, is_alloc, size, stream in ops:
+        if is_alloc:
+            try:
+                slots[slot] = model.malloc(size, stream)
+            except ModelOutOfMemory:
+                slots[slot] = None
+                continue
+            sizes[slot] = size
+            requested += size
+            peak_requested = max(peak_requested, requested)
+        elif slots[slot] is not None:
+            model.free(slots[slot])
+            slots[slot] = None
+            requested -= sizes[slot]
+    return {
+        "peak_requested_bytes": peak_requested,
+        "peak_allocated_bytes": model.peak_allocated,
+        "peak_reserved_bytes": model.peak_reserved,
+        "num_device_alloc": model.num_device_alloc,
+        "num_device_free": model.num_device_free,
+        "num_alloc_retries": model.num_alloc_retries,
+        "num_ooms": model.num_ooms,
+        "segment_sizes": model.segment_sizes,
+    }
+
+
+def _longest_common_subsequence(a, b):
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
+
+
+def segment_match(trace, *, device=0):
+    """How closely the PyTorch-policy model reproduces the trace's own ``segment_alloc`` sizes.
+
+    Returns None when the trace recorded no segment events, else a dict: ``trace_segments``
+    and ``model_segments`` (counts), ``in_order`` (fraction of the trace's segment sizes found
+    in the model's sequence in the same order: longest common subsequence / trace count) and
+    ``as_multiset`` (fraction found regardless of order). The model starts from an empty cache
+    while recording started mid-run, so it may take segments the trace already held.
+    """
+    snapshot = load_trace(trace)
+    recorded = [e["size"] for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
+    if not recorded:
+        return None
+    modeled = replay_pytorch_model(snapshot, device=device)["segment_sizes"]
+    remaining = {}
+    for size in modeled:
+        remaining[size] = remaining.get(size, 0) + 1
+    found = 0
+    for size in recorded:
+        if remaining.get(size, 0) > 0:
+            remaining[size] -= 1
+            found += 1
+    return {
+        "trace_segments": len(recorded),
+        "model_segments": len(modeled),
+        "in_order": _longest_common_subsequence(recorded, modeled) / len(recorded),
+        "as_multiset": found / len(recorded),
+    }
+
+
+# ---------------------------------------------------------------------- comparison
+
+
+def compare(trace, *, device=0, capacity=None, repeats=5, **config):
+    """PyTorch's policy (model), memkernels and the ideal on one trace, as a dict of dicts.
+
+    memkernels' ``ns_per_op`` is the median over ``repeats`` fresh replays (the machine is
+    shared, single runs are noisy).
+    """
+    snapshot = load_trace(trace)
+    capacity_bytes = _check_capacity(capacity)
+    ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
+    runs = [_run_pool(ops, num_slots, device, capacity_bytes, config) for _ in range(max(1, repeats))]
+    memkernels = _summary(*runs[0])
+    memkernels["ns_per_op"] = statistics.median(_summary(*r)["ns_per_op"] for r in runs)
+    return {
+        "pytorch": replay_pytorch_model(snapshot, device=device, capacity=capacity),
+        "memkernels": memkernels,
+        "ideal_peak_bytes": peak_live,
+        "segment_match": segment_match(snapshot, device=device),
+        "ops": len(ops),
+    }
+
+
+def _ratio(result, ideal):
+    return result["peak_reserved_bytes"] / ideal if ideal else float("nan")
+
+
+def _gib(n):
+    return f"{n / 2**30:.2f} GiB"
+
+
+def print_replay_table(traces, *, device=None, capacity=None, repeats=5, file=None, **config):
+    """Print PyTorch's policy vs memkernels vs ideal for each trace (and each device in it).
+
+    ``device=None`` replays every device that has events. Returns the list of rows printed
+    (dicts from :func:`compare` plus ``trace`` and ``device``).
+    """
+    out = file if file is not None else sys.stdout
+    header = (
+        f"{'trace':<38} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
+        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'segment_alloc match (in order / any order)'}"
+    )
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    rows = []
+    for path in traces:
+        snapshot = load_trace(path)
+        name = os.path.basename(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else "<dict>"
+        devices = range(len(snapshot["device_traces"])) if device is None else [device]
+        for d in devices:
+            if device is None and not any(e.get("action") == "alloc" for e in snapshot["device_traces"][d]):
+                continue
+            row = compare(snapshot, device=d, capacity=capacity, repeats=repeats, **config)
+            row.update(trace=name, device=d)
+            rows.append(row)
+            ideal = row["ideal_peak_bytes"]
+            match = row["segment_match"]
+            match_text = (
+                "no segment events in trace"
+                if match is None
+                else f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
+                f" (model took {match['model_segments']})"
+            )
+            print(
+                f"{name[:38]:<38} {d:>3} {_gib(ideal):>11} | {_ratio(row['pytorch'], ideal):>7.3f} "
+                f"{row['pytorch']['num_device_alloc']:>9} | {_ratio(row['memkernels'], ideal):>10.3f} "
+                f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
+                file=out,
+            )
+    print(
+        "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
+        "ns/op: memkernels' pool, median of runs, virtual-address device.",
+        file=out,
+    )
+    return rows
