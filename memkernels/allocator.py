@@ -346,3 +346,22 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, file=No
         file=out,
     )
     return rows
+
+
+# ---------------------------------------------------------------------- snapshots
+
+
+def pool_snapshot(pool):
+    """A snapshot of ``pool`` (a ``memkernels._C.Pool``) in PyTorch's format.
+
+    ``segments``: every segment of every device with its ``blocks`` (states
+    ``active_allocated`` / ``active_pending_free`` / ``inactive``); ``device_traces[d]``: the
+    trace ring of device d (empty unless tracing was enabled with ``trace_capacity``).
+    ``torch.cuda._memory_viz`` renders it (``segment_plot``, ``trace_plot``, ``segsum``, ``trace``).
+    """
+    devices = pool.devices()
+    segments = [segment for d in devices for segment in pool.segments(d)]
+    traces = [[] for _ in range(max(devices) + 1 if devices else 0)]
+    for d in devices:
+        traces[d] = pool.trace(d)
+    return {"segments": segments, "device_traces": traces}

@@ -111,6 +111,7 @@ py::list trace_list(const std::vector<TraceEntry>& entries) {
     d["size"] = e.size;
     d["stream"] = e.stream;
     d["time_us"] = e.time_us;
+    if (e.action == TraceAction::oom) d["device_free"] = e.device_free;
     d["frames"] = py::list();
     out.append(d);
   }
@@ -166,7 +167,9 @@ void bind_pool(py::module_& m) {
   py::class_<DelayedEvents, EventSource, std::shared_ptr<DelayedEvents>>(
       m, "DelayedEvents", "Events that complete after a random number (0..max_delay) of queries.")
       .def(py::init<std::uint32_t, std::uint64_t>(), py::arg("max_delay"), py::arg("seed"))
-      .def("live_events", &DelayedEvents::live_events);
+      .def("live_events", &DelayedEvents::live_events)
+      .def("set_paused", &DelayedEvents::set_paused, py::arg("paused"),
+           "While paused no event completes; synchronize() still completes one.");
 
   using Guard = py::call_guard<py::gil_scoped_release>;
   py::class_<Allocator, std::shared_ptr<Allocator>>(m, "Pool", "memkernels' caching pool: one per device, created on use.")

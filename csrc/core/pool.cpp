@@ -243,7 +243,9 @@ Block* DevicePool::new_segment_block(PoolKind pool, StreamId stream, std::size_t
   }
   if (block == nullptr) {
     ++stats_.num_ooms;
-    trace_.record(TraceAction::oom, 0, requested, stream);
+    std::size_t limit = cap_bytes() != 0 ? cap_bytes() : upstream_->total_memory(device_);
+    std::size_t reserved_now = std::size_t(stats_.total.reserved_bytes.current);
+    trace_.record(TraceAction::oom, 0, requested, stream, limit > reserved_now ? limit - reserved_now : 0);
     throw out_of_memory(oom_message(requested, minimal));
   }
   return block;

@@ -21,11 +21,12 @@ void TraceRing::set_capacity(std::size_t capacity) {
   next_ = count_ = 0;
 }
 
-void TraceRing::record(TraceAction action, std::uintptr_t addr, std::size_t size, StreamId stream) {
+void TraceRing::record(TraceAction action, std::uintptr_t addr, std::size_t size, StreamId stream,
+                       std::size_t device_free) {
   if (entries_.empty()) return;
   auto now = std::chrono::system_clock::now().time_since_epoch();
   std::int64_t time_us = std::chrono::duration_cast<std::chrono::microseconds>(now).count();
-  entries_[next_] = TraceEntry{action, addr, size, stream, time_us};
+  entries_[next_] = TraceEntry{action, addr, size, stream, time_us, device_free};
   next_ = (next_ + 1) % entries_.size();
   if (count_ < entries_.size()) ++count_;
 }

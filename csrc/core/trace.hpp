@@ -27,6 +27,7 @@ struct TraceEntry {
   std::size_t size;
   StreamId stream;
   std::int64_t time_us;
+  std::size_t device_free;  // oom: what the device (or the memory cap) still had
 };
 
 class TraceRing {
@@ -34,7 +35,8 @@ class TraceRing {
   void set_capacity(std::size_t capacity);  // drops what was recorded
   std::size_t capacity() const { return entries_.size(); }
   bool enabled() const { return !entries_.empty(); }
-  void record(TraceAction action, std::uintptr_t addr, std::size_t size, StreamId stream);
+  void record(TraceAction action, std::uintptr_t addr, std::size_t size, StreamId stream,
+              std::size_t device_free = 0);
   // Oldest first.
   std::vector<TraceEntry> entries() const;
 

@@ -63,6 +63,7 @@ bool DelayedEvents::query(EventId event) {
   std::lock_guard<std::mutex> lock(mutex_);
   auto it = remaining_.find(event);
   MK_ASSERT(it != remaining_.end(), "query of an unknown event");
+  if (paused_) return false;
   if (it->second == 0) return true;
   --it->second;
   return false;
@@ -78,6 +79,11 @@ void DelayedEvents::synchronize(EventId event) {
 void DelayedEvents::destroy(EventId event) {
   std::lock_guard<std::mutex> lock(mutex_);
   MK_ASSERT(remaining_.erase(event) == 1, "destroying an unknown event");
+}
+
+void DelayedEvents::set_paused(bool paused) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  paused_ = paused;
 }
 
 std::size_t DelayedEvents::live_events() {

@@ -50,11 +50,14 @@ class DelayedEvents : public EventSource {
   void synchronize(EventId event) override;
   void destroy(EventId event) override;
   std::size_t live_events();
+  // While paused no event completes (query() is false and does not count down).
+  void set_paused(bool paused);
 
  private:
   std::mutex mutex_;
   std::mt19937_64 rng_;
   std::uint32_t max_delay_;
+  bool paused_ = false;
   EventId next_ = 1;
   std::unordered_map<EventId, std::uint32_t> remaining_;  // queries left before complete
 };
