@@ -365,3 +365,62 @@ def pool_snapshot(pool):
     for d in devices:
         traces[d] = pool.trace(d)
     return {"segments": segments, "device_traces": traces}
+
+
+# ---------------------------------------------------------------------- summaries
+
+# Above this share of reserved memory held but unusable, memory_summary says so.
+FRAGMENTATION_WARNING = 0.2
+
+
+def _bytes_text(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def format_memory_summary(stats, device=0):
+    """A readable table of one device's pool statistics (the dict of ``Pool.stats``)."""
+    lines = [f"memkernels pool, device {device}", "-" * 78]
+    header = f"{'':<22}{'current':>14}{'peak':>14}{'allocated':>14}{'freed':>14}"
+    lines.append(header)
+    rows = [
+        ("allocated memory", "allocated_bytes", True),
+        ("requested memory", "requested_bytes", True),
+        ("active memory", "active_bytes", True),
+        ("reserved memory", "reserved_bytes", True),
+        ("allocations", "allocation", False),
+        ("segments", "segment", False),
+    ]
+    for label, key, is_bytes in rows:
+        for scope, source in (("", stats), (" small pool", stats["pools"]["small"]), (" large pool", stats["pools"]["large"])):
+            stat = source[key]
+            fmt = _bytes_text if is_bytes else str
+            lines.append(
+                f"{(label if not scope else '  ' + scope.strip()):<22}"
+                + "".join(f"{fmt(stat[k]):>14}" for k in ("current", "peak", "allocated", "freed"))
+            )
+    lines.append("-" * 78)
+    lines.append(
+        f"fragmentation (1 - allocated/reserved): {stats['fragmentation']:.1%}; external (1 - largest free/free): "
+        f"{stats['external_fragmentation']:.1%}"
+    )
+    lines.append(
+        f"cached free: {_bytes_text(stats['free_bytes'])}, largest free block {_bytes_text(stats['largest_free_block'])}"
+    )
+    histogram = ", ".join(f">={_bytes_text(size)}: {count}" for size, count in sorted(stats["free_block_histogram"].items()))
+    lines.append(f"free blocks by size: {histogram or 'none'}")
+    lines.append(
+        f"device allocations {stats['num_device_alloc']}, device frees {stats['num_device_free']}, "
+        f"retries {stats['num_alloc_retries']}, OOMs {stats['num_ooms']}"
+        + (f", memory cap {_bytes_text(stats['memory_cap'])}" if stats["memory_cap"] else "")
+    )
+    if stats["reserved_bytes"]["current"] and stats["fragmentation"] > FRAGMENTATION_WARNING:
+        lines.append(
+            f"WARNING: {stats['fragmentation']:.0%} of reserved memory "
+            f"({_bytes_text(stats['reserved_bytes']['current'] - stats['allocated_bytes']['current'])}) is held "
+            "but not allocated. memkernels.allocator.empty_cache() returns whole free segments to the device; "
+            "a lower gc_threshold does it automatically."
+        )
+    return "\n".join(lines)

@@ -489,3 +489,15 @@ def test_model_coalesces_and_empties():
     assert model.num_device_alloc == 1 and len(model._free_keys["small"]) == 1
     model.empty_cache()
     assert model.reserved == 0
+
+
+def test_memory_summary_reads_the_statistics_and_warns_on_fragmentation():
+    pool, _ = make_pool(release_before_growth=-1)
+    kept = pool.malloc(10 * MiB)
+    pool.free(pool.malloc(50 * MiB))
+    text = allocator.format_memory_summary(pool.stats())
+    assert "reserved memory" in text and "60.00 MiB" in text and "largest free block 50.00 MiB" in text
+    assert "WARNING: 83% of reserved memory (50.00 MiB) is held but not allocated" in text
+    pool.empty_cache()
+    assert "WARNING" not in allocator.format_memory_summary(pool.stats())
+    pool.free(kept)
