@@ -139,14 +139,36 @@ def _check_capacity(capacity):
     return capacity
 
 
-def _run_pool(ops, num_slots, device, capacity, config):
+# The simulated device reserves its whole address range up front: keep it well inside the
+# 47-bit user address space however large the "unlimited" capacity is.
+SIMULATED_CAPACITY_LIMIT = 1 << 42
+
+
+def _simulated_device_pool(device, capacity, pool_config):
+    """A pool over the device table on the simulated device, reconfigured for replay."""
+    from memkernels import device as device_module
+
+    device_module.use_sim()  # ValueError if real CUDA is already in use in this process
+    capacity = min(capacity, SIMULATED_CAPACITY_LIMIT)
+    device_count = device + 1
+    device_module.sim.configure(
+        device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count
+    )
+    return _C().make_device_pool(pool_config)
+
+
+def _run_pool(ops, num_slots, device, capacity, config, simulated_device=False):
     C = _C()
-    pool = C.Pool(_pool_config(**config), C.VirtualUpstream(capacity))
+    pool_config = _pool_config(**config)
+    if simulated_device:
+        pool = _simulated_device_pool(device, capacity, pool_config)
+    else:
+        pool = C.Pool(pool_config, C.VirtualUpstream(capacity))
     run = pool.replay(ops, num_slots, device)
     return pool.stats(device), run
 
 
-def replay(trace, *, device=0, expandable_segments=False, capacity=None, **config):
+def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulated_device=False, **config):
     """Replay a recorded PyTorch trace through memkernels' pool; returns its statistics.
 
     Args:
@@ -155,6 +177,10 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, **confi
         expandable_segments: VMM-backed segments (issue 8, not built yet).
         capacity: device memory in bytes; None for unlimited. Allocations the device cannot
             hold after release-and-retry count in ``num_ooms`` and are skipped.
+        simulated_device: run on the simulated CUDA device (virtual memory) through the same
+            device upstream and cudaEvent ordering that serve a GPU, instead of the pool's own
+            virtual-address device. This selects and reconfigures the simulated device for the
+            whole process, and ns_per_op then includes the simulated CUDA calls.
         **config: pool options (``csrc/core/policy.hpp`` / ``PoolConfig``), e.g.
             ``release_before_growth``, ``memory_cap_bytes``, ``gc_threshold``; and
             ``policy='pytorch'`` to run PyTorch's rules in memkernels' pool engine.
@@ -170,7 +196,7 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, **confi
         )
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
-    stats, run = _run_pool(ops, num_slots, device, capacity, config)
+    stats, run = _run_pool(ops, num_slots, device, capacity, config, simulated_device)
     return _summary(stats, run)
 
 
@@ -424,3 +450,101 @@ def format_memory_summary(stats, device=0):
             "a lower gc_threshold does it automatically."
         )
     return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the installed pool (PyTorch plug-in)
+
+_plugin = None  # the CUDAPluggableAllocator handed to torch: torch must never outlive its reference
+
+
+def install(**config):
+    """Make memkernels' pool PyTorch's CUDA allocator (CUDAPluggableAllocator + change_current_allocator).
+
+    Must run before the first CUDA allocation of the process. ``**config``: pool options, as for
+    :func:`replay` (e.g. ``memory_cap_fraction=0.9``, ``gc_threshold=0.8``,
+    ``trace_capacity=100_000``). Returns the installed ``memkernels._C.Pool``.
+
+    Untested on a GPU (none was available): everything up to handing the entry points to torch
+    is tested on the simulated device; the torch calls themselves are thin.
+    """
+    global _plugin
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "memkernels.allocator.install() must run before the first CUDA allocation: CUDA is already "
+            "initialized in this process, so PyTorch's own allocator may hold memory. Call install() at the "
+            "start of the program, before creating any CUDA tensor."
+        )
+    C = _C()
+    pool = C.install_device_pool(_pool_config(**config))
+    plugin = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, C.DEVICE_POOL_ALLOC_SYMBOL, C.DEVICE_POOL_FREE_SYMBOL)
+    torch.cuda.memory.change_current_allocator(plugin)
+    _plugin = plugin
+    return pool
+
+
+def _installed():
+    pool = _C().installed_device_pool()
+    if pool is None:
+        raise RuntimeError("memkernels' pool is not installed: call memkernels.allocator.install() first")
+    return pool
+
+
+def _device_index(device):
+    if device is None:
+        from memkernels import device as device_module
+
+        return device_module.get_device()
+    index = getattr(device, "index", device)  # a torch.device or an int
+    if not isinstance(index, int) or index < 0:
+        raise ValueError(f"device must be a non-negative int or a torch.device with an index, got {device!r}")
+    return index
+
+
+def stats(device=None):
+    """Statistics of the installed pool on ``device`` (default: the current device); see docs/allocator.md."""
+    result = _installed().stats(_device_index(device))
+    result.update(_C().device_pool_counters())  # bad_frees, failed_allocs of the C entry points
+    return result
+
+
+def memory_summary(device=None):
+    """A readable table of :func:`stats`, with a warning when fragmentation is high."""
+    index = _device_index(device)
+    return format_memory_summary(_installed().stats(index), index)
+
+
+def snapshot():
+    """The installed pool's state in PyTorch's snapshot format (``torch.cuda._memory_viz`` renders it)."""
+    return pool_snapshot(_installed())
+
+
+def empty_cache():
+    """Return every whole free segment of every device to the device (after pending frees complete)."""
+    pool = _installed()
+    for device in pool.devices():
+        pool.empty_cache(device)
+
+
+def reset_peak_stats(device=None):
+    _installed().reset_peak_stats(_device_index(device))
+
+
+def set_memory_cap(bytes=None, *, fraction=None, device=None):
+    """Cap the pool's reserved memory on ``device`` at ``bytes`` and/or ``fraction`` of its memory.
+
+    ``None`` for both removes the cap. Allocations past the cap go through the OOM path.
+    """
+    if bytes is not None and (not isinstance(bytes, int) or bytes <= 0):
+        raise ValueError(f"bytes must be a positive int or None, got {bytes!r}")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1] or None, got {fraction!r}")
+    _installed().set_memory_cap(bytes or 0, fraction or 0.0, _device_index(device))
+
+
+def reserve(bytes, *, device=None):
+    """Allocate ``bytes`` now and keep them in the pool for the rest of the run (empty_cache keeps them)."""
+    if not isinstance(bytes, int) or bytes <= 0:
+        raise ValueError(f"bytes must be a positive int, got {bytes!r}")
+    _installed().reserve(bytes, 0, _device_index(device))

@@ -5,7 +5,9 @@
 
 namespace py = pybind11;
 
+void bind_device(py::module_& m);  // bindings/device.cpp
 void bind_pool(py::module_& m);  // bindings/pool.cpp
+void bind_device_pool(py::module_& m);  // bindings/device_pool.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "memkernels C++ core (no torch, no CUDA linkage)";
@@ -24,5 +26,7 @@ PYBIND11_MODULE(_C, m) {
       py::set_error(PyExc_RuntimeError, e.what());
     }
   });
+  bind_device(m);
   bind_pool(m);
+  bind_device_pool(m);
 }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <sstream>
 
 #include "common/check.hpp"
@@ -47,10 +48,24 @@ DevicePool::DevicePool(int device, PoolConfig config, Upstream* upstream, EventS
 }
 
 DevicePool::~DevicePool() {
-  // Events still queued belong to us; segments go back to the upstream.
+  // Events still queued belong to us; segments go back to the upstream. A
+  // destructor must not throw: a failure here (e.g. the device was reset under
+  // us) is reported and the rest is still returned.
   for (auto& queue : queues_)
-    for (auto& pending : queue.events) events_->destroy(pending.event);
-  for (auto& entry : segments_) upstream_->deallocate(device_, entry.second->base, entry.second->size);
+    for (auto& pending : queue.events) {
+      try {
+        events_->destroy(pending.event);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "memkernels: pool on device %d: destroying an event: %s\n", device_, e.what());
+      }
+    }
+  for (auto& entry : segments_) {
+    try {
+      upstream_->deallocate(device_, entry.second->base, entry.second->size);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "memkernels: pool on device %d: releasing a segment: %s\n", device_, e.what());
+    }
+  }
 }
 
 // ---------------------------------------------------------------- block storage
