@@ -299,7 +299,7 @@ def segment_match(trace, *, device=0):
 # ---------------------------------------------------------------------- comparison
 
 
-def compare(trace, *, device=0, capacity=None, repeats=5, **config):
+def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False, **config):
     """PyTorch's policy (model), memkernels and the ideal on one trace, as a dict of dicts.
 
     memkernels' ``ns_per_op`` is the median over ``repeats`` fresh replays (the machine is
@@ -308,7 +308,9 @@ def compare(trace, *, device=0, capacity=None, repeats=5, **config):
     snapshot = load_trace(trace)
     capacity_bytes = _check_capacity(capacity)
     ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
-    runs = [_run_pool(ops, num_slots, device, capacity_bytes, config) for _ in range(max(1, repeats))]
+    runs = [
+        _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(max(1, repeats))
+    ]
     memkernels = _summary(*runs[0])
     memkernels["ns_per_op"] = statistics.median(_summary(*r)["ns_per_op"] for r in runs)
     return {
@@ -328,7 +330,7 @@ def _gib(n):
     return f"{n / 2**30:.2f} GiB"
 
 
-def print_replay_table(traces, *, device=None, capacity=None, repeats=5, file=None, **config):
+def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulated_device=False, file=None, **config):
     """Print PyTorch's policy vs memkernels vs ideal for each trace (and each device in it).
 
     ``device=None`` replays every device that has events. Returns the list of rows printed
@@ -349,7 +351,9 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, file=No
         for d in devices:
             if device is None and not any(e.get("action") == "alloc" for e in snapshot["device_traces"][d]):
                 continue
-            row = compare(snapshot, device=d, capacity=capacity, repeats=repeats, **config)
+            row = compare(
+                snapshot, device=d, capacity=capacity, repeats=repeats, simulated_device=simulated_device, **config
+            )
             row.update(trace=name, device=d)
             rows.append(row)
             ideal = row["ideal_peak_bytes"]
@@ -366,9 +370,10 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, file=No
                 f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
                 file=out,
             )
+    where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
     print(
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
-        "ns/op: memkernels' pool, median of runs, virtual-address device.",
+        f"ns/op: memkernels' pool, median of runs, on {where}.",
         file=out,
     )
     return rows
@@ -470,6 +475,12 @@ def install(**config):
     global _plugin
     import torch
 
+    if torch.version.cuda is None:
+        raise RuntimeError(
+            f"memkernels.allocator.install() plugs the pool into PyTorch's CUDA allocator, but this torch "
+            f"({torch.__version__}) is a build without CUDA. Install a CUDA build of torch to use it; "
+            "memkernels.allocator.replay() works without one."
+        )
     if torch.cuda.is_initialized():
         raise RuntimeError(
             "memkernels.allocator.install() must run before the first CUDA allocation: CUDA is already "

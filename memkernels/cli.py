@@ -15,11 +15,22 @@ def _add_replay(subparsers):
     parser.add_argument("--device", type=int, default=None, help="replay only this device (default: every device)")
     parser.add_argument("--capacity", type=int, default=None, help="device memory in bytes (default: unlimited)")
     parser.add_argument("--repeats", type=int, default=5, help="replays per trace for the ns/op median")
+    parser.add_argument(
+        "--simulated-device",
+        action="store_true",
+        help="run memkernels' pool on the simulated CUDA device (cudaMalloc, cudaEvent) instead of plain addresses",
+    )
 
     def run(args):
         from memkernels.allocator import print_replay_table
 
-        print_replay_table(args.traces, device=args.device, capacity=args.capacity, repeats=args.repeats)
+        print_replay_table(
+            args.traces,
+            device=args.device,
+            capacity=args.capacity,
+            repeats=args.repeats,
+            simulated_device=args.simulated_device,
+        )
         return 0
 
     parser.set_defaults(run=run)

@@ -212,3 +212,18 @@ def test_replay_on_the_simulated_device_matches_the_core_replay():
                 "num_device_free", "num_ooms"):
         assert on_sim[key] == on_core[key], key
     assert sim.counters()["cudaMalloc"] == on_sim["num_device_alloc"]
+
+
+def test_cli_replay_on_the_simulated_device(tmp_path, capsys):
+    import pickle
+
+    from memkernels.cli import main
+
+    events = [{"action": "alloc", "addr": 1, "size": 3 * MiB, "stream": 0},
+              {"action": "alloc", "addr": 2, "size": 30 * MiB, "stream": 0},
+              {"action": "free_completed", "addr": 1, "size": 3 * MiB, "stream": 0}]
+    path = tmp_path / "trace.pickle"
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    assert main(["replay", str(path), "--simulated-device", "--repeats", "1"]) == 0
+    assert "on the simulated CUDA device" in capsys.readouterr().out
+    assert sim.counters()["cudaMalloc"] >= 2
