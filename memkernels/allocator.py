@@ -15,8 +15,11 @@ import sys
 
 from memkernels._torch_policy import ModelOutOfMemory, TorchPolicyModel
 
-# A device with this much memory never refuses a segment: "no capacity given".
+# With no capacity given, the pool's own virtual device has this much memory (it never refuses)...
 UNLIMITED_CAPACITY = 1 << 50
+# ... and the simulated device this much: it reserves its whole address range up front, and
+# 128 GiB fits anywhere (ThreadSanitizer leaves about 256 GiB) while holding any 80 GB GPU's trace.
+SIMULATED_DEFAULT_CAPACITY = 128 << 30
 
 _POLICY_KEYS = (
     "min_block",
@@ -133,15 +136,10 @@ def _pool_config(policy="memkernels", **config):
 
 def _check_capacity(capacity):
     if capacity is None:
-        return UNLIMITED_CAPACITY
+        return None
     if not isinstance(capacity, int) or capacity <= 0:
         raise ValueError(f"capacity must be a positive number of bytes or None (unlimited), got {capacity!r}")
     return capacity
-
-
-# The simulated device reserves its whole address range up front: keep it well inside the
-# 47-bit user address space however large the "unlimited" capacity is.
-SIMULATED_CAPACITY_LIMIT = 1 << 42
 
 
 def _simulated_device_pool(device, capacity, pool_config):
@@ -149,7 +147,7 @@ def _simulated_device_pool(device, capacity, pool_config):
     from memkernels import device as device_module
 
     device_module.use_sim()  # ValueError if real CUDA is already in use in this process
-    capacity = min(capacity, SIMULATED_CAPACITY_LIMIT)
+    capacity = SIMULATED_DEFAULT_CAPACITY if capacity is None else capacity
     device_count = device + 1
     device_module.sim.configure(
         device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count
@@ -163,7 +161,7 @@ def _run_pool(ops, num_slots, device, capacity, config, simulated_device=False):
     if simulated_device:
         pool = _simulated_device_pool(device, capacity, pool_config)
     else:
-        pool = C.Pool(pool_config, C.VirtualUpstream(capacity))
+        pool = C.Pool(pool_config, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
     run = pool.replay(ops, num_slots, device)
     return pool.stats(device), run
 
@@ -175,7 +173,8 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
         trace: path to a ``torch.cuda.memory._dump_snapshot`` pickle, or the loaded dict.
         device: which of the trace's ``device_traces`` to replay.
         expandable_segments: VMM-backed segments (issue 8, not built yet).
-        capacity: device memory in bytes; None for unlimited. Allocations the device cannot
+        capacity: device memory in bytes; None for unlimited (128 GiB on the simulated
+            device, which reserves its address range up front). Allocations the device cannot
             hold after release-and-retry count in ``num_ooms`` and are skipped.
         simulated_device: run on the simulated CUDA device (virtual memory) through the same
             device upstream and cudaEvent ordering that serve a GPU, instead of the pool's own
@@ -224,7 +223,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None):
     Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
     ``segment_sizes``, every segment it took from the device, in order.
     """
-    capacity = None if capacity is None else _check_capacity(capacity)
+    capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
     model = TorchPolicyModel(capacity=capacity)
     slots = [None] * num_slots

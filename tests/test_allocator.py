@@ -316,6 +316,8 @@ def test_unknown_and_double_free_are_refused_without_harm():
     assert pool.free(p)
     assert not pool.free(p)
     assert pool.malloc(0) == 0
+    with pytest.raises(_C.OutOfMemoryError, match="no device has that much memory"):
+        pool.malloc(2**64 - 1)  # rounding it up would overflow
     pool.check_invariants()
 
 

@@ -27,6 +27,9 @@ namespace mk::core {
 constexpr std::size_t kKiB = 1024;
 constexpr std::size_t kMiB = 1024 * kKiB;
 
+// Larger requests are refused as out of memory before any size arithmetic can overflow.
+constexpr std::size_t kMaxRequest = std::size_t(1) << 62;
+
 enum class PoolKind : int { small = 0, large = 1 };
 constexpr int kNumPools = 2;
 

@@ -287,6 +287,11 @@ std::string DevicePool::oom_message(std::size_t requested, std::size_t segment_b
 std::uintptr_t DevicePool::malloc(std::size_t bytes, StreamId stream) {
   if (bytes == 0) return 0;
   std::lock_guard<std::mutex> lock(mutex_);
+  if (bytes > kMaxRequest) {
+    ++stats_.num_ooms;
+    trace_.record(TraceAction::oom, 0, bytes, stream);
+    throw out_of_memory(oom_message(bytes, bytes) + " (no device has that much memory)");
+  }
   if (!queues_.empty()) process_events(false);
   const Policy& policy = config_.policy;
   std::size_t rounded = policy.round_size(bytes);
@@ -484,7 +489,7 @@ void DevicePool::empty_cache() {
 }
 
 void DevicePool::reserve(std::size_t bytes, StreamId stream) {
-  MK_EXPECTS(bytes > 0, "reserve: bytes must be positive");
+  MK_EXPECTS(bytes > 0 && bytes <= kMaxRequest, "reserve: bytes must be positive and at most 2^62");
   std::lock_guard<std::mutex> lock(mutex_);
   const Policy& policy = config_.policy;
   std::size_t size = (bytes + policy.segment_granularity - 1) / policy.segment_granularity * policy.segment_granularity;
