@@ -1,7 +1,9 @@
 """Randomized fuzz and multi-threaded stress of the caching pool.
 
-The fuzz runs 10^5 operations (malloc, free, record_stream, empty_cache) over four streams
-with event completion delayed by a random number of queries, and after every step asks the
+The fuzz runs 10^5 operations (malloc, free, record_stream, empty_cache) over four streams,
+on the pool's own virtual device (events complete after a random number of queries) and on
+the simulated CUDA device (stream workers delay every operation by a random time), and after
+every step asks the
 pool to recount itself (check_invariants, C++): blocks tile their segments (so no two live
 blocks overlap), free lists hold exactly the free blocks, adjacent free blocks were merged,
 every statistic equals its recount. Independently, Python tracks the live allocations and
@@ -14,8 +16,8 @@ import threading
 
 import pytest
 
-from memkernels import _C
-from memkernels import allocator
+from memkernels import _C, allocator, device
+from memkernels.device import sim
 
 pytestmark = pytest.mark.cpp
 
@@ -41,13 +43,42 @@ def _check_live(pool, live):
         assert end <= start, "two live allocations overlap"
 
 
-@pytest.mark.parametrize("policy", ["memkernels", "pytorch"])
-def test_fuzz_invariants_hold_after_every_step(policy):
-    rng = random.Random(random.getrandbits(64))  # conftest seeds `random` per test
-    steps = 100_000 if policy == "memkernels" else 30_000
+def _virtual_device(rng):
+    """The pool's own virtual device; events complete after 0..8 queries."""
     events = _C.DelayedEvents(8, rng.getrandbits(32))
     upstream = _C.VirtualUpstream(GiB)
-    pool = _C.Pool(allocator._pool_config(policy=policy), upstream, events)
+    return events, upstream.used, STREAMS, (lambda config: _C.Pool(config, upstream, events))
+
+
+def _simulated_device(rng):
+    """The simulated CUDA device: segments by cudaMalloc, events on worker-run streams that
+    sleep a random 0..50 us before each operation."""
+    device.use_sim()
+    sim.configure(device_count=1, capacity=GiB, host_capacity=None, granularity=2 * MiB, memory="virtual",
+                  address_space=4 * GiB, sync_timeout_s=30.0)
+    sim.set_random_delays(max_delay_us=50, seed=rng.getrandbits(32))
+    streams = [0] + [device.stream_create() for _ in range(3)]
+    used = lambda: sim.stats()["devices"][0]["bytes_in_use"]  # noqa: E731
+    return None, used, streams, _C.make_device_pool
+
+
+@pytest.fixture
+def reset_sim():
+    yield
+    if device.backend() == "sim":
+        sim.set_random_delays(0, 0)
+        sim.reset()
+
+
+@pytest.mark.parametrize(
+    "device_kind, policy, steps",
+    [("virtual", "memkernels", 100_000), ("virtual", "pytorch", 30_000), ("simulated", "memkernels", 100_000)],
+)
+def test_fuzz_invariants_hold_after_every_step(device_kind, policy, steps, reset_sim):
+    rng = random.Random(random.getrandbits(64))  # conftest seeds `random` per test
+    make_device = _virtual_device if device_kind == "virtual" else _simulated_device
+    events, device_used, streams, make_pool = make_device(rng)
+    pool = make_pool(allocator._pool_config(policy=policy))
     live = {}  # addr -> (requested size, stream)
     addrs = []
     counts = dict.fromkeys(("malloc", "free", "oom", "record_stream", "empty_cache", "drain"), 0)
@@ -55,7 +86,7 @@ def test_fuzz_invariants_hold_after_every_step(policy):
         action = rng.random()
         live_bytes = sum(size for size, _ in live.values()) if step % 64 == 0 else 0
         if not addrs or (action < 0.5 and live_bytes < 700 * MiB):
-            size, stream = _random_size(rng), rng.choice(STREAMS)
+            size, stream = _random_size(rng), rng.choice(streams)
             try:
                 addr = pool.malloc(size, stream)
             except _C.OutOfMemoryError:
@@ -74,7 +105,7 @@ def test_fuzz_invariants_hold_after_every_step(policy):
             counts["free"] += 1
         elif action < 0.995:
             addr = rng.choice(addrs)
-            pool.record_stream(addr, rng.choice(STREAMS))
+            pool.record_stream(addr, rng.choice(streams))
             counts["record_stream"] += 1
         elif action < 0.999:
             pool.empty_cache()
@@ -85,7 +116,7 @@ def test_fuzz_invariants_hold_after_every_step(policy):
             addrs.clear()
             live.clear()
             pool.empty_cache()
-            assert pool.stats()["reserved_bytes"]["current"] == 0 and upstream.used() == 0
+            assert pool.stats()["reserved_bytes"]["current"] == 0 and device_used() == 0
             counts["drain"] += 1
         pool.check_invariants()
         if step % 101 == 0:
@@ -97,8 +128,13 @@ def test_fuzz_invariants_hold_after_every_step(policy):
     pool.empty_cache()
     pool.check_invariants()
     stats = pool.stats()
-    assert stats["reserved_bytes"]["current"] == 0 and upstream.used() == 0 and events.live_events() == 0
+    assert stats["reserved_bytes"]["current"] == 0 and device_used() == 0
     assert stats["num_device_alloc"] == stats["num_device_free"]
+    if events is not None:
+        assert events.live_events() == 0
+    else:  # ordering really went through the simulated device's events
+        counters = sim.counters()
+        assert counters["cudaEventRecord"] >= counts["free"] and counters["cudaEventQuery"] > 0
 
 
 def test_stress_concurrent_malloc_free_from_threads():
