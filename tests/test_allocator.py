@@ -413,6 +413,22 @@ def test_replay_input_errors():
         allocator.replay("/no/such/trace.pickle")
 
 
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"min_block": 500}, "min_block must be a positive power of two"),
+        ({"large_split_min": 0}, "large_split_min must be at least min_block"),
+        ({"oversize_ratio": 0.5}, "oversize_ratio must be >= 1"),
+        ({"release_before_growth": 1.5}, "release_before_growth must be below 1"),
+        ({"gc_threshold": 2.0}, "gc_threshold must be in"),
+        ({"memory_cap_fraction": -0.1}, "memory_cap_fraction must be in"),
+    ],
+)
+def test_bad_pool_options_name_the_option(option, message):
+    with pytest.raises(ValueError, match=message):
+        allocator.replay(_synthetic_trace(), **option)
+
+
 def test_trace_files_cannot_run_code(tmp_path):
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [], "x": os.getcwd}))  # a global reference

@@ -66,6 +66,11 @@ void Policy::validate() const {
              "segment_granularity must be a positive multiple of min_block");
   MK_EXPECTS(oversize_block == 0 || oversize_ratio >= 1.0,
              "oversize_ratio must be >= 1 (or set oversize_block=0 to disable the rule)");
+  MK_EXPECTS(large_split_min >= min_block,
+             "large_split_min must be at least min_block (a split must leave a real block), got " +
+                 std::to_string(large_split_min));
+  MK_EXPECTS(release_before_growth < 1.0,
+             "release_before_growth must be below 1 (a fraction of reserved memory; negative disables it)");
 }
 
 }  // namespace mk::core
