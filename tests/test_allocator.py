@@ -135,6 +135,19 @@ def test_same_stream_reuses_at_once_other_streams_after_the_event():
     pool.check_invariants()
 
 
+def test_no_event_is_recorded_while_only_one_stream_was_seen():
+    events = _C.DelayedEvents(0, 1)
+    events.set_paused(True)
+    pool, _ = make_pool(events=events, release_before_growth=-1)
+    for _ in range(3):
+        pool.free(pool.malloc(MiB, stream=1))
+    assert events.live_events() == 0
+    pool.malloc(MiB, stream=2)
+    pool.free(pool.malloc(MiB, stream=1))
+    assert events.live_events() == 1
+    pool.check_invariants()
+
+
 def test_without_an_event_source_blocks_stay_with_their_stream():
     pool, _ = make_pool(release_before_growth=-1)
     p = pool.malloc(MiB, stream=1)

@@ -90,11 +90,11 @@ def test_cross_stream_reuse_waits_for_the_event_on_the_simulated_stream():
     pool = make_pool(release_before_growth=-1)
     sim.hold_events(True)  # the event recorded at free time stalls on s1
     p = pool.malloc(MiB, s1)
+    others = [pool.malloc(MiB, s2) for _ in range(2)]  # a second stream: frees now record events
     pool.free(p)
     assert pool.malloc(MiB, s1) == p  # own stream: at once
     pool.free(p)
-    others = [pool.malloc(MiB, s2) for _ in range(2)]
-    assert p not in others
+    assert pool.malloc(MiB, s2) not in [p] + others  # s1's event has not completed
     sim.hold_events(False)
     device.stream_synchronize(s1)
     assert pool.malloc(MiB, s2) == p

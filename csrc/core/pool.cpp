@@ -293,6 +293,7 @@ std::uintptr_t DevicePool::malloc(std::size_t bytes, StreamId stream) {
     throw out_of_memory(oom_message(bytes, bytes) + " (no device has that much memory)");
   }
   if (!queues_.empty()) process_events(false);
+  note_stream(stream);
   const Policy& policy = config_.policy;
   std::size_t rounded = policy.round_size(bytes);
   PoolKind pool = policy.pool_for(rounded);
@@ -374,7 +375,10 @@ void DevicePool::retire(Block* block) {
 void DevicePool::free_block(Block* block) {
   retire(block);
   block->state = BlockState::free_stream;
-  if (events_ != nullptr) {
+  // Only another stream could use the event; while the pool has seen a single
+  // stream none is recorded (on a GPU that saves a cudaEventRecord per free).
+  // Such a block stays with its stream, which is always safe.
+  if (events_ != nullptr && streams_seen_.size() > 1) {
     ++block->generation;
     block->event_seq = ++event_seq_;
     record_event(block, block->stream);
@@ -389,8 +393,14 @@ void DevicePool::record_stream(std::uintptr_t addr, StreamId stream) {
                                          " is not a live allocation of device " + std::to_string(device_));
   MK_EXPECTS(events_ != nullptr, "record_stream needs an event source: this pool was built without one");
   Block* block = it->second;
+  note_stream(stream);
   if (stream == block->stream) return;
   if (std::find(block->uses.begin(), block->uses.end(), stream) == block->uses.end()) block->uses.push_back(stream);
+}
+
+void DevicePool::note_stream(StreamId stream) {
+  if (std::find(streams_seen_.begin(), streams_seen_.end(), stream) == streams_seen_.end())
+    streams_seen_.push_back(stream);
 }
 
 // ---------------------------------------------------------------- coalescing

@@ -5,7 +5,9 @@
 //
 // Stream-ordered reuse. A block freed on stream S goes back to S's free list at
 // once (S's later work is ordered after the free). An event is recorded on S at
-// free time; once it completes the block is free for every stream. A block used
+// free time; once it completes the block is free for every stream. (While the
+// pool has seen a single stream no event is recorded: nobody else could use
+// the block, and on a GPU that saves a cudaEventRecord per free.) A block used
 // on other streams (record_stream) is not reusable by anyone until events
 // recorded at free time on S and on each of those streams have completed.
 // Without an EventSource blocks stay with their stream, as in PyTorch.
@@ -163,6 +165,7 @@ class DevicePool {
   static bool mergeable(const Block* a, const Block* b);
   void process_events(bool wait);
   void record_event(Block* block, StreamId stream);
+  void note_stream(StreamId stream);
   void complete(Block* block);
   Block* new_block();
   void recycle(Block* block);
@@ -181,6 +184,7 @@ class DevicePool {
   std::unordered_map<std::uintptr_t, Block*> allocated_;
   std::map<std::uintptr_t, std::unique_ptr<Segment>> segments_;
   std::vector<StreamQueue> queues_;
+  std::vector<StreamId> streams_seen_;  // every stream that allocated or used a block
   std::vector<std::unique_ptr<Block>> block_storage_;  // blocks live as long as the pool
   std::vector<Block*> spare_blocks_;
   DeviceStats stats_;
