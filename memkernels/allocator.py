@@ -325,10 +325,6 @@ def _ratio(result, ideal):
     return result["peak_reserved_bytes"] / ideal if ideal else float("nan")
 
 
-def _gib(n):
-    return f"{n / 2**30:.2f} GiB"
-
-
 def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulated_device=False, file=None, **config):
     """Print PyTorch's policy vs memkernels vs ideal for each trace (and each device in it).
 
@@ -364,7 +360,7 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
                 f" (model took {match['model_segments']})"
             )
             print(
-                f"{name[:38]:<38} {d:>3} {_gib(ideal):>11} | {_ratio(row['pytorch'], ideal):>7.3f} "
+                f"{name[:38]:<38} {d:>3} {_bytes_text(ideal):>11} | {_ratio(row['pytorch'], ideal):>7.3f} "
                 f"{row['pytorch']['num_device_alloc']:>9} | {_ratio(row['memkernels'], ideal):>10.3f} "
                 f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
                 file=out,
