@@ -198,6 +198,7 @@ class OffloadActivations:
         self._reset_block_state()
         self._live = weakref.WeakSet()   # every stash some autograd graph may still hold, all blocks
         self._prefetched_bytes = 0
+        self._drain_queued = False
         self._counts = {"bytes_offloaded": 0, "storages_offloaded": 0, "prefetch_hits": 0, "restores_on_demand": 0,
                         "restores_from_device": 0}
         self._kept = dict.fromkeys(_KEEP_REASONS, 0)
@@ -272,6 +273,7 @@ class OffloadActivations:
             out = {"enabled": self.enabled, "mode": self._mode, **self._counts,
                    "bytes_kept": sum(self._kept.values()), "kept_by_reason": dict(self._kept)}
             if self._engine is not None and not self._engine.closed:
+                self._drain()
                 self._final_engine_stats = self._engine.stats()
             engine = self._final_engine_stats
         pool = engine["pool"] if engine else {}
@@ -418,6 +420,23 @@ class OffloadActivations:
             stash.source = None
             stash.state = _Stash.OFFLOADED
 
+    def _drain_when_backward_ends(self):
+        # Copies still running at an unpack hold their device source; look
+        # again when this backward pass is over rather than at the next step.
+        if self._drain_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._drain_after_backward)
+        except RuntimeError:  # unpacked outside a backward pass (e.g. grad_fn._saved_*)
+            return
+        self._drain_queued = True
+
+    def _drain_after_backward(self):
+        with self._lock:
+            self._drain_queued = False
+            if self._engine is not None and not self._engine.closed:
+                self._drain()
+
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
@@ -437,6 +456,7 @@ class OffloadActivations:
                     "OffloadActivations raised, or the manager was closed); run the forward pass again")
             if self._engine is not None and not self._engine.closed:
                 self._drain()
+                self._drain_when_backward_ends()
             if stash.source is not None:  # deferred, kept, or its D2H copy still running
                 self._counts["restores_from_device"] += 1
                 return stash.source
