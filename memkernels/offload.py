@@ -41,6 +41,9 @@ How a saved tensor is handled:
   storage modified in place between saves is copied again); each view is
   restored with its size, stride and storage offset, so non-contiguous and
   expanded (stride-0) tensors come back exactly.
+* A saved tensor modified in place raises at backward, as without hooks
+  (PyTorch does not check when saved-tensor hooks are set; memkernels checks
+  while the tensor is still referenced somewhere).
 * The device copy is released only after its device-to-host copy completed
   (polled with event queries at each save; :meth:`wait_for_offloads` blocks).
 * Unpacking is idempotent (``retain_graph=True``, double backward): the
@@ -140,7 +143,7 @@ class _Stash:
 class _Packed:
     """What autograd holds instead of a saved tensor: the stash and the view's geometry."""
 
-    __slots__ = ("stash", "dtype", "size", "stride", "storage_offset")
+    __slots__ = ("stash", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version")
 
     def __init__(self, stash, tensor):
         self.stash = stash
@@ -148,6 +151,19 @@ class _Packed:
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.storage_offset = tensor.storage_offset()
+        # Autograd skips its in-place check when saved-tensor hooks are set;
+        # this restores it for as long as the saved tensor is referenced.
+        self.tensor_ref = weakref.ref(tensor)
+        self.version = tensor._version
+
+    def check_version(self):
+        tensor = self.tensor_ref()
+        if tensor is not None and tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a {self.dtype} tensor of shape {tuple(self.size)} was saved at version {self.version} and is now "
+                f"at version {tensor._version} (detected by memkernels.OffloadActivations). Clone it before "
+                "modifying it, or do the in-place operation out of place.")
 
 
 class OffloadActivations:
@@ -440,6 +456,7 @@ class OffloadActivations:
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
+        packed.check_version()
         storage = self._materialize(packed.stash)
         out = torch.empty((0,), dtype=packed.dtype, device=self._device)
         out.set_(storage, packed.storage_offset, packed.size, packed.stride)
