@@ -114,16 +114,18 @@ def _storage_key(storage):
 class _Stash:
     """One storage's bytes: on the device, in flight, or in a pinned block."""
 
-    __slots__ = ("owner", "nbytes", "version", "index", "handle", "state", "source", "restored", "prefetched",
-                 "storage_ref", "__weakref__")
+    __slots__ = ("owner", "nbytes", "version", "order", "index", "handle", "state", "source", "restored",
+                 "prefetched", "storage_ref", "__weakref__")
 
     DEFERRED, OFFLOADING, OFFLOADED, KEPT, DISCARDED = "deferred", "offloading", "offloaded", "kept", "discarded"
 
-    def __init__(self, owner, storage, version, index):
+    def __init__(self, owner, storage, version, order):
         self.owner = owner
         self.nbytes = storage.nbytes()
         self.version = version
-        self.index = index           # pack order within the forward
+        self.order = order           # weakrefs to the stashes of its forward block, in pack order
+        self.index = len(order)      # its place there
+        order.append(weakref.ref(self))
         self.handle = 0              # engine handle once offloaded
         self.state = self.DEFERRED
         self.source = storage        # the device storage, held until its D2H copy completed
@@ -212,6 +214,7 @@ class OffloadActivations:
         self._hooks = None
         self._module_hook = None
         self._reset_block_state()
+        self._pending = collections.deque()  # stashes whose D2H copy may still run (they hold their source)
         self._live = weakref.WeakSet()   # every stash some autograd graph may still hold, all blocks
         self._prefetched_bytes = 0
         self._drain_queued = False
@@ -324,7 +327,6 @@ class OffloadActivations:
     def _reset_block_state(self):
         self._by_storage = {}            # storage key -> weakref to its live stash (this block)
         self._order = []                 # weakrefs to this block's stashes, in pack order
-        self._pending = collections.deque()  # stashes whose D2H copy may still run (hold their source)
         self._deferred = []              # saved since the last module call began
         self._param_storages = {}        # storage key -> weakref to the storage
         self._unscanned = []             # modules called whose parameters are not yet recorded
@@ -400,10 +402,9 @@ class OffloadActivations:
             stash = ref() if ref is not None else None
             if (stash is None or stash.storage_ref() is not storage or stash.version != tensor._version
                     or stash.state == _Stash.DISCARDED):
-                stash = _Stash(self, storage, tensor._version, len(self._order))
+                stash = _Stash(self, storage, tensor._version, self._order)
                 self._live.add(stash)
                 self._by_storage[key] = weakref.ref(stash)
-                self._order.append(weakref.ref(stash))
                 self._deferred.append(stash)
                 if self.offload_last_module:
                     self._flush_deferred()
@@ -488,7 +489,7 @@ class OffloadActivations:
                 storage = self._new_device_storage(stash.nbytes)
                 self._engine.prefetch(stash.handle, storage.data_ptr(), self._stream())
                 self._counts["restores_on_demand"] += 1
-            self._prefetch_before(stash.index)
+            self._prefetch_before(stash)
             self._wait(stash.handle)
             stash.restored = weakref.ref(storage)
             return storage
@@ -499,10 +500,11 @@ class OffloadActivations:
         else:
             self._engine.synchronize(handle)  # CPU compute reads the bytes right after we return
 
-    def _prefetch_before(self, index):
-        """Start restoring the stashes packed before `index` (latest first) within the prefetch budget."""
+    def _prefetch_before(self, unpacked):
+        """Start restoring the stashes packed before `unpacked` in its block (latest first), within budget."""
         stream = None
-        for ref in reversed(self._order[max(0, index - _PREFETCH_SCAN_LIMIT):index]):
+        index = unpacked.index
+        for ref in reversed(unpacked.order[max(0, index - _PREFETCH_SCAN_LIMIT):index]):
             stash = ref()
             if (stash is None or stash.state != _Stash.OFFLOADED or stash.prefetched is not None
                     or (stash.restored is not None and stash.restored() is not None)):
@@ -531,7 +533,7 @@ class OffloadActivations:
 
     def _discard_block(self):
         """Drop everything this block offloaded (after an exception inside it)."""
-        self._discard([ref() for ref in self._order] + list(self._pending) + self._deferred)
+        self._discard([ref() for ref in self._order] + self._deferred)
 
     def _discard(self, stashes):
         self._engine.synchronize_all()  # no copy may still read a source or write a block
@@ -545,4 +547,5 @@ class OffloadActivations:
                 self._engine.release(stash.handle)
             stash.source = None
             stash.state = _Stash.DISCARDED
+        self._pending = collections.deque(s for s in self._pending if s.state != _Stash.DISCARDED)
         self._reset_block_state()

@@ -9,6 +9,7 @@ import copy
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -136,7 +137,7 @@ def test_gpt_three_steps_bitwise_identical_and_pool_reused(offload, offload_last
     assert pinned_allocations[0] > 0
     assert pinned_allocations[1] == pinned_allocations[0] and pinned_allocations[2] == pinned_allocations[0], \
         f"steps 2 and 3 pinned new memory: cudaHostAlloc calls after each step {pinned_allocations}"
-    assert stats["storages_offloaded"] > 0 and stats["pool_hits"] > 0 and stats["prefetch_hits"] > 0
+    assert stats["storages_offloaded"] > 0 and stats["pool_hits"] > 0
     assert stats["kept_by_reason"]["parameter"] > 0
     assert (stats["kept_by_reason"]["last_module"] > 0) == (not offload_last_module)
     manager.wait_for_offloads()  # copies still running when backward ended hold their handle until done
@@ -206,6 +207,30 @@ def test_device_copy_lives_until_its_offload_completed(offload):
     assert drained < 0.1 * resident_without
     loss.backward()
     assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+
+
+def test_backward_waits_for_held_prefetch_copies(offload):
+    # Every copy back is stalled until a timer releases the events: backward
+    # must wait for it (not read the uninitialized destination) and still match.
+    model, batch = GPT(), make_batch()
+    expected = train(model, [batch])
+    model = copy.deepcopy(model)
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    with manager:
+        loss = model(*batch)
+    manager.wait_for_offloads()
+    hold_s = 0.3
+    sim.hold_events(True)
+    releaser = threading.Timer(hold_s, sim.hold_events, args=(False,))
+    releaser.start()
+    start = time.perf_counter()
+    loss.backward()
+    waited = time.perf_counter() - start
+    releaser.join()
+    assert waited >= hold_s * 0.9, f"backward finished in {waited:.3f}s while its copies were held for {hold_s}s"
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+    stats = manager.stats()
+    assert stats["restores_from_device"] == 0 and stats["prefetch_hits"] > 0
 
 
 # ------------------------------------------------------------------ what is saved, and how it comes back
@@ -426,6 +451,29 @@ def test_exception_mid_forward_leaves_nothing_behind(offload):
     assert manager.stats()["pinned_allocations"] == pinned
 
 
+def test_two_forwards_before_backward_and_a_failing_third(offload):
+    # Gradient accumulation: two blocks alive at once, backward in either order;
+    # a third block that raises must not touch the first two.
+    model, batches = GPT(), [make_batch() for _ in range(2)]
+    reference = copy.deepcopy(model)
+    for idx, targets in batches:
+        reference(idx, targets).backward()
+    expected = [[p.grad for p in reference.parameters()]]
+    sim.set_random_delays(max_delay_us=200, seed=4)
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    losses = []
+    for batch in batches:
+        with manager:
+            losses.append(model(*batch))
+    with pytest.raises(ZeroDivisionError):
+        with manager:
+            model(*batches[0])
+            1 / 0
+    losses[1].backward()
+    losses[0].backward()
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+
+
 @pytest.mark.parametrize("where", ["around", "inside"])
 def test_checkpoint_interplay(offload, where):
     model, batches = GPT(checkpoint_blocks=where == "around"), [make_batch() for _ in range(2)]
@@ -489,7 +537,9 @@ def test_prefetch_budget_zero_restores_on_demand(offload):
     manager = offload(min_offload_bytes=0, prefetch_bytes=0, offload_last_module=True)
     assert_bitwise_equal(expected, train(model, batches, manager))
     stats = manager.stats()
-    assert stats["prefetch_hits"] == 0 and stats["restores_on_demand"] >= stats["storages_offloaded"]
+    # Unpacks whose D2H copy was still running use the device copy (timing-dependent).
+    restores = stats["restores_on_demand"] + stats["restores_from_device"]
+    assert stats["prefetch_hits"] == 0 and restores >= stats["storages_offloaded"]
 
 
 # ------------------------------------------------------------------ API
