@@ -233,6 +233,19 @@ def test_small_classes_share_a_slab(engine):
         e.release(h)
 
 
+def test_trim_returns_unused_slabs_to_the_host(engine):
+    e = engine()
+    kept = e.offload(device_buffer(random_bytes(4 * KiB)), 4 * KiB, 0)
+    for n in (300 * KiB, MiB):
+        h = e.offload(device_buffer(random_bytes(n)), n, 0)
+        e.release(h)
+    assert e.trim() == _C.offload.class_size(300 * KiB) + MiB
+    pool = e.stats()["pool"]
+    assert pool["slabs"] == 1 and pool["bytes_in_use"] == 4 * KiB  # the slab still in use stays
+    assert sim.stats()["host_bytes_in_use"] == pool["pinned_bytes"]
+    e.release(kept)
+
+
 def test_cap_refuses_and_counts_without_error(engine):
     e = engine(max_pinned_bytes=256 * KiB)
     big = e.offload(device_buffer(random_bytes(300 * KiB)), 300 * KiB, 0)
