@@ -76,9 +76,8 @@ __all__ = ["OffloadActivations", "no_offload"]
 
 _local = threading.local()
 
-# Unpacked views of one storage can be restored at different times; cap the
-# backward scan for prefetch candidates so that a long, out-of-order backward
-# stays linear.
+# How far back from an unpacked stash to look for prefetch candidates: bounds
+# the work per unpack when backward runs out of order over a long forward.
 _PREFETCH_SCAN_LIMIT = 256
 
 _KEEP_REASONS = ("parameter", "small", "other_device", "no_offload", "unsupported", "cap", "last_module")
