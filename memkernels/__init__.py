@@ -13,7 +13,10 @@ from memkernels._backend import get_backend, set_backend
 __version__ = "0.1.0"
 
 # public name -> module that defines it; resolved on first attribute access.
-_LAZY = {}
+_LAZY = {
+    "OffloadActivations": "memkernels.offload",
+    "no_offload": "memkernels.offload",
+}
 
 
 def __getattr__(name):
