@@ -40,7 +40,8 @@ def measure(model, x, grad_out):
 def memory_table(tokens, hidden, ffn, device):
     mib = 1 << 20
     print(f"GPT-2-medium MLP, {tokens} tokens x {hidden} -> {ffn} -> {hidden}, device {device}")
-    print(f"{'dtype':<10}{'impl':<18}{'saved B/token':>15}{'fwd peak MiB':>14}{'step peak MiB':>15}{'saved vs eager':>16}")
+    print(f"{'dtype':<10}{'impl':<18}{'saved B/token':>15}{'fwd peak MiB':>14}{'step peak MiB':>15}"
+          f"{'saved vs eager':>16}")
     ok = True
     for dtype in (torch.float32, torch.bfloat16):
         eager = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden)).to(device, dtype)

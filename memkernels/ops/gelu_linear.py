@@ -377,7 +377,6 @@ def _run(step, backend, *args):
     return _STEPS[step].custom_op(*args, backend)
 
 
-
 class GeLULinearFunction(torch.autograd.Function):
     """y = gelu(x) @ weight.T + bias, saving only x (and the weight parameter)."""
 
