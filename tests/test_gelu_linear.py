@@ -356,3 +356,11 @@ def test_torch_compile_fullgraph(backend):
     assert {"memkernels.gelu_linear_grad_input.default", "memkernels.gelu_linear_grad_weight.default"} <= set(
         graph_ops["backward"])
     assert not any("gelu.default" in op for ops in graph_ops.values() for op in ops)
+
+
+def test_torch_compile_inductor_default_backend():
+    # the default compiler end to end on CPU (C++ codegen around the opaque custom ops)
+    torch._dynamo.reset()
+    compiled = torch.compile(fused_gelu_linear, fullgraph=True)
+    check_against_reference(compiled, eager_gelu_linear, make_inputs((3, 4), 24, 16, torch.float32),
+                            kwargs={"approximate": "none"}, name="inductor gelu_linear")
