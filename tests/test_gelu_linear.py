@@ -238,6 +238,12 @@ def test_gelu_linear_module_is_a_linear_checkpoint():
     torch.testing.assert_close(module(x), linear(F.gelu(x, approximate="tanh")))
     assert "approximate='tanh'" in repr(module)
     assert GeLULinear(12, 7, bias=False).bias is None
+    assert not isinstance(module, nn.Linear)  # Linear-swapping tools must not take it for one
+    torch.manual_seed(0)
+    fresh_linear = nn.Linear(12, 7)
+    torch.manual_seed(0)
+    fresh = GeLULinear(12, 7)
+    assert torch.equal(fresh.weight, fresh_linear.weight) and torch.equal(fresh.bias, fresh_linear.bias)
 
 
 @pytest.mark.parametrize("approximate", ["none", "tanh"])

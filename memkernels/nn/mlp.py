@@ -1,4 +1,5 @@
 """Drop-in modules for GeLU→Linear and the GPT/BERT MLP that never store gelu(h)."""
+import torch
 from torch import nn
 
 from memkernels.ops.gelu_linear import APPROXIMATIONS, gelu_linear
@@ -9,20 +10,33 @@ def _check_approximate(approximate, owner):
         raise ValueError(f"{owner}: approximate={approximate!r} is not supported; use 'none' or 'tanh'")
 
 
-class GeLULinear(nn.Linear):
+class GeLULinear(nn.Module):
     """``Linear(GELU(x))`` in one fused op that saves only its input for backward.
 
     Parameters, their names, initialization and state_dict are nn.Linear's
     (``weight`` [out_features, in_features], ``bias`` [out_features]), so a Linear's
-    checkpoint loads unchanged.
+    checkpoint loads unchanged. It is deliberately not an nn.Linear subclass: tools that
+    swap every nn.Linear by type (adapters, quantizers) would silently drop the GeLU.
 
     Shapes: [..., in_features] -> [..., out_features]; float32, float16 or bfloat16.
     """
 
     def __init__(self, in_features, out_features, bias=True, approximate="none", device=None, dtype=None):
+        super().__init__()
         _check_approximate(approximate, "GeLULinear")
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.in_features = in_features
+        self.out_features = out_features
         self.approximate = approximate
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """nn.Linear's initialization, so a new GeLULinear starts like a new Linear."""
+        nn.Linear.reset_parameters(self)
 
     @classmethod
     def from_linear(cls, linear, approximate="none"):
@@ -39,7 +53,8 @@ class GeLULinear(nn.Linear):
         return gelu_linear(x, self.weight, self.bias, approximate=self.approximate)
 
     def extra_repr(self):
-        return f"{super().extra_repr()}, approximate={self.approximate!r}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, approximate={self.approximate!r}")
 
 
 class FusedMLP(nn.Module):
