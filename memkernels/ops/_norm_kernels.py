@@ -1,0 +1,355 @@
+"""Triton kernels shared by RMSNorm and LayerNorm (plain and with fused residual add).
+
+One forward and one backward kernel serve both norms (IS_RMS), as in
+flash-attention's layer_norm.py; memkernels/reference/_norm.py is the spec.
+Order: helpers → kernels → launchers. The autograd and custom-op layer is
+memkernels/ops/_norm_ops.py.
+
+Rows are [M, H] contiguous. A row that fits in MAX_BLOCK elements is held in
+registers (one read of the input); a wider row is walked in MAX_BLOCK chunks,
+once per reduction and once more to write.
+
+Every downcast names fp_downcast_rounding="rtne": that is what the GPU does by
+default, and it also makes the Triton interpreter round bf16 to nearest
+instead of truncating.
+"""
+import torch
+import triton
+import triton.language as tl
+
+# Widest row chunk held in registers; wider rows loop. Chosen with
+# `python -m memkernels.aot` so that bf16 compiles with no spills on sm_80/sm_90.
+MAX_BLOCK = 8192
+
+
+@triton.jit
+def _round(value, dtype):
+    """Cast fp32 ``value`` to ``dtype`` (round to nearest even) and back to fp32."""
+    return value.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def _load_scale(W, cols, mask, offset, dtype, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """W' = offset + w in fp32 ([BLOCK]); 1 without a weight; rounded to dtype in casting "none"."""
+    if HAS_WEIGHT:
+        scale = tl.load(W + cols, mask=mask, other=1.0).to(tl.float32) + offset
+        if CASTING == 0:
+            scale = _round(scale, dtype)
+    else:
+        scale = tl.full(cols.shape, 1.0, tl.float32)
+    return scale
+
+
+@triton.jit
+def _load_input(X, RESIDUAL, RESIDUAL_OUT, cols, mask, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr):
+    """One chunk of s: x, or residual_out = round(x + residual) (stored when STORE_RESIDUAL)."""
+    s = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        s = _round(s + tl.load(RESIDUAL + cols, mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
+        if STORE_RESIDUAL:
+            tl.store(RESIDUAL_OUT + cols, s.to(RESIDUAL_OUT.dtype.element_ty), mask=mask)
+    return s
+
+
+@triton.jit
+def _write_output(s, cols, mask, mean, rstd, W, B, Y, SLOT, FALLBACK, offset,
+                  CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  MEMORY_EFFICIENT: tl.constexpr):
+    """y = casting(x̂) * W' + b for one chunk; in memory_efficient mode also x̂ of unrecoverable columns."""
+    dtype = Y.dtype.element_ty
+    xhat = (s - mean) * rstd
+    if CASTING == 0:
+        normalized = _round(s * _round(rstd, dtype), dtype)
+    elif CASTING == 1:
+        normalized = _round(xhat, dtype)
+    else:
+        normalized = xhat
+    out = normalized
+    if HAS_WEIGHT:
+        out = out * _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+    if HAS_BIAS:
+        out += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + cols, out.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    if MEMORY_EFFICIENT:
+        slot = tl.load(SLOT + cols, mask=mask, other=-1)
+        tl.store(FALLBACK + slot, xhat.to(dtype, fp_downcast_rounding="rtne"), mask=mask & (slot >= 0))
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X,             # [M, H] input (fp32/fp16/bf16)
+    RESIDUAL,      # [M, H] residual, x's dtype (read if HAS_RESIDUAL)
+    RESIDUAL_OUT,  # [M, H] x + residual, x's dtype (written if HAS_RESIDUAL)
+    W,             # [H] weight, x's dtype or fp32 (read if HAS_WEIGHT)
+    B,             # [H] bias, like W (read if HAS_BIAS)
+    Y,             # [M, H] output, x's dtype
+    MEAN,          # [M] fp32 row means (written if STORE_MEAN)
+    RSTD,          # [M] fp32 1 / sqrt(var + eps)
+    SLOT,          # [H] int32 fallback slot per column, -1 where x̂ is recoverable (MEMORY_EFFICIENT)
+    FALLBACK,      # [M, K] x's dtype: x̂ at the unrecoverable columns (MEMORY_EFFICIENT)
+    H, K, eps, offset,
+    IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_MEAN: tl.constexpr,
+    MEMORY_EFFICIENT: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * H
+    RESIDUAL += row * H
+    RESIDUAL_OUT += row * H
+    Y += row * H
+    FALLBACK += row * K
+    cols = tl.arange(0, BLOCK)
+
+    if SINGLE_PASS:
+        mask = cols < H
+        s = _load_input(X, RESIDUAL, RESIDUAL_OUT, cols, mask, HAS_RESIDUAL, True)
+        if IS_RMS:
+            mean = 0.0
+        else:
+            mean = tl.sum(s, axis=0) / H
+        centered = tl.where(mask, s - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / H + eps)
+        _write_output(s, cols, mask, mean, rstd, W, B, Y, SLOT, FALLBACK, offset,
+                      CASTING, HAS_WEIGHT, HAS_BIAS, MEMORY_EFFICIENT)
+    else:
+        # Wide rows: the first pass writes residual_out, later passes read it back.
+        SOURCE = RESIDUAL_OUT if HAS_RESIDUAL else X
+        if IS_RMS:
+            mean = 0.0
+        else:
+            total = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, H, BLOCK):
+                mask = start + cols < H
+                total += _load_input(X + start, RESIDUAL + start, RESIDUAL_OUT + start, cols, mask,
+                                     HAS_RESIDUAL, True)
+            mean = tl.sum(total, axis=0) / H
+        squares = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, H, BLOCK):
+            mask = start + cols < H
+            if IS_RMS:
+                s = _load_input(X + start, RESIDUAL + start, RESIDUAL_OUT + start, cols, mask, HAS_RESIDUAL, True)
+            else:
+                s = tl.load(SOURCE + start + cols, mask=mask, other=0.0).to(tl.float32)
+            centered = tl.where(mask, s - mean, 0.0)
+            squares += centered * centered
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / H + eps)
+        for start in range(0, H, BLOCK):
+            mask = start + cols < H
+            s = tl.load(SOURCE + start + cols, mask=mask, other=0.0).to(tl.float32)
+            _write_output(s, cols, mask, mean, rstd, W + start, B + start, Y + start, SLOT + start, FALLBACK, offset,
+                          CASTING, HAS_WEIGHT, HAS_BIAS, MEMORY_EFFICIENT)
+    if STORE_MEAN:
+        tl.store(MEAN + row, mean)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
+               HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr):
+    """x̂ for one chunk: (s - mean) * rstd, or (y - b) / W' with unrecoverable columns from FALLBACK."""
+    saved = tl.load(SAVED + cols, mask=mask, other=0.0).to(tl.float32)
+    if MEMORY_EFFICIENT:
+        if HAS_BIAS:
+            saved -= tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        slot = tl.load(SLOT + cols, mask=mask, other=-1)
+        unrecoverable = slot >= 0
+        # Guarded division: those columns take x̂ from the fallback, never from y / 0.
+        xhat = saved / tl.where(unrecoverable, 1.0, scale)
+        kept = tl.load(FALLBACK + slot, mask=mask & unrecoverable, other=0.0).to(tl.float32)
+        xhat = tl.where(unrecoverable, kept, xhat)
+    else:
+        xhat = (saved - mean) * rstd
+    return tl.where(mask, xhat, 0.0)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY,            # [M, H] gradient of y
+    DRESIDUAL_OUT, # [M, H] gradient of residual_out (read if HAS_DRESIDUAL)
+    SAVED,         # [M, H] s (x or residual_out), or y when MEMORY_EFFICIENT
+    W,             # [H] weight (read if HAS_WEIGHT)
+    B,             # [H] bias (read if HAS_BIAS and MEMORY_EFFICIENT)
+    MEAN,          # [M] fp32 (read unless IS_RMS or MEMORY_EFFICIENT)
+    RSTD,          # [M] fp32
+    SLOT,          # [H] int32 fallback slot per column, -1 where x̂ is recoverable (MEMORY_EFFICIENT)
+    FALLBACK,      # [M, K] x̂ at the unrecoverable columns (MEMORY_EFFICIENT)
+    DX,            # [M, H] gradient of x (and of residual), DY's dtype (written if COMPUTE_DX)
+    DW_PARTIAL,    # [P, H] fp32 per-program sums of dy * x̂ (written if COMPUTE_DW)
+    DB_PARTIAL,    # [P, H] fp32 per-program sums of dy (written if COMPUTE_DB)
+    M, H, K, offset,
+    IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    # Program p handles rows p, p + P, p + 2P, ... and owns row p of the partial
+    # sums: a fixed reduction order, so dw/db are bitwise deterministic.
+    # int64 program id: the row loop below inherits it, so row * H cannot overflow.
+    pid = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    dtype = DY.dtype.element_ty
+    DW_PARTIAL += pid * H
+    DB_PARTIAL += pid * H
+    UNCENTERED: tl.constexpr = IS_RMS or MEMORY_EFFICIENT
+
+    if SINGLE_PASS:
+        mask = cols < H
+        scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+        dw_acc = tl.zeros([BLOCK], tl.float32)
+        db_acc = tl.zeros([BLOCK], tl.float32)
+        for row in range(pid, M, programs):
+            offs = row * H
+            rstd = tl.load(RSTD + row)
+            if UNCENTERED:
+                mean = 0.0
+            else:
+                mean = tl.load(MEAN + row)
+            xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
+                              HAS_BIAS, MEMORY_EFFICIENT)
+            dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
+            if COMPUTE_DX:
+                g = dy * scale
+                inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
+                if not IS_RMS:
+                    inner -= tl.sum(g, axis=0) / H
+                dx = inner * rstd
+                if HAS_DRESIDUAL:
+                    dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(DX + offs + cols, dx.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+            if COMPUTE_DW:
+                dw_acc += dy * xhat
+            if COMPUTE_DB:
+                db_acc += dy
+        if COMPUTE_DW:
+            tl.store(DW_PARTIAL + cols, dw_acc, mask=mask)
+        if COMPUTE_DB:
+            tl.store(DB_PARTIAL + cols, db_acc, mask=mask)
+    else:
+        # Wide rows: one pass for the row sums, one to write dx and add into this
+        # program's partial-sum row (zero-initialized by the launcher).
+        for row in range(pid, M, programs):
+            offs = row * H
+            rstd = tl.load(RSTD + row)
+            if UNCENTERED:
+                mean = 0.0
+            else:
+                mean = tl.load(MEAN + row)
+            fallback_row = FALLBACK + row * K
+            projection = 0.0
+            g_mean = 0.0
+            if COMPUTE_DX:
+                g_xhat_acc = tl.zeros([BLOCK], tl.float32)
+                g_acc = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, H, BLOCK):
+                    mask = start + cols < H
+                    scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+                    xhat = _load_xhat(SAVED + offs + start, cols, mask, mean, rstd, scale, B + start,
+                                      SLOT + start, fallback_row, HAS_BIAS, MEMORY_EFFICIENT)
+                    g = tl.load(DY + offs + start + cols, mask=mask, other=0.0).to(tl.float32) * scale
+                    g_xhat_acc += g * xhat
+                    g_acc += g
+                projection = tl.sum(g_xhat_acc, axis=0) / H
+                g_mean = tl.sum(g_acc, axis=0) / H
+            for start in range(0, H, BLOCK):
+                mask = start + cols < H
+                scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+                xhat = _load_xhat(SAVED + offs + start, cols, mask, mean, rstd, scale, B + start,
+                                  SLOT + start, fallback_row, HAS_BIAS, MEMORY_EFFICIENT)
+                dy = tl.load(DY + offs + start + cols, mask=mask, other=0.0).to(tl.float32)
+                if COMPUTE_DX:
+                    inner = dy * scale - xhat * projection
+                    if not IS_RMS:
+                        inner -= g_mean
+                    dx = inner * rstd
+                    if HAS_DRESIDUAL:
+                        dx += tl.load(DRESIDUAL_OUT + offs + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(DX + offs + start + cols, dx.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+                if COMPUTE_DW:
+                    partial = tl.load(DW_PARTIAL + start + cols, mask=mask, other=0.0)
+                    tl.store(DW_PARTIAL + start + cols, partial + dy * xhat, mask=mask)
+                if COMPUTE_DB:
+                    partial = tl.load(DB_PARTIAL + start + cols, mask=mask, other=0.0)
+                    tl.store(DB_PARTIAL + start + cols, partial + dy, mask=mask)
+
+
+def _launch_config(hidden):
+    block = min(triton.next_power_of_2(hidden), MAX_BLOCK)
+    num_warps = min(max(block // 512, 1), 16)
+    return block, num_warps, hidden <= MAX_BLOCK
+
+
+def _placeholder(reference):
+    """A one-element tensor for pointer arguments a kernel variant never dereferences."""
+    return torch.empty(1, dtype=reference.dtype, device=reference.device)
+
+
+def _slots(unsafe_cols, hidden, device):
+    """[H] int32: fallback slot of each unrecoverable column, -1 elsewhere."""
+    slot = torch.full((hidden,), -1, dtype=torch.int32, device=device)
+    slot[unsafe_cols.to(device)] = torch.arange(unsafe_cols.numel(), dtype=torch.int32, device=device)
+    return slot
+
+
+def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols):
+    """Triton forward on [M, H] contiguous tensors; same contract as reference.norm_forward."""
+    rows, hidden = x.shape
+    block, num_warps, single_pass = _launch_config(hidden)
+    y = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    store_mean = not is_rms and not memory_efficient
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device) if store_mean else None
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    fallback = slot = None
+    if memory_efficient:
+        fallback = torch.empty((rows, unsafe_cols.numel()), dtype=x.dtype, device=x.device)
+        slot = _slots(unsafe_cols, hidden, x.device)
+    unused = _placeholder(x)
+    _norm_fwd_kernel[(rows,)](
+        x, residual if residual is not None else unused, residual_out if residual is not None else unused,
+        weight if weight is not None else unused, bias if bias is not None else unused, y,
+        mean if store_mean else rstd, rstd,
+        slot if memory_efficient else unused, fallback if memory_efficient and fallback.numel() else unused,
+        hidden, unsafe_cols.numel(), eps, offset,
+        IS_RMS=is_rms, CASTING=casting, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, STORE_MEAN=store_mean, MEMORY_EFFICIENT=memory_efficient,
+        BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps,
+    )
+    return y, residual_out, mean, rstd, fallback
+
+
+def _num_programs(rows, device):
+    if device.type == "cuda":
+        return min(rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(rows, 4)
+
+
+def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is_rms, casting,
+                  memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db):
+    """Triton backward on [M, H] contiguous tensors; same contract as reference.norm_backward."""
+    rows, hidden = dy.shape
+    block, num_warps, single_pass = _launch_config(hidden)
+    programs = max(_num_programs(rows, dy.device), 1)
+    # Single-pass programs write their whole partial row; looping ones add into it.
+    make_partial = torch.empty if single_pass else torch.zeros
+    dx = torch.empty_like(dy) if needs_dx else None
+    dw_partial = make_partial((programs, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
+    db_partial = make_partial((programs, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
+    unused = _placeholder(dy)
+    unused32 = _placeholder(rstd)
+    slot = _slots(unsafe_cols, hidden, dy.device) if memory_efficient else None
+    if rows:
+        _norm_bwd_kernel[(programs,)](
+            dy, dresidual_out if dresidual_out is not None else unused, saved,
+            weight if weight is not None else unused, bias if bias is not None else unused,
+            mean if mean is not None else unused32, rstd,
+            slot if slot is not None else unused32, fallback if fallback is not None and fallback.numel() else unused,
+            dx if needs_dx else unused, dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
+            rows, hidden, unsafe_cols.numel(), offset,
+            IS_RMS=is_rms, CASTING=casting, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
+            COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
+            BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps,
+        )
+    dw = dw_partial.sum(dim=0).to(weight.dtype) if needs_dw else None
+    db = db_partial.sum(dim=0).to(bias.dtype) if needs_db else None
+    return dx, dw, db
