@@ -13,7 +13,12 @@ from memkernels._backend import get_backend, set_backend
 __version__ = "0.1.0"
 
 # public name -> module that defines it; resolved on first attribute access.
-_LAZY = {}
+_LAZY = {
+    "FusedRMSNorm": "memkernels.nn",
+    "FusedLayerNorm": "memkernels.nn",
+    "FusedAddRMSNorm": "memkernels.nn",
+    "FusedAddLayerNorm": "memkernels.nn",
+}
 
 
 def __getattr__(name):

@@ -5,9 +5,11 @@ flash-attention's layer_norm.py; memkernels/reference/_norm.py is the spec.
 Order: helpers → kernels → launchers. The autograd and custom-op layer is
 memkernels/ops/_norm_ops.py.
 
-Rows are [M, H] contiguous. A row that fits in MAX_BLOCK elements is held in
-registers (one read of the input); a wider row is walked in MAX_BLOCK chunks,
-once per reduction and once more to write.
+Rows are [M, H] contiguous. A row that fits in one block is held in registers
+(the input is read once); a wider row is walked in block-sized chunks, once per
+reduction and once more to write. The backward runs a fixed number of
+programs, each over a strided set of rows, keeping its dw/db partial sums in
+registers (or, for wide rows, in its own row of an fp32 buffer).
 
 Every downcast names fp_downcast_rounding="rtne": that is what the GPU does by
 default, and it also makes the Triton interpreter round bf16 to nearest
@@ -17,9 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Widest row chunk held in registers; wider rows loop. Chosen with
-# `python -m memkernels.aot` so that bf16 compiles with no spills on sm_80/sm_90.
-MAX_BLOCK = 8192
+from memkernels import aot
+
+# Widest row chunk held in registers, and elements per warp; wider rows loop.
+# Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
+# variant compiles with no spills on sm_80 and sm_90: forward 8192 with 32 warps
+# (16384 spills in LayerNorm); backward, which also carries dy, x̂ and the
+# dw/db accumulators, 4096 with 8 warps (8192 spills at any warp count tried).
+FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
+BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP = 4096, 512
 
 
 @triton.jit
@@ -272,10 +280,11 @@ def _norm_bwd_kernel(
                     tl.store(DB_PARTIAL + start + cols, partial + dy, mask=mask)
 
 
-def _launch_config(hidden):
-    block = min(triton.next_power_of_2(hidden), MAX_BLOCK)
-    num_warps = min(max(block // 512, 1), 16)
-    return block, num_warps, hidden <= MAX_BLOCK
+def _launch_config(hidden, max_block, elements_per_warp):
+    """(BLOCK, num_warps, SINGLE_PASS) for rows of ``hidden`` elements."""
+    block = min(triton.next_power_of_2(hidden), max_block)
+    num_warps = min(max(block // elements_per_warp, 1), 32)
+    return block, num_warps, hidden <= max_block
 
 
 def _placeholder(reference):
@@ -293,7 +302,7 @@ def _slots(unsafe_cols, hidden, device):
 def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols):
     """Triton forward on [M, H] contiguous tensors; same contract as reference.norm_forward."""
     rows, hidden = x.shape
-    block, num_warps, single_pass = _launch_config(hidden)
+    block, num_warps, single_pass = _launch_config(hidden, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
     y = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else None
     store_mean = not is_rms and not memory_efficient
@@ -327,7 +336,7 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is
                   memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db):
     """Triton backward on [M, H] contiguous tensors; same contract as reference.norm_backward."""
     rows, hidden = dy.shape
-    block, num_warps, single_pass = _launch_config(hidden)
+    block, num_warps, single_pass = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
     programs = max(_num_programs(rows, dy.device), 1)
     # Single-pass programs write their whole partial row; looping ones add into it.
     make_partial = torch.empty if single_pass else torch.zeros
@@ -353,3 +362,49 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is
     dw = dw_partial.sum(dim=0).to(weight.dtype) if needs_dw else None
     db = db_partial.sum(dim=0).to(bias.dtype) if needs_db else None
     return dx, dw, db
+
+
+def _aot_variants():
+    """Launch variants for memkernels.aot: each dtype, both norms, the widest register-resident row
+    (BLOCK = max block, single pass) and looping rows (H > max block), most features on."""
+    short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    cases = [  # (dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass)
+        (torch.bfloat16, True, 1, True, True, False, False, True),
+        (torch.bfloat16, True, 1, False, True, False, True, True),
+        (torch.bfloat16, False, 2, True, True, True, False, True),
+        (torch.bfloat16, False, 2, True, True, True, True, False),
+        (torch.bfloat16, True, 0, True, True, False, False, False),
+        (torch.float16, False, 2, False, True, True, True, True),
+        (torch.float32, True, 2, True, True, False, False, True),
+        (torch.float32, False, 2, True, True, True, True, False),
+    ]
+    forward, backward = [], []
+    for dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass in cases:
+        t = "*" + short[dtype]
+        label = (f"{short[dtype]}-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
+                 f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}"
+                 f"-{'single' if single_pass else 'loop'}")
+        fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
+        bwd_block, bwd_warps, _ = _launch_config(BWD_MAX_BLOCK, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+        common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
+                  "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
+        forward.append({
+            "signature": {"X": t, "RESIDUAL": t, "RESIDUAL_OUT": t, "W": t, "B": t, "Y": t, "MEAN": "*fp32",
+                          "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "H": "i32", "K": "i32",
+                          "eps": "fp32", "offset": "fp32"},
+            "constexprs": {**common, "HAS_RESIDUAL": residual, "STORE_MEAN": not is_rms and not memory_efficient,
+                           "BLOCK": fwd_block},
+            "num_warps": fwd_warps, "num_stages": 1, "label": f"{label}{fwd_block}"})
+        backward.append({
+            "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": t, "B": t, "MEAN": "*fp32",
+                          "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
+                          "DB_PARTIAL": "*fp32", "M": "i32", "H": "i32", "K": "i32", "offset": "fp32"},
+            "constexprs": {**common, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True, "COMPUTE_DW": weight,
+                           "COMPUTE_DB": bias, "BLOCK": bwd_block},
+            "num_warps": bwd_warps, "num_stages": 1, "label": f"{label}{bwd_block}"})
+    return forward, backward
+
+
+_FORWARD_VARIANTS, _BACKWARD_VARIANTS = _aot_variants()
+aot.register(_norm_fwd_kernel, name="norm_fwd", variants=_FORWARD_VARIANTS)
+aot.register(_norm_bwd_kernel, name="norm_bwd", variants=_BACKWARD_VARIANTS)

@@ -6,6 +6,11 @@ memkernels/reference/_norm.py.
 """
 from memkernels.ops._norm_ops import normalize
 
+try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
+    from memkernels.ops import _norm_kernels  # noqa: F401
+except ImportError:
+    pass
+
 _MEMORY_NOTE = """
     Saved for backward (measured in tests/test_layer_norm.py): the normalized
     input (x, or residual_out for the add variant; no new bytes for x itself)
