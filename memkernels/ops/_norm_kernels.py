@@ -9,11 +9,10 @@ Rows are [M, H] contiguous. A row that fits in one block is held in registers
 (the input is read once); a wider row is walked in block-sized chunks, once per
 reduction and once more to write. The backward runs a fixed number of
 programs, each over a strided set of rows, keeping its dw/db partial sums in
-registers (or, for wide rows, in its own row of an fp32 buffer).
-
-Every downcast names fp_downcast_rounding="rtne": that is what the GPU does by
-default, and it also makes the Triton interpreter round bf16 to nearest
-instead of truncating.
+registers (or, for wide rows, in its own row of an fp32 buffer). The sums are
+compensated (Kahan): a program adds up M / P rows one after another, and a
+plain fp32 running sum would lose a few ulps more than eager PyTorch's
+pairwise reduction.
 """
 import torch
 import triton
@@ -32,8 +31,8 @@ BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP = 4096, 512
 
 @triton.jit
 def _round(value, dtype):
-    """Cast fp32 ``value`` to ``dtype`` (round to nearest even) and back to fp32."""
-    return value.to(dtype, fp_downcast_rounding="rtne").to(tl.float32)
+    """Cast fp32 ``value`` to ``dtype`` (round to nearest) and back to fp32: a rounding point."""
+    return value.to(dtype).to(tl.float32)
 
 
 @triton.jit
@@ -77,10 +76,10 @@ def _write_output(s, cols, mask, mean, rstd, W, B, Y, SLOT, FALLBACK, offset,
         out = out * _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
     if HAS_BIAS:
         out += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + cols, out.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(Y + cols, out.to(dtype), mask=mask)
     if MEMORY_EFFICIENT:
         slot = tl.load(SLOT + cols, mask=mask, other=-1)
-        tl.store(FALLBACK + slot, xhat.to(dtype, fp_downcast_rounding="rtne"), mask=mask & (slot >= 0))
+        tl.store(FALLBACK + slot, xhat.to(dtype), mask=mask & (slot >= 0))
 
 
 @triton.jit
@@ -152,6 +151,14 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
+def _kahan_add(total, compensation, term):
+    """total + term with the rounding error carried in ``compensation`` (total - compensation is the sum)."""
+    corrected = term - compensation
+    new_total = total + corrected
+    return new_total, (new_total - total) - corrected
+
+
+@triton.jit
 def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
                HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr):
     """x̂ for one chunk: (s - mean) * rstd, or (y - b) / W' with unrecoverable columns from FALLBACK."""
@@ -171,6 +178,15 @@ def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
 
 
 @triton.jit
+def _kahan_add_in_memory(PARTIAL, H, cols, mask, term):
+    """_kahan_add on a program's [2, H] (sum, compensation) row in memory, one chunk."""
+    total, compensation = _kahan_add(tl.load(PARTIAL + cols, mask=mask, other=0.0),
+                                     tl.load(PARTIAL + H + cols, mask=mask, other=0.0), term)
+    tl.store(PARTIAL + cols, total, mask=mask)
+    tl.store(PARTIAL + H + cols, compensation, mask=mask)
+
+
+@triton.jit
 def _norm_bwd_kernel(
     DY,            # [M, H] gradient of y
     DRESIDUAL_OUT, # [M, H] gradient of residual_out (read if HAS_DRESIDUAL)
@@ -182,9 +198,9 @@ def _norm_bwd_kernel(
     SLOT,          # [H] int32 fallback slot per column, -1 where x̂ is recoverable (MEMORY_EFFICIENT)
     FALLBACK,      # [M, K] x̂ at the unrecoverable columns (MEMORY_EFFICIENT)
     DX,            # [M, H] gradient of x (and of residual), DY's dtype (written if COMPUTE_DX)
-    DW_PARTIAL,    # [P, H] fp32 per-program sums of dy * x̂ (written if COMPUTE_DW)
-    DB_PARTIAL,    # [P, H] fp32 per-program sums of dy (written if COMPUTE_DB)
-    M, H, K, offset,
+    DW_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy * x̂ (if COMPUTE_DW)
+    DB_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy (if COMPUTE_DB)
+    M, H, K, eps, offset,
     IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
@@ -196,15 +212,17 @@ def _norm_bwd_kernel(
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     dtype = DY.dtype.element_ty
-    DW_PARTIAL += pid * H
-    DB_PARTIAL += pid * H
+    DW_PARTIAL += pid * 2 * H
+    DB_PARTIAL += pid * 2 * H
     UNCENTERED: tl.constexpr = IS_RMS or MEMORY_EFFICIENT
 
     if SINGLE_PASS:
         mask = cols < H
         scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
-        dw_acc = tl.zeros([BLOCK], tl.float32)
-        db_acc = tl.zeros([BLOCK], tl.float32)
+        dw_sum = tl.zeros([BLOCK], tl.float32)
+        dw_comp = tl.zeros([BLOCK], tl.float32)
+        db_sum = tl.zeros([BLOCK], tl.float32)
+        db_comp = tl.zeros([BLOCK], tl.float32)
         for row in range(pid, M, programs):
             offs = row * H
             rstd = tl.load(RSTD + row)
@@ -218,20 +236,27 @@ def _norm_bwd_kernel(
             if COMPUTE_DX:
                 g = dy * scale
                 inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
-                if not IS_RMS:
+                if IS_RMS:
+                    # One column: inner = g (1 - x̂²), which cancels when x̂² is near 1;
+                    # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
+                    one_minus_square = tl.where(xhat * xhat > 0.5, eps * rstd * rstd, 1.0 - xhat * xhat)
+                    inner = tl.where(H == 1, g * one_minus_square, inner)
+                else:
                     inner -= tl.sum(g, axis=0) / H
                 dx = inner * rstd
                 if HAS_DRESIDUAL:
                     dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + offs + cols, dx.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+                tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
             if COMPUTE_DW:
-                dw_acc += dy * xhat
+                dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
             if COMPUTE_DB:
-                db_acc += dy
+                db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
         if COMPUTE_DW:
-            tl.store(DW_PARTIAL + cols, dw_acc, mask=mask)
+            tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
+            tl.store(DW_PARTIAL + H + cols, dw_comp, mask=mask)
         if COMPUTE_DB:
-            tl.store(DB_PARTIAL + cols, db_acc, mask=mask)
+            tl.store(DB_PARTIAL + cols, db_sum, mask=mask)
+            tl.store(DB_PARTIAL + H + cols, db_comp, mask=mask)
     else:
         # Wide rows: one pass for the row sums, one to write dx and add into this
         # program's partial-sum row (zero-initialized by the launcher).
@@ -271,13 +296,20 @@ def _norm_bwd_kernel(
                     dx = inner * rstd
                     if HAS_DRESIDUAL:
                         dx += tl.load(DRESIDUAL_OUT + offs + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(DX + offs + start + cols, dx.to(dtype, fp_downcast_rounding="rtne"), mask=mask)
+                    tl.store(DX + offs + start + cols, dx.to(dtype), mask=mask)
                 if COMPUTE_DW:
-                    partial = tl.load(DW_PARTIAL + start + cols, mask=mask, other=0.0)
-                    tl.store(DW_PARTIAL + start + cols, partial + dy * xhat, mask=mask)
+                    _kahan_add_in_memory(DW_PARTIAL + start, H, cols, mask, dy * xhat)
                 if COMPUTE_DB:
-                    partial = tl.load(DB_PARTIAL + start + cols, mask=mask, other=0.0)
-                    tl.store(DB_PARTIAL + start + cols, partial + dy, mask=mask)
+                    _kahan_add_in_memory(DB_PARTIAL + start, H, cols, mask, dy)
+
+
+def _reduce_partials(partial):
+    """[P, 2, H] Kahan (sum, compensation) per program -> [H] fp32, in one fixed-order reduction.
+
+    In float64 (P * H elements: negligible work), so that the pair sum - compensation
+    keeps its extra precision and the result is rounded to fp32 once.
+    """
+    return (partial[:, 0].double() - partial[:, 1].double()).sum(dim=0).float()
 
 
 def _launch_config(hidden, max_block, elements_per_warp):
@@ -332,17 +364,17 @@ def _num_programs(rows, device):
     return min(rows, 4)
 
 
-def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is_rms, casting,
+def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
                   memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db):
     """Triton backward on [M, H] contiguous tensors; same contract as reference.norm_backward."""
     rows, hidden = dy.shape
     block, num_warps, single_pass = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
     programs = max(_num_programs(rows, dy.device), 1)
     # Single-pass programs write their whole partial row; looping ones add into it.
-    make_partial = torch.empty if single_pass else torch.zeros
+    make_partial = torch.empty if single_pass and rows else torch.zeros
     dx = torch.empty_like(dy) if needs_dx else None
-    dw_partial = make_partial((programs, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
-    db_partial = make_partial((programs, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
+    dw_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
+    db_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
     unused = _placeholder(dy)
     unused32 = _placeholder(rstd)
     slot = _slots(unsafe_cols, hidden, dy.device) if memory_efficient else None
@@ -353,14 +385,14 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is
             mean if mean is not None else unused32, rstd,
             slot if slot is not None else unused32, fallback if fallback is not None and fallback.numel() else unused,
             dx if needs_dx else unused, dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
-            rows, hidden, unsafe_cols.numel(), offset,
+            rows, hidden, unsafe_cols.numel(), eps, offset,
             IS_RMS=is_rms, CASTING=casting, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
             COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
             BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps,
         )
-    dw = dw_partial.sum(dim=0).to(weight.dtype) if needs_dw else None
-    db = db_partial.sum(dim=0).to(bias.dtype) if needs_db else None
+    dw = _reduce_partials(dw_partial).to(weight.dtype) if needs_dw else None
+    db = _reduce_partials(db_partial).to(bias.dtype) if needs_db else None
     return dx, dw, db
 
 
@@ -398,7 +430,8 @@ def _aot_variants():
         backward.append({
             "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": t, "B": t, "MEAN": "*fp32",
                           "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
-                          "DB_PARTIAL": "*fp32", "M": "i32", "H": "i32", "K": "i32", "offset": "fp32"},
+                          "DB_PARTIAL": "*fp32", "M": "i32", "H": "i32", "K": "i32", "eps": "fp32",
+                          "offset": "fp32"},
             "constexprs": {**common, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True, "COMPUTE_DW": weight,
                            "COMPUTE_DB": bias, "BLOCK": bwd_block},
             "num_warps": bwd_warps, "num_stages": 1, "label": f"{label}{bwd_block}"})

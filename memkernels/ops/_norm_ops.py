@@ -64,19 +64,19 @@ def _norm_fwd_fake(x, residual, weight, bias, eps, offset, is_rms, casting, memo
 def norm_bwd(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
              mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
-             offset: float, is_rms: bool, casting: int, memory_efficient: bool,
+             eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
              needs_dx: bool, needs_dw: bool, needs_db: bool, backend: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dw, db); gradients not asked for are empty."""
     dx, dw, db = _implementation(backend).norm_backward(
-        dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is_rms, casting,
+        dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
         memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db)
     return (_empty(dy) if dx is None else dx, _empty(dy) if dw is None else dw,
             _empty(dy) if db is None else db)
 
 
 @norm_bwd.register_fake
-def _norm_bwd_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, offset,
+def _norm_bwd_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
                    is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db, backend):
     return (torch.empty_like(dy) if needs_dx else _empty(dy),
             torch.empty_like(weight) if needs_dw else _empty(dy),
@@ -84,7 +84,7 @@ def _norm_bwd_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_co
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, _eps, offset, is_rms, casting, memory_efficient, backend = inputs
+    x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, backend = inputs
     y, residual_out, mean, rstd, unsafe_cols, fallback = output
     has_residual = residual is not None
     if memory_efficient:
@@ -93,24 +93,27 @@ def _setup_context(ctx, inputs, output):
     else:
         saved = residual_out if has_residual else x
         mean = None if is_rms else mean
-    ctx.save_for_backward(saved, mean, rstd, weight, bias, unsafe_cols,
-                          fallback if memory_efficient else None)
-    ctx.options = (offset, is_rms, casting, memory_efficient, backend, has_residual,
+    ctx.save_for_backward(saved, mean, rstd, weight, bias, *((unsafe_cols, fallback) if memory_efficient
+                                                              else (None, None)))
+    ctx.options = (eps, offset, is_rms, casting, memory_efficient, backend, has_residual,
                    weight is not None, bias is not None)
 
 
 def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
     saved, mean, rstd, weight, bias, unsafe_cols, fallback = ctx.saved_tensors
-    offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = ctx.options
+    eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = ctx.options
     needs_x, needs_residual, needs_w, needs_b = ctx.needs_input_grad[:4]
     needs_dx = needs_x or needs_residual
     needs_dw = has_weight and needs_w
     needs_db = has_bias and needs_b
     if not (needs_dx or needs_dw or needs_db):
         return (None,) * 10
+    if unsafe_cols is None:
+        unsafe_cols = rstd.new_empty(0, dtype=torch.int64)
     dx, dw, db = norm_bwd(
         dy.contiguous(), dresidual_out.contiguous() if has_residual else None, saved, mean, rstd, weight, bias,
-        unsafe_cols, fallback, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db, backend)
+        unsafe_cols, fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db,
+        backend)
     return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
             db if needs_db else None) + (None,) * 6
 

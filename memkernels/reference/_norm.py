@@ -124,7 +124,7 @@ def recover_xhat(saved, mean, rstd, weight, bias, offset, casting, memory_effici
     return xhat
 
 
-def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is_rms, casting,
+def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
                   memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db):
     """Backward on [M, H] tensors. Returns (dx or None, dw or None, db or None).
 
@@ -138,7 +138,13 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, offset, is
         scale = effective_weight(weight, offset, casting, dy.dtype)
         g = dy32 if scale is None else dy32 * scale
         projection = (g * xhat).mean(dim=1, keepdim=True)
-        inner = g - xhat * projection
+        if is_rms and xhat.shape[1] == 1:
+            # One column: g - x̂ (g x̂) = g (1 - x̂²), which cancels when x̂² is near 1;
+            # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
+            square = xhat.square()
+            inner = g * torch.where(square > 0.5, eps * rstd.square()[:, None], 1.0 - square)
+        else:
+            inner = g - xhat * projection
         if not is_rms:
             inner = inner - g.mean(dim=1, keepdim=True)
         dx32 = inner * rstd[:, None]
