@@ -206,3 +206,132 @@ def test_interpreter_rounds_bf16_to_nearest():
     expected = x.to(torch.bfloat16)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16)) or (
         torch.isnan(y[6]) and torch.equal(y[:6], expected[:6]) and torch.equal(y[7:], expected[7:]))
+
+
+# --- determinism, bad input, zero-size ---------------------------------------------------------
+
+@pytest.mark.parametrize("hidden", [300, 5000])  # register-resident rows and looping rows
+def test_weight_gradient_is_bitwise_deterministic(backend, hidden):
+    x = _leaf(41, hidden, dtype=torch.bfloat16)  # more rows than backward programs
+    weight = _leaf(hidden, dtype=torch.float32, shift=1.0)
+    grad = torch.randn(41, hidden, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        weight.grad = None
+        rms_norm(x, weight).backward(grad)
+        runs.append(weight.grad.clone())
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda x, w: rms_norm(x, w[:-1]), ValueError, ["weight", "shape"]),
+    (lambda x, w: rms_norm(x, w.to("meta")), ValueError, ["weight", "meta"]),
+    (lambda x, w: rms_norm(x.to(torch.int32), None), TypeError, ["x", "int32"]),
+    (lambda x, w: rms_norm(x, w.to(torch.int64)), TypeError, ["weight", "int64"]),
+    (lambda x, w: rms_norm(x, w.half()), TypeError, ["weight", "float16"]),  # x is fp32
+    (lambda x, w: rms_norm(x, w, casting_mode="fp8"), ValueError, ["casting_mode", "llama"]),
+    (lambda x, w: rms_norm(x, w, eps=-1.0), ValueError, ["eps"]),
+    (lambda x, w: rms_norm(x, None, offset=1.0), ValueError, ["offset", "weight"]),
+    (lambda x, w: rms_norm(x[:, :0], None), ValueError, ["normalized shape"]),
+    (lambda x, w: add_rms_norm(x, x[:1], w), ValueError, ["residual"]),
+    (lambda x, w: add_rms_norm(x, x.half(), w), ValueError, ["residual"]),
+    (lambda x, w: rms_norm(x.numpy(), w), TypeError, ["x", "Tensor"]),
+], ids=["weight-shape", "weight-device", "int-x", "int-weight", "weight-dtype", "casting-mode", "eps",
+        "offset-without-weight", "empty-row", "residual-shape", "residual-dtype", "not-a-tensor"])
+def test_bad_input_names_the_argument(backend, call, error, words):
+    x = torch.randn(3, 8)
+    weight = torch.ones(8)
+    with pytest.raises(error) as raised:
+        call(x, weight)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_zero_rows_give_empty_results(backend):
+    """Documented: an input with no rows returns an empty y (and empty gradients)."""
+    x = torch.randn(0, 3, 64, requires_grad=True)
+    residual = torch.randn(0, 3, 64, requires_grad=True)
+    weight = torch.ones(64, requires_grad=True)
+    y, residual_out = add_rms_norm(x, residual, weight)
+    assert y.shape == residual_out.shape == x.shape
+    (y.sum() + residual_out.sum()).backward()
+    assert x.grad.shape == x.shape and torch.equal(weight.grad, torch.zeros(64))
+
+
+# --- modules -----------------------------------------------------------------------------------
+
+def test_module_matches_nn_rms_norm_and_loads_its_state_dict(backend):
+    eager = nn.RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        eager.weight.uniform_(0.5, 1.5)
+    fused = memkernels.FusedRMSNorm(96, eps=1e-6)
+    assert list(fused.state_dict()) == list(eager.state_dict()) == ["weight"]
+    fused.load_state_dict(eager.state_dict())
+    converted = memkernels.FusedRMSNorm.from_module(eager)
+    x = torch.randn(4, 5, 96)
+    for module in (fused, converted):
+        torch.testing.assert_close(module(x), eager(x))
+
+
+def test_module_takes_layer_norm_arguments():
+    """Replacing nn.LayerNorm is one word; the math is RMSNorm (its bias is kept if it has one)."""
+    layer_norm = nn.LayerNorm((4, 6), eps=1e-5, elementwise_affine=True, bias=True, dtype=torch.float64)
+    fused = memkernels.FusedRMSNorm((4, 6), eps=1e-5, elementwise_affine=True, bias=True, device="cpu",
+                                    dtype=torch.float32)
+    assert list(fused.state_dict()) == list(layer_norm.state_dict()) == ["weight", "bias"]
+    assert memkernels.FusedRMSNorm(8, bias=False).bias is None
+    plain = memkernels.FusedRMSNorm(8, elementwise_affine=False)
+    assert plain.weight is None and list(plain.state_dict()) == []
+    converted = memkernels.FusedRMSNorm.from_module(layer_norm.float())
+    with torch.no_grad():
+        converted.bias.normal_()
+    x = torch.randn(3, 4, 6)
+    expected = rms_norm_eager(x.flatten(-2), converted.weight.flatten(), 1e-5, casting_mode="gemma").view(x.shape)
+    torch.testing.assert_close(converted(x), expected + converted.bias)
+
+
+def test_module_eps_none_follows_dtype_like_nn_rms_norm(backend):
+    x = torch.randn(3, 16, dtype=torch.bfloat16) * 1e-3
+    torch.testing.assert_close(memkernels.FusedRMSNorm(16, dtype=torch.bfloat16)(x),
+                               nn.RMSNorm(16, dtype=torch.bfloat16)(x))
+
+
+def test_add_module_and_gemma_offset(backend):
+    module = memkernels.FusedAddRMSNorm(32, eps=1e-6, offset=1.0, casting_mode="gemma")
+    assert torch.equal(module.weight, torch.zeros(32))  # offset + weight starts at 1
+    x, residual = torch.randn(5, 32), torch.randn(5, 32)
+    y, residual_out = module(x, residual)
+    torch.testing.assert_close(residual_out, x + residual)
+    torch.testing.assert_close(y, rms_norm_eager(x + residual, module.weight, 1e-6, offset=1.0,
+                                                 casting_mode="gemma"))
+
+
+def test_from_module_rejects_non_norms():
+    with pytest.raises(TypeError, match="not a norm module"):
+        memkernels.FusedRMSNorm.from_module(nn.ReLU())
+
+
+# --- torch.compile ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_torch_compile_fullgraph_has_no_graph_break(memory_efficient):
+    """The custom ops keep a compiled model whole: fullgraph=True raises on any graph break."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), memkernels.FusedRMSNorm(32, eps=1e-6, memory_efficient=memory_efficient),
+                          nn.Linear(32, 32))
+    norm = memkernels.FusedAddRMSNorm(32, eps=1e-6, memory_efficient=memory_efficient)
+
+    def step(x):
+        hidden = model(x)
+        y, residual = norm(hidden, x.repeat(1, 2))
+        return (y * residual).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    x = torch.randn(6, 16, requires_grad=True)
+    loss = compiled(x)
+    loss.backward()
+    compiled_grad = x.grad.clone()
+    x.grad = None
+    step(x).backward()
+    torch.testing.assert_close(loss, step(x))
+    torch.testing.assert_close(compiled_grad, x.grad)

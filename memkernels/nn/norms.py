@@ -47,7 +47,8 @@ class _FusedNorm(nn.Module):
             nn.init.zeros_(self.bias)
 
     def _eps_for(self, x):
-        return torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        # nn.RMSNorm's eps=None is the epsilon of its compute type, fp32 for fp32/fp16/bf16 inputs.
+        return torch.finfo(torch.promote_types(x.dtype, torch.float32)).eps if self.eps is None else self.eps
 
     def _run(self, x, residual):
         y, residual_out = normalize(
@@ -116,7 +117,8 @@ class FusedRMSNorm(_FusedNorm):
 
     Args:
         normalized_shape: int or tuple; the trailing dims normalized together.
-        eps: None (default, as nn.RMSNorm) means torch.finfo(x.dtype).eps.
+        eps: None (default, as nn.RMSNorm) means torch.finfo(torch.float32).eps, the
+            epsilon of the fp32 compute type, as nn.RMSNorm does for fp32/fp16/bf16.
         elementwise_affine: learn ``weight`` (initialized to 1 - offset).
         bias: learn a ``bias`` too (default False, as nn.RMSNorm).
         offset: scale is (offset + weight); 1.0 for Gemma.
