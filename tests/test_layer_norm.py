@@ -11,25 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkernels
-from bf16_rounding_shim import install as install_bf16_rounding_shim
 from memkernels.functional import add_layer_norm, layer_norm
 from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
-
-install_bf16_rounding_shim()
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (hidden, rows): one row and prime row counts; few rows where the interpreter is slow.
-SHAPES = [(1, 1), (1, 7), (127, 7), (128, 1), (129, 13), (1000, 7), (4096, 3), (5120, 2),
-          pytest.param(65536, 2, marks=pytest.mark.slow)]
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request):
-    """Run the Triton kernels (interpreter on CPU) and the PyTorch reference path."""
-    memkernels.set_backend(request.param)
-    yield request.param
-    memkernels.set_backend("auto")
+from norm_cases import DTYPES, SHAPES, assert_drop_in, backend, leaf  # noqa: F401 (backend: fixture)
 
 
 def layer_norm_eager(x, weight, bias, eps=1e-5):
@@ -41,24 +26,20 @@ def add_layer_norm_eager(x, residual, weight, bias, eps=1e-5):
     return layer_norm_eager(residual_out, weight, bias, eps), residual_out
 
 
-def _leaf(*shape, dtype, scale=1.0, shift=0.0):
-    return (torch.randn(*shape) * scale + shift).to(dtype).requires_grad_()
-
-
 def _params(hidden, dtype, spread=0.5):
-    return _leaf(hidden, dtype=dtype, scale=spread, shift=1.0), _leaf(hidden, dtype=dtype, scale=0.4 * spread)
+    return leaf(hidden, dtype=dtype, scale=spread, shift=1.0), leaf(hidden, dtype=dtype, scale=0.4 * spread)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden,rows", SHAPES)
 def test_layer_norm_matches_float64(backend, dtype, hidden, rows):
-    x = _leaf(rows, hidden, dtype=dtype, shift=3.0)  # a mean far from zero tests the centering
+    x = leaf(rows, hidden, dtype=dtype, shift=3.0)  # a mean far from zero tests the centering
     check_against_reference(layer_norm, layer_norm_eager, (x, *_params(hidden, dtype), 1e-5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_fp32_params_with_low_precision_input(backend, dtype):
-    x = _leaf(7, 300, dtype=dtype)
+    x = leaf(7, 300, dtype=dtype)
     check_against_reference(layer_norm, layer_norm_eager, (x, *_params(300, torch.float32)))
 
 
@@ -66,7 +47,7 @@ def test_fp32_params_with_low_precision_input(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_add_layer_norm_matches_float64(backend, dtype, hidden):
     """Gradients reach x, residual, weight and bias, including the gradient flowing into residual_out."""
-    x, residual = _leaf(5, hidden, dtype=dtype), _leaf(5, hidden, dtype=dtype)
+    x, residual = leaf(5, hidden, dtype=dtype), leaf(5, hidden, dtype=dtype)
     check_against_reference(add_layer_norm, add_layer_norm_eager, (x, residual, *_params(hidden, dtype)))
 
 
@@ -74,7 +55,7 @@ def test_no_weight_no_bias_and_leading_dims(backend):
     x = torch.randn(5, 3, 130, dtype=torch.bfloat16).transpose(0, 1).requires_grad_()
     check_against_reference(lambda x: layer_norm(x), lambda x: F.layer_norm(x, (130,)), (x,),
                             name="layer_norm(no affine)")
-    bias = _leaf(130, dtype=torch.bfloat16)
+    bias = leaf(130, dtype=torch.bfloat16)
     check_against_reference(lambda x, b: layer_norm(x, None, b), lambda x, b: F.layer_norm(x, (130,), None, b),
                             (x, bias), name="layer_norm(bias only)")
 
@@ -92,7 +73,7 @@ def _awkward_params(hidden, dtype):
 @pytest.mark.parametrize("hidden", [129, 4500])
 def test_memory_efficient_awkward_weights(backend, dtype, hidden):
     """memory_efficient keeps y; unrecoverable columns keep x̂: no NaN and float64-accurate gradients."""
-    x = _leaf(7, hidden, dtype=dtype)
+    x = leaf(7, hidden, dtype=dtype)
     weight, bias = _awkward_params(hidden, dtype)
     check_against_reference(functools.partial(layer_norm, memory_efficient=True), layer_norm_eager,
                             (x, weight, bias), name="layer_norm(memory_efficient)")
@@ -105,7 +86,7 @@ def test_memory_efficient_awkward_weights(backend, dtype, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_add_layer_norm_memory_efficient(backend, dtype):
-    x, residual = _leaf(5, 129, dtype=dtype), _leaf(5, 129, dtype=dtype)
+    x, residual = leaf(5, 129, dtype=dtype), leaf(5, 129, dtype=dtype)
     check_against_reference(functools.partial(add_layer_norm, memory_efficient=True), add_layer_norm_eager,
                             (x, residual, *_awkward_params(129, dtype)), name="add_layer_norm(memory_efficient)")
 
@@ -115,7 +96,7 @@ def test_add_layer_norm_memory_efficient(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_saved_bytes_layer_norm_is_8_per_token(backend, dtype):
     rows, hidden = 37, 256
-    x = _leaf(rows, hidden, dtype=dtype)
+    x = leaf(rows, hidden, dtype=dtype)
     weight, bias = _params(hidden, dtype)
     with SavedBytesMeter() as saved:
         layer_norm(x, weight, bias)
@@ -126,7 +107,7 @@ def test_saved_bytes_layer_norm_is_8_per_token(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_saved_bytes_memory_efficient_is_output_and_rstd(backend, dtype):
     rows, hidden = 9, 200
-    source = _leaf(rows, hidden, dtype=dtype)
+    source = leaf(rows, hidden, dtype=dtype)
     weight, bias = _params(hidden, dtype, spread=0.1)  # every |w| > |b|: no column needs a fallback
     with SavedBytesMeter() as saved:
         x = source * 2  # created inside the region: had it been kept, it would count as new
@@ -137,7 +118,7 @@ def test_saved_bytes_memory_efficient_is_output_and_rstd(backend, dtype):
 
 def test_saved_bytes_add_layer_norm_is_residual_out_mean_rstd(backend):
     rows, hidden = 11, 300
-    x, residual = _leaf(rows, hidden, dtype=torch.bfloat16), _leaf(rows, hidden, dtype=torch.bfloat16)
+    x, residual = leaf(rows, hidden, dtype=torch.bfloat16), leaf(rows, hidden, dtype=torch.bfloat16)
     weight, bias = _params(hidden, torch.bfloat16)
     with SavedBytesMeter() as saved:
         _, residual_out = add_layer_norm(x, residual, weight, bias)
@@ -147,7 +128,7 @@ def test_saved_bytes_add_layer_norm_is_residual_out_mean_rstd(backend):
 
 @pytest.mark.parametrize("hidden", [300, 5000])
 def test_weight_and_bias_gradients_are_bitwise_deterministic(backend, hidden):
-    x = _leaf(41, hidden, dtype=torch.float16)
+    x = leaf(41, hidden, dtype=torch.float16)
     weight, bias = _params(hidden, torch.float32)
     grad = torch.randn(41, hidden, dtype=torch.float16)
     runs = []
@@ -175,13 +156,7 @@ def test_module_matches_nn_layer_norm(backend):
     with torch.no_grad():
         eager.weight.uniform_(0.5, 1.5)
         eager.bias.normal_()
-    fused = memkernels.FusedLayerNorm((4, 24))
-    assert list(fused.state_dict()) == list(eager.state_dict()) == ["weight", "bias"]
-    fused.load_state_dict(eager.state_dict())
-    converted = memkernels.FusedLayerNorm.from_module(eager)
-    x = torch.randn(3, 4, 24)
-    for module in (fused, converted):
-        torch.testing.assert_close(module(x), eager(x))
+    assert_drop_in(memkernels.FusedLayerNorm, eager, torch.randn(3, 4, 24), ["weight", "bias"])
 
 
 def test_bias_false_means_no_bias_parameter():

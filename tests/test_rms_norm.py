@@ -13,25 +13,10 @@ import torch
 from torch import nn
 
 import memkernels
-from bf16_rounding_shim import install as install_bf16_rounding_shim
 from memkernels.functional import add_rms_norm, rms_norm
-from memkernels.meters import SavedBytesMeter
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.testing import check_against_reference
-
-install_bf16_rounding_shim()
-
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# (hidden, rows): one row and a prime row count; few rows where the interpreter is slow.
-SHAPES = [(1, 1), (1, 2), (127, 7), (128, 1), (129, 13), (1000, 7), (4096, 3), (5120, 2),
-          pytest.param(65536, 2, marks=pytest.mark.slow)]
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request):
-    """Run the Triton kernels (interpreter on CPU) and the PyTorch reference path."""
-    memkernels.set_backend(request.param)
-    yield request.param
-    memkernels.set_backend("auto")
+from norm_cases import DTYPES, SHAPES, assert_drop_in, backend, leaf  # noqa: F401 (backend: fixture)
 
 
 def rms_norm_eager(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
@@ -52,23 +37,19 @@ def add_rms_norm_eager(x, residual, weight, eps=1e-6, **options):
     return rms_norm_eager(residual_out, weight, eps, **options), residual_out
 
 
-def _leaf(*shape, dtype, scale=1.0, shift=0.0):
-    return (torch.randn(*shape) * scale + shift).to(dtype).requires_grad_()
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("hidden,rows", SHAPES)
 def test_rms_norm_matches_float64(backend, dtype, hidden, rows):
-    x = _leaf(rows, hidden, dtype=dtype)
-    weight = _leaf(hidden, dtype=dtype, scale=0.5, shift=1.0)
+    x = leaf(rows, hidden, dtype=dtype)
+    weight = leaf(hidden, dtype=dtype, scale=0.5, shift=1.0)
     check_against_reference(rms_norm, rms_norm_eager, (x, weight, 1e-6))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("casting_mode,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("none", 1.0)])
 def test_casting_modes_and_offset(backend, dtype, casting_mode, offset):
-    x = _leaf(2, 5, 129, dtype=dtype)
-    weight = _leaf(129, dtype=dtype, scale=0.3)
+    x = leaf(2, 5, 129, dtype=dtype)
+    weight = leaf(129, dtype=dtype, scale=0.3)
     options = {"casting_mode": casting_mode, "offset": offset}
     check_against_reference(functools.partial(rms_norm, **options), functools.partial(rms_norm_eager, **options),
                             (x, weight), name=f"rms_norm[{casting_mode}, offset={offset}]")
@@ -76,8 +57,8 @@ def test_casting_modes_and_offset(backend, dtype, casting_mode, offset):
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_fp32_weight_with_low_precision_input(backend, dtype):
-    x = _leaf(7, 300, dtype=dtype)
-    weight = _leaf(300, dtype=torch.float32, scale=0.5, shift=1.0)
+    x = leaf(7, 300, dtype=dtype)
+    weight = leaf(300, dtype=torch.float32, scale=0.5, shift=1.0)
     report = check_against_reference(rms_norm, rms_norm_eager, (x, weight))
     assert report.rows[-1].dtype == torch.float32  # the weight gradient keeps the weight's dtype
 
@@ -86,8 +67,8 @@ def test_fp32_weight_with_low_precision_input(backend, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_add_rms_norm_matches_float64(backend, dtype, hidden):
     """Gradients reach x, residual and weight, including the gradient flowing into residual_out."""
-    x, residual = _leaf(5, hidden, dtype=dtype), _leaf(5, hidden, dtype=dtype)
-    weight = _leaf(hidden, dtype=dtype, scale=0.5, shift=1.0)
+    x, residual = leaf(5, hidden, dtype=dtype), leaf(5, hidden, dtype=dtype)
+    weight = leaf(hidden, dtype=dtype, scale=0.5, shift=1.0)
     check_against_reference(add_rms_norm, add_rms_norm_eager, (x, residual, weight))
 
 
@@ -99,8 +80,8 @@ def test_leading_dims_non_contiguous_and_no_weight(backend):
 
 
 def test_tuple_normalized_shape(backend):
-    x = _leaf(3, 4, 5, 6, dtype=torch.float32)
-    weight = _leaf(5, 6, dtype=torch.float32, shift=1.0)
+    x = leaf(3, 4, 5, 6, dtype=torch.float32)
+    weight = leaf(5, 6, dtype=torch.float32, shift=1.0)
     check_against_reference(rms_norm, lambda x, w: rms_norm_eager(x.flatten(-2), w.flatten()).view(x.shape),
                             (x, weight), name="rms_norm(weight [5, 6])")
 
@@ -119,7 +100,7 @@ def _spiked_weight(hidden, dtype):
 @pytest.mark.parametrize("hidden", [129, 4500])
 def test_memory_efficient_zero_and_tiny_weights(backend, dtype, hidden):
     """memory_efficient keeps y; columns whose x̂ y cannot give back are stored: no NaN, exact gradients."""
-    x = _leaf(7, hidden, dtype=dtype)
+    x = leaf(7, hidden, dtype=dtype)
     weight = _spiked_weight(hidden, dtype)
     report = check_against_reference(functools.partial(rms_norm, memory_efficient=True), rms_norm_eager,
                                       (x, weight), name="rms_norm(memory_efficient)")
@@ -133,7 +114,7 @@ def test_memory_efficient_zero_and_tiny_weights(backend, dtype, hidden):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_add_rms_norm_memory_efficient(backend, dtype):
-    x, residual = _leaf(5, 129, dtype=dtype), _leaf(5, 129, dtype=dtype)
+    x, residual = leaf(5, 129, dtype=dtype), leaf(5, 129, dtype=dtype)
     weight = _spiked_weight(129, dtype)
     check_against_reference(functools.partial(add_rms_norm, memory_efficient=True), add_rms_norm_eager,
                             (x, residual, weight), name="add_rms_norm(memory_efficient)")
@@ -144,8 +125,8 @@ def test_add_rms_norm_memory_efficient(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_saved_bytes_rms_norm_is_4_per_token(backend, dtype):
     rows, hidden = 37, 256
-    x = _leaf(rows, hidden, dtype=dtype)
-    weight = _leaf(hidden, dtype=dtype)
+    x = leaf(rows, hidden, dtype=dtype)
+    weight = leaf(hidden, dtype=dtype)
     with SavedBytesMeter() as saved:
         rms_norm(x, weight)
     assert saved.new_bytes == 4 * rows  # the fp32 rstd and nothing else
@@ -160,7 +141,7 @@ def test_saved_bytes_rms_norm_is_4_per_token(backend, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_saved_bytes_add_rms_norm_is_residual_out_and_rstd(backend, dtype):
     rows, hidden = 11, 300
-    x, residual, weight = _leaf(rows, hidden, dtype=dtype), _leaf(rows, hidden, dtype=dtype), _leaf(hidden, dtype=dtype)
+    x, residual, weight = leaf(rows, hidden, dtype=dtype), leaf(rows, hidden, dtype=dtype), leaf(hidden, dtype=dtype)
     with SavedBytesMeter() as saved:
         _, residual_out = add_rms_norm(x, residual, weight)
     new = sorted((r["shape"], r["dtype"]) for r in saved.records if r["new"])
@@ -171,8 +152,8 @@ def test_saved_bytes_add_rms_norm_is_residual_out_and_rstd(backend, dtype):
 
 def test_memory_efficient_does_not_keep_the_input(backend):
     rows, hidden = 9, 200
-    source = _leaf(rows, hidden, dtype=torch.bfloat16)
-    weight = _leaf(hidden, dtype=torch.bfloat16, shift=1.0)
+    source = leaf(rows, hidden, dtype=torch.bfloat16)
+    weight = leaf(hidden, dtype=torch.bfloat16, shift=1.0)
     with SavedBytesMeter() as saved:
         x = source * 2  # an activation made inside the region (a scalar multiply saves nothing)
         y = rms_norm(x, weight, memory_efficient=True)
@@ -212,8 +193,8 @@ def test_interpreter_rounds_bf16_to_nearest():
 
 @pytest.mark.parametrize("hidden", [300, 5000])  # register-resident rows and looping rows
 def test_weight_gradient_is_bitwise_deterministic(backend, hidden):
-    x = _leaf(41, hidden, dtype=torch.bfloat16)  # more rows than backward programs
-    weight = _leaf(hidden, dtype=torch.float32, shift=1.0)
+    x = leaf(41, hidden, dtype=torch.bfloat16)  # more rows than backward programs
+    weight = leaf(hidden, dtype=torch.float32, shift=1.0)
     grad = torch.randn(41, hidden, dtype=torch.bfloat16)
     runs = []
     for _ in range(2):
@@ -264,13 +245,7 @@ def test_module_matches_nn_rms_norm_and_loads_its_state_dict(backend):
     eager = nn.RMSNorm(96, eps=1e-6)
     with torch.no_grad():
         eager.weight.uniform_(0.5, 1.5)
-    fused = memkernels.FusedRMSNorm(96, eps=1e-6)
-    assert list(fused.state_dict()) == list(eager.state_dict()) == ["weight"]
-    fused.load_state_dict(eager.state_dict())
-    converted = memkernels.FusedRMSNorm.from_module(eager)
-    x = torch.randn(4, 5, 96)
-    for module in (fused, converted):
-        torch.testing.assert_close(module(x), eager(x))
+    assert_drop_in(memkernels.FusedRMSNorm, eager, torch.randn(4, 5, 96), ["weight"])
 
 
 def test_module_takes_layer_norm_arguments():
@@ -335,3 +310,77 @@ def test_torch_compile_fullgraph_has_no_graph_break(memory_efficient):
     step(x).backward()
     torch.testing.assert_close(loss, step(x))
     torch.testing.assert_close(compiled_grad, x.grad)
+
+
+# --- opt-in in_place backward -----------------------------------------------------------------
+
+def _gradients(build, leaves, in_place):
+    for leaf in leaves:
+        leaf.grad = None
+    build(in_place).backward()
+    return [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
+
+
+@pytest.mark.parametrize("graph", ["private", "shared-by-two-norms", "shared-with-a-leaf", "caller-keeps-grad",
+                                   "output-used-twice", "expanded-grad", "add-variant"])
+def test_in_place_backward_matches_and_never_corrupts_a_shared_gradient(backend, graph):
+    """Liger wrote dx into a dy that another branch still needed; each graph here shares it differently."""
+    x = leaf(6, 40, dtype=torch.float32)
+    residual = leaf(6, 40, dtype=torch.float32)
+    weight = leaf(40, dtype=torch.float32, shift=1.0)
+    kept_grad = torch.randn(6, 40)
+
+    def build(in_place):
+        norm = functools.partial(rms_norm, weight=weight, in_place=in_place)
+        if graph == "private":
+            return norm(x * 1).pow(2).sum()
+        if graph == "shared-by-two-norms":  # the add hands one gradient tensor to both norms
+            return (norm(x * 1) + norm(x * 2)).pow(2).sum()
+        if graph == "shared-with-a-leaf":  # the same gradient also becomes residual.grad
+            return (norm(x * 1) + residual).pow(2).sum()
+        if graph == "caller-keeps-grad":
+            return (norm(x * 1) * kept_grad).sum()
+        if graph == "output-used-twice":
+            y = norm(x * 1)
+            return (y + y.sin()).pow(2).sum()
+        if graph == "expanded-grad":
+            return norm(x * 1).sum()
+        y, residual_out = add_rms_norm(x * 1, residual, weight, in_place=in_place)
+        return (y.pow(2) + residual_out.sin()).sum()
+
+    expected = _gradients(build, [x, residual, weight], in_place=False)
+    kept_before = kept_grad.clone()
+    actual = _gradients(build, [x, residual, weight], in_place=True)
+    for got, want in zip(actual, expected):
+        assert (got is None and want is None) or torch.equal(got, want)
+    assert torch.equal(kept_grad, kept_before)
+
+
+def test_in_place_backward_saves_one_buffer(backend):
+    rows, hidden = 64, 256
+    x, weight = leaf(rows, hidden, dtype=torch.bfloat16), leaf(hidden, dtype=torch.bfloat16)
+    probe = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    peaks, grads = {}, {}
+    for in_place in (False, True):
+        # dy = probe * d(sum) is a fresh private tensor; x.grad takes dx without a copy.
+        loss = (rms_norm(x, weight, in_place=in_place) * probe).sum()
+        x.grad = None
+        with PeakBytesMeter() as peak:
+            loss.backward()
+        peaks[in_place], grads[in_place] = peak.peak_bytes, x.grad
+    assert peaks[False] - peaks[True] == rows * hidden * 2  # dx went into dy's buffer
+    assert torch.equal(grads[False], grads[True])
+
+
+# --- ahead-of-time compile check --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm80_and_sm90_without_spills():
+    """Every registered variant (both norms, fp32/fp16/bf16, widest register-resident and looping rows)."""
+    from memkernels import aot
+    from memkernels.ops import _norm_kernels  # noqa: F401 (registers the kernels)
+
+    reports = aot.check(names=["norm_fwd", "norm_bwd"], archs=(80, 90))
+    assert len(reports) == 2 * 2 * len(_norm_kernels._FORWARD_VARIANTS)
+    failed = [(r.kernel, r.variant, r.arch, r.spills, r.error) for r in reports if not r.ok]
+    assert not failed, failed

@@ -20,7 +20,7 @@ class _FusedNorm(nn.Module):
     _default_bias = False
 
     def __init__(self, normalized_shape, eps, elementwise_affine, bias, device, dtype, *,
-                 offset=0.0, casting_mode="llama", memory_efficient=False):
+                 offset=0.0, casting_mode="llama", memory_efficient=False, in_place=False):
         super().__init__()
         if isinstance(normalized_shape, numbers.Integral):
             normalized_shape = (normalized_shape,)
@@ -30,6 +30,7 @@ class _FusedNorm(nn.Module):
         self.offset = offset
         self.casting_mode = casting_mode
         self.memory_efficient = memory_efficient
+        self.in_place = in_place
         factory = {"device": device, "dtype": dtype}
         if elementwise_affine:
             self.weight = nn.Parameter(torch.empty(self.normalized_shape, **factory))
@@ -54,7 +55,8 @@ class _FusedNorm(nn.Module):
         y, residual_out = normalize(
             type(self).__name__, x, residual, self.weight, self.bias, self._eps_for(x),
             self.offset if self.weight is not None else 0.0, self._is_rms,
-            self.casting_mode if self._is_rms else "gemma", self.memory_efficient, self.normalized_shape)
+            self.casting_mode if self._is_rms else "gemma", self.memory_efficient, self.normalized_shape,
+            self.in_place)
         return (y, residual_out) if self._has_residual else y
 
     def extra_repr(self):
@@ -69,6 +71,8 @@ class _FusedNorm(nn.Module):
             text += f", casting_mode={self.casting_mode!r}"
         if self.memory_efficient:
             text += ", memory_efficient=True"
+        if self.in_place:
+            text += ", in_place=True"
         return text
 
     @classmethod
@@ -122,16 +126,16 @@ class FusedRMSNorm(_FusedNorm):
         elementwise_affine: learn ``weight`` (initialized to 1 - offset).
         bias: learn a ``bias`` too (default False, as nn.RMSNorm).
         offset: scale is (offset + weight); 1.0 for Gemma.
-        casting_mode, memory_efficient: see memkernels.functional.rms_norm.
+        casting_mode, memory_efficient, in_place: see memkernels.functional.rms_norm.
 
     Shapes: x [..., *normalized_shape] fp32/fp16/bf16 -> y, same shape and dtype.
     Saves 4 new bytes per token for backward (x itself plus an fp32 rstd).
     """
 
     def __init__(self, normalized_shape, eps=None, elementwise_affine=True, bias=False, device=None, dtype=None,
-                 *, offset=0.0, casting_mode="llama", memory_efficient=False):
-        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype,
-                         offset=offset, casting_mode=casting_mode, memory_efficient=memory_efficient)
+                 *, offset=0.0, casting_mode="llama", memory_efficient=False, in_place=False):
+        super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype, offset=offset,
+                         casting_mode=casting_mode, memory_efficient=memory_efficient, in_place=in_place)
 
     def forward(self, x):
         return self._run(x, None)
@@ -143,15 +147,15 @@ class FusedLayerNorm(_FusedNorm):
     Shapes: x [..., *normalized_shape] fp32/fp16/bf16 -> y, same shape and dtype.
     Statistics and the affine step run in fp32. Saves 8 new bytes per token
     (fp32 mean and rstd) beyond x; memory_efficient=True keeps y and rstd instead
-    (see memkernels.functional.layer_norm).
+    (see memkernels.functional.layer_norm, also for in_place).
     """
 
     _is_rms = False
 
     def __init__(self, normalized_shape, eps=1e-5, elementwise_affine=True, bias=True, device=None, dtype=None,
-                 *, memory_efficient=False):
+                 *, memory_efficient=False, in_place=False):
         super().__init__(normalized_shape, eps, elementwise_affine, bias, device, dtype,
-                         memory_efficient=memory_efficient)
+                         memory_efficient=memory_efficient, in_place=in_place)
 
     def forward(self, x):
         return self._run(x, None)

@@ -24,9 +24,10 @@ from memkernels import aot
 # Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
 # variant compiles with no spills on sm_80 and sm_90: forward 8192 with 32 warps
 # (16384 spills in LayerNorm); backward, which also carries dy, x̂ and the
-# dw/db accumulators, 4096 with 8 warps (8192 spills at any warp count tried).
+# compensated dw/db accumulators, 2048 with 8 warps (4096 spills on sm_90 with
+# 8 or 16 warps, 8192 at any warp count tried).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
-BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP = 4096, 512
+BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP = 2048, 256
 
 
 @triton.jit
@@ -178,6 +179,16 @@ def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
 
 
 @triton.jit
+def _row_stats(MEAN, RSTD, row, UNCENTERED: tl.constexpr):
+    """(mean, rstd) of one row; mean is 0 when x̂ does not need it (RMSNorm, or recovered from y)."""
+    if UNCENTERED:
+        mean = 0.0
+    else:
+        mean = tl.load(MEAN + row)
+    return mean, tl.load(RSTD + row)
+
+
+@triton.jit
 def _kahan_add_in_memory(PARTIAL, H, cols, mask, term):
     """_kahan_add on a program's [2, H] (sum, compensation) row in memory, one chunk."""
     total, compensation = _kahan_add(tl.load(PARTIAL + cols, mask=mask, other=0.0),
@@ -225,11 +236,7 @@ def _norm_bwd_kernel(
         db_comp = tl.zeros([BLOCK], tl.float32)
         for row in range(pid, M, programs):
             offs = row * H
-            rstd = tl.load(RSTD + row)
-            if UNCENTERED:
-                mean = 0.0
-            else:
-                mean = tl.load(MEAN + row)
+            mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
             xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
                               HAS_BIAS, MEMORY_EFFICIENT)
             dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
@@ -262,11 +269,7 @@ def _norm_bwd_kernel(
         # program's partial-sum row (zero-initialized by the launcher).
         for row in range(pid, M, programs):
             offs = row * H
-            rstd = tl.load(RSTD + row)
-            if UNCENTERED:
-                mean = 0.0
-            else:
-                mean = tl.load(MEAN + row)
+            mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
             fallback_row = FALLBACK + row * K
             projection = 0.0
             g_mean = 0.0
@@ -365,14 +368,17 @@ def _num_programs(rows, device):
 
 
 def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
-                  memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db):
-    """Triton backward on [M, H] contiguous tensors; same contract as reference.norm_backward."""
+                  memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db, dx_out=None):
+    """Triton backward on [M, H] contiguous tensors; same contract as reference.norm_backward.
+
+    ``dx_out`` may be dy itself: every program reads a row chunk of dy before writing dx there.
+    """
     rows, hidden = dy.shape
     block, num_warps, single_pass = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
     programs = max(_num_programs(rows, dy.device), 1)
     # Single-pass programs write their whole partial row; looping ones add into it.
     make_partial = torch.empty if single_pass and rows else torch.zeros
-    dx = torch.empty_like(dy) if needs_dx else None
+    dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
     dw_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
     db_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
     unused = _placeholder(dy)

@@ -9,7 +9,8 @@ activation offload) see them.
 
 Each op runs the Triton kernels (memkernels/ops/_norm_kernels.py) or the
 PyTorch reference (memkernels/reference/_norm.py), as chosen by
-memkernels._backend.resolve in the public function.
+memkernels._backend.resolve in the public function. The public functions live
+in memkernels/ops/rms_norm.py and memkernels/ops/layer_norm.py.
 """
 import math
 from typing import Optional
@@ -18,6 +19,11 @@ import torch
 
 from memkernels import _backend
 from memkernels.reference import _norm as reference
+
+try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
+    from memkernels.ops import _norm_kernels  # noqa: F401
+except ImportError:
+    pass
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -36,9 +42,13 @@ def _empty(like, dtype=None):
 @torch.library.custom_op("memkernels::norm_fwd", mutates_args=())
 def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], eps: float, offset: float, is_rms: bool, casting: int,
-             memory_efficient: bool, backend: str
+             memory_efficient: bool, in_place: bool, backend: str
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (y, residual_out, mean, rstd, unrecoverable_cols, fallback); absent ones are empty."""
+    """Returns (y, residual_out, mean, rstd, unrecoverable_cols, fallback); absent ones are empty.
+
+    ``in_place`` is a backward option (write dx into dy's buffer when safe), carried here
+    because the autograd context is built from the op's inputs.
+    """
     if memory_efficient:
         unsafe_cols = reference.unrecoverable_columns(weight, bias, offset, casting, x.dtype).to(x.device)
     else:
@@ -51,7 +61,7 @@ def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional
 
 
 @norm_fwd.register_fake
-def _norm_fwd_fake(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, backend):
+def _norm_fwd_fake(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, in_place, backend):
     rows = x.shape[0]
     unrecoverable = torch.library.get_ctx().new_dynamic_size() if memory_efficient else 0
     return (torch.empty_like(x), torch.empty_like(x) if residual is not None else _empty(x),
@@ -75,6 +85,43 @@ def norm_bwd(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: tor
             _empty(dy) if db is None else db)
 
 
+@torch.library.custom_op("memkernels::norm_bwd_into_dy", mutates_args=("dy",))
+def norm_bwd_into_dy(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
+                     mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
+                     eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
+                     needs_dw: bool, needs_db: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_bwd that writes dx over dy (each row is read before it is written). Returns (dw, db)."""
+    _, dw, db = _implementation(backend).norm_backward(
+        dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
+        memory_efficient, unsafe_cols, fallback, True, needs_dw, needs_db, dx_out=dy)
+    return _empty(dy) if dw is None else dw, _empty(dy) if db is None else db
+
+
+@norm_bwd_into_dy.register_fake
+def _norm_bwd_into_dy_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
+                           is_rms, casting, memory_efficient, needs_dw, needs_db, backend):
+    return (torch.empty_like(weight) if needs_dw else _empty(dy),
+            torch.empty_like(bias) if needs_db else _empty(dy))
+
+
+def _private_gradient(dy):
+    """True when writing into dy cannot be seen by anyone else (opt-in in_place backward).
+
+    The gradient reaching a registered backward is a view of the engine's tensor. That
+    tensor has exactly two references when the engine hands it to this node alone: the
+    view's and the engine's. A third means another node has yet to read it (a gradient
+    shared by two branches), the caller keeps it (``y.backward(g)``), or it is a leaf's
+    .grad; an expanded or non-contiguous gradient, a tensor subclass (torch.compile's
+    tracing) or any other layout is not written either. Anything unexpected means no.
+    """
+    base = dy._base
+    return (type(dy) is torch.Tensor and type(base) is torch.Tensor and not torch.compiler.is_compiling()
+            and dy.is_contiguous() and base.is_contiguous() and base.shape == dy.shape
+            and base.data_ptr() == dy.data_ptr() and base._use_count() == 2
+            and torch._C._storage_Use_Count(base.untyped_storage()._cdata) <= 3)
+
+
 @norm_bwd.register_fake
 def _norm_bwd_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
                    is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db, backend):
@@ -84,7 +131,7 @@ def _norm_bwd_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_co
 
 
 def _setup_context(ctx, inputs, output):
-    x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, backend = inputs
+    x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, in_place, backend = inputs
     y, residual_out, mean, rstd, unsafe_cols, fallback = output
     has_residual = residual is not None
     if memory_efficient:
@@ -95,27 +142,33 @@ def _setup_context(ctx, inputs, output):
         mean = None if is_rms else mean
     ctx.save_for_backward(saved, mean, rstd, weight, bias, *((unsafe_cols, fallback) if memory_efficient
                                                               else (None, None)))
-    ctx.options = (eps, offset, is_rms, casting, memory_efficient, backend, has_residual,
+    ctx.options = (in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual,
                    weight is not None, bias is not None)
 
 
 def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
     saved, mean, rstd, weight, bias, unsafe_cols, fallback = ctx.saved_tensors
-    eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = ctx.options
+    in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = \
+        ctx.options
     needs_x, needs_residual, needs_w, needs_b = ctx.needs_input_grad[:4]
     needs_dx = needs_x or needs_residual
     needs_dw = has_weight and needs_w
     needs_db = has_bias and needs_b
     if not (needs_dx or needs_dw or needs_db):
-        return (None,) * 10
+        return (None,) * 11
     if unsafe_cols is None:
         unsafe_cols = rstd.new_empty(0, dtype=torch.int64)
-    dx, dw, db = norm_bwd(
-        dy.contiguous(), dresidual_out.contiguous() if has_residual else None, saved, mean, rstd, weight, bias,
-        unsafe_cols, fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db,
-        backend)
+    dresidual_out = dresidual_out.contiguous() if has_residual else None
+    if in_place and needs_dx and _private_gradient(dy):
+        dw, db = norm_bwd_into_dy(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps,
+                                  offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend)
+        dx = dy
+    else:
+        dx, dw, db = norm_bwd(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
+                              fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
+                              needs_db, backend)
     return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
-            db if needs_db else None) + (None,) * 6
+            db if needs_db else None) + (None,) * 7
 
 
 torch.library.register_autograd("memkernels::norm_fwd", _backward, setup_context=_setup_context)
@@ -137,7 +190,7 @@ def _check_param(name, param, x, normalized_shape):
 
 
 def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_mode, memory_efficient,
-              normalized_shape):
+              normalized_shape, in_place=False):
     """Validate, flatten to [M, H], run the custom op, reshape back. Returns (y, residual_out or None)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op_name}: x must be a torch.Tensor, got {type(x).__name__}")
@@ -179,6 +232,7 @@ def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_m
     x2d = x.reshape(-1, hidden).contiguous()
     residual2d = residual.reshape(-1, hidden).contiguous() if residual is not None else None
     y, residual_out, *_ = norm_fwd(x2d, residual2d, weight, bias, eps, offset, is_rms,
-                                   reference.CASTING_MODES[casting_mode], bool(memory_efficient), backend)
+                                   reference.CASTING_MODES[casting_mode], bool(memory_efficient), bool(in_place),
+                                   backend)
     y = y.view(x.shape)
     return y, (residual_out.view(x.shape) if residual is not None else None)

@@ -1,15 +1,8 @@
 """LayerNorm, plain and with a fused residual add.
 
-Kernels: memkernels/ops/_norm_kernels.py (shared with RMSNorm); custom ops and
-autograd: memkernels/ops/_norm_ops.py; CPU path and spec:
-memkernels/reference/_norm.py.
+Shares its kernels, custom ops and reference with RMSNorm (see memkernels/ops/_norm_ops.py).
 """
 from memkernels.ops._norm_ops import normalize
-
-try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
-    from memkernels.ops import _norm_kernels  # noqa: F401
-except ImportError:
-    pass
 
 _MEMORY_NOTE = """
     Saved for backward (measured in tests/test_layer_norm.py): the normalized
@@ -26,7 +19,8 @@ _MEMORY_NOTE = """
 """
 
 
-def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, normalized_shape=None):
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, normalized_shape=None,
+               in_place=False):
     """LayerNorm: y = (x - mean) / sqrt(var + eps) * weight + bias, statistics in fp32.
 
     Args:
@@ -37,6 +31,10 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, n
         memory_efficient: keep y instead of x for backward (see below).
         normalized_shape: trailing dims normalized together; defaults to
             weight.shape, else bias.shape, else the last dim.
+        in_place: backward writes dx into the incoming gradient's buffer, saving one
+            [M, H] allocation, but only when nothing else can see that buffer (it is
+            not shared with another branch, kept by the caller, or a view); otherwise,
+            and under torch.compile, it allocates dx as usual.
 
     Returns:
         y: x's shape and dtype (computed in fp32, one rounding). An input with
@@ -45,11 +43,11 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, n
     if normalized_shape is None and weight is None and bias is not None:
         normalized_shape = bias.shape
     return normalize("layer_norm", x, None, weight, bias, eps, 0.0, False, "gemma", memory_efficient,
-                     normalized_shape)[0]
+                     normalized_shape, in_place)[0]
 
 
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, memory_efficient=False,
-                   normalized_shape=None):
+                   normalized_shape=None, in_place=False):
     """Fused residual add + LayerNorm in one pass: returns (y, residual_out).
 
     residual_out = x + residual (rounded to x's dtype) and y = layer_norm(residual_out),
@@ -60,4 +58,4 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, memory_effi
     if normalized_shape is None and weight is None and bias is not None:
         normalized_shape = bias.shape
     return normalize("add_layer_norm", x, residual, weight, bias, eps, 0.0, False, "gemma", memory_efficient,
-                     normalized_shape)
+                     normalized_shape, in_place)

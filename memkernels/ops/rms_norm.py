@@ -1,15 +1,8 @@
 """RMSNorm, plain and with a fused residual add.
 
-Kernels: memkernels/ops/_norm_kernels.py (shared with LayerNorm); custom ops and
-autograd: memkernels/ops/_norm_ops.py; CPU path and spec:
-memkernels/reference/_norm.py.
+Shares its kernels, custom ops and reference with LayerNorm (see memkernels/ops/_norm_ops.py).
 """
 from memkernels.ops._norm_ops import normalize
-
-try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
-    from memkernels.ops import _norm_kernels  # noqa: F401
-except ImportError:
-    pass
 
 _MEMORY_NOTE = """
     Saved for backward (measured in tests/test_rms_norm.py): the normalized input
@@ -26,7 +19,7 @@ _MEMORY_NOTE = """
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="llama", memory_efficient=False,
-             normalized_shape=None):
+             normalized_shape=None, in_place=False):
     """RMSNorm: y = x / sqrt(mean(x**2) + eps) * (offset + weight) [+ bias].
 
     Args:
@@ -42,16 +35,20 @@ def rms_norm(x, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="l
         memory_efficient: keep y instead of x for backward (see below).
         normalized_shape: trailing dims normalized together; defaults to
             weight.shape, else the last dim.
+        in_place: backward writes dx into the incoming gradient's buffer, saving one
+            [M, H] allocation, but only when nothing else can see that buffer (it is
+            not shared with another branch, kept by the caller, or a view); otherwise,
+            and under torch.compile, it allocates dx as usual.
 
     Returns:
         y: x's shape and dtype. An input with no rows gives an empty y.
     """ + _MEMORY_NOTE
     return normalize("rms_norm", x, None, weight, bias, eps, offset, True, casting_mode, memory_efficient,
-                     normalized_shape)[0]
+                     normalized_shape, in_place)[0]
 
 
 def add_rms_norm(x, residual, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="llama",
-                 memory_efficient=False, normalized_shape=None):
+                 memory_efficient=False, normalized_shape=None, in_place=False):
     """Fused residual add + RMSNorm in one pass: returns (y, residual_out).
 
     residual_out = x + residual (rounded to x's dtype) and y = rms_norm(residual_out),
@@ -60,4 +57,4 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, bias=None, offset=0.0, c
     include any gradient flowing into residual_out itself.
     """ + _MEMORY_NOTE
     return normalize("add_rms_norm", x, residual, weight, bias, eps, offset, True, casting_mode, memory_efficient,
-                     normalized_shape)
+                     normalized_shape, in_place)

@@ -7,11 +7,14 @@ and the same tensors kept for backward. Everything works on 2-D contiguous
 
 Notation: s is the normalized input (x, or residual_out = x + residual rounded
 to x's dtype), x̂ = (s - mean) * rstd (mean = 0 for RMSNorm), W' = offset + w
-in fp32 (1 without a weight). Statistics are fp32.
+(1 without a weight). Statistics are kept in fp32. This CPU path computes in
+fp32 for fp16/bf16 inputs and in float64 for fp32 inputs (the kernels use
+fp32 throughout): on the CPU the wider type costs little, and it keeps fp32
+results within one rounding of exact.
 
 casting_mode (RMSNorm; LayerNorm always uses "gemma"):
   "llama": y = round(round(x̂) * W')       (x̂ cast to x's dtype before the weight)
-  "gemma": y = round(x̂ * W' + b)          (all in fp32, one rounding at the end)
+  "gemma": y = round(x̂ * W' + b)          (all in the compute type, one rounding at the end)
   "none":  y = round(round(s * round(rstd)) * round(W'))   (each op in x's dtype)
 where round() is a cast to x's dtype.
 
@@ -37,13 +40,19 @@ def recovery_threshold(dtype):
     return info.tiny / info.eps
 
 
+def compute_dtype(dtype):
+    """The type this path computes in for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
 def effective_weight(weight, offset, casting, dtype):
-    """W' = offset + w in fp32 (rounded to ``dtype`` in casting mode "none"), or None."""
+    """W' = offset + w in the compute type (rounded to ``dtype`` in casting mode "none"), or None."""
     if weight is None:
         return None
-    scale = weight.float() + offset
+    compute = compute_dtype(dtype)
+    scale = weight.to(compute) + offset
     if casting == CASTING_MODES["none"]:
-        scale = scale.to(dtype).float()
+        scale = scale.to(dtype).to(compute)
     return scale
 
 
@@ -60,12 +69,13 @@ def unrecoverable_columns(weight, bias, offset, casting, dtype):
     magnitude = scale.abs()
     unsafe = magnitude < recovery_threshold(dtype)
     if bias is not None:
-        unsafe |= magnitude < bias.float().abs()
+        unsafe |= magnitude < bias.to(magnitude.dtype).abs()
     return unsafe.nonzero().flatten()
 
 
 def _round(t, dtype):
-    return t.to(dtype).float()
+    """A rounding point: ``t`` rounded to ``dtype``, back in t's type."""
+    return t.to(dtype).to(t.dtype)
 
 
 def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols):
@@ -75,13 +85,13 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
     (LayerNorm keeping its input only), rstd [M] fp32, fallback [M, K] x.dtype
     or None (memory_efficient only)).
     """
-    dtype = x.dtype
+    dtype, compute = x.dtype, compute_dtype(x.dtype)
     residual_out = None
     if residual is not None:
-        residual_out = (x.float() + residual.float()).to(dtype)
-        s = residual_out.float()
+        residual_out = (x.to(compute) + residual.to(compute)).to(dtype)
+        s = residual_out.to(compute)
     else:
-        s = x.float()
+        s = x.to(compute)
     mean = None if is_rms else s.mean(dim=1)
     centered = s if is_rms else s - mean[:, None]
     rstd = torch.rsqrt(centered.square().mean(dim=1) + eps)
@@ -96,21 +106,23 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
     scale = effective_weight(weight, offset, casting, dtype)
     out = normalized if scale is None else normalized * scale
     if bias is not None:
-        out = out + bias.float()
+        out = out + bias.to(compute)
     y = out.to(dtype)
 
     fallback = None
     if memory_efficient:
         fallback = xhat[:, unsafe_cols.to(x.device)].to(dtype)
-    return y, residual_out, (None if memory_efficient else mean), rstd, fallback
+    mean = None if memory_efficient or mean is None else mean.float()
+    return y, residual_out, mean, rstd.float(), fallback
 
 
 def recover_xhat(saved, mean, rstd, weight, bias, offset, casting, memory_efficient, unsafe_cols, fallback):
-    """x̂ [M, H] fp32 from what forward kept: s with its statistics, or y (memory_efficient)."""
+    """x̂ [M, H] in the compute type from what forward kept: s with its statistics, or y (memory_efficient)."""
+    compute = compute_dtype(saved.dtype)
     if not memory_efficient:
-        centered = saved.float() if mean is None else saved.float() - mean[:, None]
-        return centered * rstd[:, None]
-    shifted = saved.float() if bias is None else saved.float() - bias.float()
+        centered = saved.to(compute) if mean is None else saved.to(compute) - mean.to(compute)[:, None]
+        return centered * rstd.to(compute)[:, None]
+    shifted = saved.to(compute) if bias is None else saved.to(compute) - bias.to(compute)
     scale = effective_weight(weight, offset, casting, saved.dtype)
     if scale is None:
         xhat = shifted
@@ -120,23 +132,26 @@ def recover_xhat(saved, mean, rstd, weight, bias, offset, casting, memory_effici
         # The guard keeps 0/0 out of columns whose x̂ comes from the fallback.
         xhat = shifted / torch.where(unsafe, torch.ones_like(scale), scale)
     if unsafe_cols.numel():
-        xhat[:, unsafe_cols] = fallback.float()
+        xhat[:, unsafe_cols] = fallback.to(compute)
     return xhat
 
 
 def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
-                  memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db):
+                  memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db, dx_out=None):
     """Backward on [M, H] tensors. Returns (dx or None, dw or None, db or None).
 
+    dx is written into ``dx_out`` when given (the in_place backward passes dy).
+
     dx is also the gradient of residual (residual_out = x + residual). dw/db are
-    reduced in fp32 and returned in the parameter's dtype.
+    reduced in the compute type and returned in the parameter's dtype.
     """
     xhat = recover_xhat(saved, mean, rstd, weight, bias, offset, casting, memory_efficient, unsafe_cols, fallback)
-    dy32 = dy.float()
+    dy_c = dy.to(compute_dtype(dy.dtype))
+    rstd = rstd.to(dy_c.dtype)
     dx = dw = db = None
     if needs_dx:
         scale = effective_weight(weight, offset, casting, dy.dtype)
-        g = dy32 if scale is None else dy32 * scale
+        g = dy_c if scale is None else dy_c * scale
         projection = (g * xhat).mean(dim=1, keepdim=True)
         if is_rms and xhat.shape[1] == 1:
             # One column: g - x̂ (g x̂) = g (1 - x̂²), which cancels when x̂² is near 1;
@@ -147,12 +162,12 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
             inner = g - xhat * projection
         if not is_rms:
             inner = inner - g.mean(dim=1, keepdim=True)
-        dx32 = inner * rstd[:, None]
+        dx_c = inner * rstd[:, None]
         if dresidual_out is not None:
-            dx32 = dx32 + dresidual_out.float()
-        dx = dx32.to(dy.dtype)
+            dx_c = dx_c + dresidual_out.to(dx_c.dtype)
+        dx = dx_c.to(dy.dtype) if dx_out is None else dx_out.copy_(dx_c)
     if needs_dw:
-        dw = (dy32 * xhat).sum(dim=0).to(weight.dtype)
+        dw = (dy_c * xhat).sum(dim=0).to(weight.dtype)
     if needs_db:
-        db = dy32.sum(dim=0).to(bias.dtype)
+        db = dy_c.sum(dim=0).to(bias.dtype)
     return dx, dw, db
