@@ -126,6 +126,17 @@ def test_saved_bytes_add_layer_norm_is_residual_out_mean_rstd(backend):
     assert saved.aliased_bytes == weight.untyped_storage().nbytes() + bias.untyped_storage().nbytes()
 
 
+@pytest.mark.parametrize("needs", ["x", "weight", "bias", "weight+bias"])
+def test_only_requested_gradients(backend, needs):
+    """Frozen inputs get no gradient and the others stay exact (backward computes only what is needed)."""
+    x = leaf(5, 129, dtype=torch.bfloat16).requires_grad_("x" in needs)
+    weight, bias = _params(129, torch.bfloat16)
+    weight.requires_grad_("weight" in needs)
+    bias.requires_grad_("bias" in needs)
+    report = check_against_reference(layer_norm, layer_norm_eager, (x, weight, bias), name=f"layer_norm[{needs}]")
+    assert len(report.rows) == 1 + len(needs.split("+"))
+
+
 @pytest.mark.parametrize("hidden", [300, 5000])
 def test_weight_and_bias_gradients_are_bitwise_deterministic(backend, hidden):
     x = leaf(41, hidden, dtype=torch.float16)
@@ -177,7 +188,7 @@ def test_add_module(backend):
 
 def test_torch_compile_fullgraph_has_no_graph_break():
     torch._dynamo.reset()
-    model = nn.Sequential(nn.Linear(16, 32), memkernels.FusedLayerNorm(32), nn.Linear(32, 32),
+    model = nn.Sequential(nn.Linear(16, 32), memkernels.FusedLayerNorm(32, in_place=True), nn.Linear(32, 32),
                           memkernels.FusedLayerNorm(32, memory_efficient=True))
     compiled = torch.compile(model, fullgraph=True)
     x = torch.randn(6, 16)
