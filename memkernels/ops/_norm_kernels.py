@@ -347,12 +347,14 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
     if memory_efficient:
         fallback = torch.empty((rows, unsafe_cols.numel()), dtype=x.dtype, device=x.device)
         slot = _slots(unsafe_cols, hidden, x.device)
-    unused = _placeholder(x)
+    if not rows:
+        return y, residual_out, mean, rstd, fallback
+    unused, unused32 = _placeholder(x), _placeholder(rstd)
     _norm_fwd_kernel[(rows,)](
         x, residual if residual is not None else unused, residual_out if residual is not None else unused,
         weight if weight is not None else unused, bias if bias is not None else unused, y,
-        mean if store_mean else rstd, rstd,
-        slot if memory_efficient else unused, fallback if memory_efficient and fallback.numel() else unused,
+        mean if store_mean else unused32, rstd,
+        slot if memory_efficient else unused32, fallback if memory_efficient and fallback.numel() else unused,
         hidden, unsafe_cols.numel(), eps, offset,
         IS_RMS=is_rms, CASTING=casting, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, STORE_MEAN=store_mean, MEMORY_EFFICIENT=memory_efficient,
@@ -362,6 +364,8 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
 
 
 def _num_programs(rows, device):
+    """Backward programs: two per SM on a GPU; under the interpreter a few, so that each
+    program still sums several rows as it does on a GPU."""
     if device.type == "cuda":
         return min(rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
     return min(rows, 4)
