@@ -309,10 +309,12 @@ def _norm_bwd_kernel(
 def _reduce_partials(partial):
     """[P, 2, H] Kahan (sum, compensation) per program -> [H] fp32, in one fixed-order reduction.
 
-    In float64 (P * H elements: negligible work), so that the pair sum - compensation
-    keeps its extra precision and the result is rounded to fp32 once.
+    Accumulated in float64 (P * H elements: negligible work, and no float64 copy of the
+    buffer), so that sum - compensation keeps its extra precision and the result is
+    rounded to fp32 once.
     """
-    return (partial[:, 0].double() - partial[:, 1].double()).sum(dim=0).float()
+    totals = partial[:, 0].sum(dim=0, dtype=torch.float64)
+    return (totals - partial[:, 1].sum(dim=0, dtype=torch.float64)).float()
 
 
 def _launch_config(hidden, max_block, elements_per_warp):
