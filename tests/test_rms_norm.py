@@ -72,6 +72,18 @@ def test_add_rms_norm_matches_float64(backend, dtype, hidden):
     check_against_reference(add_rms_norm, add_rms_norm_eager, (x, residual, weight))
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_add_rms_norm_gradients_do_not_alias(backend, in_place):
+    """x.grad and residual.grad are equal but separate: changing one must not change the other."""
+    x, residual, weight = leaf(3, 8, dtype=torch.float32), leaf(3, 8, dtype=torch.float32), leaf(8, dtype=torch.float32)
+    y, residual_out = add_rms_norm(x, residual, weight, in_place=in_place)
+    (y.pow(2).sum() + residual_out.sin().sum()).backward()
+    assert torch.equal(x.grad, residual.grad)
+    expected = residual.grad.clone()
+    x.grad.zero_()
+    assert torch.equal(residual.grad, expected)
+
+
 def test_leading_dims_non_contiguous_and_no_weight(backend):
     x = torch.randn(6, 4, 130, dtype=torch.bfloat16).transpose(0, 1).requires_grad_()
     assert not x.is_contiguous()

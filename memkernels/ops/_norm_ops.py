@@ -167,7 +167,10 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
         dx, dw, db = norm_bwd(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
                               fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
                               needs_db, backend)
-    return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
+    # x and residual get the same gradient, but not the same buffer: the custom-op wrapper
+    # hands each a separate alias, and leaves would then steal both as one shared .grad.
+    dresidual = dx.clone() if needs_x and needs_residual else dx
+    return (dx if needs_x else None, dresidual if needs_residual else None, dw if needs_dw else None,
             db if needs_db else None) + (None,) * 7
 
 
