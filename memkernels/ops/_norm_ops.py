@@ -1,6 +1,7 @@
 """RMSNorm / LayerNorm as torch.library custom ops with registered autograd.
 
-``memkernels::norm_fwd`` and ``memkernels::norm_bwd`` are opaque to
+``memkernels::norm_fwd`` and ``memkernels::norm_bwd`` (and
+``memkernels::norm_bwd_into_dy``, the opt-in in-place backward) are opaque to
 torch.compile (fake implementations give the shapes), so a compiled model
 keeps the fused kernels whole with no graph break. ``register_autograd``
 wraps them in a torch.autograd.Function whose saved tensors go through
