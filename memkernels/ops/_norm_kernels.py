@@ -60,12 +60,15 @@ def _load_input(X, RESIDUAL, RESIDUAL_OUT, cols, mask, HAS_RESIDUAL: tl.constexp
 
 
 @triton.jit
-def _write_output(s, cols, mask, mean, rstd, W, B, Y, SLOT, FALLBACK, offset,
+def _write_output(s, cols, mask, mean, correction, rstd, W, B, Y, SLOT, FALLBACK, offset,
                   CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                   MEMORY_EFFICIENT: tl.constexpr):
-    """y = casting(x̂) * W' + b for one chunk; in memory_efficient mode also x̂ of unrecoverable columns."""
+    """y = casting(x̂) * W' + b for one chunk; in memory_efficient mode also x̂ of unrecoverable columns.
+
+    The row mean is mean + correction (see _norm_fwd_kernel), subtracted in two steps.
+    """
     dtype = Y.dtype.element_ty
-    xhat = (s - mean) * rstd
+    xhat = ((s - mean) - correction) * rstd
     if CASTING == 0:
         normalized = _round(s * _round(rstd, dtype), dtype)
     elif CASTING == 1:
@@ -73,10 +76,15 @@ def _write_output(s, cols, mask, mean, rstd, W, B, Y, SLOT, FALLBACK, offset,
     else:
         normalized = xhat
     out = normalized
-    if HAS_WEIGHT:
-        out = out * _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
     if HAS_BIAS:
-        out += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        bias = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            # One rounding for scale-and-shift (what FP contraction gives on the GPU anyway).
+            out = tl.fma(out, _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT), bias)
+        else:
+            out += bias
+    elif HAS_WEIGHT:
+        out = out * _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
     tl.store(Y + cols, out.to(dtype), mask=mask)
     if MEMORY_EFFICIENT:
         slot = tl.load(SLOT + cols, mask=mask, other=-1)
@@ -108,16 +116,21 @@ def _norm_fwd_kernel(
     FALLBACK += row * K
     cols = tl.arange(0, BLOCK)
 
+    # LayerNorm's mean is mean + correction, the corrected two-pass algorithm: the
+    # first pass's mean carries a rounding error of up to half an ulp of the mean,
+    # which (s - mean) inherits in full; the average of (s - mean) gives it back.
     if SINGLE_PASS:
         mask = cols < H
         s = _load_input(X, RESIDUAL, RESIDUAL_OUT, cols, mask, HAS_RESIDUAL, True)
         if IS_RMS:
             mean = 0.0
+            correction = 0.0
         else:
             mean = tl.sum(s, axis=0) / H
-        centered = tl.where(mask, s - mean, 0.0)
+            correction = tl.sum(tl.where(mask, s - mean, 0.0), axis=0) / H
+        centered = tl.where(mask, (s - mean) - correction, 0.0)
         rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / H + eps)
-        _write_output(s, cols, mask, mean, rstd, W, B, Y, SLOT, FALLBACK, offset,
+        _write_output(s, cols, mask, mean, correction, rstd, W, B, Y, SLOT, FALLBACK, offset,
                       CASTING, HAS_WEIGHT, HAS_BIAS, MEMORY_EFFICIENT)
     else:
         # Wide rows: the first pass writes residual_out, later passes read it back.
@@ -132,6 +145,7 @@ def _norm_fwd_kernel(
                                      HAS_RESIDUAL, True)
             mean = tl.sum(total, axis=0) / H
         squares = tl.zeros([BLOCK], tl.float32)
+        differences = tl.zeros([BLOCK], tl.float32)
         for start in range(0, H, BLOCK):
             mask = start + cols < H
             if IS_RMS:
@@ -140,14 +154,21 @@ def _norm_fwd_kernel(
                 s = tl.load(SOURCE + start + cols, mask=mask, other=0.0).to(tl.float32)
             centered = tl.where(mask, s - mean, 0.0)
             squares += centered * centered
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=0) / H + eps)
+            differences += centered
+        if IS_RMS:
+            correction = 0.0
+            variance = tl.sum(squares, axis=0) / H
+        else:
+            correction = tl.sum(differences, axis=0) / H
+            variance = tl.sum(squares, axis=0) / H - correction * correction
+        rstd = 1.0 / tl.sqrt(variance + eps)
         for start in range(0, H, BLOCK):
             mask = start + cols < H
             s = tl.load(SOURCE + start + cols, mask=mask, other=0.0).to(tl.float32)
-            _write_output(s, cols, mask, mean, rstd, W + start, B + start, Y + start, SLOT + start, FALLBACK, offset,
+            _write_output(s, cols, mask, mean, correction, rstd, W + start, B + start, Y + start, SLOT + start, FALLBACK, offset,
                           CASTING, HAS_WEIGHT, HAS_BIAS, MEMORY_EFFICIENT)
     if STORE_MEAN:
-        tl.store(MEAN + row, mean)
+        tl.store(MEAN + row, mean + correction)
     tl.store(RSTD + row, rstd)
 
 
