@@ -1,0 +1,4 @@
+"""nn.Module drop-ins backed by memkernels' fused kernels."""
+from memkernels.nn.norms import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedRMSNorm
+
+__all__ = ["FusedRMSNorm", "FusedLayerNorm", "FusedAddRMSNorm", "FusedAddLayerNorm"]
