@@ -20,6 +20,8 @@ _LAZY = {
     "FusedLayerNorm": "memkernels.nn",
     "FusedAddRMSNorm": "memkernels.nn",
     "FusedAddLayerNorm": "memkernels.nn",
+    "GeLULinear": "memkernels.nn",
+    "FusedMLP": "memkernels.nn",
 }
 
 

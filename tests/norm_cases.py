@@ -3,9 +3,6 @@ import pytest
 import torch
 
 import memkernels
-from bf16_rounding_shim import install as install_bf16_rounding_shim
-
-install_bf16_rounding_shim()
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (hidden, rows): one row and prime row counts; few rows where the interpreter is slow.
