@@ -13,7 +13,16 @@ from memkernels._backend import get_backend, set_backend
 __version__ = "0.1.0"
 
 # public name -> module that defines it; resolved on first attribute access.
-_LAZY = {}
+_LAZY = {
+    "OffloadActivations": "memkernels.offload",
+    "no_offload": "memkernels.offload",
+    "FusedRMSNorm": "memkernels.nn",
+    "FusedLayerNorm": "memkernels.nn",
+    "FusedAddRMSNorm": "memkernels.nn",
+    "FusedAddLayerNorm": "memkernels.nn",
+    "GeLULinear": "memkernels.nn",
+    "FusedMLP": "memkernels.nn",
+}
 
 
 def __getattr__(name):
