@@ -33,7 +33,14 @@ _POLICY_KEYS = (
     "oversize_block",
     "oversize_ratio",
 )
-_POOL_KEYS = ("memory_cap_bytes", "memory_cap_fraction", "gc_threshold", "trace_capacity")
+_POOL_KEYS = (
+    "memory_cap_bytes",
+    "memory_cap_fraction",
+    "gc_threshold",
+    "trace_capacity",
+    "expandable_segments",
+    "expandable_range_bytes",
+)
 _REPLAY_ACTIONS = ("alloc", "free_completed")
 
 
@@ -172,7 +179,8 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
     Args:
         trace: path to a ``torch.cuda.memory._dump_snapshot`` pickle, or the loaded dict.
         device: which of the trace's ``device_traces`` to replay.
-        expandable_segments: VMM-backed segments (issue 8, not built yet).
+        expandable_segments: one virtual address range per (stream, pool) with physical pages
+            mapped on demand and unmapped when free (docs/allocator.md, "Expandable segments").
         capacity: device memory in bytes; None for unlimited (128 GiB on the simulated
             device, which reserves its address range up front). Allocations the device cannot
             hold after release-and-retry count in ``num_ooms`` and are skipped.
@@ -188,13 +196,11 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
     num_device_alloc, num_device_free, num_alloc_retries, num_ooms, ns_per_op (wall time of
     the pool calls over the number of mallocs and frees), ops, and fragmentation at the end.
     """
-    if expandable_segments:
-        raise NotImplementedError(
-            "expandable_segments=True needs VMM-backed segments, which are issue 8 and not built yet; "
-            "replay with expandable_segments=False"
-        )
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
+    config = dict(config, expandable_segments=expandable_segments)
     stats, run = _run_pool(ops, num_slots, device, capacity, config, simulated_device)
     return _summary(stats, run)
 
