@@ -13,7 +13,7 @@ import pickle
 import statistics
 import sys
 
-from memkernels._torch_policy import ModelOutOfMemory, TorchPolicyModel
+from memkernels._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
 
 # With no capacity given, the pool's own virtual device has this much memory (it never refuses)...
 UNLIMITED_CAPACITY = 1 << 50
@@ -223,15 +223,18 @@ def _summary(stats, run):
 # ---------------------------------------------------------------------- PyTorch's policy
 
 
-def replay_pytorch_model(trace, *, device=0, capacity=None):
+def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=False):
     """Replay through the model of PyTorch's caching allocator (:mod:`memkernels._torch_policy`).
 
+    ``expandable_segments=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
     Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
-    ``segment_sizes``, every segment it took from the device, in order.
+    ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order.
     """
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
-    model = TorchPolicyModel(capacity=capacity)
+    model = (TorchExpandablePolicyModel if expandable_segments else TorchPolicyModel)(capacity=capacity)
     slots = [None] * num_slots
     sizes = [0] * num_slots
     requested = peak_requested = 0
@@ -257,7 +260,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None):
         "num_device_free": model.num_device_free,
         "num_alloc_retries": model.num_alloc_retries,
         "num_ooms": model.num_ooms,
-        "segment_sizes": model.segment_sizes,
+        "segment_sizes": model.map_calls if expandable_segments else model.segment_sizes,
     }
 
 
