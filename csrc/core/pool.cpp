@@ -409,7 +409,9 @@ Block* DevicePool::map_growth(GrowthPlan plan, PoolKind pool, StreamId stream) {
 Segment* DevicePool::new_range(PoolKind pool, StreamId stream, std::size_t min_bytes) {
   std::size_t bytes = config_.expandable_range_bytes != 0 ? config_.expandable_range_bytes
                                                           : upstream_->total_memory(device_) / 8;
-  bytes = round_up(std::max(bytes, min_bytes), page_);
+  // Room beyond the first request: the range then ends in unmapped space, which
+  // is what lets release-before-growth find its free tail pages.
+  bytes = round_up(bytes + min_bytes, page_);
   std::uintptr_t base = upstream_->reserve_range(device_, bytes);
   if (base == 0 && bytes > min_bytes) base = upstream_->reserve_range(device_, bytes = min_bytes);
   if (base == 0) return nullptr;
