@@ -156,8 +156,10 @@ def _simulated_device_pool(device, capacity, pool_config):
     device_module.use_sim()  # ValueError if real CUDA is already in use in this process
     capacity = SIMULATED_DEFAULT_CAPACITY if capacity is None else capacity
     device_count = device + 1
+    # Expandable segments reserve an address range the size of the device per (stream, pool).
+    ranges = 4 if pool_config.expandable_segments else 1
     device_module.sim.configure(
-        device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count
+        device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count * ranges
     )
     return _C().make_device_pool(pool_config)
 

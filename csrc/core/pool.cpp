@@ -407,8 +407,10 @@ Block* DevicePool::map_growth(GrowthPlan plan, PoolKind pool, StreamId stream) {
 }
 
 Segment* DevicePool::new_range(PoolKind pool, StreamId stream, std::size_t min_bytes) {
+  // As much address space as the device has memory (as PyTorch): a range never
+  // fills up, so blocks never stop at its end.
   std::size_t bytes = config_.expandable_range_bytes != 0 ? config_.expandable_range_bytes
-                                                          : upstream_->total_memory(device_) / 8;
+                                                          : std::min(upstream_->total_memory(device_), kMaxRequest);
   // Room beyond the first request: the range then ends in unmapped space, which
   // is what lets release-before-growth find its free tail pages.
   bytes = round_up(bytes + min_bytes, page_);

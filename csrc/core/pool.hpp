@@ -41,7 +41,7 @@ struct PoolConfig {
   // Expandable segments (needs an upstream with virtual memory): one address
   // range per (stream, pool), physical pages mapped on demand; see pool.cpp.
   bool expandable_segments = false;
-  std::size_t expandable_range_bytes = 0;  // address range per segment; 0: device memory / 8
+  std::size_t expandable_range_bytes = 0;  // address range per segment; 0: the device's memory
 
   void validate() const;
 };

@@ -20,8 +20,8 @@ VirtualUpstream::DeviceSpace& VirtualUpstream::space(int device) {
   DeviceSpace fresh;
   // Each device gets its own 16 TiB window, far from 0 (0 means "refused").
   fresh.next_address = (std::uintptr_t(1) << 44) * std::uintptr_t(device + 1);
-  // Address ranges come from a separate 1 EiB window per device above every segment window.
-  fresh.next_range = (std::uintptr_t(1) << 60) + (std::uintptr_t(1) << 52) * std::uintptr_t(device);
+  // Address ranges come from a separate 64 PiB window per device above every segment window.
+  fresh.next_range = (std::uintptr_t(1) << 58) + (std::uintptr_t(1) << 56) * std::uintptr_t(device);
   return devices_.emplace(device, fresh).first->second;
 }
 
@@ -52,7 +52,7 @@ std::uintptr_t VirtualUpstream::reserve_range(int device, std::size_t bytes) {
   std::lock_guard<std::mutex> lock(mutex_);
   MK_ASSERT(bytes > 0 && bytes % page_ == 0, "reserve_range: size is not a positive multiple of the page size");
   DeviceSpace& s = space(device);
-  const std::uintptr_t window_end = (std::uintptr_t(1) << 60) + (std::uintptr_t(1) << 52) * std::uintptr_t(device + 1);
+  const std::uintptr_t window_end = (std::uintptr_t(1) << 58) + (std::uintptr_t(1) << 56) * std::uintptr_t(device + 1);
   if (bytes > window_end - s.next_range) return 0;  // address space exhausted
   std::uintptr_t base = s.next_range;
   s.next_range += bytes;
