@@ -198,3 +198,22 @@ def test_cli_replay_on_the_simulated_device(tmp_path, capsys):
     assert main(["replay", str(path), "--simulated-device", "--repeats", "1", "--capacity", str(4 * GiB)]) == 0
     assert "on the simulated CUDA device" in capsys.readouterr().out
     assert sim.counters()["cudaMalloc"] >= 2
+
+
+def test_pluggable_allocator_entry_points_with_expandable_segments():
+    alloc, free = _entry_points()
+    pool = _C.install_device_pool(allocator._pool_config(expandable_segments=True, trace_capacity=100))
+    stream = device.stream_create()
+    p = alloc(5 * MiB, 0, stream)
+    q = alloc(3 * MiB, 0, stream)
+    assert p and q == p + 5 * MiB and sim.is_device_memory(p, 8 * MiB)  # one range, grown in place
+    assert sim.stats()["mapped_bytes"] == pool.stats()["reserved_bytes"]["current"] == 8 * MiB
+    free(q, 3 * MiB, 0, stream)
+    free(p, 5 * MiB, 0, stream)
+    allocator.empty_cache()  # waits for the free-time events, then unmaps
+    assert sim.stats()["mapped_bytes"] == 0 and allocator.stats(0)["reserved_bytes"]["current"] == 0
+    snapshot = allocator.snapshot()
+    assert snapshot["segments"] == []
+    actions = [e["action"] for e in snapshot["device_traces"][0]]
+    assert actions.count("segment_map") == 2 and "segment_unmap" in actions
+    pool.check_invariants()
