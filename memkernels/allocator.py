@@ -473,7 +473,9 @@ def install(**config):
 
     Must run before the first CUDA allocation of the process. ``**config``: pool options, as for
     :func:`replay` (e.g. ``memory_cap_fraction=0.9``, ``gc_threshold=0.8``,
-    ``trace_capacity=100_000``). Returns the installed ``memkernels._C.Pool``.
+    ``trace_capacity=100_000``, ``expandable_segments=True`` for segments that grow by mapping
+    pages through the driver's virtual-memory API; off by default, see docs/allocator.md).
+    Returns the installed ``memkernels._C.Pool``.
 
     Untested on a GPU (none was available): everything up to handing the entry points to torch
     is tested on the simulated device; the torch calls themselves are thin.
