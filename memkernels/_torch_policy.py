@@ -292,9 +292,9 @@ class TorchExpandablePolicyModel(TorchPolicyModel):
         """Unmap the whole pages of every free block (PyTorch's release of expandable segments)."""
         for key in list(self._free_blocks):
             block = self._free_blocks[key]
-            page = self.PAGE[block.pool]
-            lo = -(-block.addr // page) * page
-            hi = (block.addr + block.size) // page * page
+            page, base = self.PAGE[block.pool], block.segment_addr  # pages count from the range's start
+            lo = base + -(-(block.addr - base) // page) * page
+            hi = base + (block.addr + block.size - base) // page * page
             if hi <= lo:
                 continue
             self._remove_free(block)

@@ -317,3 +317,33 @@ def test_expandable_meets_the_issue_targets_on_the_trace(name):
     assert ratio <= 1.01, ratio
     assert ours["peak_reserved_bytes"] <= theirs["peak_reserved_bytes"]
     assert ours["num_ooms"] == 0
+
+
+def test_pytorch_expandable_model_rule_by_rule():
+    from memkernels._torch_policy import TorchExpandablePolicyModel
+
+    model = TorchExpandablePolicyModel()
+    a = model.malloc(3 * MiB)  # one 20 MiB page of the large pool; the 17 MiB rest is split off
+    assert model.reserved == 20 * MiB and model.map_calls == [20 * MiB]
+    b = model.malloc(25 * MiB)  # the free 17 MiB at the end grows by one more page
+    assert b == a + 3 * MiB and model.reserved == 40 * MiB and model.num_device_alloc == 2
+    small = model.malloc(1000)  # the small pool's own range, 2 MiB pages
+    assert model.reserved == 42 * MiB and small not in (a, b)
+    for p in (a, b, small):
+        model.free(p)
+    assert model.num_device_free == 0  # nothing is unmapped until the cache is released
+    model.empty_cache()
+    assert model.reserved == 0 and model.num_device_free == 2
+    assert model.malloc(3 * MiB) == a  # mapped again at the lowest address
+
+
+def test_pytorch_expandable_model_releases_and_retries_at_capacity():
+    from memkernels._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel
+
+    model = TorchExpandablePolicyModel(capacity=60 * MiB)
+    model.free(model.malloc(30 * MiB, stream=1))  # two 20 MiB pages, free, on stream 1
+    model.malloc(30 * MiB, stream=0)  # needs 40 MiB: refused until stream 1's pages are unmapped
+    assert model.num_alloc_retries == 1 and model.num_device_free == 1 and model.reserved == 40 * MiB
+    with pytest.raises(ModelOutOfMemory):
+        model.malloc(30 * MiB, stream=2)
+    assert model.num_ooms == 1
