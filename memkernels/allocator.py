@@ -309,22 +309,28 @@ def segment_match(trace, *, device=0):
 # ---------------------------------------------------------------------- comparison
 
 
-def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False, **config):
+def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False, expandable_segments=False,
+            **config):
     """PyTorch's policy (model), memkernels and the ideal on one trace, as a dict of dicts.
 
     memkernels' ``ns_per_op`` is the median over ``repeats`` fresh replays (the machine is
-    shared, single runs are noisy).
+    shared, single runs are noisy). ``expandable_segments`` applies to both columns.
     """
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
     snapshot = load_trace(trace)
     capacity_bytes = _check_capacity(capacity)
     ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
+    config = dict(config, expandable_segments=expandable_segments)
     runs = [
         _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(max(1, repeats))
     ]
     memkernels = _summary(*runs[0])
     memkernels["ns_per_op"] = statistics.median(_summary(*r)["ns_per_op"] for r in runs)
     return {
-        "pytorch": replay_pytorch_model(snapshot, device=device, capacity=capacity),
+        "pytorch": replay_pytorch_model(
+            snapshot, device=device, capacity=capacity, expandable_segments=expandable_segments
+        ),
         "memkernels": memkernels,
         "ideal_peak_bytes": peak_live,
         "segment_match": segment_match(snapshot, device=device),
@@ -379,7 +385,9 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
     where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
     print(
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
-        f"ns/op: memkernels' pool, median of runs, on {where}.",
+        f"ns/op: memkernels' pool, median of runs, on {where}."
+        + (" Expandable segments in both columns; dev.alloc counts page mappings." if config.get(
+            "expandable_segments") else ""),
         file=out,
     )
     return rows

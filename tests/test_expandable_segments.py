@@ -347,3 +347,18 @@ def test_pytorch_expandable_model_releases_and_retries_at_capacity():
     with pytest.raises(ModelOutOfMemory):
         model.malloc(30 * MiB, stream=2)
     assert model.num_ooms == 1
+
+
+def test_cli_replay_with_expandable_segments(tmp_path, capsys):
+    import pickle
+
+    from memkernels.cli import main
+
+    path = tmp_path / "trace.pickle"
+    path.write_bytes(pickle.dumps(growing_batch_trace()))
+    assert main(["replay", str(path), "--expandable-segments", "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Expandable segments in both columns" in out
+    expandable = allocator.replay(growing_batch_trace(), expandable_segments=True)
+    ratio = expandable["peak_reserved_bytes"] / expandable["peak_requested_bytes"]
+    assert f"{ratio:>10.3f}" in out  # memkernels' column is the expandable replay
