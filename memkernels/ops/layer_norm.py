@@ -39,7 +39,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, n
     Returns:
         y: x's shape and dtype (computed in fp32, one rounding). An input with
         no rows gives an empty y.
-    """ + _MEMORY_NOTE
+    """
     if normalized_shape is None and weight is None and bias is not None:
         normalized_shape = bias.shape
     return normalize("layer_norm", x, None, weight, bias, eps, 0.0, False, "gemma", memory_efficient,
@@ -54,8 +54,13 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, memory_effi
     with the arguments of :func:`layer_norm`. residual must match x in shape, dtype
     and device. Gradients reach x and residual and include any gradient flowing
     into residual_out itself.
-    """ + _MEMORY_NOTE
+    """
     if normalized_shape is None and weight is None and bias is not None:
         normalized_shape = bias.shape
     return normalize("add_layer_norm", x, residual, weight, bias, eps, 0.0, False, "gemma", memory_efficient,
                      normalized_shape, in_place)
+
+
+# The memory note is shared by both functions' docstrings.
+layer_norm.__doc__ += _MEMORY_NOTE
+add_layer_norm.__doc__ += _MEMORY_NOTE

@@ -42,7 +42,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="l
 
     Returns:
         y: x's shape and dtype. An input with no rows gives an empty y.
-    """ + _MEMORY_NOTE
+    """
     return normalize("rms_norm", x, None, weight, bias, eps, offset, True, casting_mode, memory_efficient,
                      normalized_shape, in_place)[0]
 
@@ -55,6 +55,11 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, bias=None, offset=0.0, c
     with the arguments of :func:`rms_norm`. residual must match x in shape, dtype
     and device. Gradients reach x and residual (both get d residual_out) and
     include any gradient flowing into residual_out itself.
-    """ + _MEMORY_NOTE
+    """
     return normalize("add_rms_norm", x, residual, weight, bias, eps, offset, True, casting_mode, memory_efficient,
                      normalized_shape, in_place)
+
+
+# The memory note is shared by both functions' docstrings.
+rms_norm.__doc__ += _MEMORY_NOTE
+add_rms_norm.__doc__ += _MEMORY_NOTE
