@@ -118,8 +118,8 @@ _IEEE_CONFIGS = {
 _IEEE_CONFIGS["dx"] = _IEEE_CONFIGS["fwd"]
 # Misaligned launches (see _jit_sees_aligned) load tiles one element at a time instead of in
 # 16-byte pieces, and need more registers: per (role, operand kind) the tile shapes that still compile
-# without spills on sm_80 and sm_90 when nothing is known to be 16-divisible (measured with
-# memkernels.aot; tests/test_aot_ops.py keeps them honest). No "ieee" forward/dx shape above
+# without spills on sm_80 and sm_90 when nothing is known to be 16-divisible, or only the pointers
+# are not (measured with memkernels.aot; tests/test_aot_ops.py keeps them honest). No "ieee" forward/dx shape above
 # survives that, so those borrow dW's BLOCK_K = 16 shapes.
 _MISALIGNED_16BIT = {
     "fwd": ((128, 128, 32, 8, 3), (64, 64, 32, 4, 4)),
@@ -129,7 +129,7 @@ _MISALIGNED_16BIT = {
 MISALIGNED_CONFIGS = {
     **{(role, operand): configs for role, configs in _MISALIGNED_16BIT.items() for operand in ("bf16", "fp16")},
     ("fwd", "fp32"): ((64, 64, 32, 4, 4),),
-    ("dx", "fp32"): ((64, 64, 32, 4, 4), (32, 64, 32, 2, 5)),
+    ("dx", "fp32"): ((64, 64, 32, 4, 4),),
     ("dw", "fp32"): _MISALIGNED_16BIT["dw"],
     **{(role, "fp32-ieee"): _IEEE_CONFIGS["dw"] for role in ("fwd", "dx", "dw")},
 }
@@ -277,9 +277,9 @@ _AUTOTUNED = {True: _autotuned(aligned=True), False: _autotuned(aligned=False)}
 # --------------------------------------------------------------------------------------------
 # Ahead-of-time compile check (memkernels.aot): every tile shape of each GEMM role, for each
 # operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heavier of the two), in
-# the two specializations the JIT makes of a contiguous launch (unit inner strides become the
-# constant 1): "aligned", what _jit_sees_aligned launches run with every config, and "misaligned",
-# what the others run with the MISALIGNED_CONFIGS only.
+# the specializations the JIT makes of a contiguous launch (unit inner strides become the constant
+# 1): "aligned", what _jit_sees_aligned launches run with every config, and "sliced" and
+# "misaligned", what the others run with the MISALIGNED_CONFIGS only.
 _AOT_ROLES = {
     # role: (flags, unit-stride arguments of contiguous x, W and outputs)
     "fwd": (dict(GELU_ON_A=True, GELU_ON_B=False, GELU_GRAD_EPILOGUE=False, HAS_BIAS=True),
@@ -303,20 +303,24 @@ def _aot_variants():
         for role, (flags, unit_strides) in _AOT_ROLES.items():
             signature = {name: f"*{dtype}" for name in pointers}
             signature.update({name: "i32" for name in integers if name not in unit_strides})
-            # the JIT's facts about an aligned launch: the pointers, the remaining strides (the
-            # unused x strides are 0) and the feature sizes are multiples of 16
+            # What the JIT may assume to be 16-divisible. "aligned": the pointers, the remaining
+            # strides (the unused x strides are 0) and the feature sizes. "sliced": a view whose
+            # data_ptr is a few elements off, sizes and strides still 16-divisible. "misaligned": an
+            # odd hidden size, nothing (only the pointers aligned measured the same registers).
             divisible = [name for name in signature if name != _TOKEN_SIZE[role]]
-            for aligned in (True, False):
-                for block_m, block_n, block_k, warps, stages in _configs_for(role, operand, aligned):
+            specializations = {"aligned": divisible, "sliced": [name for name in divisible if name not in pointers],
+                               "misaligned": []}
+            for alignment, assumed in specializations.items():
+                tiles = _configs_for(role, operand, aligned=alignment == "aligned")
+                for block_m, block_n, block_k, warps, stages in tiles:
                     constexprs = dict(flags, APPROX_TANH=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
                                       BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
                     constexprs.update({name: 1 for name in unit_strides})
                     variants.append({
                         "signature": {**signature, **{name: "constexpr" for name in constexprs}},
                         "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
-                        "aligned": divisible if aligned else [],
-                        "label": f"{role} {operand} {block_m}x{block_n}x{block_k} w{warps} s{stages} "
-                                 + ("aligned" if aligned else "misaligned"),
+                        "aligned": assumed,
+                        "label": f"{role} {operand} {block_m}x{block_n}x{block_k} w{warps} s{stages} {alignment}",
                     })
     return variants
 
