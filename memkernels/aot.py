@@ -167,7 +167,9 @@ class AotReport:
     spill_loads: int = -1  # bytes
     stack_bytes: int = -1  # per thread stack frame (spills live here)
     shared_bytes: int = -1  # static (ptxas) + dynamic (triton metadata) per block
-    vector_loads: int = -1  # global loads of 2 or 4 elements at once in the PTX (ld.global.v2/.v4)
+    # Vectorized global reads in the PTX: ld.global.v2/.v4, and the 8- or 16-byte cp.async copies
+    # that pipelined (num_stages > 1) tl.dot operands are loaded with on sm_80+.
+    vector_loads: int = -1
     compile_seconds: float = 0.0
     error: str = ""
 
@@ -181,6 +183,8 @@ class AotReport:
 
 
 _VECTOR_LOAD = re.compile(r"\bld\.global(?:\.[a-z0-9_]+)*\.v[24]\.")
+_VECTOR_ASYNC_COPY = re.compile(  # cp.async... [shared], [global], <bytes>
+    r"\bcp\.async(?:\.[a-z0-9_]+)*\.shared\.global\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|0x8|16|8)\b")
 
 _PTXAS_PATTERNS = {
     "registers": re.compile(r"Used (\d+) registers"),
@@ -272,7 +276,8 @@ def compile_kernel(kernel, variant, arch, *, name=None):
         return report
     report.registers, report.stack_bytes, report.spill_stores, report.spill_loads = registers, stack, stores, loads
     report.shared_bytes = static_smem + compiled.metadata.shared
-    report.vector_loads = len(_VECTOR_LOAD.findall(compiled.asm["ptx"]))
+    ptx = compiled.asm["ptx"]
+    report.vector_loads = len(_VECTOR_LOAD.findall(ptx)) + len(_VECTOR_ASYNC_COPY.findall(ptx))
     if cubin_registers != registers:
         report.error = f"ptxas -v says {registers} registers, the cubin {cubin_registers}"
     elif report.shared_bytes > MAX_SHARED_BYTES_PER_BLOCK.get(arch, float("inf")):
@@ -349,12 +354,13 @@ def check(names=None, archs=ARCHS, *, timeout=900):
 
 def format_table(reports):
     """The reports as a fixed-width text table."""
-    lines = [f"{'kernel':<28}{'variant':<22}{'arch':<7}{'regs':>6}{'spill st':>10}{'spill ld':>10}"
+    width = max([len(r.variant) + 2 for r in reports] + [22])  # labels never run into the arch column
+    lines = [f"{'kernel':<28}{'variant':<{width}}{'arch':<7}{'regs':>6}{'spill st':>10}{'spill ld':>10}"
              f"{'smem B':>9}{'secs':>7}  status"]
     for r in reports:
         # A compile error's last line carries the reason (the lines above locate it).
         status = "ok" if r.ok else (f"ERROR {r.error.strip().splitlines()[-1]}" if r.error else "SPILLS")
-        lines.append(f"{r.kernel:<28}{r.variant:<22}{'sm_' + str(r.arch):<7}{r.registers:>6}{r.spill_stores:>10}"
+        lines.append(f"{r.kernel:<28}{r.variant:<{width}}{'sm_' + str(r.arch):<7}{r.registers:>6}{r.spill_stores:>10}"
                      f"{r.spill_loads:>10}{r.shared_bytes:>9}{r.compile_seconds:>7.2f}  {status}")
     return "\n".join(lines)
 

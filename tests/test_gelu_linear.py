@@ -141,6 +141,58 @@ def test_strided_weight_and_input(backend, dtype):
     check_against_reference(fused_gelu_linear, eager_gelu_linear, [x, weight, bias])
 
 
+class _KernelChoiceLog:
+    """Stands in for one of gelu_linear's autotuned kernel entries and records that it ran."""
+
+    def __init__(self, aligned, kernel, log):
+        self.aligned, self.kernel, self.log = aligned, kernel, log
+
+    def __getitem__(self, grid):
+        self.log.append(self.aligned)
+        return self.kernel[grid]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="drives the kernels through the interpreter on CPU tensors")
+@pytest.mark.parametrize("tokens, in_features, out_features, column_offset, aligned", [
+    (32, 64, 48, 0, True),  # contiguous, 16-multiple features
+    (17, 64, 48, 0, True),  # the token count does not decide vectorization
+    (32, 40, 48, 0, False),  # odd hidden size: row stride 40 is not a multiple of 16
+    (32, 64, 48, 16, True),  # a slice at a 16-element (64-byte) offset keeps the alignment
+    (32, 64, 48, 1, False),  # a slice one element in: x's data_ptr is not 16-byte aligned
+])
+def test_misaligned_launches_use_the_spill_free_configs(monkeypatch, tokens, in_features, out_features,
+                                                        column_offset, aligned):
+    from memkernels.ops import gelu_linear as op
+
+    log = []
+    monkeypatch.setattr(op, "_AUTOTUNED", {a: _KernelChoiceLog(a, k, log) for a, k in op._AUTOTUNED.items()})
+    x = torch.randn(tokens, in_features + column_offset)[:, column_offset:].requires_grad_()
+    weight = torch.randn(out_features, in_features, requires_grad=True)
+    y = gelu_linear(x, weight, backend="triton")
+    y.backward(torch.randn_like(y))
+    assert log == [aligned] * 3  # forward, dx and dW launches
+
+
+def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment():
+    from memkernels.ops import gelu_linear as op
+
+    shapes = op._CONFIGS + sum(op._IEEE_CONFIGS.values(), ()) + sum(op.MISALIGNED_CONFIGS.values(), ())
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+               for bm, bn, bk, w, s in dict.fromkeys(shapes)]
+    for dtype, precision, operand in [(torch.bfloat16, "tf32", "bf16"), (torch.float16, "tf32", "fp16"),
+                                      (torch.float32, "tf32", "fp32"), (torch.float32, "ieee", "fp32-ieee")]:
+        for role, flags in [("fwd", (False, False)), ("dx", (False, True)), ("dw", (True, False))]:
+            kept = {aligned: {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
+                               c.num_stages)
+                              for c in op._prune_configs(configs, {"a_ptr": torch.empty(0, dtype=dtype)},
+                                                         aligned=aligned, GELU_ON_B=flags[0],
+                                                         GELU_GRAD_EPILOGUE=flags[1], INPUT_PRECISION=precision)}
+                    for aligned in (True, False)}
+            expected_aligned = op._IEEE_CONFIGS[role] if precision == "ieee" else op._CONFIGS
+            assert kept[True] == set(expected_aligned), (role, operand)
+            assert kept[False] == set(op.MISALIGNED_CONFIGS[role, operand]) != set(), (role, operand)
+
+
 class _OpLog(TorchDispatchMode):
     """Names of the memkernels custom ops dispatched inside the block."""
 

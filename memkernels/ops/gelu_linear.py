@@ -17,6 +17,8 @@ File order: jit helpers → kernel → launchers → custom ops → autograd.Fun
 public function.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -114,15 +116,49 @@ _IEEE_CONFIGS = {
     "dw": ((64, 64, 16, 8, 3), (64, 32, 16, 4, 3)),
 }
 _IEEE_CONFIGS["dx"] = _IEEE_CONFIGS["fwd"]
+# Misaligned launches (see _jit_sees_aligned) load tiles one element at a time instead of in
+# 16-byte pieces, and need more registers: per (role, operand kind) the tile shapes that still compile
+# without spills on sm_80 and sm_90 when nothing is known to be 16-divisible, or only the pointers
+# are not (measured with memkernels.aot; tests/test_aot_ops.py keeps them honest). No "ieee" forward/dx shape above
+# survives that, so those borrow dW's BLOCK_K = 16 shapes.
+_MISALIGNED_16BIT = {
+    "fwd": ((128, 128, 32, 8, 3), (64, 64, 32, 4, 4)),
+    "dx": ((64, 64, 32, 4, 4), (32, 64, 64, 2, 4), (32, 64, 32, 2, 5)),
+    "dw": ((128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 128, 32, 4, 4), (64, 64, 32, 4, 4), (32, 64, 32, 2, 5)),
+}
+MISALIGNED_CONFIGS = {
+    **{(role, operand): configs for role, configs in _MISALIGNED_16BIT.items() for operand in ("bf16", "fp16")},
+    ("fwd", "fp32"): ((64, 64, 32, 4, 4),),
+    ("dx", "fp32"): ((64, 64, 32, 4, 4),),
+    ("dw", "fp32"): _MISALIGNED_16BIT["dw"],
+    **{(role, "fp32-ieee"): _IEEE_CONFIGS["dw"] for role in ("fwd", "dx", "dw")},
+}
 
 
 def _role(gelu_on_b, gelu_grad_epilogue):
     return "dw" if gelu_on_b else "dx" if gelu_grad_epilogue else "fwd"
 
 
-def _configs_for(role, input_precision):
-    """Tile shapes for one GEMM role ("fwd", "dx", "dw") at one fp32 dot precision."""
-    return _IEEE_CONFIGS[role] if input_precision == "ieee" else _CONFIGS
+# The number of tokens: M of the forward and dx GEMMs, K of dW. It changes from batch to batch
+# and never runs along a contiguous axis, so the alignment rule and the "aligned" AOT variants
+# leave it unspecialized; the feature sizes decide whether loads vectorize.
+_TOKEN_SIZE = {"fwd": "M", "dx": "M", "dw": "K"}
+_DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+def _operand_name(dtype_name, input_precision):
+    """"bf16", "fp16", "fp32" (TF32 dots) or "fp32-ieee": what decides the register budget."""
+    return "fp32-ieee" if input_precision == "ieee" else dtype_name
+
+
+def _configs_for(role, operand, aligned=True):
+    """Tile shapes for one GEMM role ("fwd", "dx", "dw") and operand kind (see _operand_name).
+
+    ``aligned=False``: those that compile without spills when the JIT cannot assume 16-divisible
+    pointers, strides and sizes (see _jit_sees_aligned)."""
+    if not aligned:
+        return MISALIGNED_CONFIGS[role, operand]
+    return _IEEE_CONFIGS[role] if operand == "fp32-ieee" else _CONFIGS
 
 
 # Under the interpreter, one config: autotuning would run every config through slow Python.
@@ -139,7 +175,7 @@ def _autotune_configs():
     if triton_interpreted():
         shapes = [_INTERPRETER_CONFIG]
     else:
-        shapes = dict.fromkeys(_CONFIGS + sum(_IEEE_CONFIGS.values(), ()))
+        shapes = dict.fromkeys(_CONFIGS + sum(_IEEE_CONFIGS.values(), ()) + sum(MISALIGNED_CONFIGS.values(), ()))
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
                       num_warps=warps, num_stages=stages)
@@ -147,10 +183,11 @@ def _autotune_configs():
     ]
 
 
-def _prune_configs(configs, named_args, **kwargs):
-    """Keep the tile shapes of this launch's role and precision (see _configs_for)."""
+def _prune_configs(configs, named_args, *, aligned, **kwargs):
+    """Keep the tile shapes of this launch's role, operands and alignment (see _configs_for)."""
     role = _role(kwargs["GELU_ON_B"], kwargs["GELU_GRAD_EPILOGUE"])
-    wanted = set(_configs_for(role, kwargs["INPUT_PRECISION"]))
+    operand = _operand_name(_DTYPE_NAMES[named_args["a_ptr"].dtype], kwargs["INPUT_PRECISION"])
+    wanted = set(_configs_for(role, operand, aligned))
     return [c for c in configs
             if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in wanted]
 
@@ -159,11 +196,6 @@ def _prune_configs(configs, named_args, **kwargs):
 # Kernel
 
 
-@triton.autotune(
-    configs=_autotune_configs(),
-    key=["M", "N", "K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS", "INPUT_PRECISION"],
-    prune_configs_by={"early_config_prune": _prune_configs},
-)
 @triton.jit
 def _gelu_gemm_kernel(
     a_ptr,  # [M, K] operand A (x in the forward, dy for dx, dy.T for dW)
@@ -228,10 +260,26 @@ def _gelu_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
+def _autotuned(aligned):
+    """The kernel behind an autotuner limited to the tile shapes that compile without spills at
+    this alignment. One kernel body; each entry keeps its own tuning cache, so a misaligned launch
+    never reuses a config chosen for an aligned one of the same sizes."""
+    return triton.autotune(
+        configs=_autotune_configs(),
+        key=["M", "N", "K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS", "INPUT_PRECISION"],
+        prune_configs_by={"early_config_prune": functools.partial(_prune_configs, aligned=aligned)},
+    )(_gelu_gemm_kernel)
+
+
+_AUTOTUNED = {True: _autotuned(aligned=True), False: _autotuned(aligned=False)}
+
+
 # --------------------------------------------------------------------------------------------
 # Ahead-of-time compile check (memkernels.aot): every tile shape of each GEMM role, for each
-# operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heavier of the two).
-# Unit inner strides are specialized as the JIT does for contiguous tensors.
+# operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heavier of the two), in
+# the specializations the JIT makes of a contiguous launch (unit inner strides become the constant
+# 1): "aligned", what _jit_sees_aligned launches run with every config, and "sliced" and
+# "misaligned", what the others run with the MISALIGNED_CONFIGS only.
 _AOT_ROLES = {
     # role: (flags, unit-stride arguments of contiguous x, W and outputs)
     "fwd": (dict(GELU_ON_A=True, GELU_ON_B=False, GELU_GRAD_EPILOGUE=False, HAS_BIAS=True),
@@ -241,34 +289,43 @@ _AOT_ROLES = {
     "dw": (dict(GELU_ON_A=False, GELU_ON_B=True, GELU_GRAD_EPILOGUE=False, HAS_BIAS=False),
            ("stride_am", "stride_bn", "stride_cn")),
 }
-_AOT_PRECISIONS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
+_AOT_DTYPES = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
 
 def _aot_variants():
-    """Variant dicts for memkernels.aot.register: roles x dtypes x the role's tile shapes."""
+    """Variant dicts for memkernels.aot.register: roles x dtypes x alignments x the tile shapes."""
     pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "x_ptr")
     integers = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
                 "stride_cm", "stride_cn", "stride_xm", "stride_xn")
     variants = []
-    for dtype, precision in _AOT_PRECISIONS:
+    for dtype, precision in _AOT_DTYPES:
+        operand = _operand_name(dtype, precision)
         for role, (flags, unit_strides) in _AOT_ROLES.items():
-            for block_m, block_n, block_k, warps, stages in _configs_for(role, precision):
-                constexprs = dict(flags, APPROX_TANH=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
-                                  BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
-                constexprs.update({name: 1 for name in unit_strides})
-                signature = {name: f"*{dtype}" for name in pointers}
-                signature.update({name: "i32" for name in integers})
-                signature.update({name: "constexpr" for name in constexprs})
-                name = "fp32-ieee" if precision == "ieee" else dtype
-                variants.append({
-                    "signature": signature, "constexprs": constexprs, "num_warps": warps,
-                    "num_stages": stages,
-                    "label": f"{role} {name} {block_m}x{block_n}x{block_k} w{warps} s{stages}",
-                })
+            signature = {name: f"*{dtype}" for name in pointers}
+            signature.update({name: "i32" for name in integers if name not in unit_strides})
+            # What the JIT may assume to be 16-divisible. "aligned": the pointers, the remaining
+            # strides (the unused x strides are 0) and the feature sizes. "sliced": a view whose
+            # data_ptr is a few elements off, sizes and strides still 16-divisible. "misaligned": an
+            # odd hidden size, nothing (only the pointers aligned measured the same registers).
+            divisible = [name for name in signature if name != _TOKEN_SIZE[role]]
+            specializations = {"aligned": divisible, "sliced": [name for name in divisible if name not in pointers],
+                               "misaligned": []}
+            for alignment, assumed in specializations.items():
+                tiles = _configs_for(role, operand, aligned=alignment == "aligned")
+                for block_m, block_n, block_k, warps, stages in tiles:
+                    constexprs = dict(flags, APPROX_TANH=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
+                                      BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
+                    constexprs.update({name: 1 for name in unit_strides})
+                    variants.append({
+                        "signature": {**signature, **{name: "constexpr" for name in constexprs}},
+                        "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
+                        "aligned": assumed,
+                        "label": f"{role} {operand} {block_m}x{block_n}x{block_k} w{warps} s{stages} {alignment}",
+                    })
     return variants
 
 
-aot.register(_gelu_gemm_kernel.fn, name="gelu_linear", variants=_aot_variants())
+aot.register(_gelu_gemm_kernel, name="gelu_linear", variants=_aot_variants())
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,18 +339,33 @@ def _input_precision(dtype):
     return "tf32"
 
 
+def _jit_sees_aligned(pointers, strides, feature_sizes):
+    """Whether triton's JIT specializes this launch as the registered "aligned" variants.
+
+    The JIT marks a pointer as divisible by 16 when its data_ptr() is 16-byte aligned, and an
+    integer when it is a multiple of 16 (a 1 becomes the constant 1 instead); only then do the tile
+    loads vectorize. Sliced views, odd hidden sizes or padded rows lose that, and the kernel then
+    needs more registers: only MISALIGNED_CONFIGS compile without spills. Host arithmetic only.
+    """
+    return (all(t.data_ptr() % 16 == 0 for t in pointers)
+            and all(stride % 16 == 0 for stride in strides if stride != 1)
+            and all(size % 16 == 0 for size in feature_sizes))
+
+
 def _gemm(a, b, out, *, bias=None, x=None, gelu_on_a=False, gelu_on_b=False, approximate="none"):
     """out [M, N] = act(a) [M, K] @ act(b) [K, N] (+ bias) (* gelu'(x)); all views, any strides."""
     M, K = a.shape
     N = b.shape[1]
+    pointers = (a, b, out,
+                bias if bias is not None else out,  # never read without HAS_BIAS
+                x if x is not None else out)  # never read without GELU_GRAD_EPILOGUE
+    strides = (*a.stride(), *b.stride(), *out.stride(), *(x.stride() if x is not None else (0, 0)))
+    token_size = _TOKEN_SIZE[_role(gelu_on_b, x is not None)]
+    feature_sizes = [size for name, size in (("M", M), ("N", N), ("K", K)) if name != token_size]
+    kernel = _AUTOTUNED[_jit_sees_aligned(pointers, strides, feature_sizes)]
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
-    _gelu_gemm_kernel[grid](
-        a, b, out,
-        bias if bias is not None else out,  # never read without HAS_BIAS
-        x if x is not None else out,  # never read without GELU_GRAD_EPILOGUE
-        M, N, K,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
-        x.stride(0) if x is not None else 0, x.stride(1) if x is not None else 0,
+    kernel[grid](
+        *pointers, M, N, K, *strides,
         GELU_ON_A=gelu_on_a, GELU_ON_B=gelu_on_b, GELU_GRAD_EPILOGUE=x is not None,
         HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh",
         INPUT_PRECISION=_input_precision(a.dtype),

@@ -1,0 +1,71 @@
+"""Every kernel variant that memkernels.ops registers compiles for sm_80 and sm_90 without spills.
+
+The check compiles each registered variant with triton and the bundled ptxas in a subprocess
+(minutes, hence slow). Run with -s to see the table of registers per variant.
+"""
+import collections
+import importlib
+import pkgutil
+
+import pytest
+
+import memkernels.ops
+from memkernels import aot
+
+pytestmark = pytest.mark.slow
+
+
+def _ops_kernel_names():
+    """Import every memkernels.ops module; the kernels they register (not tests' examples)."""
+    for module in pkgutil.iter_modules(memkernels.ops.__path__):
+        importlib.import_module(f"memkernels.ops.{module.name}")
+    return sorted(name for name, (module, _, _) in aot.registered().items() if module.startswith("memkernels.ops."))
+
+
+def _summary(reports):
+    """Max registers per kernel, arch and label without its tile shape: the first two words and
+    the last (for gelu_linear: role, operand kind, alignment)."""
+    most = collections.defaultdict(int)
+    for r in reports:
+        words = r.variant.split()
+        key = (r.kernel, f"sm_{r.arch}", " ".join(dict.fromkeys(words[:2] + words[-1:])))
+        most[key] = max(most[key], r.registers)
+    return "\n".join(f"{kernel:<16}{arch:<7}{group:<30}max {regs} registers"
+                     for (kernel, arch, group), regs in sorted(most.items()))
+
+
+@pytest.fixture(scope="module")
+def reports():
+    names = _ops_kernel_names()
+    assert names, "no memkernels.ops module registers a kernel with memkernels.aot"
+    reports = aot.check(names, archs=(80, 90))
+    print("\n" + aot.format_table(reports) + "\n\n" + _summary(reports))
+    return reports
+
+
+def test_every_registered_variant_was_compiled_for_both_archs(reports):
+    expected = {(name, label, arch) for name, (_, _, labels) in aot.registered().items()
+                if name in _ops_kernel_names() for label in labels for arch in (80, 90)}
+    assert {(r.kernel, r.variant, r.arch) for r in reports} == expected
+
+
+def test_no_compile_errors_and_no_spills(reports):
+    failed = [r for r in reports if not r.ok]
+    assert not failed, "compile errors or spills:\n" + aot.format_table(failed)
+
+
+def _alignment(report):
+    return report.variant.split()[-1]
+
+
+def test_gelu_linear_alignment_decides_vectorized_loads(reports):
+    # "aligned" variants are what the JIT builds for 16-byte aligned operands with 16-divisible
+    # strides: their tile loads must vectorize (16-byte cp.async / ld.global.v4), else the hints
+    # did not reach ptxas. Without either fact ("sliced", "misaligned") nothing can vectorize.
+    gelu = [r for r in reports if r.kernel == "gelu_linear"]
+    assert {_alignment(r) for r in gelu} == {"aligned", "sliced", "misaligned"}
+    scalar_aligned = [r for r in gelu if _alignment(r) == "aligned" and r.vector_loads <= 0]
+    assert not scalar_aligned, "aligned variants without vector loads:\n" + aot.format_table(scalar_aligned)
+    vector_misaligned = [r for r in gelu if _alignment(r) != "aligned" and r.vector_loads != 0]
+    assert not vector_misaligned, ("misaligned variants cannot vectorize, yet these do:\n"
+                                   + aot.format_table(vector_misaligned))
