@@ -1,0 +1,248 @@
+"""Compare an op with its eager reference in float64, at eager PyTorch's own accuracy.
+
+The rule, for every output and every input gradient::
+
+    err(x)  = max |x - float64 reference|          (elementwise, in float64)
+    pass if err(fn) <= 2 * err(eager) + floor
+    floor   = eps(dtype) / 2 * max |float64 reference|
+
+``eager`` is the same reference function run in the inputs' own precision: the
+accuracy plain PyTorch achieves in that dtype, so the tolerance follows the
+dtype and the op instead of being a hand-picked number.
+
+Why absolute error at the reference's scale, not a per-element relative one:
+a per-element ratio is dominated by elements that happen to be near zero, and
+eager's per-element error is exactly zero by luck far too often to be a bound.
+The report also shows each error relative to max|reference| for reading.
+
+Why the floor: in float32, eager's error can be ~0 (an op whose float32
+result is the correctly rounded one), and then any different summation order
+would fail. The floor is one rounding of the output dtype at the reference's
+scale: rounding the float64 answer to the dtype moves it by at most
+eps/2 * |value|, so the correctly rounded answer always passes. In bf16/fp16
+eager's own error is typically one such rounding or more, so the floor adds
+at most about half to the bound and does not make those checks vacuous
+(tests/test_testing.py pins the smallest systematic error caught per dtype).
+Integer and bool outputs get no floor.
+"""
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["check_against_reference", "CheckReport", "CheckRow"]
+
+
+@dataclass
+class CheckRow:
+    """One compared quantity (an output or an input gradient)."""
+
+    quantity: str  # "output[0]", "grad inputs[2]"
+    dtype: torch.dtype
+    shape: tuple
+    err_fn: float
+    err_eager: float
+    floor: float
+    scale: float  # max |float64 reference|
+    problem: str = ""  # set when the comparison could not be made (non-finite, shape, ...)
+
+    @property
+    def bound(self):
+        return 2.0 * self.err_eager + self.floor
+
+    @property
+    def passed(self):
+        return not self.problem and self.err_fn <= self.bound
+
+
+@dataclass
+class CheckReport:
+    """Errors of ``fn`` and of eager PyTorch against float64, per output and gradient."""
+
+    name: str
+    rows: list = field(default_factory=list)
+
+    @property
+    def passed(self):
+        return all(row.passed for row in self.rows)
+
+    def __str__(self):
+        header = f"{'quantity':<18}{'dtype':<10}{'shape':<18}{'err(fn)':>11}{'err(eager)':>11}" \
+                 f"{'floor':>11}{'bound':>11}{'rel err(fn)':>13}  ok"
+        lines = [f"check_against_reference({self.name}): {'passed' if self.passed else 'FAILED'}", header]
+        for row in self.rows:
+            dtype = str(row.dtype).replace("torch.", "")
+            relative = row.err_fn / row.scale if row.scale > 0 else row.err_fn
+            verdict = "ok" if row.passed else f"FAIL {row.problem}".rstrip()
+            lines.append(f"{row.quantity:<18}{dtype:<10}{str(tuple(row.shape)):<18}{row.err_fn:>11.3e}"
+                         f"{row.err_eager:>11.3e}{row.floor:>11.3e}{row.bound:>11.3e}{relative:>13.3e}  {verdict}")
+        lines.append("rule: err = max|x - float64 reference|; pass if err(fn) <= 2*err(eager) + floor, "
+                     "floor = eps(dtype)/2 * max|float64 reference|")
+        return "\n".join(lines)
+
+
+def _is_float(value):
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _prepare(inputs, to_float64):
+    """Fresh leaf copies of the inputs for one run; floating tensors upcast if asked."""
+    prepared = []
+    for value in inputs:
+        if not isinstance(value, torch.Tensor):
+            prepared.append(value)
+            continue
+        copy = value.detach().clone()
+        if to_float64 and copy.is_floating_point():
+            copy = copy.to(torch.float64)
+        prepared.append(copy.requires_grad_(value.requires_grad))
+    return prepared
+
+
+def _as_tuple(outputs, who):
+    if isinstance(outputs, torch.Tensor):
+        return (outputs,)
+    if isinstance(outputs, (tuple, list)) and all(isinstance(o, torch.Tensor) or o is None for o in outputs):
+        return tuple(outputs)
+    raise TypeError(f"{who} must return a tensor or a tuple of tensors, got {type(outputs).__name__}")
+
+
+def _max_abs_diff(value, reference):
+    if value.numel() == 0:
+        return 0.0
+    return (value.detach().to(torch.float64) - reference.detach().to(torch.float64)).abs().max().item()
+
+
+def _scale(reference):
+    return reference.detach().abs().max().item() if reference.numel() else 0.0
+
+
+def _compare(quantity, fn_value, eager_value, reference):
+    shape = tuple(reference.shape)
+    dtype = fn_value.dtype if fn_value is not None else eager_value.dtype
+    row = CheckRow(quantity, dtype, shape, float("nan"), float("nan"), 0.0, 0.0)
+    if fn_value is None:
+        row.problem = "(fn returned None)"
+        return row
+    if tuple(fn_value.shape) != shape:
+        row.problem = f"(fn shape {tuple(fn_value.shape)} != reference shape {shape})"
+        return row
+    if fn_value.dtype != eager_value.dtype:
+        row.problem = f"(fn dtype {fn_value.dtype} != eager dtype {eager_value.dtype})"
+        return row
+    non_finite = [who for who, value in (("fn", fn_value), ("eager", eager_value), ("float64 reference", reference))
+                  if value.is_floating_point() and not torch.isfinite(value).all()]
+    if non_finite:
+        row.problem = f"(non-finite values in {', '.join(non_finite)})"
+        return row
+    row.scale = _scale(reference)
+    row.err_fn = _max_abs_diff(fn_value, reference)
+    row.err_eager = _max_abs_diff(eager_value, reference)
+    if dtype.is_floating_point:
+        row.floor = torch.finfo(dtype).eps / 2 * row.scale
+    return row
+
+
+def _grad_outputs_float64(grad_outputs, reference_outputs):
+    """One float64 gradient per output (None for outputs that carry no gradient)."""
+    if grad_outputs is None:
+        return [torch.randn(o.shape, dtype=torch.float64, device=o.device) if o is not None and o.requires_grad
+                else None for o in reference_outputs]
+    given = _as_tuple(grad_outputs, "grad_outputs")
+    if len(given) != len(reference_outputs):
+        raise ValueError(f"check_against_reference(grad_outputs=...): got {len(given)} gradients for "
+                         f"{len(reference_outputs)} outputs; pass one per output (None for an output without one)")
+    converted = []
+    for index, (grad, output) in enumerate(zip(given, reference_outputs)):
+        if grad is not None and tuple(grad.shape) != tuple(output.shape):
+            raise ValueError(f"check_against_reference(grad_outputs=...): gradient {index} has shape "
+                             f"{tuple(grad.shape)}, output {index} has shape {tuple(output.shape)}")
+        converted.append(None if grad is None or output is None or not output.requires_grad
+                         else grad.detach().to(torch.float64))
+    return converted
+
+
+def _input_grads(outputs, inputs, grads64, who):
+    """Gradients of ``inputs`` (those requiring grad) given float64 output gradients cast per run."""
+    pairs = []
+    for index, (output, grad) in enumerate(zip(outputs, grads64)):
+        if grad is None:
+            continue
+        if output is None or not output.requires_grad:
+            raise AssertionError(f"check_against_reference: output[{index}] of {who} is not differentiable, "
+                                 "but the float64 reference's is")
+        pairs.append((output, grad.to(output.dtype)))
+    leaves = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not pairs:
+        return [None] * len(leaves)
+    return torch.autograd.grad([o for o, _ in pairs], leaves, [g for _, g in pairs], allow_unused=True)
+
+
+def check_against_reference(fn, reference, inputs, *, kwargs=None, grad=True, name=None, grad_outputs=None):
+    """Check ``fn`` against ``reference`` at the accuracy eager PyTorch reaches in the same dtype.
+
+    Args:
+      fn: the op under test, called as ``fn(*inputs, **kwargs)``; returns a tensor
+        or a tuple of tensors.
+      reference: the eager implementation with the same signature. It runs twice:
+        on the inputs upcast to float64 (the truth) and on the inputs as given
+        (eager PyTorch's own low-precision error).
+      inputs: sequence of positional arguments. Floating tensors are upcast for
+        the float64 run; integer/bool tensors and non-tensors are passed
+        unchanged. Every run gets fresh copies, so in-place ops cannot leak.
+      kwargs: keyword arguments passed unchanged to all three runs (options such
+        as ``eps``; put tensors in ``inputs``).
+      grad: also compare the gradients of every input with ``requires_grad``.
+      name: shown in the report (default: ``fn.__name__``).
+      grad_outputs: gradients for the outputs (a tensor or tuple, any dtype);
+        default: standard normal, drawn once in float64 and cast per run.
+
+    Returns a :class:`CheckReport`. Raises AssertionError carrying the report's
+    table if any output or gradient fails the rule in the module docstring or is
+    non-finite.
+    """
+    if not callable(fn) or not callable(reference):
+        raise TypeError("check_against_reference(fn, reference, ...): fn and reference must be callables")
+    if isinstance(inputs, torch.Tensor) or not isinstance(inputs, (tuple, list)):
+        raise TypeError("check_against_reference(inputs=...): pass a tuple or list of positional arguments, "
+                        f"got {type(inputs).__name__} (wrap a single tensor as (x,))")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise TypeError(f"check_against_reference(kwargs=...): expected a dict, got {type(kwargs).__name__}")
+    kwargs = kwargs or {}
+    name = name or getattr(fn, "__name__", repr(fn))
+    differentiable = [i for i, x in enumerate(inputs) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if grad and not differentiable:
+        raise ValueError(f"check_against_reference({name}): grad=True but no input has requires_grad; "
+                         "set requires_grad on the inputs whose gradients to check, or pass grad=False")
+
+    runs = {}
+    for who, function, to_float64 in (("fn", fn, False), ("eager", reference, False), ("reference", reference, True)):
+        run_inputs = _prepare(inputs, to_float64)
+        runs[who] = (run_inputs, _as_tuple(function(*run_inputs, **kwargs), who if who == "fn" else "reference"))
+
+    fn_outputs, eager_outputs, ref_outputs = (runs[who][1] for who in ("fn", "eager", "reference"))
+    if not len(fn_outputs) == len(eager_outputs) == len(ref_outputs):
+        raise AssertionError(f"check_against_reference({name}): fn returned {len(fn_outputs)} outputs, "
+                             f"the reference {len(ref_outputs)}")
+    report = CheckReport(name)
+    for index, (value, eager, ref) in enumerate(zip(fn_outputs, eager_outputs, ref_outputs)):
+        if ref is not None:
+            report.rows.append(_compare(f"output[{index}]", value, eager, ref))
+
+    if grad and not any(row.problem for row in report.rows):
+        grads64 = _grad_outputs_float64(grad_outputs, ref_outputs)
+        grads = {who: _input_grads(runs[who][1], runs[who][0], grads64, who) for who in runs}
+        for position, input_index in enumerate(differentiable):
+            leaf = runs["reference"][0][input_index]
+            ref_grad = grads["reference"][position]
+            ref_grad = torch.zeros_like(leaf) if ref_grad is None else ref_grad
+            fn_grad = grads["fn"][position]
+            fn_leaf = runs["fn"][0][input_index]
+            eager_grad = grads["eager"][position]
+            eager_grad = torch.zeros_like(runs["eager"][0][input_index]) if eager_grad is None else eager_grad
+            # fn leaving an input's gradient undefined is only right where the reference's is zero.
+            fn_grad = torch.zeros_like(fn_leaf) if fn_grad is None else fn_grad
+            report.rows.append(_compare(f"grad inputs[{input_index}]", fn_grad, eager_grad, ref_grad))
+
+    if not report.passed:
+        raise AssertionError(str(report))
+    return report

@@ -1,0 +1,162 @@
+"""Known-answer tests of memkernels.testing.check_against_reference."""
+import pytest
+import torch
+
+from memkernels.testing import check_against_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def rms_norm_eager(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rms_norm_fp32_accumulate(x, weight, eps):
+    """What a fused kernel does: compute in float32, cast once at the end."""
+    return rms_norm_eager(x.float(), weight.float(), eps).to(x.dtype)
+
+
+def rms_norm_inputs(dtype, rows=37, width=129):
+    x = torch.randn(rows, width, dtype=dtype, requires_grad=True)
+    weight = torch.randn(width, dtype=dtype, requires_grad=True)
+    return (x, weight, 1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_correct_op_passes(dtype):
+    report = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, rms_norm_inputs(dtype))
+    assert report.passed
+    assert [row.quantity for row in report.rows] == ["output[0]", "grad inputs[0]", "grad inputs[1]"]
+    assert all(row.dtype == dtype for row in report.rows)
+
+
+# Systematic relative errors each dtype must catch. Over 200 seeds the bound on
+# this op's output, relative to max|reference|, reached 4.2e-7 (fp32), 2.6e-3
+# (fp16) and 2.1e-2 (bf16: eager bf16 is itself off by about one bf16 ulp, 0.8%,
+# and the rule allows twice that). Each error below is clearly past the bound.
+WRONG_BY = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 4e-2}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wrong_output_fails(dtype):
+    def slightly_wrong(x, weight, eps):
+        return rms_norm_fp32_accumulate(x, weight, eps) * (1 + WRONG_BY[dtype])
+
+    with pytest.raises(AssertionError, match=r"output\[0\].*FAIL"):
+        check_against_reference(slightly_wrong, rms_norm_eager, rms_norm_inputs(dtype), grad=False)
+
+
+class _WrongWeightGrad(torch.autograd.Function):
+    """Correct forward; weight gradient off by WRONG_BY[dtype]."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm_fp32_accumulate(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        with torch.enable_grad():
+            x_, weight_ = x.detach().requires_grad_(), weight.detach().requires_grad_()
+            grad_x, grad_weight = torch.autograd.grad(rms_norm_fp32_accumulate(x_, weight_, ctx.eps),
+                                                      (x_, weight_), grad)
+        return grad_x, grad_weight * (1 + WRONG_BY[weight.dtype]), None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_wrong_gradient_fails_and_names_it(dtype):
+    with pytest.raises(AssertionError) as failure:
+        check_against_reference(_WrongWeightGrad.apply, rms_norm_eager, rms_norm_inputs(dtype), name="rms")
+    table = str(failure.value)
+    assert "check_against_reference(rms): FAILED" in table
+    assert [line.split()[-1] for line in table.splitlines() if line.startswith(("output", "grad"))] == \
+        ["ok", "ok", "FAIL"]
+
+
+def test_floor_lets_a_correctly_rounded_float32_answer_pass():
+    # fn rounds the exact float64 answer once; eager float32 exp is itself exact or off by a rounding.
+    x = torch.randn(4096, dtype=torch.float32, requires_grad=True)
+    report = check_against_reference(lambda t: t.double().exp().float(), torch.exp, (x,), grad=False)
+    row = report.rows[0]
+    assert row.floor == torch.finfo(torch.float32).eps / 2 * x.double().exp().max().item()
+    assert row.err_fn <= row.floor
+
+
+def test_floor_does_not_excuse_an_error_when_eager_is_exact():
+    x = torch.randn(1000, requires_grad=True)  # eager x * 2 is exact: err(eager) == 0
+    with pytest.raises(AssertionError, match="FAIL"):
+        check_against_reference(lambda t: t * 2 * (1 + 1e-6), lambda t: t * 2, (x,))
+
+
+def test_tuple_outputs_integer_and_python_inputs_pass_through():
+    def top_values(x, index, scale):
+        assert index.dtype == torch.int64 and isinstance(scale, float)  # passed unchanged
+        picked = x.gather(1, index) * scale
+        return picked, picked.sum(1)
+
+    x = torch.randn(5, 11, dtype=torch.bfloat16, requires_grad=True)
+    index = torch.randint(0, 11, (5, 3))
+    report = check_against_reference(top_values, top_values, (x, index, 0.5))
+    assert [row.quantity for row in report.rows] == ["output[0]", "output[1]", "grad inputs[0]"]
+
+
+def test_integer_outputs_get_no_floor():
+    x = torch.randn(6, 9, requires_grad=True)
+    with pytest.raises(AssertionError, match="FAIL"):
+        check_against_reference(lambda t: t.argmax(1) + 1, lambda t: t.argmax(1), (x,), grad=False)
+
+
+def test_explicit_grad_outputs_are_used():
+    x = torch.randn(7, requires_grad=True)
+    zero = torch.zeros(7)
+    # With a zero output gradient a wrong backward cannot show; the gradient row is still compared.
+    report = check_against_reference(_times_two_wrong_backward, lambda t: t * 2, (x,), grad_outputs=zero)
+    assert report.rows[1].err_fn == 0.0
+    with pytest.raises(AssertionError, match=r"grad inputs\[0\].*FAIL"):
+        check_against_reference(_times_two_wrong_backward, lambda t: t * 2, (x,))
+
+
+def _times_two_wrong_backward(x):
+    return _TimesTwoWrongBackward.apply(x)
+
+
+class _TimesTwoWrongBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+def test_non_finite_values_fail_clearly():
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(AssertionError, match=r"non-finite values in fn"):
+        check_against_reference(lambda t: t / 0.0, lambda t: t * 1.0, (x,))
+    with pytest.raises(AssertionError, match=r"non-finite values in eager, float64 reference"):
+        check_against_reference(lambda t: t * 1.0, lambda t: t.log(), (x.detach().abs().neg().requires_grad_(),))
+
+
+def test_structure_mismatches_fail():
+    x = torch.randn(4, 3, requires_grad=True)
+    with pytest.raises(AssertionError, match="fn dtype torch.float64"):
+        check_against_reference(lambda t: t.double(), lambda t: t * 1, (x,))
+    with pytest.raises(AssertionError, match="fn shape"):
+        check_against_reference(lambda t: t.t(), lambda t: t * 1, (x,))
+    with pytest.raises(AssertionError, match="not differentiable"):
+        check_against_reference(lambda t: t.detach() * 1, lambda t: t * 1, (x,))
+
+
+def test_bad_arguments_are_named():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(TypeError, match="inputs"):
+        check_against_reference(torch.exp, torch.exp, x)
+    with pytest.raises(ValueError, match="requires_grad"):
+        check_against_reference(torch.exp, torch.exp, (x.detach(),))
+    with pytest.raises(ValueError, match="grad_outputs"):
+        check_against_reference(torch.exp, torch.exp, (x,), grad_outputs=torch.ones(4))
+    with pytest.raises(TypeError, match="kwargs"):
+        check_against_reference(torch.exp, torch.exp, (x,), kwargs=[1])
