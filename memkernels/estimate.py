@@ -201,7 +201,7 @@ def _measure_saved(source, num_layers, batch, seq, dtype, checkpointing, use_mem
         _enable_checkpointing(model)
     if use_memkernels:
         from memkernels.patch import apply
-        apply(model)
+        apply(model, measure=False)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     if source.config is not None:
         ledger, _ = ledger_forward(model, ids, ids)
@@ -298,3 +298,80 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
         optimizer_state=sharded(num_parameters * OPTIMIZERS[optimizer]),
         activations=activations, logits_loss=one_loss, fsdp_buffers=fsdp, host_offload=host,
         recompute_peak=recompute, notes=notes)
+
+
+# Optimizations in order of what they cost (cheapest first): memkernels' kernels add no
+# compute; checkpointing recomputes each layer's forward (~+33% step time); offload
+# moves saved activations over PCIe and costs time when the transfer outruns compute.
+OPTIONS = (
+    ("memkernels", {"use_memkernels": True}, "fused kernels, no extra compute"),
+    ("checkpointing", {"checkpointing": True}, "recomputes the forward in backward (~+33% compute)"),
+    ("memkernels + checkpointing", {"use_memkernels": True, "checkpointing": True}, "~+33% compute"),
+    ("offload", {"offload": True}, "host<->GPU copies of saved activations (PCIe bound)"),
+    ("memkernels + offload", {"use_memkernels": True, "offload": True}, "PCIe bound"),
+    ("checkpointing + offload", {"checkpointing": True, "offload": True}, "~+33% compute, PCIe bound"),
+    ("all three", {"use_memkernels": True, "checkpointing": True, "offload": True}, "~+33% compute, PCIe bound"),
+)
+
+
+def fitting_options(model_or_config, gpu_bytes, **kwargs):
+    """Which optimizations make a run fit ``gpu_bytes`` per GPU, cheapest first.
+
+    ``kwargs`` as :func:`estimate` (batch, seq, dtype, optimizer, shard_degree).
+    Returns a list of dicts ``name``, ``cost``, ``total`` (bytes), ``fits``, or
+    ``error`` (str) when an option cannot be measured (e.g. the fused ops are not
+    installed); options the caller already enabled are skipped.
+    """
+    if not isinstance(gpu_bytes, int) or gpu_bytes <= 0:
+        raise ValueError(f"fitting_options(gpu_bytes={gpu_bytes!r}): must be a positive int (bytes)")
+    rows = []
+    for name, flags, cost in OPTIONS:
+        options = dict(kwargs, **flags)
+        try:
+            total = estimate(model_or_config, **options).total
+        except (ImportError, RuntimeError) as error:
+            rows.append({"name": name, "cost": cost, "total": None, "fits": False, "error": str(error)})
+            continue
+        rows.append({"name": name, "cost": cost, "total": total, "fits": total <= gpu_bytes, "error": None})
+    return rows
+
+
+def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
+    """Write a stacked-bar PNG of :class:`MemoryEstimate` breakdowns (one bar each) to ``path``.
+
+    Needs matplotlib; raises ImportError naming the fix without it. Bars are labeled by
+    each estimate's configuration; ``gpu_bytes`` draws the per-GPU capacity line.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("breakdown_chart needs matplotlib: pip install matplotlib") from None
+    gib = 2.0 ** 30
+    labels = [label for label, _ in estimates]
+    colors = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1")
+    fig, ax = plt.subplots(figsize=(11, 6.5), dpi=110)
+    bottoms = [0.0] * len(estimates)
+    for part, color in zip(_PARTS, colors):
+        heights = [getattr(result, part) / gib for _, result in estimates]
+        if not any(heights):
+            continue
+        ax.bar(labels, heights, bottom=bottoms, color=color, label=_LABELS[part], edgecolor="white", linewidth=0.5)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    for x, (_, result) in enumerate(estimates):
+        ax.text(x, result.total / gib, f"{result.total / gib:.1f} GiB", ha="center", va="bottom", fontsize=10,
+                fontweight="bold")
+    if gpu_bytes:
+        ax.axhline(gpu_bytes / gib, color="black", linestyle="--", linewidth=1.2)
+        ax.text(len(estimates) - 0.5, gpu_bytes / gib, f" GPU {gpu_bytes / gib:.0f} GiB", va="bottom", ha="right")
+    ax.set_ylabel("memory per GPU (GiB)")
+    ax.set_title(title or "memory per GPU by configuration")
+    ax.legend(loc="upper right", fontsize=9)
+    ax.set_ylim(0, max(max(bottoms), (gpu_bytes or 0) / gib) * 1.15)
+    ax.grid(axis="y", alpha=0.3)
+    plt.setp(ax.get_xticklabels(), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

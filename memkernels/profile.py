@@ -475,3 +475,80 @@ def evaluate(baseline_step, optimized_step, *, make_batch, budget_bytes, batch_s
                          "step_seconds": min(seconds for _, seconds in measurements),
                          "max_batch": largest, "max_batch_capped": largest == max_batch}
     return EvaluationResult(budget_bytes, batch_size, results)
+
+
+# ----------------------------------------------------------------------------- step comparison
+
+def _run_step(model, inputs, kwargs):
+    """One forward (ledger) + backward (peak tracked); returns loss, ledger, peak, time, grads."""
+    model.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    with PeakBytesMeter() as peak:
+        ledger, loss = ledger_forward(model, *inputs, **kwargs)
+        loss = getattr(loss, "loss", loss)  # Hugging Face outputs carry the loss as .loss
+        loss.backward()
+    seconds = time.perf_counter() - start
+    grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
+    return {"loss": float(loss.detach()), "ledger": ledger, "peak_bytes": peak.peak_bytes, "seconds": seconds,
+            "grads": grads}
+
+
+class StepComparison:
+    """One training step (forward + backward) of a baseline and an optimized model on the same batch.
+
+    ``baseline`` / ``optimized``: dicts with ``loss`` (float), ``ledger``
+    (:class:`ActivationLedger`), ``peak_bytes`` (most memory the step allocated,
+    forward and backward), ``seconds``, ``grads`` ({parameter name: tensor}).
+    ``loss_difference``: |Δloss|; ``max_grad_error``: the largest |Δgrad| of any
+    parameter element divided by the largest |grad| of the model.
+    """
+
+    def __init__(self, baseline, optimized):
+        self.baseline, self.optimized = baseline, optimized
+        self.loss_difference = abs(baseline["loss"] - optimized["loss"])
+        missing = sorted(set(baseline["grads"]) ^ set(optimized["grads"]))
+        if missing:
+            raise ValueError(f"compare_steps: the models' parameters differ ({', '.join(missing[:5])}); "
+                             "the optimized model must keep the baseline's parameter names")
+        # Relative to the largest gradient of the model, not of each parameter: some
+        # gradients are zero by symmetry (e.g. a key bias under softmax) and hold rounding noise only.
+        scale = max((float(g.abs().max()) for g in baseline["grads"].values()), default=0.0)
+        self.max_grad_error = max((float((g - optimized["grads"][name]).abs().max()) / scale
+                                   for name, g in baseline["grads"].items()), default=0.0) if scale else 0.0
+
+    def category_table(self):
+        base, opt = self.baseline["ledger"].by_category(), self.optimized["ledger"].by_category()
+        rows = []
+        for category in CATEGORIES:
+            if base[category] or opt[category]:
+                change = (opt[category] - base[category]) / base[category] if base[category] else 0.0
+                rows.append((category, format_bytes(base[category]), format_bytes(opt[category]), f"{change:+.0%}"))
+        total_b, total_o = self.baseline["ledger"].new_bytes, self.optimized["ledger"].new_bytes
+        rows.append(("total", format_bytes(total_b), format_bytes(total_o),
+                     f"{(total_o - total_b) / total_b:+.0%}" if total_b else ""))
+        return _table(("saved for backward", "baseline", "memkernels", "change"), rows)
+
+    def step_table(self):
+        rows = [("loss", f"{self.baseline['loss']:.6f}", f"{self.optimized['loss']:.6f}",
+                 f"|diff| {self.loss_difference:.2e}"),
+                ("gradients", "", "", f"max rel err {self.max_grad_error:.2e}"),
+                ("peak bytes (fwd+bwd)", format_bytes(self.baseline["peak_bytes"]),
+                 format_bytes(self.optimized["peak_bytes"]),
+                 f"{(self.optimized['peak_bytes'] - self.baseline['peak_bytes']) / self.baseline['peak_bytes']:+.0%}"),
+                ("step time", f"{self.baseline['seconds']:.2f} s", f"{self.optimized['seconds']:.2f} s", "")]
+        return _table(("", "baseline", "memkernels", "parity / change"), rows)
+
+    def to_dict(self):
+        def side(result):
+            return {"loss": result["loss"], "peak_bytes": result["peak_bytes"], "seconds": result["seconds"],
+                    "saved_bytes": result["ledger"].new_bytes, "by_category": result["ledger"].by_category()}
+        return {"baseline": side(self.baseline), "optimized": side(self.optimized),
+                "loss_difference": self.loss_difference, "max_grad_error": self.max_grad_error}
+
+
+def compare_steps(baseline_model, optimized_model, *inputs, **kwargs):
+    """Run one forward+backward of each model on ``inputs``; a :class:`StepComparison`.
+
+    The models' forward must return a scalar loss (or an object with ``.loss``).
+    """
+    return StepComparison(_run_step(baseline_model, inputs, kwargs), _run_step(optimized_model, inputs, kwargs))
