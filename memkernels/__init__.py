@@ -13,7 +13,12 @@ from memkernels._backend import get_backend, set_backend
 __version__ = "0.1.0"
 
 # public name -> module that defines it; resolved on first attribute access.
-_LAZY = {}
+_LAZY = {
+    "apply": "memkernels.patch",
+    "activation_ledger": "memkernels.profile",
+    "memory_summary": "memkernels.profile",
+    "evaluate": "memkernels.profile",
+}
 
 
 def __getattr__(name):
@@ -29,4 +34,15 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["get_backend", "set_backend", "__version__"] + sorted(_LAZY)
+def estimate(model_or_config, **kwargs):
+    """Per-GPU memory of a training run; see :func:`memkernels.estimate.estimate`.
+
+    ``memkernels.estimate`` is also the submodule's name: importing the
+    submodule would replace this function with the module on the package, so
+    the submodule makes itself callable with the same signature.
+    """
+    from memkernels.estimate import estimate as run
+    return run(model_or_config, **kwargs)
+
+
+__all__ = ["get_backend", "set_backend", "estimate", "__version__"] + sorted(_LAZY)

@@ -41,6 +41,8 @@ in fp32 after upcasting the logits, as Hugging Face does.
 import copy
 import dataclasses
 import math
+import sys
+import types
 
 import torch
 from torch import nn
@@ -375,3 +377,14 @@ def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+class _CallableModule(types.ModuleType):
+    """``memkernels.estimate(...)`` keeps working once this submodule has been imported
+    (importing it sets the package attribute ``estimate`` to the module)."""
+
+    def __call__(self, model_or_config, **kwargs):
+        return estimate(model_or_config, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

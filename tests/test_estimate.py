@@ -191,3 +191,9 @@ def test_unknown_model_and_unsupported_module_are_clear_errors():
         estimate(torch.nn.Linear(4, 4), batch=1, seq=8)
     with pytest.raises(ValueError, match="model_type"):
         load_config({"model_type": "t5"})
+
+
+def test_package_level_estimate_is_callable_even_after_the_submodule_is_imported():
+    import memkernels
+    import memkernels.estimate as submodule
+    assert memkernels.estimate("gpt2", batch=1, seq=32).total == submodule.estimate("gpt2", batch=1, seq=32).total
