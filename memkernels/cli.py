@@ -8,7 +8,8 @@
   cheapest optimizations that make it fit ``--gpu-mem``.
 
 The logic lives in :mod:`memkernels.profile` and :mod:`memkernels.estimate`;
-this module only parses arguments and prints.
+this module only parses arguments and prints. Each subcommand registers
+itself in ``_SUBCOMMANDS``.
 """
 import argparse
 import copy
@@ -46,7 +47,7 @@ def _progress(step, total, message):
 REPORT_BATCH, REPORT_SEQ = 4, 256  # the embedded training step: tiny-gpt, 4 x 256 tokens
 
 
-def _report_configurations(model, batch, seq, dtype, shard):
+def _report_configurations(batch, seq, dtype, shard):
     """The cumulative ladder fp32 → mixed → +checkpointing → +offload → +memkernels."""
     common = {"batch": batch, "seq": seq, "shard_degree": shard}
     return [
@@ -63,10 +64,12 @@ def _report_configurations(model, batch, seq, dtype, shard):
 def run_report(args):
     import torch
 
+    from memkernels._backend import get_backend, resolve
     from memkernels.estimate import breakdown_chart, estimate
-    from memkernels.models import TransformerLM, synthetic_batch
-    from memkernels.profile import compare_steps, format_bytes
+    from memkernels.models import TransformerLM, load_config, synthetic_batch
+    from memkernels.profile import _table, compare_steps, format_bytes
 
+    load_config(args.model)  # a bad --model fails now, not after the training step
     total = 4
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _progress(1, total, f"building the embedded model (tiny-gpt) on {device}")
@@ -75,8 +78,11 @@ def run_report(args):
     baseline = TransformerLM("tiny-gpt").to(device)
     ids = synthetic_batch("tiny-gpt", REPORT_BATCH, REPORT_SEQ, generator=generator).to(device)
     n_params = sum(p.numel() for p in baseline.parameters())
+    path = resolve(ids, "report")
     print(f"embedded model: tiny-gpt ({n_params / 1e6:.1f}M parameters, GPT-2 style), one training step of "
-          f"{REPORT_BATCH} x {REPORT_SEQ} random tokens in fp32 on {device}\n")
+          f"{REPORT_BATCH} x {REPORT_SEQ} random tokens in fp32 on {device}; memkernels runs its "
+          f"{'Triton kernels' if path == 'triton' else 'PyTorch reference path (same memory contract)'} "
+          f"(backend {get_backend()!r})\n")
 
     _progress(2, total, "one training step: eager PyTorch vs memkernels")
     failure = None
@@ -98,7 +104,7 @@ def run_report(args):
     print()
 
     _progress(3, total, f"estimating {args.model} at batch {args.batch} x seq {args.seq} (meta device)")
-    ladder, common = _report_configurations(args.model, args.batch, args.seq, args.dtype, args.shard)
+    ladder, common = _report_configurations(args.batch, args.seq, args.dtype, args.shard)
     estimates = []
     for label, flags in ladder:
         try:
@@ -114,7 +120,6 @@ def run_report(args):
                   "total"]
         rows = [[label.replace("\n", " ")] + [format_bytes(v) for v in result.breakdown().values()]
                 + [format_bytes(result.total)] for label, result in estimates]
-        from memkernels.profile import _table
         print(_table(header, rows))
 
     _progress(4, total, f"writing {args.out}")
@@ -164,19 +169,15 @@ def run_estimate(args):
     return 0
 
 
-# ----------------------------------------------------------------------------- entry point
-
-def build_parser():
-    from memkernels.estimate import DTYPES, OPTIMIZERS
+def _add_report(subparsers):
+    from memkernels.estimate import DTYPES
     from memkernels.models import BUILTIN_CONFIGS
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if name != "tiny-gpt")
-    parser = argparse.ArgumentParser(prog="memkernels", description="Measure, estimate and cut training memory.")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    report = commands.add_parser("report", help="baseline vs memkernels training step, and a large-model estimate",
-                                 description="One training step of the embedded tiny-gpt model, eager vs "
-                                 "memkernels, then a per-GPU estimate of --model across configurations.")
+    report = subparsers.add_parser(
+        "report", help="baseline vs memkernels training step, and a large-model estimate",
+        description="One training step of the embedded tiny-gpt model, eager vs memkernels, then a per-GPU "
+        "estimate of --model across configurations (fp32, mixed precision, checkpointing, offload, memkernels).")
     report.add_argument("--model", default="llama-3-8b", help=f"model to estimate: {models} or a config.json path")
     report.add_argument("--batch", type=_positive, default=1, help="per-GPU micro-batch of the estimate")
     report.add_argument("--seq", type=_positive, default=8192, help="sequence length of the estimate")
@@ -187,7 +188,13 @@ def build_parser():
     report.add_argument("--out", default="memkernels-report.png", help="path of the PNG chart")
     report.set_defaults(run=run_report)
 
-    est = commands.add_parser("estimate", help="per-GPU memory of a training run, and what makes it fit")
+
+def _add_estimate(subparsers):
+    from memkernels.estimate import DTYPES, OPTIMIZERS
+    from memkernels.models import BUILTIN_CONFIGS
+
+    models = ", ".join(name for name in BUILTIN_CONFIGS if name != "tiny-gpt")
+    est = subparsers.add_parser("estimate", help="per-GPU memory of a training run, and what makes it fit")
     est.add_argument("--model", required=True, help=f"{models} or a Hugging Face config.json path")
     est.add_argument("--batch", type=_positive, required=True, help="per-GPU micro-batch")
     est.add_argument("--seq", type=_positive, required=True, help="sequence length")
@@ -199,15 +206,20 @@ def build_parser():
     est.add_argument("--offload", action="store_true")
     est.add_argument("--memkernels", action="store_true", help="estimate with memkernels.apply()'d kernels")
     est.set_defaults(run=run_estimate)
-    return parser
+
+
+_SUBCOMMANDS = [_add_report, _add_estimate]
 
 
 def main(argv=None):
-    parser = build_parser()
+    parser = argparse.ArgumentParser(prog="memkernels", description="memkernels: measure, then save GPU memory.")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for add in _SUBCOMMANDS:
+        add(subparsers)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"memkernels {args.command}: error: {error}\n")
 
 

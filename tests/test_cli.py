@@ -56,6 +56,7 @@ def test_estimate_command_lists_options_cheapest_first_when_it_does_not_fit(caps
     (["estimate", "--model", "gpt-9", "--batch", "1", "--seq", "8"], "unknown model"),
     (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--gpu-mem", "lots"], "not a size"),
     (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "4096"], "learned positions"),
+    (["report", "--model", "gpt-9"], "unknown model"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
