@@ -61,6 +61,37 @@ def test_fragmentation_below_30_percent_is_quiet():
     assert empty.fragmentation == 0.0
 
 
+def _pretend_cuda(monkeypatch, raw_stats):
+    """No GPU here: stand in for the CUDA device so the reading paths run."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda index: raw_stats)
+
+
+def test_memory_summary_reads_pytorchs_allocator_stats(monkeypatch):
+    _pretend_cuda(monkeypatch, {"allocated_bytes.all.current": 300, "reserved_bytes.all.current": 1000,
+                                "allocated_bytes.all.peak": 900, "reserved_bytes.all.peak": 1200})
+    with pytest.warns(RuntimeWarning, match="70%"):
+        summary = memory_summary(0)
+    assert summary.source == "torch" and summary.available
+    assert (summary.allocated, summary.reserved, summary.peak_allocated, summary.peak_reserved) == (300, 1000, 900,
+                                                                                                   1200)
+    with pytest.raises(ValueError, match="1 CUDA devices"):
+        memory_summary(3)
+
+
+def test_memory_summary_prefers_the_memkernels_pool_when_installed(monkeypatch):
+    import types
+    _pretend_cuda(monkeypatch, {})
+    pool = types.SimpleNamespace(is_installed=lambda: True,
+                                 stats=lambda index: {"allocated_bytes": 800, "reserved_bytes": 1000,
+                                                      "peak_allocated_bytes": 900, "peak_reserved_bytes": 1000})
+    monkeypatch.setitem(sys.modules, "memkernels.allocator", pool)
+    monkeypatch.setattr("memkernels.allocator", pool, raising=False)
+    summary = memory_summary("cuda:0")
+    assert summary.source == "memkernels" and summary.fragmentation == pytest.approx(0.2)
+
+
 # ----------------------------------------------------------------------------- ledger
 
 def test_ledger_known_answer_on_a_tiny_mlp():
