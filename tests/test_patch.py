@@ -89,8 +89,27 @@ def _assert_parity(reference, eager, patched, name, scale=None):
         f"{name}: patched error {patched_error:.3e} > 2 x eager error {eager_error:.3e} + floor {floor:.1e}")
 
 
+@pytest.fixture
+def triton_backend():
+    from memkernels import set_backend
+    set_backend("triton")
+    yield
+    set_backend("auto")
+
+
 @pytest.mark.parametrize("family", sorted(ALL_MODELS))
 def test_loss_and_every_gradient_match_unpatched(family):
+    _check_gradient_parity(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["memkernels_tiny_lm", "gpt2", "llama"])
+def test_triton_kernels_match_unpatched(family, triton_backend):
+    """The same parity with the Triton kernels (run by the interpreter on the CPU)."""
+    _check_gradient_parity(family)
+
+
+def _check_gradient_parity(family):
     model = ALL_MODELS[family]().train()
     reference = copy.deepcopy(model).double()
     patched = copy.deepcopy(model)
