@@ -361,16 +361,18 @@ def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
             continue
         ax.bar(labels, heights, bottom=bottoms, color=color, label=_LABELS[part], edgecolor="white", linewidth=0.5)
         bottoms = [b + h for b, h in zip(bottoms, heights)]
+    top = max(max(bottoms), (gpu_bytes or 0) / gib) * 1.15
     for x, (_, result) in enumerate(estimates):
-        ax.text(x, result.total / gib, f"{result.total / gib:.1f} GiB", ha="center", va="bottom", fontsize=10,
-                fontweight="bold")
+        ax.text(x, result.total / gib + top * 0.01, f"{result.total / gib:.1f} GiB", ha="center", va="bottom", fontsize=10,
+                fontweight="bold", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5}, zorder=5)
     if gpu_bytes:
-        ax.axhline(gpu_bytes / gib, color="black", linestyle="--", linewidth=1.2)
-        ax.text(len(estimates) - 0.5, gpu_bytes / gib, f" GPU {gpu_bytes / gib:.0f} GiB", va="bottom", ha="right")
+        ax.axhline(gpu_bytes / gib, color="black", linestyle="--", linewidth=1.2, zorder=4)
+        ax.text(len(estimates) - 0.5, gpu_bytes / gib,
+                f"GPU: {gpu_bytes / 1e9:.0f} GB = {gpu_bytes / gib:.1f} GiB ", va="bottom", ha="right", zorder=5)
     ax.set_ylabel("memory per GPU (GiB)")
     ax.set_title(title or "memory per GPU by configuration")
     ax.legend(loc="upper right", fontsize=9)
-    ax.set_ylim(0, max(max(bottoms), (gpu_bytes or 0) / gib) * 1.15)
+    ax.set_ylim(0, top)
     ax.grid(axis="y", alpha=0.3)
     plt.setp(ax.get_xticklabels(), fontsize=10)
     fig.tight_layout()

@@ -208,9 +208,9 @@ def _meta_forward():
 
 
 def _on_meta(model, values):
-    tensors = [t for t in values if isinstance(t, torch.Tensor)]
-    tensors += [p for p in model.parameters()][:1]
-    return any(t.device.type == "meta" for t in tensors)
+    first_parameter = next(model.parameters(), None)
+    tensors = [t for t in values if isinstance(t, torch.Tensor)] + [first_parameter]
+    return any(t is not None and t.device.type == "meta" for t in tensors)
 
 
 _CATEGORY_RULES = (
