@@ -197,3 +197,18 @@ def test_package_level_estimate_is_callable_even_after_the_submodule_is_imported
     import memkernels
     import memkernels.estimate as submodule
     assert memkernels.estimate("gpt2", batch=1, seq=32).total == submodule.estimate("gpt2", batch=1, seq=32).total
+
+
+@pytest.mark.parametrize("family", sorted(SMALL))
+def test_memkernels_estimate_equals_cpu_measurement_of_the_applied_model(family):
+    from memkernels.patch import apply
+    config = SMALL[family]
+    model = TransformerLM(config)
+    apply(model, measure=False)
+    ids = synthetic_batch(config, 2, 40)
+    with SavedBytesMeter() as meter:
+        model(ids, ids)
+    fused = estimate(config, batch=2, seq=40, dtype="fp32", use_memkernels=True)
+    assert fused.activations + fused.logits_loss == meter.new_bytes
+    plain = estimate(config, batch=2, seq=40, dtype="fp32")
+    assert fused.activations + fused.logits_loss < plain.activations + plain.logits_loss
