@@ -105,7 +105,11 @@ class _CausalLMLoss(nn.Module):
         reduction = "mean" if num_items_in_batch is None else "sum"
         loss = linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=-100, reduction=reduction,
                                     softcap=softcap)
-        return loss if num_items_in_batch is None else loss / num_items_in_batch
+        if num_items_in_batch is None:
+            return loss
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
 
 
 class _FusedCausalLM:
@@ -146,6 +150,7 @@ def _switch_class(module, mixin):
 
 
 def _is_hf_causal_lm(module):
+    """A Hugging Face causal LM with a linear head (patched or not)."""
     return (type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and hasattr(module, "base_model")
             and hasattr(module, "get_output_embeddings") and isinstance(module.get_output_embeddings(), nn.Linear)
             and module.base_model is not module)
@@ -254,7 +259,7 @@ def _plan(model, norms, mlp, loss, report):
             report.skipped.append({"name": name, "type": cls_name, "reason": "gated MLP: no fused kernel"})
         elif loss and isinstance(module, LogitsLoss):
             actions.append((name, "lm_loss", module))
-    if loss and _is_hf_causal_lm(model):
+    if loss and _is_hf_causal_lm(model) and not isinstance(model, _FusedCausalLM):
         actions.append(("", "hf_loss", model))
     return actions
 
@@ -304,10 +309,10 @@ def apply(model, *, norms=True, mlp=True, loss=True, measure=True):
     for name, value in (("norms", norms), ("mlp", mlp), ("loss", loss), ("measure", measure)):
         _check_flag(name, value)
     report = PatchReport()
-    measurable = measure and _lm_forward_args(model, 1) is not None
-    if measurable:
+    before = None
+    if measure and _lm_forward_args(model, 1) is not None:
         report.measured_tokens = min(128, _max_positions(model))
-        before = _saved_bytes_per_token(model, report.measured_tokens)
+        before = _measure_or_note(model, report)
     elif measure:
         report.measure_note = "not measured (not a causal LM this function can feed; use activation_ledger)"
 
@@ -341,6 +346,17 @@ def apply(model, *, norms=True, mlp=True, loss=True, measure=True):
             module._memkernels_loss = _CausalLMLoss()
         after = model.get_submodule(name) if name else model
         report.replaced.append({"name": name, "before": before_type, "after": type(after).__name__})
-    if measurable:
-        report.bytes_per_token = {"before": before, "after": _saved_bytes_per_token(model, report.measured_tokens)}
+    if before is not None:
+        after = _measure_or_note(model, report)
+        if after is not None:
+            report.bytes_per_token = {"before": before, "after": after}
     return report
+
+
+def _measure_or_note(model, report):
+    """Saved bytes per token on a meta copy; a model whose forward cannot run on meta gets a note instead."""
+    try:
+        return _saved_bytes_per_token(model, report.measured_tokens)
+    except (RuntimeError, NotImplementedError, TypeError) as error:
+        report.measure_note = f"not measured: the model's forward does not run on the meta device ({error})"
+        return None

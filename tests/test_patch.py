@@ -209,6 +209,16 @@ def test_report_lists_replacements_and_skips():
     assert "FusedRMSNorm" in text and "per token" in text
 
 
+@pytest.mark.parametrize("family", sorted(ALL_MODELS))
+def test_apply_twice_changes_nothing_more(family):
+    model = ALL_MODELS[family]()
+    first = apply(model, measure=False)
+    keys = list(model.state_dict())
+    second = apply(model, measure=False)
+    assert first.replaced and second.replaced == []
+    assert list(model.state_dict()) == keys
+
+
 def test_switches_are_honoured():
     model = _gpt2()
     report = apply(model, norms=False, loss=False, measure=False)
