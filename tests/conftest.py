@@ -2,13 +2,22 @@
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set
 here, at collection time, before any test module imports memkernels.ops.
+
+MEMKERNELS_TEST_NO_TORCH=1 (set by tests/test_sanitizers.py for its
+subprocesses) skips importing torch: the sanitizer runs load only the C++
+core and the torch-free ``cpp`` test modules, and torch's own libraries are
+neither built with nor meant to run under ASan/TSan.
 """
 import os
+import random
 
-import torch
+NO_TORCH = os.environ.get("MEMKERNELS_TEST_NO_TORCH") == "1"
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+if not NO_TORCH:
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -58,7 +67,10 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 def _fresh_seed(request):
     """Fresh random inputs every run, but reproducible from the printed seed on failure."""
     seed = int.from_bytes(os.urandom(4), "little")
-    torch.manual_seed(seed)
+    if not NO_TORCH:
+        torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
     request.node.user_properties.append(("seed", seed))
     yield
 
@@ -67,4 +79,6 @@ def pytest_runtest_makereport(item, call):
     if call.when == "call" and call.excinfo is not None:
         for key, value in item.user_properties:
             if key == "seed":
-                item.add_report_section("call", "seed", f"torch.manual_seed({value}) reproduces this run")
+                item.add_report_section(
+                    "call", "seed", f"seed {value} (torch.manual_seed / np.random.seed / random.seed) reproduces this run"
+                )

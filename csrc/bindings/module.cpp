@@ -5,6 +5,8 @@
 
 namespace py = pybind11;
 
+void bind_device(py::module_& m);  // bindings/device.cpp
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "memkernels C++ core (no torch, no CUDA linkage)";
   static py::exception<mk::cuda_error> cuda_exc(m, "CudaError", PyExc_RuntimeError);
@@ -22,4 +24,5 @@ PYBIND11_MODULE(_C, m) {
       py::set_error(PyExc_RuntimeError, e.what());
     }
   });
+  bind_device(m);
 }
