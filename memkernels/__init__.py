@@ -14,6 +14,8 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it; resolved on first attribute access.
 _LAZY = {
+    "OffloadActivations": "memkernels.offload",
+    "no_offload": "memkernels.offload",
     "apply": "memkernels.patch",
     "activation_ledger": "memkernels.profile",
     "memory_summary": "memkernels.profile",

@@ -6,6 +6,9 @@
   estimate of a large model across configurations, with a stacked-bar PNG.
 - ``memkernels estimate``: per-GPU breakdown of one configuration and the
   cheapest optimizations that make it fit ``--gpu-mem``.
+- ``memkernels replay``: recorded PyTorch memory snapshots replayed through a
+  model of PyTorch's allocator and through memkernels' pool
+  (:mod:`memkernels.allocator`).
 
 The logic lives in :mod:`memkernels.profile` and :mod:`memkernels.estimate`;
 this module only parses arguments and prints. Each subcommand registers
@@ -208,7 +211,40 @@ def _add_estimate(subparsers):
     est.set_defaults(run=run_estimate)
 
 
-_SUBCOMMANDS = [_add_report, _add_estimate]
+def _add_replay(subparsers):
+    parser = subparsers.add_parser(
+        "replay",
+        help="replay recorded PyTorch memory snapshots: PyTorch's policy vs memkernels vs ideal",
+        description="Replay torch.cuda.memory._dump_snapshot pickles through a model of PyTorch's caching "
+        "allocator and through memkernels' pool (virtual addresses, no GPU needed), and print peak "
+        "reserved / peak requested and device allocations side by side.",
+    )
+    parser.add_argument("traces", nargs="+", metavar="TRACE", help="snapshot pickle(s)")
+    parser.add_argument("--device", type=int, default=None, help="replay only this device (default: every device)")
+    parser.add_argument("--capacity", type=int, default=None, help="device memory in bytes (default: unlimited)")
+    parser.add_argument("--repeats", type=int, default=5, help="replays per trace for the ns/op median")
+    parser.add_argument(
+        "--simulated-device",
+        action="store_true",
+        help="run memkernels' pool on the simulated CUDA device (cudaMalloc, cudaEvent) instead of plain addresses",
+    )
+
+    def run(args):
+        from memkernels.allocator import print_replay_table
+
+        print_replay_table(
+            args.traces,
+            device=args.device,
+            capacity=args.capacity,
+            repeats=args.repeats,
+            simulated_device=args.simulated_device,
+        )
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+_SUBCOMMANDS = [_add_report, _add_estimate, _add_replay]
 
 
 def main(argv=None):

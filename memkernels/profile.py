@@ -89,17 +89,19 @@ class MemorySummary:
 
 
 def _memkernels_pool_stats(index):
-    """The memkernels pool's stats for device ``index`` when it is the active allocator, else None."""
+    """The memkernels pool's stats for device ``index`` when it is PyTorch's allocator, else None."""
     try:
-        from memkernels import allocator
-    except ImportError:
+        from memkernels import _C
+    except ImportError:  # the C++ core is not built: the pool cannot be installed
         return None
-    is_installed = getattr(allocator, "is_installed", None)
-    if is_installed is None or not is_installed():
+    if _C.installed_device_pool() is None:
         return None
+    from memkernels import allocator
     stats = allocator.stats(index)
-    return {key: int(stats[key]) for key in ("allocated_bytes", "reserved_bytes", "peak_allocated_bytes",
-                                             "peak_reserved_bytes")}
+    return {"allocated_bytes": stats["allocated_bytes"]["current"],
+            "reserved_bytes": stats["reserved_bytes"]["current"],
+            "peak_allocated_bytes": stats["allocated_bytes"]["peak"],
+            "peak_reserved_bytes": stats["reserved_bytes"]["peak"]}
 
 
 def _summary_from_stats(device, stats, source):

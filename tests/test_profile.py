@@ -82,14 +82,23 @@ def test_memory_summary_reads_pytorchs_allocator_stats(monkeypatch):
 
 def test_memory_summary_prefers_the_memkernels_pool_when_installed(monkeypatch):
     import types
+
+    import memkernels.allocator
     _pretend_cuda(monkeypatch, {})
-    pool = types.SimpleNamespace(is_installed=lambda: True,
-                                 stats=lambda index: {"allocated_bytes": 800, "reserved_bytes": 1000,
-                                                      "peak_allocated_bytes": 900, "peak_reserved_bytes": 1000})
-    monkeypatch.setitem(sys.modules, "memkernels.allocator", pool)
-    monkeypatch.setattr("memkernels.allocator", pool, raising=False)
+    pool_stats = {"allocated_bytes": {"current": 800, "peak": 900}, "reserved_bytes": {"current": 1000, "peak": 1000}}
+    fake_core = types.SimpleNamespace(installed_device_pool=lambda: object())
+    monkeypatch.setitem(sys.modules, "memkernels._C", fake_core)
+    monkeypatch.setattr("memkernels._C", fake_core, raising=False)
+    monkeypatch.setattr(memkernels.allocator, "stats", lambda index: pool_stats)
     summary = memory_summary("cuda:0")
     assert summary.source == "memkernels" and summary.fragmentation == pytest.approx(0.2)
+    assert (summary.peak_allocated, summary.peak_reserved) == (900, 1000)
+
+
+def test_memory_summary_reads_torch_when_the_pool_is_not_installed(monkeypatch):
+    _pretend_cuda(monkeypatch, {"allocated_bytes.all.current": 10, "reserved_bytes.all.current": 10})
+    pytest.importorskip("memkernels._C", reason="the C++ core is not built here")
+    assert memory_summary(0).source == "torch"
 
 
 # ----------------------------------------------------------------------------- ledger

@@ -5,7 +5,10 @@
 
 namespace py = pybind11;
 
-void bind_device(py::module_& m);  // bindings/device.cpp
+void bind_device(py::module_& m);       // bindings/device.cpp
+void bind_pool(py::module_& m);         // bindings/pool.cpp
+void bind_device_pool(py::module_& m);  // bindings/device_pool.cpp
+void bind_offload(py::module_& m);      // bindings/offload.cpp
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "memkernels C++ core (no torch, no CUDA linkage)";
@@ -25,4 +28,7 @@ PYBIND11_MODULE(_C, m) {
     }
   });
   bind_device(m);
+  bind_pool(m);
+  bind_device_pool(m);
+  bind_offload(m);
 }

@@ -1,0 +1,133 @@
+"""Replay every recorded trace: PyTorch's caching-allocator policy (model) vs memkernels vs ideal.
+
+    python benchmarks/bench_allocator.py [TRACE_DIR_OR_FILES...]   (default: ../shared/traces
+next to the repository)
+
+Prints, per trace, peak reserved / peak requested (ideal 1.000), device allocations, and
+memkernels' ns per malloc/free (median of repeated replays on a virtual-address device), then
+checks issue 4's targets: memkernels <= 1.05 and never above PyTorch's ratio, device
+allocations <= 1.5x PyTorch's, ns/op <= 250 (a goal). Exit status 1 if a target is missed.
+Then replays synthetic training loops that played no part in choosing the policy's numbers.
+"""
+import argparse
+import glob
+import os
+import random
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from memkernels.allocator import print_replay_table, replay, replay_pytorch_model, trace_ops  # noqa: E402
+
+REPO = os.path.dirname(HERE)
+# ../shared/traces next to the checkout; a git worktree sits one level deeper (wt/<name>).
+TRACE_DIR_CANDIDATES = [os.path.join(REPO, "..", "shared", "traces"), os.path.join(REPO, "..", "..", "shared", "traces")]
+
+
+def _trace_files(arguments):
+    if not arguments:
+        found = [d for d in TRACE_DIR_CANDIDATES if os.path.isdir(d)]
+        if not found:
+            raise SystemExit(f"no trace directory found at {TRACE_DIR_CANDIDATES}; pass trace files or a directory")
+        arguments = found[:1]
+    files = []
+    for arg in arguments:
+        if os.path.isdir(arg):
+            files += sorted(glob.glob(os.path.join(arg, "*.pickle")))
+        elif os.path.isfile(arg):
+            files.append(arg)
+        else:
+            raise SystemExit(f"{arg!r} is neither a trace file nor a directory")
+    if not files:
+        raise SystemExit(f"no *.pickle traces found in {arguments}")
+    return files
+
+
+def synthetic_trace(seed, kind, steps=30, layers=24):
+    """A training-loop-shaped trace that played no part in tuning the policy.
+
+    Persistent parameters, then per step: a forward pass whose layers save activations and
+    free a temporary each, and a backward pass freeing them in reverse with a gradient-sized
+    temporary each. ``kind``: "growing" (the batch grows 10% of the first each step, as in a
+    batch-size ramp) or "random" (batch scale uniform in [0.5, 2])."""
+    rng = random.Random(seed)
+    events, next_addr = [], [0]
+    mib = 1 << 20
+
+    def alloc(size):
+        next_addr[0] += 1
+        events.append({"action": "alloc", "addr": next_addr[0], "size": size, "stream": 0})
+        return next_addr[0]
+
+    def free(addr):
+        events.append({"action": "free_completed", "addr": addr, "size": 0, "stream": 0})
+
+    for _ in range(40):
+        alloc(rng.choice([4, 8, 16, 32, 64]) * mib)
+    for step in range(steps):
+        scale = 1 + step / 10 if kind == "growing" else rng.uniform(0.5, 2.0)
+        saved = []
+        for _ in range(layers):
+            temporary = alloc(int(scale * rng.choice([3, 6, 12]) * mib) + rng.randrange(1 << 16))
+            saved.append(alloc(int(scale * rng.choice([2, 5, 9, 20]) * mib)))
+            if rng.random() < 0.5:
+                saved.append(alloc(rng.randrange(1, 1 << 20)))
+            free(temporary)
+        for addr in reversed(saved):
+            gradient = alloc(int(scale * 4 * mib))
+            free(addr)
+            free(gradient)
+    return {"segments": [], "device_traces": [events]}
+
+
+def held_out():
+    """memkernels vs PyTorch's policy on synthetic loops, with unlimited memory and with a
+    device 1.3x the peak live bytes (where PyTorch's policy must release its cache on OOM)."""
+    print("\nHeld-out synthetic training loops (not used for tuning):")
+    print(f"{'workload':<14} {'device':<16} {'PyTorch':>8} {'dev.alloc':>9} {'memkernels':>10} {'dev.alloc':>9}")
+    for kind in ("growing", "random"):
+        for seed in range(3):
+            trace = synthetic_trace(seed, kind)
+            _, _, ideal = trace_ops(trace["device_traces"][0])
+            for label, capacity in (("unlimited", None), ("1.3x peak live", int(1.3 * ideal))):
+                theirs = replay_pytorch_model(trace, capacity=capacity)
+                ours = replay(trace, capacity=capacity)
+                print(
+                    f"{kind + ' #' + str(seed):<14} {label:<16} {theirs['peak_reserved_bytes'] / ideal:>8.3f} "
+                    f"{theirs['num_device_alloc']:>9} {ours['peak_reserved_bytes'] / ideal:>10.3f} "
+                    f"{ours['num_device_alloc']:>9}" + ("  (OOMs: PyTorch %d, memkernels %d)" % (
+                        theirs["num_ooms"], ours["num_ooms"]) if theirs["num_ooms"] or ours["num_ooms"] else "")
+                )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="*", help="trace files or directories (default: ../shared/traces)")
+    parser.add_argument("--repeats", type=int, default=21, help="replays per trace for the ns/op median")
+    parser.add_argument("--no-held-out", action="store_true", help="skip the synthetic held-out workloads")
+    args = parser.parse_args(argv)
+    rows = print_replay_table(_trace_files(args.traces), repeats=args.repeats)
+    print()
+    missed = 0
+    for row in rows:
+        ideal = row["ideal_peak_bytes"]
+        ours, theirs = row["memkernels"], row["pytorch"]
+        ratio, torch_ratio = ours["peak_reserved_bytes"] / ideal, theirs["peak_reserved_bytes"] / ideal
+        allocs = ours["num_device_alloc"] / theirs["num_device_alloc"]
+        checks = {
+            f"ratio {ratio:.4f} <= 1.05": ratio <= 1.05,
+            f"ratio <= PyTorch's {torch_ratio:.4f}": ours["peak_reserved_bytes"] <= theirs["peak_reserved_bytes"],
+            f"device allocations {allocs:.2f}x PyTorch's <= 1.5x": allocs <= 1.5,
+            f"{ours['ns_per_op']:.0f} ns/op <= 250 (goal)": ours["ns_per_op"] <= 250,
+        }
+        missed += sum(not ok for ok in checks.values())
+        verdicts = ", ".join(f"{text}: {'ok' if ok else 'MISSED'}" for text, ok in checks.items())
+        print(f"{row['trace']} (device {row['device']}): {verdicts}")
+    if not args.no_held_out:
+        held_out()
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,31 @@
+// Bindings of the device-backed pool (csrc/cuda/device_pool.*): the process-wide
+// pool behind the CUDAPluggableAllocator entry points, and standalone pools over
+// the device table (real or simulated), e.g. for replay on the simulated device.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "core/allocator.hpp"
+#include "cuda/device_pool.hpp"
+
+namespace py = pybind11;
+
+void bind_device_pool(py::module_& m) {
+  m.def("install_device_pool", &mk::cuda::install_pool, py::arg("config"),
+        "Make a pool over the device table the one mk_pool_alloc/mk_pool_free use; returns it.");
+  m.def("installed_device_pool", &mk::cuda::installed_pool, "The installed pool, or None.");
+  m.def(
+      "make_device_pool",
+      [](const mk::core::PoolConfig& config) {
+        return std::make_shared<mk::core::Allocator>(config, std::make_shared<mk::cuda::DeviceUpstream>(),
+                                                     std::make_shared<mk::cuda::DeviceEvents>());
+      },
+      py::arg("config"), "A standalone pool over the device table (cudaMalloc segments, cudaEvent ordering).");
+  m.def("device_pool_counters", [] {
+    py::dict d;
+    d["bad_frees"] = mk::cuda::bad_free_count();
+    d["failed_allocs"] = mk::cuda::failed_alloc_count();
+    return d;
+  });
+  m.attr("DEVICE_POOL_ALLOC_SYMBOL") = "mk_pool_alloc";
+  m.attr("DEVICE_POOL_FREE_SYMBOL") = "mk_pool_free";
+}

@@ -1,0 +1,196 @@
+"""A model of PyTorch's caching allocator policy (``CUDACachingAllocator.cpp``, classic segments).
+
+It is the "what PyTorch would have done" column of ``memkernels replay``: replaying a
+recorded trace through this model from an empty cache must reproduce the trace's own
+``segment_alloc`` sizes (see :func:`segment_match`). The rules modeled, all from PyTorch's
+documentation and source, with the defaults of an empty ``PYTORCH_CUDA_ALLOC_CONF``:
+
+* sizes round up to a multiple of 512 bytes (at least 512);
+* requests of at most 1 MiB come from the *small* pool, whose segments are 2 MiB; larger
+  ones from the *large* pool, whose segments are 20 MiB for requests under 10 MiB and the
+  request rounded up to 2 MiB otherwise;
+* best fit: the smallest cached free block of the same stream and pool that is large enough,
+  lowest address among equal sizes;
+* a block is split when the remainder is at least 512 bytes (small pool) or more than 1 MiB
+  (large pool); with ``max_split_size`` set, blocks of that size or more are never split, are
+  not used for requests below it, and are used for larger requests only if they waste less
+  than 20 MiB;
+* a freed block merges with free neighbours in its segment;
+* when the device refuses a segment: free cached blocks of at least ``max_split_size`` first,
+  then every cached free segment, and retry once before raising out-of-memory.
+
+Pure Python: it runs a few thousand events per trace, where clarity beats speed.
+"""
+import bisect
+
+KB = 1024
+MB = 1024 * KB
+MIN_BLOCK_SIZE = 512
+SMALL_SIZE = 1 * MB
+SMALL_BUFFER = 2 * MB
+LARGE_BUFFER = 20 * MB
+MIN_LARGE_ALLOC = 10 * MB
+ROUND_LARGE = 2 * MB
+
+
+class ModelOutOfMemory(Exception):
+    """The modeled device refused a segment even after the cache was released."""
+
+
+class _Block:
+    __slots__ = ("addr", "size", "stream", "pool", "segment_addr", "prev", "next", "allocated")
+
+    def __init__(self, addr, size, stream, pool, segment_addr):
+        self.addr, self.size, self.stream, self.pool = addr, size, stream, pool
+        self.segment_addr = segment_addr
+        self.prev = self.next = None
+        self.allocated = False
+
+    def key(self):
+        return (self.stream, self.size, self.addr)
+
+
+def round_size(size):
+    return MIN_BLOCK_SIZE if size < MIN_BLOCK_SIZE else -(-size // MIN_BLOCK_SIZE) * MIN_BLOCK_SIZE
+
+
+def segment_size(rounded):
+    if rounded <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if rounded < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-rounded // ROUND_LARGE) * ROUND_LARGE
+
+
+class TorchPolicyModel:
+    """PyTorch's caching allocator policy over a device of ``capacity`` bytes (None: unlimited).
+
+    Addresses are virtual: segments are placed one after another and never touched.
+    """
+
+    def __init__(self, capacity=None, max_split_size=None):
+        self.capacity = capacity
+        self.max_split_size = max_split_size if max_split_size is not None else float("inf")
+        self._free_keys = {"small": [], "large": []}  # sorted (stream, size, addr)
+        self._free_blocks = {}  # (stream, size, addr) -> block
+        self._allocated = {}  # addr -> block
+        self._next_addr = 1 << 40
+        self.segment_sizes = []  # every segment_alloc, in order
+        self.reserved = self.peak_reserved = 0
+        self.allocated = self.peak_allocated = 0
+        self.num_device_alloc = self.num_device_free = 0
+        self.num_alloc_retries = self.num_ooms = 0
+
+    # free-block index -------------------------------------------------------------
+    def _insert_free(self, block):
+        key = block.key()
+        bisect.insort(self._free_keys[block.pool], key)
+        self._free_blocks[key] = block
+
+    def _remove_free(self, block):
+        key = block.key()
+        keys = self._free_keys[block.pool]
+        del keys[bisect.bisect_left(keys, key)]
+        del self._free_blocks[key]
+
+    def _find_free(self, pool, stream, size):
+        keys = self._free_keys[pool]
+        i = bisect.bisect_left(keys, (stream, size, -1))
+        if i == len(keys) or keys[i][0] != stream:
+            return None
+        block = self._free_blocks[keys[i]]
+        if size < self.max_split_size <= block.size:
+            return None  # oversize blocks only serve oversize requests
+        if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
+            return None  # ... and only when they waste less than 20 MiB
+        return block
+
+    # device -----------------------------------------------------------------------
+    def _device_alloc(self, size):
+        if self.capacity is not None and self.reserved + size > self.capacity:
+            return None
+        addr = self._next_addr
+        self._next_addr += size
+        self.reserved += size
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.num_device_alloc += 1
+        self.segment_sizes.append(size)
+        return addr
+
+    def _release_segment(self, block):
+        self._remove_free(block)
+        self.reserved -= block.size
+        self.num_device_free += 1
+
+    def _release_cached(self, min_size=0):
+        for pool in ("small", "large"):
+            for key in list(self._free_keys[pool]):
+                block = self._free_blocks[key]
+                whole_segment = block.prev is None and block.next is None
+                if whole_segment and block.size >= min_size:
+                    self._release_segment(block)
+
+    def empty_cache(self):
+        self._release_cached()
+
+    # public -----------------------------------------------------------------------
+    def malloc(self, size, stream=0):
+        rounded = round_size(size)
+        pool = "small" if rounded <= SMALL_SIZE else "large"
+        block = self._find_free(pool, stream, rounded)
+        if block is not None:
+            self._remove_free(block)
+        else:
+            block = self._new_segment(pool, stream, rounded, size)
+        remaining = block.size - rounded
+        split = remaining >= MIN_BLOCK_SIZE if pool == "small" else (
+            rounded < self.max_split_size and remaining > SMALL_SIZE)
+        if split:
+            rest = _Block(block.addr + rounded, remaining, stream, pool, block.segment_addr)
+            rest.prev, rest.next = block, block.next
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = rounded
+            self._insert_free(rest)
+        block.allocated = True
+        self._allocated[block.addr] = block
+        self.allocated += block.size
+        self.peak_allocated = max(self.peak_allocated, self.allocated)
+        return block.addr
+
+    def _new_segment(self, pool, stream, rounded, requested):
+        alloc_size = segment_size(rounded)
+        addr = self._device_alloc(alloc_size)
+        if addr is None and self.max_split_size != float("inf"):
+            self._release_cached(min_size=self.max_split_size)
+            addr = self._device_alloc(alloc_size)
+        if addr is None:
+            self.num_alloc_retries += 1
+            self._release_cached()
+            addr = self._device_alloc(alloc_size)
+        if addr is None:
+            self.num_ooms += 1
+            raise ModelOutOfMemory(
+                f"modeled PyTorch policy: out of memory allocating {requested} bytes "
+                f"(reserved {self.reserved}, allocated {self.allocated}, capacity {self.capacity})")
+        return _Block(addr, alloc_size, stream, pool, addr)
+
+    def free(self, addr):
+        block = self._allocated.pop(addr)
+        block.allocated = False
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated:
+                continue
+            self._remove_free(neighbour)
+            if neighbour is block.prev:
+                block.addr, block.prev = neighbour.addr, neighbour.prev
+                if neighbour.prev is not None:
+                    neighbour.prev.next = block
+            else:
+                block.next = neighbour.next
+                if neighbour.next is not None:
+                    neighbour.next.prev = block
+            block.size += neighbour.size
+        self._insert_free(block)

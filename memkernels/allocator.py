@@ -1,0 +1,556 @@
+"""memkernels' caching pool allocator from Python: trace replay and the policy comparison.
+
+``replay(trace)`` runs a recorded PyTorch memory snapshot (``torch.cuda.memory._dump_snapshot``)
+through memkernels' pool on a device that hands out virtual addresses (no memory is touched,
+so an 80 GB trace replays on a laptop), and ``print_replay_table`` puts what PyTorch's policy
+did (a model of it, :mod:`memkernels._torch_policy`), what memkernels does, and the ideal (peak
+live bytes) side by side: that is ``memkernels replay TRACE...``.
+
+The C++ pool is in ``csrc/core/`` (policy and the reasons for it: ``csrc/core/policy.hpp``).
+"""
+import os
+import pickle
+import statistics
+import sys
+
+from memkernels._torch_policy import ModelOutOfMemory, TorchPolicyModel
+
+# With no capacity given, the pool's own virtual device has this much memory (it never refuses)...
+UNLIMITED_CAPACITY = 1 << 50
+# ... and the simulated device this much: it reserves its whole address range up front, and
+# 128 GiB fits anywhere (ThreadSanitizer leaves about 256 GiB) while holding any 80 GB GPU's trace.
+SIMULATED_DEFAULT_CAPACITY = 128 << 30
+
+_POLICY_KEYS = (
+    "min_block",
+    "small_request",
+    "small_segment",
+    "segment_granularity",
+    "fitted_request_limit",
+    "fitted_segment_max",
+    "large_split_min",
+    "release_before_growth",
+    "oversize_block",
+    "oversize_ratio",
+)
+_POOL_KEYS = ("memory_cap_bytes", "memory_cap_fraction", "gc_threshold", "trace_capacity")
+_REPLAY_ACTIONS = ("alloc", "free_completed")
+
+
+def _C():
+    from memkernels import _C as extension
+
+    return extension
+
+
+# ---------------------------------------------------------------------- traces
+
+
+class _DataOnlyUnpickler(pickle.Unpickler):
+    """Snapshots are plain data: refuse every global so that no code can run from a file."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(
+            f"trace refers to {module}.{name}; memkernels loads only plain-data snapshots "
+            "(dicts, lists, strings, numbers) and never imports code from a trace file"
+        )
+
+
+def load_trace(trace):
+    """A snapshot dict from a path (a ``_dump_snapshot`` pickle) or an already loaded dict."""
+    if isinstance(trace, (str, os.PathLike)):
+        if not os.path.isfile(trace):
+            raise FileNotFoundError(f"trace: no such file {os.fspath(trace)!r}")
+        with open(trace, "rb") as f:
+            trace = _DataOnlyUnpickler(f).load()
+    if not isinstance(trace, dict) or not isinstance(trace.get("device_traces"), list):
+        raise ValueError(
+            "trace must be a path to a torch.cuda.memory._dump_snapshot pickle or its loaded dict "
+            "with a 'device_traces' list (record with torch.cuda.memory._record_memory_history first)"
+        )
+    return trace
+
+
+def _device_events(snapshot, device):
+    traces = snapshot["device_traces"]
+    if not isinstance(device, int) or not 0 <= device < len(traces):
+        raise ValueError(f"device must be an index into the trace's {len(traces)} device_traces, got {device!r}")
+    return traces[device]
+
+
+def trace_ops(events):
+    """Turn trace events into pool steps ``(slot, is_alloc, size, stream)``.
+
+    Replays ``alloc`` and ``free_completed`` in order. Recording starts mid-run, so a free of
+    an address never allocated in the trace belongs to an earlier allocation and is skipped.
+    Returns ``(ops, num_slots, peak_requested_bytes)``.
+    """
+    ops, slot_of, spare, live_bytes, peak = [], {}, [], 0, 0
+    num_slots = 0
+    for event in events:
+        action = event.get("action")
+        if action not in _REPLAY_ACTIONS:
+            continue
+        addr, size, stream = event["addr"], event["size"], event.get("stream", 0)
+        if action == "alloc":
+            if addr in slot_of:
+                raise ValueError(f"trace allocates address {addr:#x} twice without freeing it")
+            slot = spare.pop() if spare else num_slots
+            num_slots = max(num_slots, slot + 1)
+            slot_of[addr] = (slot, size)
+            ops.append((slot, True, size, stream))
+            live_bytes += size
+            peak = max(peak, live_bytes)
+        elif addr in slot_of:
+            slot, size = slot_of.pop(addr)
+            ops.append((slot, False, 0, stream))
+            spare.append(slot)
+            live_bytes -= size
+    return ops, num_slots, peak
+
+
+# ---------------------------------------------------------------------- pools
+
+
+def _pool_config(policy="memkernels", **config):
+    C = _C()
+    if policy not in ("memkernels", "pytorch"):
+        raise ValueError(f"policy must be 'memkernels' or 'pytorch', got {policy!r}")
+    unknown = sorted(set(config) - set(_POLICY_KEYS) - set(_POOL_KEYS))
+    if unknown:
+        raise TypeError(
+            f"unknown allocator option(s) {unknown}; valid options: {sorted(_POLICY_KEYS + _POOL_KEYS)}"
+        )
+    pool_config = C.PoolConfig()
+    rules = C.PoolPolicy.pytorch() if policy == "pytorch" else C.PoolPolicy()
+    for key in _POLICY_KEYS:
+        if key in config:
+            setattr(rules, key, config[key])
+    pool_config.policy = rules
+    for key in _POOL_KEYS:
+        if key in config:
+            setattr(pool_config, key, config[key])
+    pool_config.validate()
+    return pool_config
+
+
+def _check_capacity(capacity):
+    if capacity is None:
+        return None
+    if not isinstance(capacity, int) or capacity <= 0:
+        raise ValueError(f"capacity must be a positive number of bytes or None (unlimited), got {capacity!r}")
+    return capacity
+
+
+def _simulated_device_pool(device, capacity, pool_config):
+    """A pool over the device table on the simulated device, reconfigured for replay."""
+    from memkernels import device as device_module
+
+    device_module.use_sim()  # ValueError if real CUDA is already in use in this process
+    capacity = SIMULATED_DEFAULT_CAPACITY if capacity is None else capacity
+    device_count = device + 1
+    device_module.sim.configure(
+        device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count
+    )
+    return _C().make_device_pool(pool_config)
+
+
+def _run_pool(ops, num_slots, device, capacity, config, simulated_device=False):
+    C = _C()
+    pool_config = _pool_config(**config)
+    if simulated_device:
+        pool = _simulated_device_pool(device, capacity, pool_config)
+    else:
+        pool = C.Pool(pool_config, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
+    run = pool.replay(ops, num_slots, device)
+    return pool.stats(device), run
+
+
+def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulated_device=False, **config):
+    """Replay a recorded PyTorch trace through memkernels' pool; returns its statistics.
+
+    Args:
+        trace: path to a ``torch.cuda.memory._dump_snapshot`` pickle, or the loaded dict.
+        device: which of the trace's ``device_traces`` to replay.
+        expandable_segments: VMM-backed segments (issue 8, not built yet).
+        capacity: device memory in bytes; None for unlimited (128 GiB on the simulated
+            device, which reserves its address range up front). Allocations the device cannot
+            hold after release-and-retry count in ``num_ooms`` and are skipped.
+        simulated_device: run on the simulated CUDA device (virtual memory) through the same
+            device upstream and cudaEvent ordering that serve a GPU, instead of the pool's own
+            virtual-address device. This selects and reconfigures the simulated device for the
+            whole process, and ns_per_op then includes the simulated CUDA calls.
+        **config: pool options (``csrc/core/policy.hpp`` / ``PoolConfig``), e.g.
+            ``release_before_growth``, ``memory_cap_bytes``, ``gc_threshold``; and
+            ``policy='pytorch'`` to run PyTorch's rules in memkernels' pool engine.
+
+    Returns a dict: peak_requested_bytes, peak_allocated_bytes, peak_reserved_bytes,
+    num_device_alloc, num_device_free, num_alloc_retries, num_ooms, ns_per_op (wall time of
+    the pool calls over the number of mallocs and frees), ops, and fragmentation at the end.
+    """
+    if expandable_segments:
+        raise NotImplementedError(
+            "expandable_segments=True needs VMM-backed segments, which are issue 8 and not built yet; "
+            "replay with expandable_segments=False"
+        )
+    capacity = _check_capacity(capacity)
+    ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
+    stats, run = _run_pool(ops, num_slots, device, capacity, config, simulated_device)
+    return _summary(stats, run)
+
+
+def _summary(stats, run):
+    return {
+        "peak_requested_bytes": stats["requested_bytes"]["peak"],
+        "peak_allocated_bytes": stats["allocated_bytes"]["peak"],
+        "peak_reserved_bytes": stats["reserved_bytes"]["peak"],
+        "num_device_alloc": stats["num_device_alloc"],
+        "num_device_free": stats["num_device_free"],
+        "num_alloc_retries": stats["num_alloc_retries"],
+        "num_ooms": stats["num_ooms"],
+        "ns_per_op": run["elapsed_ns"] / max(run["ops"], 1),
+        "ops": run["ops"],
+        "fragmentation": stats["fragmentation"],
+    }
+
+
+# ---------------------------------------------------------------------- PyTorch's policy
+
+
+def replay_pytorch_model(trace, *, device=0, capacity=None):
+    """Replay through the model of PyTorch's caching allocator (:mod:`memkernels._torch_policy`).
+
+    Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
+    ``segment_sizes``, every segment it took from the device, in order.
+    """
+    capacity = _check_capacity(capacity)
+    ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
+    model = TorchPolicyModel(capacity=capacity)
+    slots = [None] * num_slots
+    sizes = [0] * num_slots
+    requested = peak_requested = 0
+    for slot, is_alloc, size, stream in ops:
+        if is_alloc:
+            try:
+                slots[slot] = model.malloc(size, stream)
+            except ModelOutOfMemory:
+                slots[slot] = None
+                continue
+            sizes[slot] = size
+            requested += size
+            peak_requested = max(peak_requested, requested)
+        elif slots[slot] is not None:
+            model.free(slots[slot])
+            slots[slot] = None
+            requested -= sizes[slot]
+    return {
+        "peak_requested_bytes": peak_requested,
+        "peak_allocated_bytes": model.peak_allocated,
+        "peak_reserved_bytes": model.peak_reserved,
+        "num_device_alloc": model.num_device_alloc,
+        "num_device_free": model.num_device_free,
+        "num_alloc_retries": model.num_alloc_retries,
+        "num_ooms": model.num_ooms,
+        "segment_sizes": model.segment_sizes,
+    }
+
+
+def _longest_common_subsequence(a, b):
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        current = [0]
+        for j, y in enumerate(b):
+            current.append(previous[j] + 1 if x == y else max(previous[j + 1], current[j]))
+        previous = current
+    return previous[-1]
+
+
+def segment_match(trace, *, device=0):
+    """How closely the PyTorch-policy model reproduces the trace's own ``segment_alloc`` sizes.
+
+    Returns None when the trace recorded no segment events, else a dict: ``trace_segments``
+    and ``model_segments`` (counts), ``in_order`` (fraction of the trace's segment sizes found
+    in the model's sequence in the same order: longest common subsequence / trace count) and
+    ``as_multiset`` (fraction found regardless of order). The model starts from an empty cache
+    while recording started mid-run, so it may take segments the trace already held.
+    """
+    snapshot = load_trace(trace)
+    recorded = [e["size"] for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
+    if not recorded:
+        return None
+    modeled = replay_pytorch_model(snapshot, device=device)["segment_sizes"]
+    remaining = {}
+    for size in modeled:
+        remaining[size] = remaining.get(size, 0) + 1
+    found = 0
+    for size in recorded:
+        if remaining.get(size, 0) > 0:
+            remaining[size] -= 1
+            found += 1
+    return {
+        "trace_segments": len(recorded),
+        "model_segments": len(modeled),
+        "in_order": _longest_common_subsequence(recorded, modeled) / len(recorded),
+        "as_multiset": found / len(recorded),
+    }
+
+
+# ---------------------------------------------------------------------- comparison
+
+
+def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False, **config):
+    """PyTorch's policy (model), memkernels and the ideal on one trace, as a dict of dicts.
+
+    memkernels' ``ns_per_op`` is the median over ``repeats`` fresh replays (the machine is
+    shared, single runs are noisy).
+    """
+    snapshot = load_trace(trace)
+    capacity_bytes = _check_capacity(capacity)
+    ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
+    runs = [
+        _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(max(1, repeats))
+    ]
+    memkernels = _summary(*runs[0])
+    memkernels["ns_per_op"] = statistics.median(_summary(*r)["ns_per_op"] for r in runs)
+    return {
+        "pytorch": replay_pytorch_model(snapshot, device=device, capacity=capacity),
+        "memkernels": memkernels,
+        "ideal_peak_bytes": peak_live,
+        "segment_match": segment_match(snapshot, device=device),
+        "ops": len(ops),
+    }
+
+
+def _ratio(result, ideal):
+    return result["peak_reserved_bytes"] / ideal if ideal else float("nan")
+
+
+def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulated_device=False, file=None, **config):
+    """Print PyTorch's policy vs memkernels vs ideal for each trace (and each device in it).
+
+    ``device=None`` replays every device that has events. Returns the list of rows printed
+    (dicts from :func:`compare` plus ``trace`` and ``device``).
+    """
+    out = file if file is not None else sys.stdout
+    header = (
+        f"{'trace':<38} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
+        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'segment_alloc match (in order / any order)'}"
+    )
+    print(header, file=out)
+    print("-" * len(header), file=out)
+    rows = []
+    for path in traces:
+        snapshot = load_trace(path)
+        name = os.path.basename(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else "<dict>"
+        devices = range(len(snapshot["device_traces"])) if device is None else [device]
+        for d in devices:
+            if device is None and not any(e.get("action") == "alloc" for e in snapshot["device_traces"][d]):
+                continue
+            row = compare(
+                snapshot, device=d, capacity=capacity, repeats=repeats, simulated_device=simulated_device, **config
+            )
+            row.update(trace=name, device=d)
+            rows.append(row)
+            ideal = row["ideal_peak_bytes"]
+            match = row["segment_match"]
+            match_text = (
+                "no segment events in trace"
+                if match is None
+                else f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
+                f" (model took {match['model_segments']})"
+            )
+            print(
+                f"{name[:38]:<38} {d:>3} {_bytes_text(ideal):>11} | {_ratio(row['pytorch'], ideal):>7.3f} "
+                f"{row['pytorch']['num_device_alloc']:>9} | {_ratio(row['memkernels'], ideal):>10.3f} "
+                f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
+                file=out,
+            )
+    where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
+    print(
+        "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
+        f"ns/op: memkernels' pool, median of runs, on {where}.",
+        file=out,
+    )
+    return rows
+
+
+# ---------------------------------------------------------------------- snapshots
+
+
+def pool_snapshot(pool):
+    """A snapshot of ``pool`` (a ``memkernels._C.Pool``) in PyTorch's format.
+
+    ``segments``: every segment of every device with its ``blocks`` (states
+    ``active_allocated`` / ``active_pending_free`` / ``inactive``); ``device_traces[d]``: the
+    trace ring of device d (empty unless tracing was enabled with ``trace_capacity``).
+    ``torch.cuda._memory_viz`` renders it (``segment_plot``, ``trace_plot``, ``segsum``, ``trace``).
+    """
+    devices = pool.devices()
+    segments = [segment for d in devices for segment in pool.segments(d)]
+    traces = [[] for _ in range(max(devices) + 1 if devices else 0)]
+    for d in devices:
+        traces[d] = pool.trace(d)
+    return {"segments": segments, "device_traces": traces}
+
+
+# ---------------------------------------------------------------------- summaries
+
+# Above this share of reserved memory held but unusable, memory_summary says so.
+FRAGMENTATION_WARNING = 0.2
+
+
+def _bytes_text(n):
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def format_memory_summary(stats, device=0):
+    """A readable table of one device's pool statistics (the dict of ``Pool.stats``)."""
+    lines = [f"memkernels pool, device {device}", "-" * 78]
+    header = f"{'':<22}{'current':>14}{'peak':>14}{'allocated':>14}{'freed':>14}"
+    lines.append(header)
+    rows = [
+        ("allocated memory", "allocated_bytes", True),
+        ("requested memory", "requested_bytes", True),
+        ("active memory", "active_bytes", True),
+        ("reserved memory", "reserved_bytes", True),
+        ("allocations", "allocation", False),
+        ("segments", "segment", False),
+    ]
+    for label, key, is_bytes in rows:
+        for scope, source in (("", stats), (" small pool", stats["pools"]["small"]), (" large pool", stats["pools"]["large"])):
+            stat = source[key]
+            fmt = _bytes_text if is_bytes else str
+            lines.append(
+                f"{(label if not scope else '  ' + scope.strip()):<22}"
+                + "".join(f"{fmt(stat[k]):>14}" for k in ("current", "peak", "allocated", "freed"))
+            )
+    lines.append("-" * 78)
+    lines.append(
+        f"fragmentation (1 - allocated/reserved): {stats['fragmentation']:.1%}; external (1 - largest free/free): "
+        f"{stats['external_fragmentation']:.1%}"
+    )
+    lines.append(
+        f"cached free: {_bytes_text(stats['free_bytes'])}, largest free block {_bytes_text(stats['largest_free_block'])}"
+    )
+    histogram = ", ".join(f">={_bytes_text(size)}: {count}" for size, count in sorted(stats["free_block_histogram"].items()))
+    lines.append(f"free blocks by size: {histogram or 'none'}")
+    lines.append(
+        f"device allocations {stats['num_device_alloc']}, device frees {stats['num_device_free']}, "
+        f"retries {stats['num_alloc_retries']}, OOMs {stats['num_ooms']}"
+        + (f", memory cap {_bytes_text(stats['memory_cap'])}" if stats["memory_cap"] else "")
+    )
+    if stats["reserved_bytes"]["current"] and stats["fragmentation"] > FRAGMENTATION_WARNING:
+        lines.append(
+            f"WARNING: {stats['fragmentation']:.0%} of reserved memory "
+            f"({_bytes_text(stats['reserved_bytes']['current'] - stats['allocated_bytes']['current'])}) is held "
+            "but not allocated. memkernels.allocator.empty_cache() returns whole free segments to the device; "
+            "a lower gc_threshold does it automatically."
+        )
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the installed pool (PyTorch plug-in)
+
+_plugin = None  # the CUDAPluggableAllocator handed to torch: torch must never outlive its reference
+
+
+def install(**config):
+    """Make memkernels' pool PyTorch's CUDA allocator (CUDAPluggableAllocator + change_current_allocator).
+
+    Must run before the first CUDA allocation of the process. ``**config``: pool options, as for
+    :func:`replay` (e.g. ``memory_cap_fraction=0.9``, ``gc_threshold=0.8``,
+    ``trace_capacity=100_000``). Returns the installed ``memkernels._C.Pool``.
+
+    Untested on a GPU (none was available): everything up to handing the entry points to torch
+    is tested on the simulated device; the torch calls themselves are thin.
+    """
+    global _plugin
+    import torch
+
+    if torch.version.cuda is None:
+        raise RuntimeError(
+            f"memkernels.allocator.install() plugs the pool into PyTorch's CUDA allocator, but this torch "
+            f"({torch.__version__}) is a build without CUDA. Install a CUDA build of torch to use it; "
+            "memkernels.allocator.replay() works without one."
+        )
+    if torch.cuda.is_initialized():
+        raise RuntimeError(
+            "memkernels.allocator.install() must run before the first CUDA allocation: CUDA is already "
+            "initialized in this process, so PyTorch's own allocator may hold memory. Call install() at the "
+            "start of the program, before creating any CUDA tensor."
+        )
+    C = _C()
+    pool = C.install_device_pool(_pool_config(**config))
+    plugin = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, C.DEVICE_POOL_ALLOC_SYMBOL, C.DEVICE_POOL_FREE_SYMBOL)
+    torch.cuda.memory.change_current_allocator(plugin)
+    _plugin = plugin
+    return pool
+
+
+def _installed():
+    pool = _C().installed_device_pool()
+    if pool is None:
+        raise RuntimeError("memkernels' pool is not installed: call memkernels.allocator.install() first")
+    return pool
+
+
+def _device_index(device):
+    if device is None:
+        from memkernels import device as device_module
+
+        return device_module.get_device()
+    index = getattr(device, "index", device)  # a torch.device or an int
+    if not isinstance(index, int) or index < 0:
+        raise ValueError(f"device must be a non-negative int or a torch.device with an index, got {device!r}")
+    return index
+
+
+def stats(device=None):
+    """Statistics of the installed pool on ``device`` (default: the current device); see docs/allocator.md."""
+    result = _installed().stats(_device_index(device))
+    result.update(_C().device_pool_counters())  # bad_frees, failed_allocs of the C entry points
+    return result
+
+
+def memory_summary(device=None):
+    """A readable table of :func:`stats`, with a warning when fragmentation is high."""
+    index = _device_index(device)
+    return format_memory_summary(_installed().stats(index), index)
+
+
+def snapshot():
+    """The installed pool's state in PyTorch's snapshot format (``torch.cuda._memory_viz`` renders it)."""
+    return pool_snapshot(_installed())
+
+
+def empty_cache():
+    """Return every whole free segment of every device to the device (after pending frees complete)."""
+    pool = _installed()
+    for device in pool.devices():
+        pool.empty_cache(device)
+
+
+def reset_peak_stats(device=None):
+    _installed().reset_peak_stats(_device_index(device))
+
+
+def set_memory_cap(bytes=None, *, fraction=None, device=None):
+    """Cap the pool's reserved memory on ``device`` at ``bytes`` and/or ``fraction`` of its memory.
+
+    ``None`` for both removes the cap. Allocations past the cap go through the OOM path.
+    """
+    if bytes is not None and (not isinstance(bytes, int) or bytes <= 0):
+        raise ValueError(f"bytes must be a positive int or None, got {bytes!r}")
+    if fraction is not None and not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1] or None, got {fraction!r}")
+    _installed().set_memory_cap(bytes or 0, fraction or 0.0, _device_index(device))
+
+
+def reserve(bytes, *, device=None):
+    """Allocate ``bytes`` now and keep them in the pool for the rest of the run (empty_cache keeps them)."""
+    if not isinstance(bytes, int) or bytes <= 0:
+        raise ValueError(f"bytes must be a positive int, got {bytes!r}")
+    _installed().reserve(bytes, 0, _device_index(device))

@@ -1,0 +1,550 @@
+"""Asynchronous activation offload behind ``saved_tensors_hooks``.
+
+``OffloadActivations`` moves what autograd saves for backward to pinned host
+memory while forward runs, and brings it back (prefetched, ahead of need)
+while backward runs. The copies are made by memkernels' C++ engine
+(``csrc/cuda/offload_engine.*``): one device-to-host and one host-to-device
+stream with priorities, a pinned pool reused from step to step, and events
+(never ``record_stream``) to decide when memory may be freed or reused.
+
+Where it runs:
+
+* **Simulated device** (``MEMKERNELS_DEVICE=sim`` or
+  ``memkernels.device.use_sim()``): CPU tensors stand for device tensors. The
+  engine copies their bytes on the simulator's stream threads into pinned
+  blocks the simulator allocated (and checks), with the simulator's events,
+  delays and held events. Compute (CPU ops) is synchronous, so "the compute
+  stream" is the simulator's default stream and waiting for a prefetch is a
+  host wait. This is the tested path.
+* **CUDA**: tensors on the current CUDA device are offloaded; the compute
+  stream is ``torch.cuda.current_stream()``. Ordering is stream-side
+  (``cudaStreamWaitEvent``), with no host synchronization in forward or
+  backward. *Unverified*: no GPU was available where this was written.
+* **Plain CPU** (no simulator, no CUDA): a documented no-op. The context
+  manager installs no hooks and ``stats()["enabled"]`` is False.
+
+What is not offloaded (kept where it is, counted in ``stats()["kept_by_reason"]``):
+parameters and buffers of any module called inside the block, recognised by
+storage so that views of a flat parameter (FSDP-style) count too, and leaf
+tensors that require grad (``"parameter"``); storages smaller than
+``min_offload_bytes`` (``"small"``); tensors on another device
+(``"other_device"``); anything saved under :func:`no_offload`
+(``"no_offload"``); sparse, conjugate/negative-bit views and tensor subclasses
+(``"unsupported"``); what the pinned cap refused (``"cap"``); and, unless
+``offload_last_module=True``, what was saved since the last module call began
+(``"last_module"``: backward needs it first, so copying it out and back would
+only cost time).
+
+How a saved tensor is handled:
+
+* The whole storage is copied once, however many views of it are saved (a
+  storage modified in place between saves is copied again); each view is
+  restored with its size, stride and storage offset, so non-contiguous and
+  expanded (stride-0) tensors come back exactly.
+* A saved tensor modified in place raises at backward, as without hooks
+  (PyTorch does not check when saved-tensor hooks are set; memkernels checks
+  while the tensor is still referenced somewhere).
+* The device copy is released only after its device-to-host copy completed
+  (polled with event queries at each save; :meth:`wait_for_offloads` blocks).
+* Unpacking is idempotent (``retain_graph=True``, double backward): the
+  pinned copy lives as long as the autograd graph holds the saved tensor; a
+  restored storage is shared while alive and restored again otherwise.
+* Prefetch: each unpack also starts restoring the tensors packed just before
+  the one unpacked, up to ``prefetch_bytes`` in flight. It does not rely on
+  backward unpacking in reverse pack order: whatever is unpacked without a
+  prefetch is restored on demand. A prefetched tensor is allocated on the
+  compute stream, which waits for its copy before using it, so the caching
+  allocator cannot hand the memory out while the copy still writes it.
+* An exception inside the block discards everything the block offloaded:
+  pinned blocks go back to the pool, handles are released, the copy streams
+  are drained.
+
+Non-reentrant ``torch.utils.checkpoint`` works inside and around the block:
+inside a checkpointed region checkpoint's own hooks take over (the region is
+recomputed, not offloaded); an ``OffloadActivations`` opened inside a
+checkpointed function offloads what would otherwise be saved there.
+"""
+import collections
+import contextlib
+import threading
+import warnings
+import weakref
+
+import torch
+
+__all__ = ["OffloadActivations", "no_offload"]
+
+_local = threading.local()
+
+# How far back from an unpacked stash to look for prefetch candidates: bounds
+# the work per unpack when backward runs out of order over a long forward.
+_PREFETCH_SCAN_LIMIT = 256
+
+_KEEP_REASONS = ("parameter", "small", "other_device", "no_offload", "unsupported", "cap", "last_module")
+
+
+@contextlib.contextmanager
+def no_offload():
+    """Inside this block, tensors saved for backward stay on the device.
+
+    Use it around the parts of a model whose activations backward needs
+    immediately, or that are cheaper to keep than to move. Nests; thread-local.
+    """
+    _local.no_offload = getattr(_local, "no_offload", 0) + 1
+    try:
+        yield
+    finally:
+        _local.no_offload -= 1
+
+
+def _nonnegative_int(name, value, allow_none=False):
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        expected = "a non-negative int or None" if allow_none else "a non-negative int"
+        raise ValueError(f"{name} must be {expected} (bytes), got {value!r}")
+    return value
+
+
+def _storage_key(storage):
+    return storage._cdata
+
+
+class _Stash:
+    """One storage's bytes: on the device, in flight, or in a pinned block."""
+
+    __slots__ = ("owner", "nbytes", "version", "order", "index", "handle", "state", "source", "restored",
+                 "prefetched", "storage_ref", "__weakref__")
+
+    DEFERRED, OFFLOADING, OFFLOADED, KEPT, DISCARDED = "deferred", "offloading", "offloaded", "kept", "discarded"
+
+    def __init__(self, owner, storage, version, order):
+        self.owner = owner
+        self.nbytes = storage.nbytes()
+        self.version = version
+        self.order = order           # weakrefs to the stashes of its forward block, in pack order
+        self.index = len(order)      # its place there
+        order.append(weakref.ref(self))
+        self.handle = 0              # engine handle once offloaded
+        self.state = self.DEFERRED
+        self.source = storage        # the device storage, held until its D2H copy completed
+        self.restored = None         # weakref to the restored storage
+        self.prefetched = None       # restored storage not yet handed to autograd
+        self.storage_ref = weakref.ref(storage)
+
+    def __del__(self):
+        owner = self.owner
+        if owner is not None:
+            try:
+                owner._retire(self)
+            except Exception as exc:  # a finalizer must not raise
+                warnings.warn(f"memkernels.OffloadActivations: releasing a saved tensor failed: {exc}")
+
+
+class _Packed:
+    """What autograd holds instead of a saved tensor: the stash and the view's geometry."""
+
+    __slots__ = ("stash", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version")
+
+    def __init__(self, stash, tensor):
+        self.stash = stash
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.storage_offset = tensor.storage_offset()
+        # Autograd skips its in-place check when saved-tensor hooks are set;
+        # this restores it for as long as the saved tensor is referenced.
+        self.tensor_ref = weakref.ref(tensor)
+        self.version = tensor._version
+
+    def check_version(self):
+        tensor = self.tensor_ref()
+        if tensor is not None and tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a {self.dtype} tensor of shape {tuple(self.size)} was saved at version {self.version} and is now "
+                f"at version {tensor._version} (detected by memkernels.OffloadActivations). Clone it before "
+                "modifying it, or do the in-place operation out of place.")
+
+
+class OffloadActivations:
+    """Context manager: offload tensors saved for backward to pinned host memory.
+
+    Args:
+        min_offload_bytes: storages smaller than this stay on the device
+            (default 1 MiB: small copies cost more in latency than they save).
+        max_pinned_bytes: cap on the pinned host memory the pool may hold; a
+            tensor that would cross it stays on the device (counted as
+            ``"cap"``), never an error. ``None``: no cap.
+        prefetch_bytes: during backward, restore ahead of need at most this
+            many bytes that autograd has not asked for yet (default 128 MiB).
+        offload_last_module: also offload what is saved after the last module
+            call in the block began (default False: backward needs it first).
+
+    One instance is meant to be reused for every training step (its pinned
+    pool is reused too)::
+
+        offload = memkernels.OffloadActivations(min_offload_bytes=0)
+        for batch in loader:
+            with offload:
+                loss = model(batch)
+            loss.backward()
+        offload.close()
+
+    Saved tensors of any dtype and layout-preserving strided view are
+    supported; shapes are unchanged (each saved tensor is restored with its
+    own size, stride and storage offset).
+    """
+
+    def __init__(self, min_offload_bytes=1 << 20, max_pinned_bytes=None, prefetch_bytes=128 << 20,
+                 offload_last_module=False):
+        self.min_offload_bytes = _nonnegative_int("min_offload_bytes", min_offload_bytes)
+        self.max_pinned_bytes = _nonnegative_int("max_pinned_bytes", max_pinned_bytes, allow_none=True)
+        self.prefetch_bytes = _nonnegative_int("prefetch_bytes", prefetch_bytes)
+        if not isinstance(offload_last_module, bool):
+            raise ValueError(f"offload_last_module must be True or False, got {offload_last_module!r}")
+        self.offload_last_module = offload_last_module
+        self._mode, self._device = self._resolve_mode()
+        self._engine = None
+        self._final_engine_stats = None  # the engine's counters, kept after close()
+        self._lock = threading.RLock()
+        self._active = False
+        self._closed = False
+        self._hooks = None
+        self._module_hook = None
+        self._reset_block_state()
+        self._pending = collections.deque()  # stashes whose D2H copy may still run (they hold their source)
+        self._live = weakref.WeakSet()   # every stash some autograd graph may still hold, all blocks
+        self._prefetched_bytes = 0
+        self._drain_queued = False
+        self._counts = {"bytes_offloaded": 0, "storages_offloaded": 0, "prefetch_hits": 0, "restores_on_demand": 0,
+                        "restores_from_device": 0}
+        self._kept = dict.fromkeys(_KEEP_REASONS, 0)
+
+    # ------------------------------------------------------------ public API
+
+    @property
+    def enabled(self):
+        """True on the simulated device or with CUDA; False on plain CPU (no-op)."""
+        return self._mode is not None
+
+    def __enter__(self):
+        if self._closed:
+            raise RuntimeError("this OffloadActivations was closed; create a new one")
+        if self._active:
+            raise RuntimeError("OffloadActivations is already active; it cannot be nested in itself")
+        self._active = True
+        if not self.enabled:
+            return self
+        if self._engine is None:
+            from memkernels import _C
+
+            self._engine = _C.offload.Engine(max_pinned_bytes=self.max_pinned_bytes)
+        self._reset_block_state()
+        self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_module_call)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        self._active = False
+        if not self.enabled:
+            return False
+        self._hooks.__exit__(exc_type, exc, tb)
+        self._module_hook.remove()
+        self._hooks = self._module_hook = None
+        with self._lock:
+            if exc_type is not None:
+                self._discard_block()
+                return False
+            if self.offload_last_module or not self._modules_called:
+                self._flush_deferred()
+            else:
+                for stash in self._deferred:
+                    self._keep(stash, "last_module")
+            self._deferred.clear()
+            self._drain()
+        return False
+
+    def wait_for_offloads(self):
+        """Block until every device-to-host copy issued so far completed, and free the device copies."""
+        if self._engine is None:
+            return
+        with self._lock:
+            self._engine.synchronize_all()
+            self._drain()
+
+    def stats(self):
+        """Counters since creation, as a dict.
+
+        ``enabled``, ``mode`` ("sim", "cuda" or None); ``bytes_offloaded`` and
+        ``storages_offloaded`` (each storage once); ``bytes_kept`` (saved bytes
+        left on the device) and ``kept_by_reason`` (see the module docstring);
+        ``prefetch_hits`` (unpacks whose copy was already issued),
+        ``restores_on_demand`` (unpacks that had to start their copy),
+        ``restores_from_device`` (unpacks served by the device copy, still
+        alive); ``pinned_bytes`` (held by the pool), ``pinned_allocations``
+        (cudaHostAlloc calls so far), ``pool_hits``, ``pool_misses``;
+        ``live_handles``, ``engine`` (the engine's own counters).
+        """
+        with self._lock:
+            out = {"enabled": self.enabled, "mode": self._mode, **self._counts,
+                   "bytes_kept": sum(self._kept.values()), "kept_by_reason": dict(self._kept)}
+            if self._engine is not None and not self._engine.closed:
+                self._drain()
+                self._final_engine_stats = self._engine.stats()
+            engine = self._final_engine_stats
+        pool = engine["pool"] if engine else {}
+        out.update(pinned_bytes=pool.get("pinned_bytes", 0), pinned_allocations=pool.get("slab_allocations", 0),
+                   pool_hits=pool.get("hits", 0), pool_misses=pool.get("misses", 0),
+                   live_handles=engine["live_handles"] if engine else 0, engine=engine)
+        return out
+
+    def close(self):
+        """Discard every saved tensor still held, drain the streams and free the pinned pool."""
+        if self._active:
+            raise RuntimeError("close() inside the OffloadActivations block; leave the block first")
+        with self._lock:
+            self._closed = True
+            if self._engine is not None and not self._engine.closed:
+                self._discard(list(self._live))
+                self._engine.close()
+                self._final_engine_stats = self._engine.stats()
+
+    # ------------------------------------------------------------ internals
+
+    @staticmethod
+    def _resolve_mode():
+        from memkernels import device
+
+        if device.backend() == "sim":
+            return "sim", torch.device("cpu")
+        if torch.cuda.is_available():
+            return "cuda", torch.device("cuda", torch.cuda.current_device())
+        return None, None
+
+    def _reset_block_state(self):
+        self._by_storage = {}            # storage key -> weakref to its live stash (this block)
+        self._order = []                 # weakrefs to this block's stashes, in pack order
+        self._deferred = []              # saved since the last module call began
+        self._param_storages = {}        # storage key -> weakref to the storage
+        self._unscanned = []             # modules called whose parameters are not yet recorded
+        self._modules_called = False
+        self._counted = set()            # (reason, storage key) already counted as kept
+
+    def _stream(self):
+        if self._mode == "cuda":
+            return torch.cuda.current_stream(self._device).cuda_stream
+        return 0  # the simulator's default stream: CPU compute is already complete when a save happens
+
+    def _on_module_call(self, module, args):
+        # Parameters are recorded lazily (at the next save): wrappers such as
+        # FSDP swap in unsharded parameter views in their own pre-hooks, which
+        # run after this global one.
+        self._unscanned.append(module)
+        self._modules_called = True
+        with self._lock:
+            self._flush_deferred()
+
+    def _scan_modules(self):
+        for module in self._unscanned:
+            for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
+                try:
+                    storage = tensor.untyped_storage()
+                except (RuntimeError, NotImplementedError, TypeError):
+                    continue
+                self._param_storages[_storage_key(storage)] = weakref.ref(storage)
+        self._unscanned.clear()
+
+    def _is_parameter(self, tensor, storage):
+        if tensor.is_leaf and tensor.requires_grad:
+            return True
+        if self._unscanned:
+            self._scan_modules()
+        ref = self._param_storages.get(_storage_key(storage))
+        return ref is not None and ref() is storage
+
+    def _skip_reason(self, tensor):
+        """Why `tensor` stays on the device, or None; and its storage."""
+        if getattr(_local, "no_offload", 0) > 0:
+            return "no_offload", None
+        if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided
+                or tensor.is_conj() or tensor.is_neg()):
+            return "unsupported", None
+        if tensor.device != self._device:
+            return "other_device", None
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):  # e.g. functional or fake tensors
+            return "unsupported", None
+        if self._is_parameter(tensor, storage):
+            return "parameter", storage
+        nbytes = storage.nbytes()
+        if nbytes == 0 or nbytes < self.min_offload_bytes:
+            return "small", storage
+        return None, storage
+
+    def _count_kept(self, reason, tensor, storage):
+        key = (reason, _storage_key(storage) if storage is not None else id(tensor))
+        if key not in self._counted:
+            self._counted.add(key)
+            self._kept[reason] += storage.nbytes() if storage is not None else tensor.nbytes
+
+    def _pack(self, tensor):
+        with self._lock:
+            reason, storage = self._skip_reason(tensor)
+            if reason is not None:
+                self._count_kept(reason, tensor, storage)
+                return tensor
+            key = _storage_key(storage)
+            ref = self._by_storage.get(key)
+            stash = ref() if ref is not None else None
+            if (stash is None or stash.storage_ref() is not storage or stash.version != tensor._version
+                    or stash.state == _Stash.DISCARDED):
+                stash = _Stash(self, storage, tensor._version, self._order)
+                self._live.add(stash)
+                self._by_storage[key] = weakref.ref(stash)
+                self._deferred.append(stash)
+                if self.offload_last_module:
+                    self._flush_deferred()
+            self._drain()
+            return _Packed(stash, tensor)
+
+    def _flush_deferred(self):
+        """Start the D2H copies of everything deferred so far."""
+        stream = self._stream() if self._deferred else None
+        for stash in self._deferred:
+            handle = self._engine.offload(stash.source.data_ptr(), stash.nbytes, stream)
+            if handle == 0:
+                self._keep(stash, "cap")
+                continue
+            stash.handle = handle
+            stash.state = _Stash.OFFLOADING
+            self._pending.append(stash)
+            self._counts["bytes_offloaded"] += stash.nbytes
+            self._counts["storages_offloaded"] += 1
+        self._deferred.clear()
+
+    def _keep(self, stash, reason):
+        stash.state = _Stash.KEPT
+        self._kept[reason] += stash.nbytes
+
+    def _drain(self):
+        """Free the device copies whose D2H copy completed (in issue order, as the stream runs them)."""
+        while self._pending and self._engine.offload_done(self._pending[0].handle):
+            stash = self._pending.popleft()
+            stash.source = None
+            stash.state = _Stash.OFFLOADED
+
+    def _drain_when_backward_ends(self):
+        # Copies still running at an unpack hold their device source; look
+        # again when this backward pass is over rather than at the next step.
+        if self._drain_queued:
+            return
+        try:
+            torch.autograd.Variable._execution_engine.queue_callback(self._drain_after_backward)
+        except RuntimeError:  # unpacked outside a backward pass (e.g. grad_fn._saved_*)
+            return
+        self._drain_queued = True
+
+    def _drain_after_backward(self):
+        with self._lock:
+            self._drain_queued = False
+            if self._engine is not None and not self._engine.closed:
+                self._drain()
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        packed.check_version()
+        storage = self._materialize(packed.stash)
+        out = torch.empty((0,), dtype=packed.dtype, device=self._device)
+        out.set_(storage, packed.storage_offset, packed.size, packed.stride)
+        return out
+
+    def _new_device_storage(self, nbytes):
+        return torch.empty((nbytes,), dtype=torch.uint8, device=self._device).untyped_storage()
+
+    def _materialize(self, stash):
+        with self._lock:
+            if stash.state == _Stash.DISCARDED:
+                raise RuntimeError(
+                    "memkernels.OffloadActivations: this saved tensor was discarded (the forward pass under "
+                    "OffloadActivations raised, or the manager was closed); run the forward pass again")
+            if self._engine is not None and not self._engine.closed:
+                self._drain()
+                self._drain_when_backward_ends()
+            if stash.source is not None:  # deferred, kept, or its D2H copy still running
+                self._counts["restores_from_device"] += 1
+                return stash.source
+            storage = stash.restored() if stash.restored is not None else None
+            if storage is not None:
+                return storage
+            if stash.prefetched is not None:
+                storage, stash.prefetched = stash.prefetched, None
+                self._prefetched_bytes -= stash.nbytes
+                self._counts["prefetch_hits"] += 1
+            else:
+                storage = self._new_device_storage(stash.nbytes)
+                self._engine.prefetch(stash.handle, storage.data_ptr(), self._stream())
+                self._counts["restores_on_demand"] += 1
+            self._prefetch_before(stash)
+            self._wait(stash.handle)
+            stash.restored = weakref.ref(storage)
+            return storage
+
+    def _wait(self, handle):
+        if self._mode == "cuda":
+            self._engine.wait(handle, self._stream())
+        else:
+            self._engine.synchronize(handle)  # CPU compute reads the bytes right after we return
+
+    def _prefetch_before(self, unpacked):
+        """Start restoring the stashes packed before `unpacked` in its block (latest first), within budget."""
+        stream = None
+        index = unpacked.index
+        for ref in reversed(unpacked.order[max(0, index - _PREFETCH_SCAN_LIMIT):index]):
+            stash = ref()
+            if (stash is None or stash.state != _Stash.OFFLOADED or stash.prefetched is not None
+                    or (stash.restored is not None and stash.restored() is not None)):
+                continue
+            if self._prefetched_bytes + stash.nbytes > self.prefetch_bytes:
+                break
+            stream = self._stream() if stream is None else stream
+            storage = self._new_device_storage(stash.nbytes)
+            self._engine.prefetch(stash.handle, storage.data_ptr(), stream)
+            stash.prefetched = storage
+            self._prefetched_bytes += stash.nbytes
+
+    def _retire(self, stash):
+        """A stash nobody holds any more: give its pinned block back."""
+        with self._lock:
+            if stash.prefetched is not None:
+                # Its copy may still be writing the storage: order the free after it.
+                if stash.state != _Stash.DISCARDED and not self._engine.closed:
+                    self._wait(stash.handle)
+                stash.prefetched = None
+                self._prefetched_bytes -= stash.nbytes
+            if stash.handle and stash.state != _Stash.DISCARDED and not self._engine.closed:
+                self._engine.release(stash.handle)
+            stash.state = _Stash.DISCARDED
+            stash.owner = None
+
+    def _discard_block(self):
+        """Drop everything this block offloaded (after an exception inside it)."""
+        self._discard([ref() for ref in self._order] + self._deferred)
+
+    def _discard(self, stashes):
+        self._engine.synchronize_all()  # no copy may still read a source or write a block
+        for stash in stashes:
+            if stash is None or stash.state == _Stash.DISCARDED:
+                continue
+            if stash.prefetched is not None:
+                stash.prefetched = None
+                self._prefetched_bytes -= stash.nbytes
+            if stash.handle:
+                self._engine.release(stash.handle)
+            stash.source = None
+            stash.state = _Stash.DISCARDED
+        self._pending = collections.deque(s for s in self._pending if s.state != _Stash.DISCARDED)
+        self._reset_block_state()

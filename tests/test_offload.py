@@ -1,0 +1,606 @@
+"""memkernels.OffloadActivations on the simulated device (CPU tensors stand for device tensors).
+
+Every test compares against the same computation without offload: gradients
+must be bitwise identical, since offload only moves bytes. Memory claims are
+measured with memkernels.meters.
+"""
+import contextlib
+import copy
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import memkernels
+from memkernels import device
+from memkernels.device import sim
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+
+MiB = 1 << 20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def sim_device():
+    device.use_sim()
+    sim.configure(device_count=1, capacity=1 << 30, host_capacity=None, granularity=64 << 10,
+                  memory="backed", address_space=1 << 36, sync_timeout_s=20.0)
+    yield
+    sim.hold_events(False)
+
+
+@pytest.fixture
+def offload():
+    """Factory of OffloadActivations, all closed (pinned memory freed) before the sim is reset."""
+    made = []
+
+    def make(**kwargs):
+        made.append(memkernels.OffloadActivations(**kwargs))
+        return made[-1]
+
+    yield make
+    sim.hold_events(False)
+    for manager in made:
+        manager.close()
+    sim.reset()
+
+
+# ------------------------------------------------------------------ a small GPT
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        batch, seq, dim = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(dim, -1)
+        q, k, v = (t.view(batch, seq, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) / (dim // self.heads) ** 0.5
+        causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+        y = (scores.masked_fill(causal, float("-inf")).softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, dim)
+        x = x + self.proj(y)
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab=64, dim=32, heads=4, layers=2, seq=16, checkpoint_blocks=False):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.02)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+        self.checkpoint_blocks = checkpoint_blocks
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
+def make_batch(vocab=64, batch=4, seq=16):
+    return torch.randint(0, vocab, (batch, seq)), torch.randint(0, vocab, (batch, seq))
+
+
+def train(model, batches, context=None, on_step=None):
+    """Train a copy of `model` with SGD; returns every step's gradients."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grads = []
+    for step, (idx, targets) in enumerate(batches):
+        if context is None:
+            loss = model(idx, targets)
+        else:
+            with context:
+                loss = model(idx, targets)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+        if on_step is not None:
+            on_step(step)
+    return grads
+
+
+def assert_bitwise_equal(expected, actual):
+    assert len(expected) == len(actual)
+    for step, (e_step, a_step) in enumerate(zip(expected, actual)):
+        for i, (e, a) in enumerate(zip(e_step, a_step)):
+            assert torch.equal(e, a), f"step {step}, gradient {i}: max diff {(e - a).abs().max().item()}"
+
+
+# ------------------------------------------------------------------ the done-when tests
+
+
+@pytest.mark.parametrize("offload_last_module", [True, False])
+def test_gpt_three_steps_bitwise_identical_and_pool_reused(offload, offload_last_module):
+    model, batches = GPT(), [make_batch() for _ in range(3)]
+    expected = train(model, batches)
+    manager = offload(min_offload_bytes=0, offload_last_module=offload_last_module)
+    pinned_allocations = []
+    actual = train(model, batches, manager, on_step=lambda step: pinned_allocations.append(
+        manager.stats()["pinned_allocations"]))
+    assert_bitwise_equal(expected, actual)
+    stats = manager.stats()
+    assert pinned_allocations[0] > 0
+    assert pinned_allocations[1] == pinned_allocations[0] and pinned_allocations[2] == pinned_allocations[0], \
+        f"steps 2 and 3 pinned new memory: cudaHostAlloc calls after each step {pinned_allocations}"
+    assert stats["storages_offloaded"] > 0 and stats["pool_hits"] > 0
+    assert stats["kept_by_reason"]["parameter"] > 0
+    assert (stats["kept_by_reason"]["last_module"] > 0) == (not offload_last_module)
+    manager.wait_for_offloads()  # copies still running when backward ended hold their handle until done
+    assert manager.stats()["live_handles"] == 0, "the graphs are gone: every pinned block must be back"
+
+
+def saved_activation_bytes(model, batch, manager=None):
+    """(bytes saved for backward without offload, bytes allocated in forward still resident after it)."""
+    with SavedBytesMeter() as saved:
+        model(*batch)
+    with PeakBytesMeter() as live:
+        if manager is None:
+            loss = model(*batch)
+        else:
+            with manager:
+                loss = model(*batch)
+            manager.wait_for_offloads()
+        resident = live.current_bytes
+    loss.backward()
+    return saved.new_bytes, resident
+
+
+def test_resident_saved_bytes_drop_by_at_least_90_percent(offload):
+    model, batch = GPT(layers=3), make_batch()
+    saved, resident_without = saved_activation_bytes(model, batch)
+    assert resident_without >= saved, "without offload every saved activation stays resident"
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    _, resident_with = saved_activation_bytes(model, batch, manager)
+    drop = 1 - resident_with / resident_without
+    print(f"saved {saved} B; resident after forward: {resident_without} B without offload, "
+          f"{resident_with} B with offload ({drop:.1%} less)")
+    assert drop >= 0.9
+    # The default keeps the last module's activations (backward needs them first).
+    default = offload(min_offload_bytes=0)
+    _, resident_default = saved_activation_bytes(model, batch, default)
+    assert resident_with < resident_default < resident_without
+    assert default.stats()["kept_by_reason"]["last_module"] > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_copy_delays_keep_results_identical(offload, seed):
+    model, batches = GPT(), [make_batch() for _ in range(2)]
+    expected = train(model, batches)
+    sim.set_random_delays(max_delay_us=300, seed=seed)
+    manager = offload(min_offload_bytes=0, offload_last_module=seed % 2 == 0, prefetch_bytes=(seed % 3) * 64 << 10)
+    assert_bitwise_equal(expected, train(model, batches, manager))
+
+
+def test_device_copy_lives_until_its_offload_completed(offload):
+    # Held events keep every D2H copy from completing: the device copies must
+    # stay resident; once released and drained, they go.
+    model, batch = GPT(), make_batch()
+    expected = train(model, [batch])
+    model = copy.deepcopy(model)
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    _, resident_without = saved_activation_bytes(copy.deepcopy(model), batch)
+    with PeakBytesMeter() as live:
+        sim.hold_events(True)
+        with manager:
+            loss = model(*batch)
+        held = live.current_bytes
+        assert manager.stats()["engine"]["live_handles"] > 0
+        sim.hold_events(False)
+        manager.wait_for_offloads()
+        drained = live.current_bytes
+    assert held >= resident_without, "a device copy was freed before its D2H copy completed"
+    assert drained < 0.1 * resident_without
+    loss.backward()
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+
+
+def test_backward_waits_for_held_prefetch_copies(offload):
+    # Every copy back is stalled until a timer releases the events: backward
+    # must wait for it (not read the uninitialized destination) and still match.
+    model, batch = GPT(), make_batch()
+    expected = train(model, [batch])
+    model = copy.deepcopy(model)
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    with manager:
+        loss = model(*batch)
+    manager.wait_for_offloads()
+    hold_s = 0.3
+    sim.hold_events(True)
+    releaser = threading.Timer(hold_s, sim.hold_events, args=(False,))
+    releaser.start()
+    start = time.perf_counter()
+    loss.backward()
+    waited = time.perf_counter() - start
+    releaser.join()
+    assert waited >= hold_s * 0.9, f"backward finished in {waited:.3f}s while its copies were held for {hold_s}s"
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+    stats = manager.stats()
+    assert stats["restores_from_device"] == 0 and stats["prefetch_hits"] > 0
+
+
+# ------------------------------------------------------------------ what is saved, and how it comes back
+
+
+class SaveViews(torch.autograd.Function):
+    """Saves several views of its input's storage; backward reads all of them."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x, x.t(), x[1:, 2:], x[0].expand(5, -1), x)
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, xt, corner, expanded, again = ctx.saved_tensors
+        assert xt.stride() == (1, x.shape[1]) and expanded.stride() == (0, 1)
+        assert corner.storage_offset() == x.shape[1] + 2
+        g = x * 1 + xt.t() * 2 + again * 3
+        g[1:, 2:] += corner
+        g[0] += expanded.sum(0)
+        return grad * g
+
+
+def run_views(context):
+    base = torch.randn(6, 7)
+    x = (base * 2).requires_grad_(False)  # an activation, not a leaf that requires grad
+    leaf = base.clone().requires_grad_(True)
+    with context:
+        y = SaveViews.apply(x + leaf)
+    y.backward()
+    return leaf.grad
+
+
+def test_views_aliasing_and_double_saves(offload):
+    torch.manual_seed(0)
+    expected = run_views(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    torch.manual_seed(0)
+    manager = offload(min_offload_bytes=0)
+    actual = run_views(manager)
+    assert torch.equal(expected, actual)
+    assert manager.stats()["storages_offloaded"] == 1, "one storage saved five times is offloaded once"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["transposed", "strided_slice", "expanded", "offset_view", "channels_last"])
+def test_non_contiguous_and_stride_zero_saves(offload, kind, dtype):
+    def make(a):
+        if kind == "transposed":
+            return a.t()
+        if kind == "strided_slice":
+            return a[::2, 1::3]
+        if kind == "expanded":
+            return a[:1].expand(a.shape[0], -1)
+        if kind == "offset_view":
+            return a[3:, 5:]
+        return a.reshape(2, 3, 8, 10).contiguous(memory_format=torch.channels_last)
+
+    w = torch.randn(12, 40, dtype=dtype, requires_grad=True)
+
+    def step(context):
+        w.grad = None
+        with context:
+            view = make(w * 1.5)
+            assert not view.is_contiguous()
+            (view * view.exp()).sum().backward()
+        return w.grad.clone()
+
+    expected = step(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    manager = offload(min_offload_bytes=0)
+    assert torch.equal(expected, step(manager))
+    assert manager.stats()["storages_offloaded"] >= 1
+
+
+@pytest.mark.parametrize("use_offload", [False, True])
+def test_in_place_change_of_a_saved_tensor_raises_as_without_hooks(offload, use_offload):
+    a = torch.randn(50, requires_grad=True)
+    context = offload(min_offload_bytes=0) if use_offload else contextlib.nullcontext()
+    with context:
+        x = a * 2
+        y = x.sin()  # saves x at version 0
+    x.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+
+def test_storage_saved_again_after_in_place_change_is_copied_again(offload):
+    # The first save's graph is dropped before backward, so the change is legal;
+    # the second save must not reuse the first copy.
+    manager = offload(min_offload_bytes=0)
+    a = torch.randn(50, requires_grad=True)
+    with manager:
+        x = a * 2
+        dropped = x.sin()
+        del dropped
+        with torch.no_grad():
+            x.mul_(3)
+        z = x.cos()
+    z.sum().backward()
+    assert torch.equal(a.grad, -(x.detach()).sin() * 2)
+    assert manager.stats()["storages_offloaded"] == 2
+
+
+def test_retain_graph_and_double_backward(offload):
+    model, (idx, targets) = GPT(), make_batch()
+
+    def run(context):
+        m = copy.deepcopy(model)
+        with context:
+            loss = m(idx, targets)
+        loss.backward(retain_graph=True)
+        loss.backward()  # unpacks everything a second time
+        first = [p.grad.clone() for p in m.parameters()]
+        x = torch.randn(30, requires_grad=True)
+        with context:
+            y = (x.tanh() ** 3).sum()
+        (gx,) = torch.autograd.grad(y, x, create_graph=True)
+        (ggx,) = torch.autograd.grad(gx.sum(), x)
+        return first, [gx.detach(), ggx]
+
+    torch.manual_seed(2)
+    expected = run(torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+    torch.manual_seed(2)
+    manager = offload(min_offload_bytes=0)
+    assert_bitwise_equal(expected, run(manager))
+    assert manager.stats()["storages_offloaded"] > 0
+
+
+class FlatLinear(nn.Module):
+    """FSDP-style: weight and bias are views into one flat parameter."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.n_in, self.n_out = n_in, n_out
+        self.flat = nn.Parameter(torch.randn(n_out * n_in + n_out) * 0.1)
+
+    def forward(self, x):
+        weight = self.flat[: self.n_out * self.n_in].view(self.n_out, self.n_in)
+        return F.linear(x, weight, self.flat[self.n_out * self.n_in:])
+
+
+def test_parameters_and_flat_parameter_views_are_skipped(offload):
+    layer = FlatLinear(64, 64)
+    bn = nn.BatchNorm1d(64)
+    manager = offload(min_offload_bytes=0)
+    x = torch.randn(8, 64, requires_grad=True)  # so that linear saves its weight view for grad_input
+    param_storage = layer.flat.untyped_storage()._cdata
+    with manager:
+        y = bn(layer(x * 1.0)).relu()
+    offloaded_keys = [s.storage_ref()._cdata for s in manager._live if s.storage_ref() is not None]
+    assert param_storage not in offloaded_keys
+    kept = manager.stats()["kept_by_reason"]["parameter"]
+    assert kept >= layer.flat.untyped_storage().nbytes()
+    y.sum().backward()
+    assert layer.flat.grad is not None and manager.stats()["storages_offloaded"] > 0
+
+
+def test_small_other_device_and_no_offload_are_kept(offload):
+    manager = offload(min_offload_bytes=4096)
+    a = torch.randn(100, requires_grad=True)        # 400 B: small
+    b = torch.randn(4096, requires_grad=True)       # 16 KiB: offloaded
+    c = torch.randn(4096, requires_grad=True)       # under no_offload
+    m = torch.randn(8, device="meta", requires_grad=True)
+    with manager:
+        ya = (a * 2).sin()
+        yb = (b * 2).sin()
+        with memkernels.no_offload():
+            yc = (c * 2).sin()
+        ym = (m * 2).sin()
+    kept = manager.stats()["kept_by_reason"]
+    assert kept["small"] == 400 and kept["no_offload"] == 16384 and kept["other_device"] == 32
+    assert manager.stats()["bytes_offloaded"] == 16384
+    (ya.sum() + yb.sum() + yc.sum()).backward()
+    assert torch.equal(b.grad, 2 * (b * 2).cos())
+    del ym
+
+
+def test_pinned_cap_keeps_tensors_on_device(offload):
+    model, batches = GPT(), [make_batch() for _ in range(2)]
+    expected = train(model, batches)
+    manager = offload(min_offload_bytes=0, max_pinned_bytes=256 << 10, offload_last_module=True)
+    assert_bitwise_equal(expected, train(model, batches, manager))
+    stats = manager.stats()
+    assert stats["kept_by_reason"]["cap"] > 0 and stats["storages_offloaded"] > 0
+    assert stats["engine"]["pool"]["peak_pinned_bytes"] <= 256 << 10
+
+
+def test_exception_mid_forward_leaves_nothing_behind(offload):
+    model, batch = GPT(), make_batch()
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    streams_before = None
+
+    class Boom(Exception):
+        pass
+
+    captured = {}
+    sim.set_random_delays(max_delay_us=500, seed=1)
+    with pytest.raises(Boom):
+        with manager:
+            streams_before = sim.stats()["live_streams"]
+            loss = model(*batch)
+            captured["loss"] = loss  # the partial graph stays reachable
+            raise Boom()
+    stats = manager.stats()
+    engine = stats["engine"]
+    assert engine["offloads"] > 0
+    assert engine["live_handles"] == 0 and engine["retiring_blocks"] == 0
+    assert engine["pool"]["bytes_in_use"] == 0
+    assert manager._engine.idle() and sim.stats()["live_streams"] == streams_before
+    assert not manager._pending and not manager._deferred
+    with pytest.raises(RuntimeError, match="discarded"):
+        captured["loss"].backward()
+    # The manager (and its pinned pool) still works afterwards.
+    pinned = stats["pinned_allocations"]
+    sim.set_random_delays(0, 0)
+    expected = train(model, [batch])
+    assert_bitwise_equal(expected, train(model, [batch], manager))
+    assert manager.stats()["pinned_allocations"] == pinned
+
+
+def test_two_forwards_before_backward_and_a_failing_third(offload):
+    # Gradient accumulation: two blocks alive at once, backward in either order;
+    # a third block that raises must not touch the first two.
+    model, batches = GPT(), [make_batch() for _ in range(2)]
+    reference = copy.deepcopy(model)
+    for idx, targets in batches:
+        reference(idx, targets).backward()
+    expected = [[p.grad for p in reference.parameters()]]
+    sim.set_random_delays(max_delay_us=200, seed=4)
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    losses = []
+    for batch in batches:
+        with manager:
+            losses.append(model(*batch))
+    with pytest.raises(ZeroDivisionError):
+        with manager:
+            model(*batches[0])
+            1 / 0
+    losses[1].backward()
+    losses[0].backward()
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+
+
+@pytest.mark.parametrize("where", ["around", "inside"])
+def test_checkpoint_interplay(offload, where):
+    model, batches = GPT(checkpoint_blocks=where == "around"), [make_batch() for _ in range(2)]
+    expected = train(model, batches)
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    if where == "around":
+        actual = train(model, batches, manager)
+    else:
+        # OffloadActivations opened inside the checkpointed function.
+        class Inside(nn.Module):
+            def __init__(self, block):
+                super().__init__()
+                self.block = block
+
+            def forward(self, x):
+                with manager:
+                    return self.block(x)
+
+        wrapped = copy.deepcopy(model)
+        wrapped.blocks = nn.ModuleList(Inside(b) for b in wrapped.blocks)
+        wrapped.checkpoint_blocks = True
+        actual = train(wrapped, batches)
+    assert_bitwise_equal(expected, actual)
+    assert manager.stats()["storages_offloaded"] > 0
+
+
+def test_prefetch_does_not_assume_reverse_order(offload):
+    manager = offload(min_offload_bytes=0, prefetch_bytes=1 << 20)
+    xa, xb = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+
+    def forward():
+        with manager:
+            ya = (xa * 2).sin().exp().tanh().sum()
+            yb = (xb * 3).cos().exp().tanh().sum()
+        manager.wait_for_offloads()  # every unpack below restores from pinned memory
+        return ya, yb
+
+    # Branches packed a then b; backward runs a first (pack order, not reverse).
+    ya, yb = forward()
+    ya.backward()
+    yb.backward()
+    assert torch.equal(xa.grad, torch.autograd.grad((xa * 2).sin().exp().tanh().sum(), xa)[0])
+    assert torch.equal(xb.grad, torch.autograd.grad((xb * 3).cos().exp().tanh().sum(), xb)[0])
+    stats = manager.stats()
+    assert stats["restores_from_device"] == 0
+    # Each branch's first unpack restores on demand and prefetches the rest of that branch.
+    assert stats["restores_on_demand"] == 2 and stats["prefetch_hits"] == 4
+    # A wrong guess: b's backward prefetches a's tensors, then a's graph is dropped unused.
+    ya, yb = forward()
+    yb.backward()
+    assert manager._prefetched_bytes > 0
+    del ya
+    assert manager._prefetched_bytes == 0, "prefetched copies of a dropped graph must be released"
+    manager.wait_for_offloads()
+    assert manager.stats()["live_handles"] == 0
+
+
+def test_prefetch_budget_zero_restores_on_demand(offload):
+    model, batches = GPT(), [make_batch()]
+    expected = train(model, batches)
+    manager = offload(min_offload_bytes=0, prefetch_bytes=0, offload_last_module=True)
+    assert_bitwise_equal(expected, train(model, batches, manager))
+    stats = manager.stats()
+    # Unpacks whose D2H copy was still running use the device copy (timing-dependent).
+    restores = stats["restores_on_demand"] + stats["restores_from_device"]
+    assert stats["prefetch_hits"] == 0 and restores >= stats["storages_offloaded"]
+
+
+# ------------------------------------------------------------------ API
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    ({"min_offload_bytes": -1}, "min_offload_bytes"),
+    ({"max_pinned_bytes": 1.5}, "max_pinned_bytes"),
+    ({"prefetch_bytes": "1M"}, "prefetch_bytes"),
+    ({"offload_last_module": 1}, "offload_last_module"),
+])
+def test_bad_arguments_name_themselves(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        memkernels.OffloadActivations(**kwargs)
+
+
+def test_not_reentrant_and_unusable_after_close(offload):
+    manager = offload()
+    with manager:
+        with pytest.raises(RuntimeError, match="already active"):
+            manager.__enter__()
+    manager.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        with manager:
+            pass
+
+
+def test_saved_tensor_after_close_raises_clearly(offload):
+    manager = offload(min_offload_bytes=0)
+    x = torch.randn(100, requires_grad=True)
+    with manager:
+        y = (x * 2).sin().sum()
+    manager.close()
+    with pytest.raises(RuntimeError, match="discarded"):
+        y.backward()
+
+
+def test_plain_cpu_is_a_no_op():
+    # A fresh interpreter without the simulator and without CUDA.
+    code = (
+        "import torch, memkernels\n"
+        "m = memkernels.OffloadActivations(min_offload_bytes=0)\n"
+        "x = torch.randn(10, requires_grad=True)\n"
+        "with m:\n"
+        "    x2 = x * 2\n"
+        "    y = x2.sin()\n"
+        "assert y.grad_fn._saved_self is x2, 'a pack hook replaced the saved tensor'\n"
+        "y.sum().backward()\n"
+        "s = m.stats()\n"
+        "assert not m.enabled and s['enabled'] is False and s['bytes_offloaded'] == 0 and s['mode'] is None, s\n"
+        "assert memkernels.device.is_locked() is False\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MEMKERNELS_DEVICE"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_exports():
+    from memkernels.offload import OffloadActivations, no_offload
+
+    assert memkernels.OffloadActivations is OffloadActivations and memkernels.no_offload is no_offload
+    assert "OffloadActivations" in dir(memkernels)
