@@ -16,6 +16,12 @@ __version__ = "0.1.0"
 _LAZY = {
     "OffloadActivations": "memkernels.offload",
     "no_offload": "memkernels.offload",
+    "FusedRMSNorm": "memkernels.nn",
+    "FusedLayerNorm": "memkernels.nn",
+    "FusedAddRMSNorm": "memkernels.nn",
+    "FusedAddLayerNorm": "memkernels.nn",
+    "GeLULinear": "memkernels.nn",
+    "FusedMLP": "memkernels.nn",
     "apply": "memkernels.patch",
     "activation_ledger": "memkernels.profile",
     "memory_summary": "memkernels.profile",

@@ -49,7 +49,12 @@ ARCHS = (80, 90)
 # from the CUDA C++ Programming Guide's table of technical specifications.
 MAX_SHARED_BYTES_PER_BLOCK = {80: 163 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 VARIANT_KEYS = {"signature", "constexprs", "num_warps", "num_stages", "label"}
-OPTIONAL_VARIANT_KEYS = {"options"}  # extra triton.compile options, e.g. {"maxnreg": 128}
+# "options": extra triton.compile options, e.g. {"maxnreg": 128}.
+# "aligned": argument names the JIT will see as divisible by 16 (pointers 16-byte
+# aligned, integers multiples of 16). The JIT specializes on exactly this at launch,
+# and it decides whether loads vectorize, so a check without it compiles code that
+# only misaligned inputs would run.
+OPTIONAL_VARIANT_KEYS = {"options", "aligned"}
 
 
 @dataclass
@@ -80,7 +85,7 @@ def _validate_variant(name, index, variant):
     unknown = set(variant) - VARIANT_KEYS - OPTIONAL_VARIANT_KEYS
     if missing or unknown:
         raise ValueError(f"{where}: missing keys {sorted(missing)}, unknown keys {sorted(unknown)}; "
-                         f"a variant has {sorted(VARIANT_KEYS)} and optionally 'options'")
+                         f"a variant has {sorted(VARIANT_KEYS)} and optionally {sorted(OPTIONAL_VARIANT_KEYS)}")
     if not isinstance(variant["signature"], dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in variant["signature"].items()):
         raise TypeError(f"{where}['signature']: expected {{argument name: triton type string}}, e.g. "
@@ -96,6 +101,12 @@ def _validate_variant(name, index, variant):
         raise ValueError(f"{where}['label']: must be a non-empty string naming the variant")
     if not isinstance(variant.get("options", {}), dict):
         raise TypeError(f"{where}['options']: expected a dict of extra triton.compile options")
+    aligned = variant.get("aligned", ())
+    if not isinstance(aligned, (list, tuple)) or not all(isinstance(a, str) for a in aligned):
+        raise TypeError(f"{where}['aligned']: expected a list of argument names, e.g. ['x_ptr', 'stride']")
+    not_runtime = [a for a in aligned if a not in variant["signature"] or a in variant["constexprs"]]
+    if not_runtime:
+        raise ValueError(f"{where}['aligned']: {not_runtime} are not run-time arguments in 'signature'")
 
 
 def register(kernel, *, name, variants):
@@ -107,7 +118,10 @@ def register(kernel, *, name, variants):
       name: unique kernel name in reports.
       variants: list of dicts ``{"signature": {arg: type}, "constexprs": {arg: value},
         "num_warps": int, "num_stages": int, "label": str}`` and optionally
-        ``"options"`` (extra ``triton.compile`` options). ``signature`` and
+        ``"options"`` (extra ``triton.compile`` options) and ``"aligned"``
+        (argument names assumed divisible by 16, as the JIT specializes them
+        at launch: 16-byte aligned pointers, integers that are multiples of 16).
+        ``signature`` and
         ``constexprs`` are as for ``triton.compiler.ASTSource``; constexpr
         arguments may be left out of ``signature``.
     """
@@ -153,6 +167,7 @@ class AotReport:
     spill_loads: int = -1  # bytes
     stack_bytes: int = -1  # per thread stack frame (spills live here)
     shared_bytes: int = -1  # static (ptxas) + dynamic (triton metadata) per block
+    vector_loads: int = -1  # global loads of 2 or 4 elements at once in the PTX (ld.global.v2/.v4)
     compile_seconds: float = 0.0
     error: str = ""
 
@@ -164,6 +179,8 @@ class AotReport:
     def ok(self):
         return not self.error and self.spills == 0
 
+
+_VECTOR_LOAD = re.compile(r"\bld\.global(?:\.[a-z0-9_]+)*\.v[24]\.")
 
 _PTXAS_PATTERNS = {
     "registers": re.compile(r"Used (\d+) registers"),
@@ -231,7 +248,8 @@ def compile_kernel(kernel, variant, arch, *, name=None):
         jit_function = jit_function.fn  # through autotune/heuristics wrappers
     report = AotReport(name or _python_function(kernel).__name__, variant["label"], arch)
     options = {"num_warps": variant["num_warps"], "num_stages": variant["num_stages"], **variant.get("options", {})}
-    source = ASTSource(jit_function, _signature(variant), dict(variant["constexprs"]))
+    attrs = {(jit_function.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in variant.get("aligned", ())}
+    source = ASTSource(jit_function, _signature(variant), dict(variant["constexprs"]), attrs)
     log = io.StringIO()
     start = time.perf_counter()
     try:
@@ -254,6 +272,7 @@ def compile_kernel(kernel, variant, arch, *, name=None):
         return report
     report.registers, report.stack_bytes, report.spill_stores, report.spill_loads = registers, stack, stores, loads
     report.shared_bytes = static_smem + compiled.metadata.shared
+    report.vector_loads = len(_VECTOR_LOAD.findall(compiled.asm["ptx"]))
     if cubin_registers != registers:
         report.error = f"ptxas -v says {registers} registers, the cubin {cubin_registers}"
     elif report.shared_bytes > MAX_SHARED_BYTES_PER_BLOCK.get(arch, float("inf")):

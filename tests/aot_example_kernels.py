@@ -44,6 +44,8 @@ def tile_matmul_kernel(a_ptr, b_ptr, c_ptr, K, BLOCK_M: tl.constexpr, BLOCK_N: t
 aot.register(scale_kernel, name="example_scale", variants=[
     {"signature": {"x_ptr": "*fp32", "y_ptr": "*fp32", "n_elements": "i32"}, "constexprs": {"BLOCK": 1024},
      "num_warps": 4, "num_stages": 1, "label": "block1024"},
+    {"signature": {"x_ptr": "*fp32", "y_ptr": "*fp32", "n_elements": "i32"}, "constexprs": {"BLOCK": 1024},
+     "num_warps": 4, "num_stages": 1, "aligned": ["x_ptr", "y_ptr", "n_elements"], "label": "block1024-aligned"},
 ])
 aot.register(normalize_row_kernel, name="example_normalize_row", variants=[
     {"signature": {"x_ptr": "*fp32", "y_ptr": "*fp32"}, "constexprs": {"BLOCK": 4096},

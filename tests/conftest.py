@@ -23,7 +23,24 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 
-def _install_bf16_dot_shim():
+def _patch_interpreter_builder(method_name, make_patched):
+    """Replace ``InterpreterBuilder.<method_name>`` by ``make_patched(original, interpreter, tl)``, once."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    import triton.language as tl
+
+    builder = interpreter.InterpreterBuilder
+    original = getattr(builder, method_name)
+    if getattr(original, "_memkernels_shim", False):
+        return
+    patched = make_patched(original, interpreter, tl)
+    patched._memkernels_shim = True
+    setattr(builder, method_name, patched)
+
+
+def _bf16_dot_shim(original, interpreter, tl):
     """Test-only fix for triton 3.9's interpreter: ``tl.dot`` on bfloat16 operands.
 
     The interpreter stores bf16 tensors as raw uint16 arrays and its dot calls
@@ -33,16 +50,6 @@ def _install_bf16_dot_shim():
     accumulates in the accumulator's dtype, as the hardware's bf16 MMA does.
     The shim only touches the interpreter; compiled kernels never see it.
     """
-    try:
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    import triton.language as tl
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder.create_dot, "_memkernels_bf16_shim", False):
-        return
-    original = builder.create_dot
 
     def widen(handle):
         return (handle.data.astype(np.uint32) << 16).view(np.float32)
@@ -55,12 +62,34 @@ def _install_bf16_dot_shim():
             return interpreter.TensorHandle(out, d.dtype.scalar)
         return original(self, a, b, d, input_precision, max_num_imprecise_acc)
 
-    create_dot._memkernels_bf16_shim = True
-    builder.create_dot = create_dot
+    return create_dot
+
+
+def _bf16_rounding_shim(original, interpreter, tl):
+    """Test-only fix for triton 3.9's interpreter: float32 -> bfloat16 casts truncate.
+
+    ``x.to(tl.bfloat16)`` in the interpreter drops the low 16 bits (round toward
+    zero), so every bf16 result carries up to one full ulp of error where a GPU
+    rounds to nearest even (half an ulp): a bf16 kernel then looks twice as
+    inaccurate as it is. Here the cast rounds to nearest even, NaN kept quiet.
+    Compiled kernels never see this.
+    """
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            bits = np.ascontiguousarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+            rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+            nan = np.isnan(src.data)
+            rounded[nan] = ((bits[nan] >> 16) | 0x40).astype(np.uint16)
+            return interpreter.TensorHandle(rounded.reshape(src.data.shape), dst_type.scalar)
+        return original(self, src, dst_type)
+
+    return cast_impl
 
 
 if os.environ.get("TRITON_INTERPRET") == "1":
-    _install_bf16_dot_shim()
+    _patch_interpreter_builder("create_dot", _bf16_dot_shim)
+    _patch_interpreter_builder("cast_impl", _bf16_rounding_shim)
 
 
 @pytest.fixture(autouse=True)

@@ -28,6 +28,17 @@ def test_simple_kernel_compiles_cleanly(reports, arch):
 
 
 @pytest.mark.parametrize("arch", aot.ARCHS)
+def test_alignment_hints_reach_the_compiler(reports, arch):
+    # Without 16-divisibility the masked loads cannot be vectorized; with it, as the
+    # JIT specializes aligned launches, each thread loads 4 floats at once.
+    unaligned = reports["example_scale", "block1024", arch]
+    aligned = reports["example_scale", "block1024-aligned", arch]
+    assert aligned.ok, aligned.error
+    assert unaligned.vector_loads == 0
+    assert aligned.vector_loads > 0
+
+
+@pytest.mark.parametrize("arch", aot.ARCHS)
 def test_cross_warp_reduction_uses_one_float_per_warp(reports, arch):
     report = reports["example_normalize_row", "8warps", arch]
     assert report.ok, report.error
@@ -69,7 +80,8 @@ def test_command_line_table_and_exit_code():
 
     clean = run("example_scale")
     assert clean.returncode == 0, clean.stdout + clean.stderr
-    assert clean.stdout.count(" ok") == 2 and "sm_80" in clean.stdout and "sm_90" in clean.stdout
+    # example_scale: 2 variants x 2 archs
+    assert clean.stdout.count(" ok") == 4 and "sm_80" in clean.stdout and "sm_90" in clean.stdout
     spilling = run("example_scale", "example_normalize_row")
     assert spilling.returncode == 1
     assert spilling.stdout.count("SPILLS") == 2
@@ -96,6 +108,10 @@ def test_register_rejects_bad_variants():
         aot.register(aot_example_kernels.tile_matmul_kernel, name="example_scale", variants=[good])
     with pytest.raises(ValueError, match="non-empty list"):
         aot.register(kernel, name="bad", variants=[])
+    with pytest.raises(ValueError, match=r"\['BLOCK'\] are not run-time arguments"):
+        aot.register(kernel, name="bad", variants=[dict(good, aligned=["BLOCK"])])
+    with pytest.raises(TypeError, match="list of argument names"):
+        aot.register(kernel, name="bad", variants=[dict(good, aligned="x_ptr")])
 
     def local_kernel(x_ptr):
         return x_ptr

@@ -1,4 +1,4 @@
-"""The bf16 tl.dot shim in conftest.py makes the interpreter's dot right."""
+"""conftest.py's interpreter shims: bf16 tl.dot and fp32 -> bf16 casts are right."""
 import os
 
 import pytest
@@ -29,3 +29,20 @@ def test_dot_matches_float64(dtype):
     expected = a.double() @ b.double()
     # operands are exact in every dtype; only fp32 accumulation (or tf32-like rounding) differs
     torch.testing.assert_close(c.double(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_interpreter_rounds_bf16_to_nearest():
+    """The rounding shim: fp32 -> bf16 in a kernel rounds to nearest even, as torch and the GPU do."""
+    @triton.jit
+    def cast_kernel(X, Y, N: tl.constexpr):  # X: [N] fp32, Y: [N] bf16
+        offs = tl.arange(0, N)
+        tl.store(Y + offs, tl.load(X + offs).to(tl.bfloat16))
+
+    x = torch.tensor([1.2109375 * 0.99999994, 1.9999999, -0.99999994, 1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8,
+                      float("inf"), float("nan"), 3.0e38, 1.0e-40, -0.0, 2.0 ** -130, -1.5, 0.1, 1 / 3,
+                      -(1.0 + 2.0 ** -8), 1.0 + 2.0 ** -9])
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    cast_kernel[(1,)](x, y, N=x.numel())
+    expected = x.to(torch.bfloat16)
+    assert torch.equal(y.view(torch.int16), expected.view(torch.int16)) or (
+        torch.isnan(y[6]) and torch.equal(y[:6], expected[:6]) and torch.equal(y[7:], expected[7:]))

@@ -1,0 +1,107 @@
+"""GeLU→Linear: activation memory of a GPT-2-medium MLP, memkernels.FusedMLP vs eager.
+
+    python -m benchmarks.bench_gelu_linear [--tokens 4096] [--hidden 1024] [--ffn 4096]
+
+Memory (any device, one run): bytes saved for backward per token (SavedBytesMeter, new
+storages only; x and the parameters are the caller's) and the extra peak of a forward and of a
+forward+backward step (PeakBytesMeter, bytes allocated on top of what existed before, including the
+parameter gradients). The target is
+FusedMLP saving at most 55% of eager's bytes; the exit status is 1 if it does not.
+
+Timing (only with a CUDA device): TFLOP/s of gelu_linear against eager
+F.linear(F.gelu(x), W, b) on the fc2 GEMM, forward and forward+backward.
+"""
+import argparse
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memkernels._backend import resolve
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.nn.mlp import FusedMLP
+from memkernels.ops.gelu_linear import gelu_linear
+
+TARGET_SAVED_RATIO = 0.55
+
+
+def measure(model, x, grad_out):
+    """(saved new bytes, forward extra peak, forward+backward extra peak) of one step."""
+    for param in model.parameters():
+        param.grad = None
+    with SavedBytesMeter() as saved, PeakBytesMeter() as forward_peak:
+        model(x)
+    with PeakBytesMeter() as step_peak:
+        model(x).backward(grad_out)
+    return saved.new_bytes, forward_peak.peak_bytes, step_peak.peak_bytes
+
+
+def memory_table(tokens, hidden, ffn, device):
+    mib = 1 << 20
+    print(f"GPT-2-medium MLP, {tokens} tokens x {hidden} -> {ffn} -> {hidden}, device {device}")
+    print(f"{'dtype':<10}{'impl':<18}{'saved B/token':>15}{'fwd peak MiB':>14}{'step peak MiB':>15}"
+          f"{'saved vs eager':>16}")
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16):
+        eager = nn.Sequential(nn.Linear(hidden, ffn), nn.GELU(), nn.Linear(ffn, hidden)).to(device, dtype)
+        fused = FusedMLP.from_modules(eager[0], eager[1], eager[2])  # shares eager's parameters
+        x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+        grad_out = torch.randn(tokens, hidden, device=device, dtype=dtype)
+        backend = resolve(x, "gelu_linear")
+        results = {name: measure(model, x, grad_out) for name, model in (("eager", eager), ("memkernels", fused))}
+        eager_saved = results["eager"][0]
+        for name, (saved, forward_peak, step_peak) in results.items():
+            ratio = saved / eager_saved
+            label = name if name == "eager" else f"{name}/{backend}"
+            print(f"{str(dtype).replace('torch.', ''):<10}{label:<18}{saved / tokens:>15.0f}"
+                  f"{forward_peak / mib:>14.1f}{step_peak / mib:>15.1f}{ratio:>15.0%}")
+        fused_ratio = results["memkernels"][0] / eager_saved
+        ok &= fused_ratio <= TARGET_SAVED_RATIO
+    print(f"target: memkernels saves <= {TARGET_SAVED_RATIO:.0%} of eager's bytes per token: "
+          f"{'met' if ok else 'NOT met'}")
+    return ok
+
+
+def timing_table(tokens, hidden, ffn):
+    import triton.testing
+
+    print(f"\nfc2 GEMM timing on {torch.cuda.get_device_name()}: [{tokens}, {ffn}] -> {hidden}")
+    print(f"{'dtype':<10}{'pass':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'speedup':>9}")
+    for dtype in (torch.bfloat16, torch.float16):
+        x = torch.randn(tokens, ffn, device="cuda", dtype=dtype, requires_grad=True)
+        weight = (torch.randn(hidden, ffn, device="cuda", dtype=dtype) * ffn ** -0.5).requires_grad_()
+        bias = torch.randn(hidden, device="cuda", dtype=dtype, requires_grad=True)
+        grad_out = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+        flops_forward = 2.0 * tokens * ffn * hidden
+        milliseconds = {}
+        for name, fn in (("eager", lambda: F.linear(F.gelu(x), weight, bias)),
+                         ("memkernels", lambda: gelu_linear(x, weight, bias))):
+            milliseconds[name] = (
+                triton.testing.do_bench(fn),
+                triton.testing.do_bench(lambda: fn().backward(grad_out), grad_to_none=[x, weight, bias]),
+            )
+        for index, (label, flops) in enumerate((("fwd", flops_forward), ("fwd+bwd", 3 * flops_forward))):
+            eager_ms, ours_ms = milliseconds["eager"][index], milliseconds["memkernels"][index]
+            print(f"{str(dtype).replace('torch.', ''):<10}{label:<10}{flops / eager_ms * 1e-9:>15.1f}"
+                  f"{flops / ours_ms * 1e-9:>20.1f}{eager_ms / ours_ms:>8.2f}x")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ffn", type=int, default=4096)
+    args = parser.parse_args(argv)
+    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ok = memory_table(args.tokens, args.hidden, args.ffn, device)
+    if device == "cuda":
+        timing_table(args.tokens, args.hidden, args.ffn)
+    else:
+        print("\nGPU timing: skipped (no CUDA device)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

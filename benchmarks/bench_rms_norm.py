@@ -1,0 +1,176 @@
+"""RMSNorm and LayerNorm: memory saved for backward and peak memory, memkernels vs eager PyTorch.
+
+    python benchmarks/bench_rms_norm.py                    # CPU, PyTorch reference path
+    python benchmarks/bench_rms_norm.py --backend triton   # CPU, Triton kernels in the interpreter (slow)
+
+Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
+  - new B/tok: bytes the norm creates and keeps for backward
+    (memkernels.meters.SavedBytesMeter), per token; parameters and the input
+    are aliased, not new;
+  - keeps x: whether the norm keeps its input alive for backward;
+  - cost B/tok: what the norm holds for backward beyond what the next layer
+    (which keeps the norm's output y) holds anyway, counting x if kept. This is
+    where memory_efficient=True (keep y, not x) pays off;
+  - peak MB: the most bytes alive at once during forward + backward of norm and
+    next layer, on top of the inputs (memkernels.meters.PeakBytesMeter). The meter
+    sees every op's outputs but not what runs inside a torch.library custom op, so
+    for memkernels it counts y, residual_out, rstd, dx, dw and not the op's internal
+    buffers: the reference path's whole-tensor temporaries, or the Triton backward's
+    [programs, 2, H] fp32 partial sums. Read memkernels' peaks as lower bounds. The PyTorch reference path runs whole-tensor
+    fp32 temporaries that the Triton kernels (which keep rows in registers) do not.
+
+GPU timing (only with CUDA): forward+backward GB/s of memkernels (Triton) vs eager
+and torch.compile'd eager; otherwise the section says it skipped.
+"""
+import argparse
+import gc
+import os
+import sys
+import weakref
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+
+def _parse():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=4096)
+    parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
+                        help="memkernels path on the CPU: PyTorch reference (default) or Triton interpreter")
+    return parser.parse_args()
+
+
+ARGS = _parse()
+if ARGS.backend == "triton":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+import memkernels  # noqa: E402
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter  # noqa: E402
+
+
+def _cases(hidden, dtype, device):
+    """name -> (module, takes_residual). Eager add+norm is x + residual followed by the norm."""
+    factory = {"device": device, "dtype": dtype}
+    return {
+        "eager nn.RMSNorm": (nn.RMSNorm(hidden, eps=1e-6, **factory), False),
+        "memkernels FusedRMSNorm": (memkernels.FusedRMSNorm(hidden, eps=1e-6, **factory), False),
+        "  memory_efficient=True": (memkernels.FusedRMSNorm(hidden, eps=1e-6, memory_efficient=True, **factory),
+                                    False),
+        "eager add + nn.RMSNorm": (nn.RMSNorm(hidden, eps=1e-6, **factory), True),
+        "memkernels FusedAddRMSNorm": (memkernels.FusedAddRMSNorm(hidden, eps=1e-6, **factory), True),
+        "  memory_efficient=True  ": (memkernels.FusedAddRMSNorm(hidden, eps=1e-6, memory_efficient=True,
+                                                                 **factory), True),
+        "eager nn.LayerNorm": (nn.LayerNorm(hidden, **factory), False),
+        "memkernels FusedLayerNorm": (memkernels.FusedLayerNorm(hidden, **factory), False),
+        "  memory_efficient=True ": (memkernels.FusedLayerNorm(hidden, memory_efficient=True, **factory), False),
+        "eager add + nn.LayerNorm": (nn.LayerNorm(hidden, **factory), True),
+        "memkernels FusedAddLayerNorm": (memkernels.FusedAddLayerNorm(hidden, **factory), True),
+    }
+
+
+def _forward(module, takes_residual, x, residual):
+    if not takes_residual:
+        return (module(x),)
+    if isinstance(module, (memkernels.FusedAddRMSNorm, memkernels.FusedAddLayerNorm)):
+        return module(x, residual)
+    residual_out = x + residual
+    return module(residual_out), residual_out
+
+
+def measure_memory(module, takes_residual, tokens, hidden, dtype):
+    """Bytes per token the norm costs for backward, and the peak bytes of forward + backward.
+
+    x is an activation made before the measured region, as in a model, and the
+    norm's output feeds a next layer that keeps it for its own backward (here
+    ``y * scale``, a stand-in for the Linear that follows a norm). Returns
+    (new bytes/token of the norm alone, whether it keeps x alive, bytes/token
+    the norm holds beyond what the next layer holds anyway, peak bytes).
+    """
+    source = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    residual = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    next_scale = torch.randn(hidden, dtype=dtype, requires_grad=True)
+    grads = [torch.randn(tokens, hidden, dtype=dtype) for _ in range(2)]
+    x = source * 2  # an activation (a scalar multiply saves nothing for backward)
+    input_bytes = x.untyped_storage().nbytes()
+    with PeakBytesMeter() as peak:
+        with SavedBytesMeter() as both_saved:
+            with SavedBytesMeter() as norm_saved:
+                outputs = _forward(module, takes_residual, x, residual)
+            outputs = (outputs[0] * next_scale,) + outputs[1:]
+        output_bytes = outputs[0].untyped_storage().nbytes()
+        released = []
+        watch = weakref.ref(x.untyped_storage(), released.append)  # noqa: F841 (keeps the callback alive)
+        del x
+        gc.collect()  # the Triton interpreter leaves reference cycles around launch arguments
+        keeps_input = not released  # checked before backward releases everything
+        # Storages are counted once however many layers save them; the next layer's y is not the norm's cost.
+        cost = both_saved.new_bytes - output_bytes + (input_bytes if keeps_input else 0)
+        torch.autograd.backward(outputs, grads[: len(outputs)])
+        del outputs
+    return norm_saved.new_bytes / tokens, keeps_input, cost / tokens, peak.peak_bytes
+
+
+def memory_section(tokens, hidden, backend):
+    memkernels.set_backend(backend)
+    print(f"Memory, [{tokens}, {hidden}], CPU, memkernels backend {backend!r}")
+    print("new: bytes/token the norm creates and saves; cost: bytes/token it holds for backward beyond\n"
+          "what the next layer holds anyway (its input y), counting x if kept; peak: forward + backward\n"
+          "(memkernels rows: a lower bound, buffers inside the custom ops are not seen; see the docstring)")
+    header = f"{'':<32}{'dtype':<10}{'new B/tok':>10}{'keeps x':>9}{'cost B/tok':>12}{'peak MB':>9}"
+    print(header)
+    print("-" * len(header))
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (module, takes_residual) in _cases(hidden, dtype, "cpu").items():
+            new, keeps_input, cost, peak = measure_memory(module, takes_residual, tokens, hidden, dtype)
+            print(f"{name:<32}{str(dtype).replace('torch.', ''):<10}{new:>10.1f}{'yes' if keeps_input else 'no':>9}"
+                  f"{cost:>12.1f}{peak / 2**20:>9.1f}")
+        print()
+    memkernels.set_backend("auto")
+
+
+def gpu_section(tokens, hidden):
+    if not torch.cuda.is_available():
+        print("GPU timing: skipped (no CUDA device on this machine)")
+        return
+    from triton.testing import do_bench
+
+    print(f"GPU timing, forward+backward, [{tokens}, {hidden}], {torch.cuda.get_device_name()}")
+    header = f"{'':<32}{'dtype':<10}{'ms':>9}{'GB/s':>9}"
+    print(header)
+    print("-" * len(header))
+    for dtype in (torch.float32, torch.bfloat16):
+        for name, (module, takes_residual) in _cases(hidden, dtype, "cuda").items():
+            variants = [(name, module)]
+            if name.startswith("eager"):
+                variants.append(("  torch.compile", torch.compile(module)))
+            for label, function in variants:
+                x = torch.randn(tokens, hidden, dtype=dtype, device="cuda", requires_grad=True)
+                residual = torch.randn_like(x, requires_grad=True)
+                grads = [torch.randn_like(x) for _ in range(2)]
+
+                def step():
+                    outputs = _forward(function, takes_residual, x, residual)
+                    torch.autograd.backward(outputs, grads[: len(outputs)])
+
+                milliseconds = do_bench(step)
+                # Compulsory traffic: forward reads x (and residual), writes y (and residual_out);
+                # backward reads the kept input, dy (and d residual_out), writes dx (and d residual).
+                tensors = 6 if takes_residual else 4
+                gigabytes = tensors * x.numel() * x.element_size() / 1e9
+                print(f"{label:<32}{str(dtype).replace('torch.', ''):<10}{milliseconds:>9.3f}"
+                      f"{gigabytes / (milliseconds / 1e3):>9.1f}")
+        print()
+
+
+def main():
+    memory_section(ARGS.tokens, ARGS.hidden, ARGS.backend)
+    gpu_section(ARGS.tokens, ARGS.hidden)
+
+
+if __name__ == "__main__":
+    main()

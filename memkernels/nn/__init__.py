@@ -1,0 +1,5 @@
+"""nn.Module drop-ins backed by memkernels' fused kernels."""
+from memkernels.nn.mlp import FusedMLP, GeLULinear
+from memkernels.nn.norms import FusedAddLayerNorm, FusedAddRMSNorm, FusedLayerNorm, FusedRMSNorm
+
+__all__ = ["FusedRMSNorm", "FusedLayerNorm", "FusedAddRMSNorm", "FusedAddLayerNorm", "GeLULinear", "FusedMLP"]

@@ -1,0 +1,476 @@
+"""Triton kernels shared by RMSNorm and LayerNorm (plain and with fused residual add).
+
+One forward and one backward kernel serve both norms (IS_RMS), as in
+flash-attention's layer_norm.py; memkernels/reference/_norm.py is the spec.
+Order: helpers → kernels → launchers. The autograd and custom-op layer is
+memkernels/ops/_norm_ops.py.
+
+Rows are [M, H] contiguous. A row that fits in one block is held in registers
+(the input is read once); a wider row is walked in block-sized chunks, once per
+reduction and once more to write. The backward runs a fixed number of
+programs, each over a strided set of rows, keeping its dw/db partial sums in
+registers (or, for wide rows, in its own row of an fp32 buffer). The sums are
+compensated (Kahan): a program adds up M / P rows one after another, and a
+plain fp32 running sum would lose a few ulps more than eager PyTorch's
+pairwise reduction.
+"""
+import torch
+import triton
+import triton.language as tl
+
+from memkernels import aot
+
+# Widest row chunk held in registers, and elements per warp; wider rows loop.
+# Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
+# variant compiles with no spills on sm_80 and sm_90: forward 8192 with 32 warps
+# (16384 spills in LayerNorm); backward, which also carries dy, x̂ and the
+# compensated dw/db accumulators, 2048 with 8 warps (4096 spills on sm_90 with
+# 8 or 16 warps, 8192 at any warp count tried).
+FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
+BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP = 2048, 256
+
+
+@triton.jit
+def _round(value, dtype):
+    """Cast fp32 ``value`` to ``dtype`` (round to nearest) and back to fp32: a rounding point."""
+    return value.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def _load_scale(W, cols, mask, offset, dtype, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """W' = offset + w in fp32 ([BLOCK]); 1 without a weight; rounded to dtype in casting "none"."""
+    if HAS_WEIGHT:
+        scale = tl.load(W + cols, mask=mask, other=1.0).to(tl.float32) + offset
+        if CASTING == 0:
+            scale = _round(scale, dtype)
+    else:
+        scale = tl.full(cols.shape, 1.0, tl.float32)
+    return scale
+
+
+@triton.jit
+def _load_input(X, RESIDUAL, RESIDUAL_OUT, cols, mask, HAS_RESIDUAL: tl.constexpr, STORE_RESIDUAL: tl.constexpr):
+    """One chunk of s: x, or residual_out = round(x + residual) (stored when STORE_RESIDUAL)."""
+    s = tl.load(X + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        s = _round(s + tl.load(RESIDUAL + cols, mask=mask, other=0.0).to(tl.float32), X.dtype.element_ty)
+        if STORE_RESIDUAL:
+            tl.store(RESIDUAL_OUT + cols, s.to(RESIDUAL_OUT.dtype.element_ty), mask=mask)
+    return s
+
+
+@triton.jit
+def _write_output(s, cols, mask, mean, correction, rstd, W, B, Y, SLOT, FALLBACK, offset,
+                  CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  MEMORY_EFFICIENT: tl.constexpr):
+    """y = casting(x̂) * W' + b for one chunk; in memory_efficient mode also x̂ of unrecoverable columns.
+
+    The row mean is mean + correction (see _norm_fwd_kernel), subtracted in two steps.
+    """
+    dtype = Y.dtype.element_ty
+    xhat = ((s - mean) - correction) * rstd
+    if CASTING == 0:
+        normalized = _round(s * _round(rstd, dtype), dtype)
+    elif CASTING == 1:
+        normalized = _round(xhat, dtype)
+    else:
+        normalized = xhat
+    out = normalized
+    if HAS_BIAS:
+        bias = tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            # One rounding for scale-and-shift (what FP contraction gives on the GPU anyway).
+            out = tl.fma(out, _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT), bias)
+        else:
+            out += bias
+    elif HAS_WEIGHT:
+        out = out * _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+    tl.store(Y + cols, out.to(dtype), mask=mask)
+    if MEMORY_EFFICIENT:
+        slot = tl.load(SLOT + cols, mask=mask, other=-1)
+        tl.store(FALLBACK + slot, xhat.to(dtype), mask=mask & (slot >= 0))
+
+
+@triton.jit
+def _norm_fwd_kernel(
+    X,             # [M, H] input (fp32/fp16/bf16)
+    RESIDUAL,      # [M, H] residual, x's dtype (read if HAS_RESIDUAL)
+    RESIDUAL_OUT,  # [M, H] x + residual, x's dtype (written if HAS_RESIDUAL)
+    W,             # [H] weight, x's dtype or fp32 (read if HAS_WEIGHT)
+    B,             # [H] bias, like W (read if HAS_BIAS)
+    Y,             # [M, H] output, x's dtype
+    MEAN,          # [M] fp32 row means (written if STORE_MEAN)
+    RSTD,          # [M] fp32 1 / sqrt(var + eps)
+    SLOT,          # [H] int32 fallback slot per column, -1 where x̂ is recoverable (MEMORY_EFFICIENT)
+    FALLBACK,      # [M, K] x's dtype: x̂ at the unrecoverable columns (MEMORY_EFFICIENT)
+    H, K, eps, offset,
+    IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, STORE_MEAN: tl.constexpr,
+    MEMORY_EFFICIENT: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    X += row * H
+    RESIDUAL += row * H
+    RESIDUAL_OUT += row * H
+    Y += row * H
+    FALLBACK += row * K
+    cols = tl.arange(0, BLOCK)
+
+    # LayerNorm's mean is mean + correction, the corrected two-pass algorithm: the
+    # first pass's mean carries a rounding error of up to half an ulp of the mean,
+    # which (s - mean) inherits in full; the average of (s - mean) gives it back.
+    if SINGLE_PASS:
+        mask = cols < H
+        s = _load_input(X, RESIDUAL, RESIDUAL_OUT, cols, mask, HAS_RESIDUAL, True)
+        if IS_RMS:
+            mean = 0.0
+            correction = 0.0
+        else:
+            mean = tl.sum(s, axis=0) / H
+            correction = tl.sum(tl.where(mask, s - mean, 0.0), axis=0) / H
+        centered = tl.where(mask, (s - mean) - correction, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(centered * centered, axis=0) / H + eps)
+        _write_output(s, cols, mask, mean, correction, rstd, W, B, Y, SLOT, FALLBACK, offset,
+                      CASTING, HAS_WEIGHT, HAS_BIAS, MEMORY_EFFICIENT)
+    else:
+        # Wide rows: the first pass writes residual_out, later passes read it back.
+        SOURCE = RESIDUAL_OUT if HAS_RESIDUAL else X
+        if IS_RMS:
+            mean = 0.0
+        else:
+            total = tl.zeros([BLOCK], tl.float32)
+            for start in range(0, H, BLOCK):
+                mask = start + cols < H
+                total += _load_input(X + start, RESIDUAL + start, RESIDUAL_OUT + start, cols, mask,
+                                     HAS_RESIDUAL, True)
+            mean = tl.sum(total, axis=0) / H
+        squares = tl.zeros([BLOCK], tl.float32)
+        differences = tl.zeros([BLOCK], tl.float32)
+        for start in range(0, H, BLOCK):
+            mask = start + cols < H
+            if IS_RMS:
+                s = _load_input(X + start, RESIDUAL + start, RESIDUAL_OUT + start, cols, mask, HAS_RESIDUAL, True)
+            else:
+                s = tl.load(SOURCE + start + cols, mask=mask, other=0.0).to(tl.float32)
+            centered = tl.where(mask, s - mean, 0.0)
+            squares += centered * centered
+            differences += centered
+        if IS_RMS:
+            correction = 0.0
+            variance = tl.sum(squares, axis=0) / H
+        else:
+            correction = tl.sum(differences, axis=0) / H
+            variance = tl.sum(squares, axis=0) / H - correction * correction
+        rstd = 1.0 / tl.sqrt(variance + eps)
+        for start in range(0, H, BLOCK):
+            mask = start + cols < H
+            s = tl.load(SOURCE + start + cols, mask=mask, other=0.0).to(tl.float32)
+            _write_output(s, cols, mask, mean, correction, rstd, W + start, B + start, Y + start, SLOT + start, FALLBACK, offset,
+                          CASTING, HAS_WEIGHT, HAS_BIAS, MEMORY_EFFICIENT)
+    if STORE_MEAN:
+        tl.store(MEAN + row, mean + correction)
+    tl.store(RSTD + row, rstd)
+
+
+@triton.jit
+def _kahan_add(total, compensation, term):
+    """total + term with the rounding error carried in ``compensation`` (total - compensation is the sum)."""
+    corrected = term - compensation
+    new_total = total + corrected
+    return new_total, (new_total - total) - corrected
+
+
+@triton.jit
+def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
+               HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr):
+    """x̂ for one chunk: (s - mean) * rstd, or (y - b) / W' with unrecoverable columns from FALLBACK."""
+    saved = tl.load(SAVED + cols, mask=mask, other=0.0).to(tl.float32)
+    if MEMORY_EFFICIENT:
+        if HAS_BIAS:
+            saved -= tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
+        slot = tl.load(SLOT + cols, mask=mask, other=-1)
+        unrecoverable = slot >= 0
+        # Guarded division: those columns take x̂ from the fallback, never from y / 0.
+        xhat = saved / tl.where(unrecoverable, 1.0, scale)
+        kept = tl.load(FALLBACK + slot, mask=mask & unrecoverable, other=0.0).to(tl.float32)
+        xhat = tl.where(unrecoverable, kept, xhat)
+    else:
+        xhat = (saved - mean) * rstd
+    return tl.where(mask, xhat, 0.0)
+
+
+@triton.jit
+def _row_stats(MEAN, RSTD, row, UNCENTERED: tl.constexpr):
+    """(mean, rstd) of one row; mean is 0 when x̂ does not need it (RMSNorm, or recovered from y)."""
+    if UNCENTERED:
+        mean = 0.0
+    else:
+        mean = tl.load(MEAN + row)
+    return mean, tl.load(RSTD + row)
+
+
+@triton.jit
+def _kahan_add_in_memory(PARTIAL, H, cols, mask, term):
+    """_kahan_add on a program's [2, H] (sum, compensation) row in memory, one chunk."""
+    total, compensation = _kahan_add(tl.load(PARTIAL + cols, mask=mask, other=0.0),
+                                     tl.load(PARTIAL + H + cols, mask=mask, other=0.0), term)
+    tl.store(PARTIAL + cols, total, mask=mask)
+    tl.store(PARTIAL + H + cols, compensation, mask=mask)
+
+
+@triton.jit
+def _norm_bwd_kernel(
+    DY,            # [M, H] gradient of y
+    DRESIDUAL_OUT, # [M, H] gradient of residual_out (read if HAS_DRESIDUAL)
+    SAVED,         # [M, H] s (x or residual_out), or y when MEMORY_EFFICIENT
+    W,             # [H] weight (read if HAS_WEIGHT)
+    B,             # [H] bias (read if HAS_BIAS and MEMORY_EFFICIENT)
+    MEAN,          # [M] fp32 (read unless IS_RMS or MEMORY_EFFICIENT)
+    RSTD,          # [M] fp32
+    SLOT,          # [H] int32 fallback slot per column, -1 where x̂ is recoverable (MEMORY_EFFICIENT)
+    FALLBACK,      # [M, K] x̂ at the unrecoverable columns (MEMORY_EFFICIENT)
+    DX,            # [M, H] gradient of x (and of residual), DY's dtype (written if COMPUTE_DX)
+    DW_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy * x̂ (if COMPUTE_DW)
+    DB_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy (if COMPUTE_DB)
+    M, H, K, eps, offset,
+    IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+):
+    # Program p handles rows p, p + P, p + 2P, ... and owns row p of the partial
+    # sums: a fixed reduction order, so dw/db are bitwise deterministic.
+    # int64 program id: the row loop below inherits it, so row * H cannot overflow.
+    pid = tl.program_id(0).to(tl.int64)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    dtype = DY.dtype.element_ty
+    DW_PARTIAL += pid * 2 * H
+    DB_PARTIAL += pid * 2 * H
+    UNCENTERED: tl.constexpr = IS_RMS or MEMORY_EFFICIENT
+
+    if SINGLE_PASS:
+        mask = cols < H
+        scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+        dw_sum = tl.zeros([BLOCK], tl.float32)
+        dw_comp = tl.zeros([BLOCK], tl.float32)
+        db_sum = tl.zeros([BLOCK], tl.float32)
+        db_comp = tl.zeros([BLOCK], tl.float32)
+        for row in range(pid, M, programs):
+            offs = row * H
+            mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
+            xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
+                              HAS_BIAS, MEMORY_EFFICIENT)
+            dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
+            if COMPUTE_DX:
+                g = dy * scale
+                inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
+                if IS_RMS:
+                    # One column: inner = g (1 - x̂²), which cancels when x̂² is near 1;
+                    # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
+                    one_minus_square = tl.where(xhat * xhat > 0.5, eps * rstd * rstd, 1.0 - xhat * xhat)
+                    inner = tl.where(H == 1, g * one_minus_square, inner)
+                else:
+                    inner -= tl.sum(g, axis=0) / H
+                dx = inner * rstd
+                if HAS_DRESIDUAL:
+                    dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
+            if COMPUTE_DW:
+                dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
+            if COMPUTE_DB:
+                db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
+        if COMPUTE_DW:
+            tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
+            tl.store(DW_PARTIAL + H + cols, dw_comp, mask=mask)
+        if COMPUTE_DB:
+            tl.store(DB_PARTIAL + cols, db_sum, mask=mask)
+            tl.store(DB_PARTIAL + H + cols, db_comp, mask=mask)
+    else:
+        # Wide rows: one pass for the row sums, one to write dx and add into this
+        # program's partial-sum row (zero-initialized by the launcher).
+        for row in range(pid, M, programs):
+            offs = row * H
+            mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
+            fallback_row = FALLBACK + row * K
+            projection = 0.0
+            g_mean = 0.0
+            if COMPUTE_DX:
+                g_xhat_acc = tl.zeros([BLOCK], tl.float32)
+                g_acc = tl.zeros([BLOCK], tl.float32)
+                for start in range(0, H, BLOCK):
+                    mask = start + cols < H
+                    scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+                    xhat = _load_xhat(SAVED + offs + start, cols, mask, mean, rstd, scale, B + start,
+                                      SLOT + start, fallback_row, HAS_BIAS, MEMORY_EFFICIENT)
+                    g = tl.load(DY + offs + start + cols, mask=mask, other=0.0).to(tl.float32) * scale
+                    g_xhat_acc += g * xhat
+                    g_acc += g
+                projection = tl.sum(g_xhat_acc, axis=0) / H
+                g_mean = tl.sum(g_acc, axis=0) / H
+            for start in range(0, H, BLOCK):
+                mask = start + cols < H
+                scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+                xhat = _load_xhat(SAVED + offs + start, cols, mask, mean, rstd, scale, B + start,
+                                  SLOT + start, fallback_row, HAS_BIAS, MEMORY_EFFICIENT)
+                dy = tl.load(DY + offs + start + cols, mask=mask, other=0.0).to(tl.float32)
+                if COMPUTE_DX:
+                    inner = dy * scale - xhat * projection
+                    if not IS_RMS:
+                        inner -= g_mean
+                    dx = inner * rstd
+                    if HAS_DRESIDUAL:
+                        dx += tl.load(DRESIDUAL_OUT + offs + start + cols, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(DX + offs + start + cols, dx.to(dtype), mask=mask)
+                if COMPUTE_DW:
+                    _kahan_add_in_memory(DW_PARTIAL + start, H, cols, mask, dy * xhat)
+                if COMPUTE_DB:
+                    _kahan_add_in_memory(DB_PARTIAL + start, H, cols, mask, dy)
+
+
+def _reduce_partials(partial):
+    """[P, 2, H] Kahan (sum, compensation) per program -> [H] fp32, in one fixed-order reduction.
+
+    Accumulated in float64 (P * H elements: negligible work, and no float64 copy of the
+    buffer), so that sum - compensation keeps its extra precision and the result is
+    rounded to fp32 once.
+    """
+    totals = partial[:, 0].sum(dim=0, dtype=torch.float64)
+    return (totals - partial[:, 1].sum(dim=0, dtype=torch.float64)).float()
+
+
+def _launch_config(hidden, max_block, elements_per_warp):
+    """(BLOCK, num_warps, SINGLE_PASS) for rows of ``hidden`` elements."""
+    block = min(triton.next_power_of_2(hidden), max_block)
+    num_warps = min(max(block // elements_per_warp, 1), 32)
+    return block, num_warps, hidden <= max_block
+
+
+def _placeholder(reference):
+    """A one-element tensor for pointer arguments a kernel variant never dereferences."""
+    return torch.empty(1, dtype=reference.dtype, device=reference.device)
+
+
+def _slots(unsafe_cols, hidden, device):
+    """[H] int32: fallback slot of each unrecoverable column, -1 elsewhere."""
+    slot = torch.full((hidden,), -1, dtype=torch.int32, device=device)
+    slot[unsafe_cols.to(device)] = torch.arange(unsafe_cols.numel(), dtype=torch.int32, device=device)
+    return slot
+
+
+def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols):
+    """Triton forward on [M, H] contiguous tensors; same contract as reference.norm_forward."""
+    rows, hidden = x.shape
+    block, num_warps, single_pass = _launch_config(hidden, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
+    y = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual is not None else None
+    store_mean = not is_rms and not memory_efficient
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device) if store_mean else None
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+    fallback = slot = None
+    if memory_efficient:
+        fallback = torch.empty((rows, unsafe_cols.numel()), dtype=x.dtype, device=x.device)
+        slot = _slots(unsafe_cols, hidden, x.device)
+    if not rows:
+        return y, residual_out, mean, rstd, fallback
+    unused, unused32 = _placeholder(x), _placeholder(rstd)
+    _norm_fwd_kernel[(rows,)](
+        x, residual if residual is not None else unused, residual_out if residual is not None else unused,
+        weight if weight is not None else unused, bias if bias is not None else unused, y,
+        mean if store_mean else unused32, rstd,
+        slot if memory_efficient else unused32, fallback if memory_efficient and fallback.numel() else unused,
+        hidden, unsafe_cols.numel(), eps, offset,
+        IS_RMS=is_rms, CASTING=casting, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None, STORE_MEAN=store_mean, MEMORY_EFFICIENT=memory_efficient,
+        BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps,
+    )
+    return y, residual_out, mean, rstd, fallback
+
+
+def _num_programs(rows, device):
+    """Backward programs: two per SM on a GPU; under the interpreter a few, so that each
+    program still sums several rows as it does on a GPU."""
+    if device.type == "cuda":
+        return min(rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(rows, 4)
+
+
+def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
+                  memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db, dx_out=None):
+    """Triton backward on [M, H] contiguous tensors; same contract as reference.norm_backward.
+
+    ``dx_out`` may be dy itself: every program reads a row chunk of dy before writing dx there.
+    """
+    rows, hidden = dy.shape
+    block, num_warps, single_pass = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+    programs = max(_num_programs(rows, dy.device), 1)
+    # Single-pass programs write their whole partial row; looping ones add into it.
+    make_partial = torch.empty if single_pass and rows else torch.zeros
+    dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
+    dw_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
+    db_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
+    unused = _placeholder(dy)
+    unused32 = _placeholder(rstd)
+    slot = _slots(unsafe_cols, hidden, dy.device) if memory_efficient else None
+    if rows:
+        _norm_bwd_kernel[(programs,)](
+            dy, dresidual_out if dresidual_out is not None else unused, saved,
+            weight if weight is not None else unused, bias if bias is not None else unused,
+            mean if mean is not None else unused32, rstd,
+            slot if slot is not None else unused32, fallback if fallback is not None and fallback.numel() else unused,
+            dx if needs_dx else unused, dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
+            rows, hidden, unsafe_cols.numel(), eps, offset,
+            IS_RMS=is_rms, CASTING=casting, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
+            COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
+            BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps,
+        )
+    dw = _reduce_partials(dw_partial).to(weight.dtype) if needs_dw else None
+    db = _reduce_partials(db_partial).to(bias.dtype) if needs_db else None
+    return dx, dw, db
+
+
+def _aot_variants():
+    """Launch variants for memkernels.aot: each dtype, both norms, the widest register-resident row
+    (BLOCK = max block, single pass) and looping rows (H > max block), most features on."""
+    short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+    cases = [  # (dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass)
+        (torch.bfloat16, True, 1, True, True, False, False, True),
+        (torch.bfloat16, True, 1, False, True, False, True, True),
+        (torch.bfloat16, False, 2, True, True, True, False, True),
+        (torch.bfloat16, False, 2, True, True, True, True, False),
+        (torch.bfloat16, True, 0, True, True, False, False, False),
+        (torch.float16, False, 2, False, True, True, True, True),
+        (torch.float32, True, 2, True, True, False, False, True),
+        (torch.float32, False, 2, True, True, True, True, False),
+    ]
+    forward, backward = [], []
+    for dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass in cases:
+        t = "*" + short[dtype]
+        label = (f"{short[dtype]}-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
+                 f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}"
+                 f"-{'single' if single_pass else 'loop'}")
+        fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
+        bwd_block, bwd_warps, _ = _launch_config(BWD_MAX_BLOCK, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+        common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
+                  "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
+        forward.append({
+            "signature": {"X": t, "RESIDUAL": t, "RESIDUAL_OUT": t, "W": t, "B": t, "Y": t, "MEAN": "*fp32",
+                          "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "H": "i32", "K": "i32",
+                          "eps": "fp32", "offset": "fp32"},
+            "constexprs": {**common, "HAS_RESIDUAL": residual, "STORE_MEAN": not is_rms and not memory_efficient,
+                           "BLOCK": fwd_block},
+            "num_warps": fwd_warps, "num_stages": 1, "label": f"{label}{fwd_block}"})
+        backward.append({
+            "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": t, "B": t, "MEAN": "*fp32",
+                          "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
+                          "DB_PARTIAL": "*fp32", "M": "i32", "H": "i32", "K": "i32", "eps": "fp32",
+                          "offset": "fp32"},
+            "constexprs": {**common, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True, "COMPUTE_DW": weight,
+                           "COMPUTE_DB": bias, "BLOCK": bwd_block},
+            "num_warps": bwd_warps, "num_stages": 1, "label": f"{label}{bwd_block}"})
+    return forward, backward
+
+
+_FORWARD_VARIANTS, _BACKWARD_VARIANTS = _aot_variants()
+aot.register(_norm_fwd_kernel, name="norm_fwd", variants=_FORWARD_VARIANTS)
+aot.register(_norm_bwd_kernel, name="norm_bwd", variants=_BACKWARD_VARIANTS)

@@ -1,0 +1,242 @@
+"""RMSNorm / LayerNorm as torch.library custom ops with registered autograd.
+
+``memkernels::norm_fwd`` and ``memkernels::norm_bwd`` (and
+``memkernels::norm_bwd_into_dy``, the opt-in in-place backward) are opaque to
+torch.compile (fake implementations give the shapes), so a compiled model
+keeps the fused kernels whole with no graph break. ``register_autograd``
+wraps them in a torch.autograd.Function whose saved tensors go through
+``ctx.save_for_backward``, where saved_tensors_hooks (memkernels.meters,
+activation offload) see them.
+
+Each op runs the Triton kernels (memkernels/ops/_norm_kernels.py) or the
+PyTorch reference (memkernels/reference/_norm.py), as chosen by
+memkernels._backend.resolve in the public function. The public functions live
+in memkernels/ops/rms_norm.py and memkernels/ops/layer_norm.py.
+"""
+import math
+from typing import Optional
+
+import torch
+
+from memkernels import _backend
+from memkernels.reference import _norm as reference
+
+try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
+    from memkernels.ops import _norm_kernels  # noqa: F401
+except ImportError:
+    pass
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _implementation(backend):
+    if backend == "triton":
+        from memkernels.ops import _norm_kernels
+        return _norm_kernels
+    return reference
+
+
+def _empty(like, dtype=None):
+    return like.new_empty(0, dtype=dtype)
+
+
+@torch.library.custom_op("memkernels::norm_fwd", mutates_args=())
+def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], eps: float, offset: float, is_rms: bool, casting: int,
+             memory_efficient: bool, in_place: bool, backend: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (y, residual_out, mean, rstd, unrecoverable_cols, fallback); absent ones are empty.
+
+    ``in_place`` is a backward option (write dx into dy's buffer when safe), carried here
+    because the autograd context is built from the op's inputs.
+    """
+    if memory_efficient:
+        unsafe_cols = reference.unrecoverable_columns(weight, bias, offset, casting, x.dtype).to(x.device)
+    else:
+        unsafe_cols = x.new_empty(0, dtype=torch.int64)
+    y, residual_out, mean, rstd, fallback = _implementation(backend).norm_forward(
+        x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols)
+    return (y, _empty(x) if residual_out is None else residual_out,
+            _empty(x, torch.float32) if mean is None else mean, rstd, unsafe_cols,
+            _empty(x) if fallback is None else fallback)
+
+
+@norm_fwd.register_fake
+def _norm_fwd_fake(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, in_place, backend):
+    rows = x.shape[0]
+    unrecoverable = torch.library.get_ctx().new_dynamic_size() if memory_efficient else 0
+    return (torch.empty_like(x), torch.empty_like(x) if residual is not None else _empty(x),
+            x.new_empty(rows if not (is_rms or memory_efficient) else 0, dtype=torch.float32),
+            x.new_empty(rows, dtype=torch.float32), x.new_empty(unrecoverable, dtype=torch.int64),
+            x.new_empty((rows, unrecoverable)) if memory_efficient else _empty(x))
+
+
+@torch.library.custom_op("memkernels::norm_bwd", mutates_args=())
+def norm_bwd(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
+             mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
+             bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
+             eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
+             needs_dx: bool, needs_dw: bool, needs_db: bool, backend: str
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx, dw, db); gradients not asked for are empty."""
+    dx, dw, db = _implementation(backend).norm_backward(
+        dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
+        memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db)
+    return (_empty(dy) if dx is None else dx, _empty(dy) if dw is None else dw,
+            _empty(dy) if db is None else db)
+
+
+@torch.library.custom_op("memkernels::norm_bwd_into_dy", mutates_args=("dy",))
+def norm_bwd_into_dy(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
+                     mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
+                     eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
+                     needs_dw: bool, needs_db: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """norm_bwd that writes dx over dy (each row is read before it is written). Returns (dw, db)."""
+    _, dw, db = _implementation(backend).norm_backward(
+        dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
+        memory_efficient, unsafe_cols, fallback, True, needs_dw, needs_db, dx_out=dy)
+    return _empty(dy) if dw is None else dw, _empty(dy) if db is None else db
+
+
+@norm_bwd_into_dy.register_fake
+def _norm_bwd_into_dy_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
+                           is_rms, casting, memory_efficient, needs_dw, needs_db, backend):
+    return (torch.empty_like(weight) if needs_dw else _empty(dy),
+            torch.empty_like(bias) if needs_db else _empty(dy))
+
+
+def _private_gradient(dy):
+    """True when writing into dy cannot be seen by anyone else (opt-in in_place backward).
+
+    The gradient reaching a registered backward is a view of the engine's tensor. That
+    tensor has exactly two references when the engine hands it to this node alone: the
+    view's and the engine's. A third means another node has yet to read it (a gradient
+    shared by two branches), the caller keeps it (``y.backward(g)``), or it is a leaf's
+    .grad; an expanded or non-contiguous gradient, a tensor subclass (torch.compile's
+    tracing) or any other layout is not written either. Anything unexpected means no.
+    """
+    base = dy._base
+    return (type(dy) is torch.Tensor and type(base) is torch.Tensor and not torch.compiler.is_compiling()
+            and dy.is_contiguous() and base.is_contiguous() and base.shape == dy.shape
+            and base.data_ptr() == dy.data_ptr() and base._use_count() == 2
+            and torch._C._storage_Use_Count(base.untyped_storage()._cdata) <= 3)
+
+
+@norm_bwd.register_fake
+def _norm_bwd_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
+                   is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db, backend):
+    return (torch.empty_like(dy) if needs_dx else _empty(dy),
+            torch.empty_like(weight) if needs_dw else _empty(dy),
+            torch.empty_like(bias) if needs_db else _empty(dy))
+
+
+def _setup_context(ctx, inputs, output):
+    x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, in_place, backend = inputs
+    y, residual_out, mean, rstd, unsafe_cols, fallback = output
+    has_residual = residual is not None
+    if memory_efficient:
+        # y is what the next layer keeps anyway; x̂ = (y - bias) / (offset + weight).
+        saved, mean = y, None
+    else:
+        saved = residual_out if has_residual else x
+        mean = None if is_rms else mean
+    ctx.save_for_backward(saved, mean, rstd, weight, bias, *((unsafe_cols, fallback) if memory_efficient
+                                                              else (None, None)))
+    ctx.options = (in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual,
+                   weight is not None, bias is not None)
+
+
+def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
+    saved, mean, rstd, weight, bias, unsafe_cols, fallback = ctx.saved_tensors
+    in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = \
+        ctx.options
+    needs_x, needs_residual, needs_w, needs_b = ctx.needs_input_grad[:4]
+    needs_dx = needs_x or needs_residual
+    needs_dw = has_weight and needs_w
+    needs_db = has_bias and needs_b
+    if not (needs_dx or needs_dw or needs_db):
+        return (None,) * 11
+    if unsafe_cols is None:
+        unsafe_cols = rstd.new_empty(0, dtype=torch.int64)
+    dresidual_out = dresidual_out.contiguous() if has_residual else None
+    if in_place and needs_dx and _private_gradient(dy):
+        dw, db = norm_bwd_into_dy(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps,
+                                  offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend)
+        dx = dy
+    else:
+        dx, dw, db = norm_bwd(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
+                              fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
+                              needs_db, backend)
+    # x and residual get the same gradient, but not the same buffer: the custom-op wrapper
+    # hands each a separate alias, and leaves would then steal both as one shared .grad.
+    dresidual = dx.clone() if needs_x and needs_residual else dx
+    return (dx if needs_x else None, dresidual if needs_residual else None, dw if needs_dw else None,
+            db if needs_db else None) + (None,) * 7
+
+
+torch.library.register_autograd("memkernels::norm_fwd", _backward, setup_context=_setup_context)
+
+
+def _check_param(name, param, x, normalized_shape):
+    if param is None:
+        return None
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(param).__name__}")
+    if tuple(param.shape) != tuple(normalized_shape):
+        raise ValueError(f"{name} has shape {tuple(param.shape)} but the normalized shape is "
+                         f"{tuple(normalized_shape)} (the trailing dims of x); pass a {name} of that shape")
+    if param.device != x.device:
+        raise ValueError(f"{name} is on {param.device} but x is on {x.device}; move {name} to {x.device}")
+    if param.dtype not in (x.dtype, torch.float32):
+        raise TypeError(f"{name} has dtype {param.dtype}; use x's dtype ({x.dtype}) or torch.float32")
+    return param.reshape(-1)
+
+
+def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_mode, memory_efficient,
+              normalized_shape, in_place=False):
+    """Validate, flatten to [M, H], run the custom op, reshape back. Returns (y, residual_out or None)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op_name}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{op_name}: x has dtype {x.dtype}; supported are float32, float16 and bfloat16")
+    if normalized_shape is None:
+        normalized_shape = weight.shape if isinstance(weight, torch.Tensor) else x.shape[-1:]
+    elif isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    normalized_shape = tuple(normalized_shape)
+    if not normalized_shape or tuple(x.shape[x.dim() - len(normalized_shape):]) != normalized_shape \
+            or len(normalized_shape) > x.dim():
+        raise ValueError(f"{op_name}: x has shape {tuple(x.shape)}, whose trailing dims must equal the "
+                         f"normalized shape {normalized_shape} (weight.shape, or normalized_shape=)")
+    hidden = math.prod(normalized_shape)
+    if hidden == 0:
+        raise ValueError(f"{op_name}: the normalized shape {normalized_shape} has no elements; "
+                         "normalize over at least one element")
+    weight = _check_param(f"{op_name}: weight", weight, x, normalized_shape)
+    bias = _check_param(f"{op_name}: bias", bias, x, normalized_shape)
+    if residual is not None:
+        if not isinstance(residual, torch.Tensor):
+            raise TypeError(f"{op_name}: residual must be a torch.Tensor, got {type(residual).__name__}")
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"{op_name}: residual is {tuple(residual.shape)} {residual.dtype} on "
+                             f"{residual.device} but x is {tuple(x.shape)} {x.dtype} on {x.device}; "
+                             "they must match")
+    if casting_mode not in reference.CASTING_MODES:
+        raise ValueError(f"{op_name}: casting_mode={casting_mode!r}; use one of "
+                         f"{', '.join(map(repr, reference.CASTING_MODES))}")
+    eps = float(eps)
+    if not eps >= 0.0:
+        raise ValueError(f"{op_name}: eps={eps} must be a non-negative number")
+    offset = float(offset)
+    if offset != 0.0 and weight is None:
+        raise ValueError(f"{op_name}: offset={offset} scales the weight (offset + weight) but weight is None")
+    backend = _backend.resolve(x, op_name)
+
+    x2d = x.reshape(-1, hidden).contiguous()
+    residual2d = residual.reshape(-1, hidden).contiguous() if residual is not None else None
+    y, residual_out, *_ = norm_fwd(x2d, residual2d, weight, bias, eps, offset, is_rms,
+                                   reference.CASTING_MODES[casting_mode], bool(memory_efficient), bool(in_place),
+                                   backend)
+    y = y.view(x.shape)
+    return y, (residual_out.view(x.shape) if residual is not None else None)

@@ -1,0 +1,464 @@
+"""GeLU→Linear in one Triton GEMM: ``y = gelu(x) @ weight.T + bias`` without storing gelu(x).
+
+Eager PyTorch keeps two F-wide tensors for backward (GELU saves x, Linear saves
+gelu(x)). Here GeLU is applied to the A tiles as they are loaded, so gelu(x)
+never reaches memory, and only x is saved. Backward recomputes it the same way:
+
+- forward: y  = gelu(x) @ W.T (+ b)        GeLU on load of A, bias in the epilogue
+- dx:      dx = (dy @ W) * gelu'(x)       gelu' multiplied in the epilogue from the x tile
+- dW:      dW = dy.T @ gelu(x)            GeLU on load of B
+- db:      db = dy.sum(0)                 a deterministic torch reduction
+
+All three GEMMs are one kernel, ``_gelu_gemm_kernel``, specialized by constexpr
+flags. Each computes C [M, N] = A [M, K] @ B [K, N] with strides, so transposed
+operands (dy.T, W.T, a non-contiguous weight) are read in place.
+
+File order: jit helpers → kernel → launchers → custom ops → autograd.Function →
+public function.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from memkernels import aot
+from memkernels._backend import resolve, triton_interpreted
+from memkernels.reference import gelu_linear as reference
+
+APPROXIMATIONS = ("none", "tanh")
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# GeLU math in fp32. The interpreter's libdevice is a stub, so erf and tanh are built from
+# tl.exp and polynomials.
+
+
+@triton.jit
+def _erf(x):
+    """erf(x) in fp32, max |error| 1.8 * 2**-24 against float64 erf (tests/test_gelu_linear.py).
+
+    Coefficients are least-squares fits (float64, Chebyshev nodes) of erf(x)/x as a
+    polynomial in x*x on [0, 0.6], and of log(erfc(x)) as a polynomial in x on [0.6, 4];
+    beyond 4, 1 - erfc rounds to 1 in fp32.
+    """
+    a = tl.abs(x)
+    a2 = a * a
+    small = 1.128379226 + a2 * (-0.3761263788 + a2 * (0.1128372848 + a2 * (
+        -0.02685812674 + a2 * (0.005178681109 + a2 * -0.0007369763334))))
+    small = a * small
+    t = tl.minimum(a, 4.0)
+    log_erfc = 1.562877296e-4 + t * (-1.129458666 + t * (-0.6333909035 + t * (-0.1083063558 + t * (
+        0.02517550811 + t * (-0.004196306225 + t * (4.323807370e-4 + t * (
+            -1.611042171e-5 + t * (-1.458452402e-6 + t * 1.386701740e-7))))))))
+    large = 1.0 - tl.exp(log_erfc)
+    result = tl.where(a < 0.6, small, large)
+    return tl.where(x < 0, -result, result)
+
+
+@triton.jit
+def _tanh_sech2(x):
+    """(tanh(x), 1 - tanh(x)**2) from e = exp(-2|x|), which never overflows.
+
+    sech^2 = 4e / (1 + e)^2 keeps full relative accuracy where 1 - tanh^2 would cancel.
+    """
+    e = tl.exp(-2.0 * tl.abs(x))
+    one_plus_e = 1.0 + e
+    t = (1.0 - e) / one_plus_e
+    return tl.where(x < 0, -t, t), 4.0 * e / (one_plus_e * one_plus_e)
+
+
+@triton.jit
+def _gelu(x, APPROX_TANH: tl.constexpr):
+    """gelu(x) for fp32 x; tanh approximation when APPROX_TANH."""
+    if APPROX_TANH:
+        t, _ = _tanh_sech2(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        return 0.5 * x * (1.0 + t)
+    else:
+        return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _gelu_grad(x, APPROX_TANH: tl.constexpr):
+    """d gelu(x) / dx for fp32 x."""
+    if APPROX_TANH:
+        t, sech2 = _tanh_sech2(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        dinner = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        return 0.5 * (1.0 + t) + 0.5 * x * sech2 * dinner
+    else:
+        cdf = 0.5 * (1.0 + _erf(x * 0.7071067811865476))
+        return cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+
+
+# --------------------------------------------------------------------------------------------
+# Tuning. (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages): tensor-core tiles whose pipelined A
+# and B stages fit the shared memory of A100 (164 KiB) and H100 (228 KiB) in every dtype (at most
+# 96 KiB, e.g. fp32 128x128x32 with 3 stages), and that compile without spills on sm_80 and sm_90 in
+# all three GEMM roles when the JIT can specialize on 16-divisible pointers and strides (GeLU
+# math on a tile costs registers: 128x128 tiles need 8 warps, BLOCK_K = 64 only fits the
+# smaller tiles). The 32-row tiles serve decode-sized M.
+_CONFIGS = (
+    (128, 128, 32, 8, 3),
+    (128, 64, 32, 4, 4),
+    (64, 128, 32, 4, 4),
+    (64, 64, 64, 4, 3),
+    (64, 64, 32, 4, 4),
+    (32, 64, 64, 2, 4),
+    (32, 64, 32, 2, 5),
+)
+# fp32 with torch's default "highest" matmul precision runs tl.dot as FMAs ("ieee"), which needs
+# far more registers: only these compile without spills (dW, whose A operand is dy.T, needs
+# BLOCK_K = 16).
+_IEEE_CONFIGS = {
+    "fwd": ((128, 128, 32, 8, 3), (64, 64, 32, 4, 4), (32, 64, 32, 2, 5)),
+    "dw": ((64, 64, 16, 8, 3), (64, 32, 16, 4, 3)),
+}
+_IEEE_CONFIGS["dx"] = _IEEE_CONFIGS["fwd"]
+
+
+def _role(gelu_on_b, gelu_grad_epilogue):
+    return "dw" if gelu_on_b else "dx" if gelu_grad_epilogue else "fwd"
+
+
+def _configs_for(role, input_precision):
+    """Tile shapes for one GEMM role ("fwd", "dx", "dw") at one fp32 dot precision."""
+    return _IEEE_CONFIGS[role] if input_precision == "ieee" else _CONFIGS
+
+
+# Under the interpreter, one config: autotuning would run every config through slow Python.
+# BLOCK_K = 16 is the k-depth of a 16-bit tensor-core MMA. The interpreter runs each tl.dot as
+# one sequential numpy matmul, so this makes it accumulate in two levels as the hardware does
+# (within an MMA, then across k-steps into the fp32 accumulator); one 64-long sequential sum is
+# ~1.5x less accurate than eager's blocked CPU GEMM and made small fp32 checks fail by chance.
+_INTERPRETER_CONFIG = (64, 64, 16, 4, 1)
+_GROUP_M = 8
+
+
+def _autotune_configs():
+    """Every tile shape any role may use; a single one when TRITON_INTERPRET=1."""
+    if triton_interpreted():
+        shapes = [_INTERPRETER_CONFIG]
+    else:
+        shapes = dict.fromkeys(_CONFIGS + sum(_IEEE_CONFIGS.values(), ()))
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
+                      num_warps=warps, num_stages=stages)
+        for bm, bn, bk, warps, stages in shapes
+    ]
+
+
+def _prune_configs(configs, named_args, **kwargs):
+    """Keep the tile shapes of this launch's role and precision (see _configs_for)."""
+    role = _role(kwargs["GELU_ON_B"], kwargs["GELU_GRAD_EPILOGUE"])
+    wanted = set(_configs_for(role, kwargs["INPUT_PRECISION"]))
+    return [c for c in configs
+            if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in wanted]
+
+
+# --------------------------------------------------------------------------------------------
+# Kernel
+
+
+@triton.autotune(
+    configs=_autotune_configs(),
+    key=["M", "N", "K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS", "INPUT_PRECISION"],
+    prune_configs_by={"early_config_prune": _prune_configs},
+)
+@triton.jit
+def _gelu_gemm_kernel(
+    a_ptr,  # [M, K] operand A (x in the forward, dy for dx, dy.T for dW)
+    b_ptr,  # [K, N] operand B (W.T in the forward, W for dx, x for dW)
+    c_ptr,  # [M, N] output (y, dx or dW), contiguous or strided
+    bias_ptr,  # [N] bias, read only when HAS_BIAS
+    x_ptr,  # [M, N] pre-activation x, read only when GELU_GRAD_EPILOGUE (the dx GEMM)
+    M, N, K,
+    stride_am, stride_ak,
+    stride_bk, stride_bn,
+    stride_cm, stride_cn,
+    stride_xm, stride_xn,
+    GELU_ON_A: tl.constexpr,  # apply gelu to A tiles on load (forward)
+    GELU_ON_B: tl.constexpr,  # apply gelu to B tiles on load (dW)
+    GELU_GRAD_EPILOGUE: tl.constexpr,  # multiply C by gelu'(x) (dx)
+    HAS_BIAS: tl.constexpr,
+    APPROX_TANH: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 operands, as torch's matmul
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped ordering: GROUP_M row-blocks share each B column-block while it is in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // num_pid_in_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    # int64 row offsets: M * stride can pass 2**31 for long sequences.
+    a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k_start in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k_start
+        # masked elements load as 0 and gelu(0) = 0, so the padding adds nothing
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if GELU_ON_A:
+            a = _gelu(a.to(tl.float32), APPROX_TANH).to(a_ptr.dtype.element_ty)
+        if GELU_ON_B:
+            b = _gelu(b.to(tl.float32), APPROX_TANH).to(b_ptr.dtype.element_ty)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask_c = mask_m[:, None] & mask_n[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GELU_GRAD_EPILOGUE:
+        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :] * stride_xn
+        x = tl.load(x_ptrs, mask=mask_c, other=0.0).to(tl.float32)
+        acc *= _gelu_grad(x, APPROX_TANH)
+    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+
+
+# --------------------------------------------------------------------------------------------
+# Ahead-of-time compile check (memkernels.aot): every tile shape of each GEMM role, for each
+# operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heavier of the two).
+# Unit inner strides are specialized as the JIT does for contiguous tensors.
+_AOT_ROLES = {
+    # role: (flags, unit-stride arguments of contiguous x, W and outputs)
+    "fwd": (dict(GELU_ON_A=True, GELU_ON_B=False, GELU_GRAD_EPILOGUE=False, HAS_BIAS=True),
+            ("stride_ak", "stride_bk", "stride_cn")),
+    "dx": (dict(GELU_ON_A=False, GELU_ON_B=False, GELU_GRAD_EPILOGUE=True, HAS_BIAS=False),
+           ("stride_ak", "stride_bn", "stride_cn", "stride_xn")),
+    "dw": (dict(GELU_ON_A=False, GELU_ON_B=True, GELU_GRAD_EPILOGUE=False, HAS_BIAS=False),
+           ("stride_am", "stride_bn", "stride_cn")),
+}
+_AOT_PRECISIONS = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
+
+
+def _aot_variants():
+    """Variant dicts for memkernels.aot.register: roles x dtypes x the role's tile shapes."""
+    pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "x_ptr")
+    integers = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
+                "stride_cm", "stride_cn", "stride_xm", "stride_xn")
+    variants = []
+    for dtype, precision in _AOT_PRECISIONS:
+        for role, (flags, unit_strides) in _AOT_ROLES.items():
+            for block_m, block_n, block_k, warps, stages in _configs_for(role, precision):
+                constexprs = dict(flags, APPROX_TANH=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
+                                  BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
+                constexprs.update({name: 1 for name in unit_strides})
+                signature = {name: f"*{dtype}" for name in pointers}
+                signature.update({name: "i32" for name in integers})
+                signature.update({name: "constexpr" for name in constexprs})
+                name = "fp32-ieee" if precision == "ieee" else dtype
+                variants.append({
+                    "signature": signature, "constexprs": constexprs, "num_warps": warps,
+                    "num_stages": stages,
+                    "label": f"{role} {name} {block_m}x{block_n}x{block_k} w{warps} s{stages}",
+                })
+    return variants
+
+
+aot.register(_gelu_gemm_kernel.fn, name="gelu_linear", variants=_aot_variants())
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: 2-D operands in, output allocated here.
+
+
+def _input_precision(dtype):
+    """Match torch's fp32 matmul: TF32 only when torch allows it."""
+    if dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+def _gemm(a, b, out, *, bias=None, x=None, gelu_on_a=False, gelu_on_b=False, approximate="none"):
+    """out [M, N] = act(a) [M, K] @ act(b) [K, N] (+ bias) (* gelu'(x)); all views, any strides."""
+    M, K = a.shape
+    N = b.shape[1]
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
+    _gelu_gemm_kernel[grid](
+        a, b, out,
+        bias if bias is not None else out,  # never read without HAS_BIAS
+        x if x is not None else out,  # never read without GELU_GRAD_EPILOGUE
+        M, N, K,
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), out.stride(0), out.stride(1),
+        x.stride(0) if x is not None else 0, x.stride(1) if x is not None else 0,
+        GELU_ON_A=gelu_on_a, GELU_ON_B=gelu_on_b, GELU_GRAD_EPILOGUE=x is not None,
+        HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh",
+        INPUT_PRECISION=_input_precision(a.dtype),
+    )
+    return out
+
+
+def _empty_problem(*tensors):
+    """Nothing to launch (a zero-sized dimension): the reference handles these exactly."""
+    return any(t.numel() == 0 for t in tensors)
+
+
+def _forward_triton(x2d, weight, bias, approximate):
+    if _empty_problem(x2d, weight):
+        return reference.forward(x2d, weight, bias, approximate)
+    out = x2d.new_empty(x2d.shape[0], weight.shape[0])
+    return _gemm(x2d, weight.t(), out, bias=bias, gelu_on_a=True, approximate=approximate)
+
+
+def _grad_input_triton(grad_out2d, x2d, weight, approximate):
+    if _empty_problem(grad_out2d, x2d, weight):
+        return reference.grad_input(grad_out2d, x2d, weight, approximate)
+    grad_x = torch.empty_like(x2d, memory_format=torch.contiguous_format)
+    return _gemm(grad_out2d, weight, grad_x, x=x2d, approximate=approximate)
+
+
+def _grad_weight_triton(grad_out2d, x2d, approximate):
+    if _empty_problem(grad_out2d, x2d):
+        return reference.grad_weight(grad_out2d, x2d, approximate)
+    grad_w = grad_out2d.new_empty(grad_out2d.shape[1], x2d.shape[1])
+    return _gemm(grad_out2d.t(), x2d, grad_w, gelu_on_b=True, approximate=approximate)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile, with fake (meta) implementations. Each runs the Triton
+# launcher or the PyTorch reference according to its last argument, ``backend``, which the
+# caller has resolved to "triton" or "torch".
+
+
+class _Step:
+    """One GEMM of the op as a custom op, with the reference it falls back to."""
+
+    def __init__(self, name, schema, triton_impl, reference_impl, fake_impl):
+        self.reference = reference_impl
+
+        def impl(*args):
+            *operands, backend = args
+            return (triton_impl if backend == "triton" else reference_impl)(*operands)
+
+        self.custom_op = torch.library.custom_op(f"memkernels::{name}", impl, mutates_args=(), schema=schema)
+        self.custom_op.register_fake(lambda *args: fake_impl(*args[:-1]))
+
+
+_STEPS = {
+    "forward": _Step(
+        "gelu_linear", "(Tensor x2d, Tensor weight, Tensor? bias, str approximate, str backend) -> Tensor",
+        _forward_triton, reference.forward,
+        lambda x2d, weight, bias, approximate: x2d.new_empty(x2d.shape[0], weight.shape[0])),
+    "grad_input": _Step(
+        "gelu_linear_grad_input",
+        "(Tensor grad_out2d, Tensor x2d, Tensor weight, str approximate, str backend) -> Tensor",
+        _grad_input_triton, reference.grad_input,
+        lambda grad_out2d, x2d, weight, approximate: torch.empty_like(x2d, memory_format=torch.contiguous_format)),
+    "grad_weight": _Step(
+        "gelu_linear_grad_weight", "(Tensor grad_out2d, Tensor x2d, str approximate, str backend) -> Tensor",
+        _grad_weight_triton, reference.grad_weight,
+        lambda grad_out2d, x2d, approximate: grad_out2d.new_empty(grad_out2d.shape[1], x2d.shape[1])),
+}
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _run(step, backend, *args):
+    """One GEMM step. The torch backend runs the reference inline in eager mode, so its
+    temporaries stay visible to profilers and memkernels.meters; Triton, and everything under
+    torch.compile, goes through the custom op."""
+    if backend == "torch" and not torch.compiler.is_compiling():
+        return _STEPS[step].reference(*args)
+    return _STEPS[step].custom_op(*args, backend)
+
+
+class GeLULinearFunction(torch.autograd.Function):
+    """y = gelu(x) @ weight.T + bias, saving only x (and the weight parameter)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, approximate, backend):
+        x2d = x.reshape(-1, x.shape[-1])
+        out = _run("forward", backend, x2d, weight, bias, approximate)
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        ctx.approximate = approximate
+        ctx.backend = backend
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        x2d = x.reshape(-1, x.shape[-1])
+        grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _run("grad_input", ctx.backend, grad_out2d, x2d, weight, ctx.approximate).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = _run("grad_weight", ctx.backend, grad_out2d, x2d, ctx.approximate)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            # one fp32 reduction over tokens, cast once: deterministic, no atomics
+            grad_bias = grad_out2d.sum(0, dtype=torch.float32).to(grad_out.dtype)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+
+
+def _check_inputs(x, weight, bias, approximate, backend):
+    if approximate not in APPROXIMATIONS:
+        raise ValueError(f"gelu_linear: approximate={approximate!r} is not supported; use 'none' or 'tanh'")
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"gelu_linear: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError("gelu_linear: x must be a tensor of shape [..., in_features]")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError("gelu_linear: weight must be a 2-D tensor of shape [out_features, in_features]")
+    if weight.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"gelu_linear: in_features mismatch: x has {x.shape[-1]} features (last dim) but weight "
+            f"{tuple(weight.shape)} expects {weight.shape[1]}; weight must be [out_features, in_features]")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"gelu_linear: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},) "
+                         "(out_features)")
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is None:
+            continue
+        if tensor.device != x.device:
+            raise ValueError(f"gelu_linear: {name} is on {tensor.device} but x is on {x.device}; "
+                             f"move them to the same device")
+        if tensor.dtype != x.dtype:
+            raise ValueError(f"gelu_linear: {name} is {tensor.dtype} but x is {x.dtype}; cast them to one dtype")
+
+
+def gelu_linear(x, weight, bias=None, *, approximate="none", backend=None):
+    """``F.linear(F.gelu(x, approximate=approximate), weight, bias)`` without storing gelu(x).
+
+    Args:
+        x: [..., in_features], float32 / float16 / bfloat16 (the torch backend takes any
+            floating dtype).
+        weight: [out_features, in_features], same dtype and device as x; any strides.
+        bias: optional [out_features].
+        approximate: "none" (exact, erf) or "tanh", as in ``F.gelu``.
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
+
+    Returns:
+        [..., out_features] in x's dtype. Only x (and weight) is saved for backward.
+    """
+    _check_inputs(x, weight, bias, approximate, backend)
+    if backend is None:
+        backend = resolve(x, "gelu_linear")
+    if backend == "triton" and not (x.is_cuda or (x.device.type == "cpu" and triton_interpreted())):
+        raise ValueError(f"gelu_linear: backend='triton' cannot run on {x.device} tensors; Triton needs CUDA "
+                         "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported); "
+                         "use backend='torch' or None")
+    if backend == "triton" and x.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"gelu_linear: x is {x.dtype}; the Triton backend takes float32, float16 or "
+                         "bfloat16 (use backend='torch' for other dtypes)")
+    return GeLULinearFunction.apply(x, weight, bias, approximate, backend)

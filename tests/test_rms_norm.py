@@ -1,0 +1,378 @@
+"""RMSNorm and add+RMSNorm: Triton kernels (interpreter) and the PyTorch reference path.
+
+Every output and gradient is checked against an eager float64 reference at
+2x the error eager PyTorch makes in the same dtype (memkernels.testing), and
+bytes saved for backward are measured with memkernels.meters.
+"""
+import functools
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import memkernels
+from memkernels.functional import add_rms_norm, rms_norm
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.testing import check_against_reference
+from norm_cases import DTYPES, SHAPES, assert_drop_in, backend, leaf  # noqa: F401 (backend: fixture)
+
+
+def rms_norm_eager(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
+    """Plain eager RMSNorm with the casting modes' rounding points; float64 in, float64 math."""
+    dtype = x.dtype
+    compute = torch.promote_types(dtype, torch.float32)
+    rstd = torch.rsqrt(x.to(compute).pow(2).mean(-1, keepdim=True) + eps)
+    scale = offset + weight.to(compute)
+    if casting_mode == "llama":
+        return ((x.to(compute) * rstd).to(dtype).to(compute) * scale).to(dtype)
+    if casting_mode == "gemma":
+        return (x.to(compute) * rstd * scale).to(dtype)
+    return (x * rstd.to(dtype)) * scale.to(dtype)  # "none": every step in x's dtype
+
+
+def add_rms_norm_eager(x, residual, weight, eps=1e-6, **options):
+    residual_out = x + residual
+    return rms_norm_eager(residual_out, weight, eps, **options), residual_out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden,rows", SHAPES)
+def test_rms_norm_matches_float64(backend, dtype, hidden, rows):
+    x = leaf(rows, hidden, dtype=dtype)
+    weight = leaf(hidden, dtype=dtype, scale=0.5, shift=1.0)
+    check_against_reference(rms_norm, rms_norm_eager, (x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("casting_mode,offset", [("llama", 0.0), ("gemma", 1.0), ("none", 0.0), ("none", 1.0)])
+def test_casting_modes_and_offset(backend, dtype, casting_mode, offset):
+    x = leaf(2, 5, 129, dtype=dtype)
+    weight = leaf(129, dtype=dtype, scale=0.3)
+    options = {"casting_mode": casting_mode, "offset": offset}
+    check_against_reference(functools.partial(rms_norm, **options), functools.partial(rms_norm_eager, **options),
+                            (x, weight), name=f"rms_norm[{casting_mode}, offset={offset}]")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_fp32_weight_with_low_precision_input(backend, dtype):
+    x = leaf(7, 300, dtype=dtype)
+    weight = leaf(300, dtype=torch.float32, scale=0.5, shift=1.0)
+    report = check_against_reference(rms_norm, rms_norm_eager, (x, weight))
+    assert report.rows[-1].dtype == torch.float32  # the weight gradient keeps the weight's dtype
+
+
+@pytest.mark.parametrize("hidden", [129, 5120])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_add_rms_norm_matches_float64(backend, dtype, hidden):
+    """Gradients reach x, residual and weight, including the gradient flowing into residual_out."""
+    x, residual = leaf(5, hidden, dtype=dtype), leaf(5, hidden, dtype=dtype)
+    weight = leaf(hidden, dtype=dtype, scale=0.5, shift=1.0)
+    check_against_reference(add_rms_norm, add_rms_norm_eager, (x, residual, weight))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_add_rms_norm_gradients_do_not_alias(backend, in_place):
+    """x.grad and residual.grad are equal but separate: changing one must not change the other."""
+    x, residual, weight = leaf(3, 8, dtype=torch.float32), leaf(3, 8, dtype=torch.float32), leaf(8, dtype=torch.float32)
+    y, residual_out = add_rms_norm(x, residual, weight, in_place=in_place)
+    (y.pow(2).sum() + residual_out.sin().sum()).backward()
+    assert torch.equal(x.grad, residual.grad)
+    expected = residual.grad.clone()
+    x.grad.zero_()
+    assert torch.equal(residual.grad, expected)
+
+
+def test_leading_dims_non_contiguous_and_no_weight(backend):
+    x = torch.randn(6, 4, 130, dtype=torch.bfloat16).transpose(0, 1).requires_grad_()
+    assert not x.is_contiguous()
+    check_against_reference(lambda x: rms_norm(x), lambda x: rms_norm_eager(x, torch.ones((), dtype=x.dtype)),
+                            (x,), name="rms_norm(no weight)")
+
+
+def test_tuple_normalized_shape(backend):
+    x = leaf(3, 4, 5, 6, dtype=torch.float32)
+    weight = leaf(5, 6, dtype=torch.float32, shift=1.0)
+    check_against_reference(rms_norm, lambda x, w: rms_norm_eager(x.flatten(-2), w.flatten()).view(x.shape),
+                            (x, weight), name="rms_norm(weight [5, 6])")
+
+
+def _spiked_weight(hidden, dtype):
+    """Weights with exact zeros and values tiny for the dtype: where y / w cannot give x̂ back."""
+    weight = torch.rand(hidden) + 0.5
+    weight[3] = 0.0
+    weight[10] = -0.0
+    weight[20] = 1e-37 if dtype != torch.float16 else 1e-3  # below the recovery threshold
+    weight[30] = 1e-30 if dtype != torch.float16 else 0.1  # small but recoverable
+    return weight.to(dtype).requires_grad_()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("hidden", [129, 4500])
+def test_memory_efficient_zero_and_tiny_weights(backend, dtype, hidden):
+    """memory_efficient keeps y; columns whose x̂ y cannot give back are stored: no NaN, exact gradients."""
+    x = leaf(7, hidden, dtype=dtype)
+    weight = _spiked_weight(hidden, dtype)
+    report = check_against_reference(functools.partial(rms_norm, memory_efficient=True), rms_norm_eager,
+                                      (x, weight), name="rms_norm(memory_efficient)")
+    assert len(report.rows) == 3
+    with SavedBytesMeter() as saved:
+        rms_norm(x, weight, memory_efficient=True)
+    fallback = [r["shape"] for r in saved.records if r["new"] and r["dtype"] == dtype and len(r["shape"]) == 2
+                and r["shape"] != (7, hidden)]
+    assert fallback == [(7, 3)]  # only columns 3, 10 and 20 keep x̂
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_add_rms_norm_memory_efficient(backend, dtype):
+    x, residual = leaf(5, 129, dtype=dtype), leaf(5, 129, dtype=dtype)
+    weight = _spiked_weight(129, dtype)
+    check_against_reference(functools.partial(add_rms_norm, memory_efficient=True), add_rms_norm_eager,
+                            (x, residual, weight), name="add_rms_norm(memory_efficient)")
+
+
+# --- bytes saved for backward, measured -------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_saved_bytes_rms_norm_is_4_per_token(backend, dtype):
+    rows, hidden = 37, 256
+    x = leaf(rows, hidden, dtype=dtype)
+    weight = leaf(hidden, dtype=dtype)
+    with SavedBytesMeter() as saved:
+        rms_norm(x, weight)
+    assert saved.new_bytes == 4 * rows  # the fp32 rstd and nothing else
+    assert saved.aliased_bytes == x.untyped_storage().nbytes() + weight.untyped_storage().nbytes()
+    # eager nn.RMSNorm, for contrast, saves more than the input and rstd
+    eager = nn.RMSNorm(hidden, dtype=dtype)
+    with SavedBytesMeter() as eager_saved:
+        eager(x)
+    assert eager_saved.new_bytes > saved.new_bytes
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_saved_bytes_add_rms_norm_is_residual_out_and_rstd(backend, dtype):
+    rows, hidden = 11, 300
+    x, residual, weight = leaf(rows, hidden, dtype=dtype), leaf(rows, hidden, dtype=dtype), leaf(hidden, dtype=dtype)
+    with SavedBytesMeter() as saved:
+        _, residual_out = add_rms_norm(x, residual, weight)
+    new = sorted((r["shape"], r["dtype"]) for r in saved.records if r["new"])
+    assert new == sorted([((rows, hidden), dtype), ((rows,), torch.float32)])
+    assert saved.new_bytes == residual_out.untyped_storage().nbytes() + 4 * rows
+    assert saved.aliased_bytes == weight.untyped_storage().nbytes()  # neither x nor residual
+
+
+def test_memory_efficient_does_not_keep_the_input(backend):
+    rows, hidden = 9, 200
+    source = leaf(rows, hidden, dtype=torch.bfloat16)
+    weight = leaf(hidden, dtype=torch.bfloat16, shift=1.0)
+    with SavedBytesMeter() as saved:
+        x = source * 2  # an activation made inside the region (a scalar multiply saves nothing)
+        y = rms_norm(x, weight, memory_efficient=True)
+    # Had x been kept it would count as new bytes too (it was created inside the region).
+    assert saved.new_bytes == y.untyped_storage().nbytes() + 4 * rows
+    assert saved.aliased_bytes == weight.untyped_storage().nbytes()
+    released = []
+    watch = weakref.ref(x.untyped_storage(), released.append)  # noqa: F841 (the callback needs it alive)
+    del x
+    gc.collect()  # the Triton interpreter leaves reference cycles around launch arguments
+    assert released, "x's memory must be free to release once the caller drops it"
+    y.float().sum().backward()
+    assert torch.isfinite(source.grad).all()
+
+
+# --- determinism, bad input, zero-size ---------------------------------------------------------
+
+@pytest.mark.parametrize("hidden", [300, 5000])  # register-resident rows and looping rows
+def test_weight_gradient_is_bitwise_deterministic(backend, hidden):
+    x = leaf(41, hidden, dtype=torch.bfloat16)  # more rows than backward programs
+    weight = leaf(hidden, dtype=torch.float32, shift=1.0)
+    grad = torch.randn(41, hidden, dtype=torch.bfloat16)
+    runs = []
+    for _ in range(2):
+        weight.grad = None
+        rms_norm(x, weight).backward(grad)
+        runs.append(weight.grad.clone())
+    assert torch.equal(runs[0], runs[1])
+
+
+@pytest.mark.parametrize("call,error,words", [
+    (lambda x, w: rms_norm(x, w[:-1]), ValueError, ["weight", "shape"]),
+    (lambda x, w: rms_norm(x, w.to("meta")), ValueError, ["weight", "meta"]),
+    (lambda x, w: rms_norm(x.to(torch.int32), None), TypeError, ["x", "int32"]),
+    (lambda x, w: rms_norm(x, w.to(torch.int64)), TypeError, ["weight", "int64"]),
+    (lambda x, w: rms_norm(x, w.half()), TypeError, ["weight", "float16"]),  # x is fp32
+    (lambda x, w: rms_norm(x, w, casting_mode="fp8"), ValueError, ["casting_mode", "llama"]),
+    (lambda x, w: rms_norm(x, w, eps=-1.0), ValueError, ["eps"]),
+    (lambda x, w: rms_norm(x, None, offset=1.0), ValueError, ["offset", "weight"]),
+    (lambda x, w: rms_norm(x[:, :0], None), ValueError, ["normalized shape"]),
+    (lambda x, w: add_rms_norm(x, x[:1], w), ValueError, ["residual"]),
+    (lambda x, w: add_rms_norm(x, x.half(), w), ValueError, ["residual"]),
+    (lambda x, w: rms_norm(x.numpy(), w), TypeError, ["x", "Tensor"]),
+], ids=["weight-shape", "weight-device", "int-x", "int-weight", "weight-dtype", "casting-mode", "eps",
+        "offset-without-weight", "empty-row", "residual-shape", "residual-dtype", "not-a-tensor"])
+def test_bad_input_names_the_argument(backend, call, error, words):
+    x = torch.randn(3, 8)
+    weight = torch.ones(8)
+    with pytest.raises(error) as raised:
+        call(x, weight)
+    for word in words:
+        assert word in str(raised.value)
+
+
+def test_zero_rows_give_empty_results(backend):
+    """Documented: an input with no rows returns an empty y (and empty gradients)."""
+    x = torch.randn(0, 3, 64, requires_grad=True)
+    residual = torch.randn(0, 3, 64, requires_grad=True)
+    weight = torch.ones(64, requires_grad=True)
+    y, residual_out = add_rms_norm(x, residual, weight)
+    assert y.shape == residual_out.shape == x.shape
+    (y.sum() + residual_out.sum()).backward()
+    assert x.grad.shape == x.shape and torch.equal(weight.grad, torch.zeros(64))
+
+
+# --- modules -----------------------------------------------------------------------------------
+
+def test_module_matches_nn_rms_norm_and_loads_its_state_dict(backend):
+    eager = nn.RMSNorm(96, eps=1e-6)
+    with torch.no_grad():
+        eager.weight.uniform_(0.5, 1.5)
+    assert_drop_in(memkernels.FusedRMSNorm, eager, torch.randn(4, 5, 96), ["weight"])
+
+
+def test_module_takes_layer_norm_arguments():
+    """Replacing nn.LayerNorm is one word; the math is RMSNorm (its bias is kept if it has one)."""
+    layer_norm = nn.LayerNorm((4, 6), eps=1e-5, elementwise_affine=True, bias=True, dtype=torch.float64)
+    fused = memkernels.FusedRMSNorm((4, 6), eps=1e-5, elementwise_affine=True, bias=True, device="cpu",
+                                    dtype=torch.float32)
+    assert list(fused.state_dict()) == list(layer_norm.state_dict()) == ["weight", "bias"]
+    assert memkernels.FusedRMSNorm(8, bias=False).bias is None
+    plain = memkernels.FusedRMSNorm(8, elementwise_affine=False)
+    assert plain.weight is None and list(plain.state_dict()) == []
+    converted = memkernels.FusedRMSNorm.from_module(layer_norm.float())
+    with torch.no_grad():
+        converted.bias.normal_()
+    x = torch.randn(3, 4, 6)
+    expected = rms_norm_eager(x.flatten(-2), converted.weight.flatten(), 1e-5, casting_mode="gemma").view(x.shape)
+    torch.testing.assert_close(converted(x), expected + converted.bias)
+
+
+def test_module_eps_none_follows_dtype_like_nn_rms_norm(backend):
+    x = torch.randn(3, 16, dtype=torch.bfloat16) * 1e-3
+    torch.testing.assert_close(memkernels.FusedRMSNorm(16, dtype=torch.bfloat16)(x),
+                               nn.RMSNorm(16, dtype=torch.bfloat16)(x))
+
+
+def test_add_module_and_gemma_offset(backend):
+    module = memkernels.FusedAddRMSNorm(32, eps=1e-6, offset=1.0, casting_mode="gemma")
+    assert torch.equal(module.weight, torch.zeros(32))  # offset + weight starts at 1
+    x, residual = torch.randn(5, 32), torch.randn(5, 32)
+    y, residual_out = module(x, residual)
+    torch.testing.assert_close(residual_out, x + residual)
+    torch.testing.assert_close(y, rms_norm_eager(x + residual, module.weight, 1e-6, offset=1.0,
+                                                 casting_mode="gemma"))
+
+
+def test_from_module_rejects_non_norms():
+    with pytest.raises(TypeError, match="not a norm module"):
+        memkernels.FusedRMSNorm.from_module(nn.ReLU())
+
+
+# --- torch.compile ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_torch_compile_fullgraph_has_no_graph_break(memory_efficient):
+    """The custom ops keep a compiled model whole: fullgraph=True raises on any graph break."""
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), memkernels.FusedRMSNorm(32, eps=1e-6, memory_efficient=memory_efficient),
+                          nn.Linear(32, 32))
+    norm = memkernels.FusedAddRMSNorm(32, eps=1e-6, memory_efficient=memory_efficient)
+
+    def step(x):
+        hidden = model(x)
+        y, residual = norm(hidden, x.repeat(1, 2))
+        return (y * residual).sum()
+
+    compiled = torch.compile(step, fullgraph=True)
+    x = torch.randn(6, 16, requires_grad=True)
+    loss = compiled(x)
+    loss.backward()
+    compiled_grad = x.grad.clone()
+    x.grad = None
+    step(x).backward()
+    torch.testing.assert_close(loss, step(x))
+    torch.testing.assert_close(compiled_grad, x.grad)
+
+
+# --- opt-in in_place backward -----------------------------------------------------------------
+
+def _gradients(build, leaves, in_place):
+    for leaf in leaves:
+        leaf.grad = None
+    build(in_place).backward()
+    return [None if leaf.grad is None else leaf.grad.clone() for leaf in leaves]
+
+
+@pytest.mark.parametrize("graph", ["private", "shared-by-two-norms", "shared-with-a-leaf", "caller-keeps-grad",
+                                   "output-used-twice", "expanded-grad", "add-variant"])
+def test_in_place_backward_matches_and_never_corrupts_a_shared_gradient(backend, graph):
+    """Liger wrote dx into a dy that another branch still needed; each graph here shares it differently."""
+    x = leaf(6, 40, dtype=torch.float32)
+    residual = leaf(6, 40, dtype=torch.float32)
+    weight = leaf(40, dtype=torch.float32, shift=1.0)
+    kept_grad = torch.randn(6, 40)
+
+    def build(in_place):
+        norm = functools.partial(rms_norm, weight=weight, in_place=in_place)
+        if graph == "private":
+            return norm(x * 1).pow(2).sum()
+        if graph == "shared-by-two-norms":  # the add hands one gradient tensor to both norms
+            return (norm(x * 1) + norm(x * 2)).pow(2).sum()
+        if graph == "shared-with-a-leaf":  # the same gradient also becomes residual.grad
+            return (norm(x * 1) + residual).pow(2).sum()
+        if graph == "caller-keeps-grad":
+            return (norm(x * 1) * kept_grad).sum()
+        if graph == "output-used-twice":
+            y = norm(x * 1)
+            return (y + y.sin()).pow(2).sum()
+        if graph == "expanded-grad":
+            return norm(x * 1).sum()
+        y, residual_out = add_rms_norm(x * 1, residual, weight, in_place=in_place)
+        return (y.pow(2) + residual_out.sin()).sum()
+
+    expected = _gradients(build, [x, residual, weight], in_place=False)
+    kept_before = kept_grad.clone()
+    actual = _gradients(build, [x, residual, weight], in_place=True)
+    for got, want in zip(actual, expected):
+        assert (got is None and want is None) or torch.equal(got, want)
+    assert torch.equal(kept_grad, kept_before)
+
+
+def test_in_place_backward_saves_one_buffer(backend):
+    rows, hidden = 64, 256
+    x, weight = leaf(rows, hidden, dtype=torch.bfloat16), leaf(hidden, dtype=torch.bfloat16)
+    probe = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    peaks, grads = {}, {}
+    for in_place in (False, True):
+        # dy = probe * d(sum) is a fresh private tensor; x.grad takes dx without a copy.
+        loss = (rms_norm(x, weight, in_place=in_place) * probe).sum()
+        x.grad = None
+        with PeakBytesMeter() as peak:
+            loss.backward()
+        peaks[in_place], grads[in_place] = peak.peak_bytes, x.grad
+    assert peaks[False] - peaks[True] == rows * hidden * 2  # dx went into dy's buffer
+    assert torch.equal(grads[False], grads[True])
+
+
+# --- ahead-of-time compile check --------------------------------------------------------------
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm80_and_sm90_without_spills():
+    """Every registered variant (both norms, fp32/fp16/bf16, widest register-resident and looping rows)."""
+    from memkernels import aot
+    from memkernels.ops import _norm_kernels  # noqa: F401 (registers the kernels)
+
+    reports = aot.check(names=["norm_fwd", "norm_bwd"], archs=(80, 90))
+    assert len(reports) == 2 * 2 * len(_norm_kernels._FORWARD_VARIANTS)
+    failed = [(r.kernel, r.variant, r.arch, r.spills, r.error) for r in reports if not r.ok]
+    assert not failed, failed
