@@ -6,9 +6,13 @@ next to the repository)
 Prints, per trace, peak reserved / peak requested (ideal 1.000), device allocations, and
 memkernels' ns per malloc/free (median of repeated replays on a virtual-address device), then
 checks issue 4's targets: memkernels <= 1.05 and never above PyTorch's ratio, device
-allocations <= 1.5x PyTorch's, ns/op <= 250 (a goal). Exit status 1 if a target is missed.
-Then replays synthetic training loops that played no part in choosing the policy's numbers.
+allocations <= 1.5x PyTorch's, ns/op <= 250 (a goal). Then the same with expandable segments
+(memkernels' and the model of PyTorch's ``expandable_segments:True``), with map / unmap counts,
+and issue 8's targets: memkernels <= 1.01 and never above PyTorch's expandable ratio. Exit
+status 1 if a target is missed. Then replays synthetic training loops that played no part in
+choosing the policy's numbers.
 """
+import statistics
 import argparse
 import glob
 import os
@@ -18,7 +22,13 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from memkernels.allocator import print_replay_table, replay, replay_pytorch_model, trace_ops  # noqa: E402
+from memkernels.allocator import (  # noqa: E402
+    load_trace,
+    print_replay_table,
+    replay,
+    replay_pytorch_model,
+    trace_ops,
+)
 
 REPO = os.path.dirname(HERE)
 # ../shared/traces next to the checkout; a git worktree sits one level deeper (wt/<name>).
@@ -81,11 +91,53 @@ def synthetic_trace(seed, kind, steps=30, layers=24):
     return {"segments": [], "device_traces": [events]}
 
 
+def expandable_table(rows, repeats):
+    """Expandable segments next to the classic figures of ``rows`` (from print_replay_table).
+    Returns the number of missed targets."""
+    print("\nExpandable segments (peak reserved / peak requested; maps / unmaps = num_device_alloc / _free):")
+    header = (
+        f"{'trace':<38} {'dev':>3} | {'PyTorch':>7} {'PyT exp':>7} {'maps':>5} {'unmaps':>6} | "
+        f"{'memkernels':>10} {'mk exp':>7} {'maps':>5} {'unmaps':>6} {'ns/op':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    verdicts, missed = [], 0
+    for row in rows:
+        trace = load_trace(row["path"])
+        ideal = row["ideal_peak_bytes"]
+        runs = [replay(trace, device=row["device"], expandable_segments=True) for _ in range(max(1, repeats))]
+        ours = runs[0]
+        ns = statistics.median(r["ns_per_op"] for r in runs)
+        theirs = replay_pytorch_model(trace, device=row["device"], expandable_segments=True)
+        ratio, torch_ratio = ours["peak_reserved_bytes"] / ideal, theirs["peak_reserved_bytes"] / ideal
+        print(
+            f"{row['trace'][:38]:<38} {row['device']:>3} | {row['pytorch']['peak_reserved_bytes'] / ideal:>7.3f} "
+            f"{torch_ratio:>7.4f} {theirs['num_device_alloc']:>5} {theirs['num_device_free']:>6} | "
+            f"{row['memkernels']['peak_reserved_bytes'] / ideal:>10.3f} {ratio:>7.4f} {ours['num_device_alloc']:>5} "
+            f"{ours['num_device_free']:>6} {ns:>6.0f}"
+        )
+        checks = {
+            f"expandable ratio {ratio:.4f} <= 1.01": ratio <= 1.01,
+            f"<= PyTorch's expandable {torch_ratio:.4f}": ours["peak_reserved_bytes"] <= theirs["peak_reserved_bytes"],
+        }
+        missed += sum(not ok for ok in checks.values())
+        verdicts.append(f"{row['trace']} (device {row['device']}): " + ", ".join(
+            f"{text}: {'ok' if ok else 'MISSED'}" for text, ok in checks.items()))
+    print("PyTorch expandable: 2 MiB pages (small pool), 20 MiB (large); memkernels: the device's 2 MiB granularity.")
+    print()
+    for verdict in verdicts:
+        print(verdict)
+    return missed
+
+
 def held_out():
     """memkernels vs PyTorch's policy on synthetic loops, with unlimited memory and with a
     device 1.3x the peak live bytes (where PyTorch's policy must release its cache on OOM)."""
     print("\nHeld-out synthetic training loops (not used for tuning):")
-    print(f"{'workload':<14} {'device':<16} {'PyTorch':>8} {'dev.alloc':>9} {'memkernels':>10} {'dev.alloc':>9}")
+    print(
+        f"{'workload':<14} {'device':<16} {'PyTorch':>8} {'dev.alloc':>9} {'memkernels':>10} {'dev.alloc':>9} "
+        f"{'PyT exp':>8} {'mk exp':>8}"
+    )
     for kind in ("growing", "random"):
         for seed in range(3):
             trace = synthetic_trace(seed, kind)
@@ -93,11 +145,16 @@ def held_out():
             for label, capacity in (("unlimited", None), ("1.3x peak live", int(1.3 * ideal))):
                 theirs = replay_pytorch_model(trace, capacity=capacity)
                 ours = replay(trace, capacity=capacity)
+                theirs_exp = replay_pytorch_model(trace, capacity=capacity, expandable_segments=True)
+                ours_exp = replay(trace, capacity=capacity, expandable_segments=True)
+                ooms = [r["num_ooms"] for r in (theirs, ours, theirs_exp, ours_exp)]
                 print(
                     f"{kind + ' #' + str(seed):<14} {label:<16} {theirs['peak_reserved_bytes'] / ideal:>8.3f} "
                     f"{theirs['num_device_alloc']:>9} {ours['peak_reserved_bytes'] / ideal:>10.3f} "
-                    f"{ours['num_device_alloc']:>9}" + ("  (OOMs: PyTorch %d, memkernels %d)" % (
-                        theirs["num_ooms"], ours["num_ooms"]) if theirs["num_ooms"] or ours["num_ooms"] else "")
+                    f"{ours['num_device_alloc']:>9} {theirs_exp['peak_reserved_bytes'] / ideal:>8.3f} "
+                    f"{ours_exp['peak_reserved_bytes'] / ideal:>8.3f}"
+                    + ("  (OOMs: PyTorch %d, memkernels %d, PyTorch exp. %d, memkernels exp. %d)" % tuple(ooms)
+                       if any(ooms) else "")
                 )
 
 
@@ -107,7 +164,11 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=21, help="replays per trace for the ns/op median")
     parser.add_argument("--no-held-out", action="store_true", help="skip the synthetic held-out workloads")
     args = parser.parse_args(argv)
-    rows = print_replay_table(_trace_files(args.traces), repeats=args.repeats)
+    files = _trace_files(args.traces)
+    rows = print_replay_table(files, repeats=args.repeats)
+    by_name = {os.path.basename(f): f for f in files}
+    for row in rows:
+        row["path"] = by_name[row["trace"]]
     print()
     missed = 0
     for row in rows:
@@ -124,6 +185,7 @@ def main(argv=None):
         missed += sum(not ok for ok in checks.values())
         verdicts = ", ".join(f"{text}: {'ok' if ok else 'MISSED'}" for text, ok in checks.items())
         print(f"{row['trace']} (device {row['device']}): {verdicts}")
+    missed += expandable_table(rows, args.repeats)
     if not args.no_held_out:
         held_out()
     return 1 if missed else 0

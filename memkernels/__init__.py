@@ -22,6 +22,8 @@ _LAZY = {
     "FusedAddLayerNorm": "memkernels.nn",
     "GeLULinear": "memkernels.nn",
     "FusedMLP": "memkernels.nn",
+    "ChunkedCrossEntropyLoss": "memkernels.nn",
+    "LinearCrossEntropyLoss": "memkernels.nn",
     "apply": "memkernels.patch",
     "activation_ledger": "memkernels.profile",
     "memory_summary": "memkernels.profile",

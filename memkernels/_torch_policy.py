@@ -38,13 +38,14 @@ class ModelOutOfMemory(Exception):
 
 
 class _Block:
-    __slots__ = ("addr", "size", "stream", "pool", "segment_addr", "prev", "next", "allocated")
+    __slots__ = ("addr", "size", "stream", "pool", "segment_addr", "prev", "next", "allocated", "mapped")
 
-    def __init__(self, addr, size, stream, pool, segment_addr):
+    def __init__(self, addr, size, stream, pool, segment_addr, mapped=True):
         self.addr, self.size, self.stream, self.pool = addr, size, stream, pool
         self.segment_addr = segment_addr
         self.prev = self.next = None
         self.allocated = False
+        self.mapped = mapped  # False: unmapped address space of an expandable segment
 
     def key(self):
         return (self.stream, self.size, self.addr)
@@ -193,4 +194,143 @@ class TorchPolicyModel:
                 if neighbour.next is not None:
                     neighbour.next.prev = block
             block.size += neighbour.size
+        self._insert_free(block)
+
+
+class TorchExpandablePolicyModel(TorchPolicyModel):
+    """PyTorch's caching allocator with ``expandable_segments:True`` (``ExpandableSegment``).
+
+    The rules modeled, from ``CUDACachingAllocator.cpp``: each (stream, pool) has one segment, a
+    virtual address range that physical pages are mapped into on demand, 2 MiB pages for the
+    small pool and 20 MiB (``kLargeBuffer``) for the large one. Rounding, pools, best fit and the
+    split rules are those of :class:`TorchPolicyModel`. A request no free block serves maps the
+    pages it lacks at the lowest-address unmapped block of its segment, counting the free block
+    just before it. Free pages are unmapped only when the cache is released (``empty_cache``, or
+    the device refusing pages: release, then retry once). ``num_device_alloc`` /
+    ``num_device_free`` count map / unmap calls (``segment_map`` / ``segment_unmap``).
+    """
+
+    PAGE = {"small": SMALL_BUFFER, "large": LARGE_BUFFER}
+    RANGE = 1 << 46  # address space per segment: never the limit in a replay
+
+    def __init__(self, capacity=None):
+        super().__init__(capacity=capacity)
+        self._segments = {}  # (stream, pool) -> head block
+        self.map_calls = []  # bytes of every map, in order
+
+    def _new_segment(self, pool, stream, rounded, requested):
+        head = self._segments.get((stream, pool))
+        if head is None:
+            addr = self._next_addr
+            self._next_addr += self.RANGE
+            head = _Block(addr, self.RANGE, stream, pool, addr, mapped=False)
+            self._segments[(stream, pool)] = head
+        block = self._grow(head, rounded)
+        if block is None:
+            self.num_alloc_retries += 1
+            self._release_cached()
+            block = self._grow(self._segments[(stream, pool)], rounded)
+        if block is None:
+            self.num_ooms += 1
+            raise ModelOutOfMemory(
+                f"modeled PyTorch expandable policy: out of memory allocating {requested} bytes "
+                f"(reserved {self.reserved}, allocated {self.allocated}, capacity {self.capacity})")
+        return block
+
+    def _grow(self, head, rounded):
+        page = self.PAGE[head.pool]
+        gap = head
+        while gap is not None and gap.mapped:
+            gap = gap.next
+        while gap is not None:  # the lowest-address unmapped block with room
+            before = gap.prev if gap.prev is not None and gap.prev.mapped and not gap.prev.allocated else None
+            have = before.size if before is not None else 0
+            need = -(-(rounded - have) // page) * page
+            if need <= gap.size:
+                break
+            gap = gap.next
+            while gap is not None and gap.mapped:
+                gap = gap.next
+        if gap is None:
+            return None
+        if self.capacity is not None and self.reserved + need > self.capacity:
+            return None
+        self.reserved += need
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+        self.num_device_alloc += 1
+        self.map_calls.append(need)
+        fresh = _Block(gap.addr, need, gap.stream, gap.pool, gap.segment_addr, mapped=True)
+        self._link_before(fresh, gap)
+        gap.addr += need
+        gap.size -= need
+        if gap.size == 0:
+            self._unlink(gap)
+        if before is not None:
+            self._remove_free(before)
+            before.size += fresh.size
+            self._unlink(fresh)
+            fresh = before
+        return fresh
+
+    def _link_before(self, block, anchor):
+        block.prev, block.next = anchor.prev, anchor
+        if anchor.prev is not None:
+            anchor.prev.next = block
+        elif self._segments.get((anchor.stream, anchor.pool)) is anchor:
+            self._segments[(anchor.stream, anchor.pool)] = block
+        anchor.prev = block
+
+    def _unlink(self, block):
+        if block.prev is not None:
+            block.prev.next = block.next
+        elif self._segments.get((block.stream, block.pool)) is block:
+            self._segments[(block.stream, block.pool)] = block.next
+        if block.next is not None:
+            block.next.prev = block.prev
+
+    def _release_cached(self, min_size=0):
+        """Unmap the whole pages of every free block (PyTorch's release of expandable segments)."""
+        for key in list(self._free_blocks):
+            block = self._free_blocks[key]
+            page, base = self.PAGE[block.pool], block.segment_addr  # pages count from the range's start
+            lo = base + -(-(block.addr - base) // page) * page
+            hi = base + (block.addr + block.size - base) // page * page
+            if hi <= lo:
+                continue
+            self._remove_free(block)
+            self.reserved -= hi - lo
+            self.num_device_free += 1
+            gap = _Block(lo, hi - lo, block.stream, block.pool, block.segment_addr, mapped=False)
+            self._link_before(gap, block)
+            tail = _Block(hi, block.addr + block.size - hi, block.stream, block.pool,
+                                    block.segment_addr, mapped=True)
+            self._link_before(tail, block)
+            self._unlink(block)
+            block.size = lo - block.addr
+            if block.size:
+                self._link_before(block, gap)
+                self._insert_free(block)
+            if tail.size:
+                self._insert_free(tail)
+            else:
+                self._unlink(tail)
+            for neighbour in (gap.prev, gap.next):  # coalesce unmapped neighbours
+                if neighbour is not None and not neighbour.mapped:
+                    lower, upper = (neighbour, gap) if neighbour is gap.prev else (gap, neighbour)
+                    lower.size += upper.size
+                    self._unlink(upper)
+                    gap = lower
+
+    def free(self, addr):
+        block = self._allocated.pop(addr)
+        block.allocated = False
+        self.allocated -= block.size
+        for neighbour in (block.prev, block.next):
+            if neighbour is None or neighbour.allocated or not neighbour.mapped:
+                continue
+            self._remove_free(neighbour)
+            if neighbour is block.prev:
+                block.addr = neighbour.addr
+            block.size += neighbour.size
+            self._unlink(neighbour)
         self._insert_free(block)

@@ -13,7 +13,7 @@ import pickle
 import statistics
 import sys
 
-from memkernels._torch_policy import ModelOutOfMemory, TorchPolicyModel
+from memkernels._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
 
 # With no capacity given, the pool's own virtual device has this much memory (it never refuses)...
 UNLIMITED_CAPACITY = 1 << 50
@@ -33,7 +33,14 @@ _POLICY_KEYS = (
     "oversize_block",
     "oversize_ratio",
 )
-_POOL_KEYS = ("memory_cap_bytes", "memory_cap_fraction", "gc_threshold", "trace_capacity")
+_POOL_KEYS = (
+    "memory_cap_bytes",
+    "memory_cap_fraction",
+    "gc_threshold",
+    "trace_capacity",
+    "expandable_segments",
+    "expandable_range_bytes",
+)
 _REPLAY_ACTIONS = ("alloc", "free_completed")
 
 
@@ -149,8 +156,10 @@ def _simulated_device_pool(device, capacity, pool_config):
     device_module.use_sim()  # ValueError if real CUDA is already in use in this process
     capacity = SIMULATED_DEFAULT_CAPACITY if capacity is None else capacity
     device_count = device + 1
+    # Expandable segments reserve an address range the size of the device per (stream, pool).
+    ranges = 4 if pool_config.expandable_segments else 1
     device_module.sim.configure(
-        device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count
+        device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count * ranges
     )
     return _C().make_device_pool(pool_config)
 
@@ -172,7 +181,8 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
     Args:
         trace: path to a ``torch.cuda.memory._dump_snapshot`` pickle, or the loaded dict.
         device: which of the trace's ``device_traces`` to replay.
-        expandable_segments: VMM-backed segments (issue 8, not built yet).
+        expandable_segments: one virtual address range per (stream, pool) with physical pages
+            mapped on demand and unmapped when free (docs/allocator.md, "Expandable segments").
         capacity: device memory in bytes; None for unlimited (128 GiB on the simulated
             device, which reserves its address range up front). Allocations the device cannot
             hold after release-and-retry count in ``num_ooms`` and are skipped.
@@ -188,13 +198,11 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
     num_device_alloc, num_device_free, num_alloc_retries, num_ooms, ns_per_op (wall time of
     the pool calls over the number of mallocs and frees), ops, and fragmentation at the end.
     """
-    if expandable_segments:
-        raise NotImplementedError(
-            "expandable_segments=True needs VMM-backed segments, which are issue 8 and not built yet; "
-            "replay with expandable_segments=False"
-        )
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
+    config = dict(config, expandable_segments=expandable_segments)
     stats, run = _run_pool(ops, num_slots, device, capacity, config, simulated_device)
     return _summary(stats, run)
 
@@ -217,15 +225,18 @@ def _summary(stats, run):
 # ---------------------------------------------------------------------- PyTorch's policy
 
 
-def replay_pytorch_model(trace, *, device=0, capacity=None):
+def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=False):
     """Replay through the model of PyTorch's caching allocator (:mod:`memkernels._torch_policy`).
 
+    ``expandable_segments=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
     Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
-    ``segment_sizes``, every segment it took from the device, in order.
+    ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order.
     """
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
-    model = TorchPolicyModel(capacity=capacity)
+    model = (TorchExpandablePolicyModel if expandable_segments else TorchPolicyModel)(capacity=capacity)
     slots = [None] * num_slots
     sizes = [0] * num_slots
     requested = peak_requested = 0
@@ -251,7 +262,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None):
         "num_device_free": model.num_device_free,
         "num_alloc_retries": model.num_alloc_retries,
         "num_ooms": model.num_ooms,
-        "segment_sizes": model.segment_sizes,
+        "segment_sizes": model.map_calls if expandable_segments else model.segment_sizes,
     }
 
 
@@ -298,22 +309,28 @@ def segment_match(trace, *, device=0):
 # ---------------------------------------------------------------------- comparison
 
 
-def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False, **config):
+def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False, expandable_segments=False,
+            **config):
     """PyTorch's policy (model), memkernels and the ideal on one trace, as a dict of dicts.
 
     memkernels' ``ns_per_op`` is the median over ``repeats`` fresh replays (the machine is
-    shared, single runs are noisy).
+    shared, single runs are noisy). ``expandable_segments`` applies to both columns.
     """
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
     snapshot = load_trace(trace)
     capacity_bytes = _check_capacity(capacity)
     ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
+    config = dict(config, expandable_segments=expandable_segments)
     runs = [
         _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(max(1, repeats))
     ]
     memkernels = _summary(*runs[0])
     memkernels["ns_per_op"] = statistics.median(_summary(*r)["ns_per_op"] for r in runs)
     return {
-        "pytorch": replay_pytorch_model(snapshot, device=device, capacity=capacity),
+        "pytorch": replay_pytorch_model(
+            snapshot, device=device, capacity=capacity, expandable_segments=expandable_segments
+        ),
         "memkernels": memkernels,
         "ideal_peak_bytes": peak_live,
         "segment_match": segment_match(snapshot, device=device),
@@ -368,7 +385,9 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
     where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
     print(
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
-        f"ns/op: memkernels' pool, median of runs, on {where}.",
+        f"ns/op: memkernels' pool, median of runs, on {where}."
+        + (" Expandable segments in both columns; dev.alloc counts page mappings." if config.get(
+            "expandable_segments") else ""),
         file=out,
     )
     return rows
@@ -462,7 +481,9 @@ def install(**config):
 
     Must run before the first CUDA allocation of the process. ``**config``: pool options, as for
     :func:`replay` (e.g. ``memory_cap_fraction=0.9``, ``gc_threshold=0.8``,
-    ``trace_capacity=100_000``). Returns the installed ``memkernels._C.Pool``.
+    ``trace_capacity=100_000``, ``expandable_segments=True`` for segments that grow by mapping
+    pages through the driver's virtual-memory API; off by default, see docs/allocator.md).
+    Returns the installed ``memkernels._C.Pool``.
 
     Untested on a GPU (none was available): everything up to handing the entry points to torch
     is tested on the simulated device; the torch calls themselves are thin.

@@ -228,6 +228,11 @@ def _add_replay(subparsers):
         action="store_true",
         help="run memkernels' pool on the simulated CUDA device (cudaMalloc, cudaEvent) instead of plain addresses",
     )
+    parser.add_argument(
+        "--expandable-segments",
+        action="store_true",
+        help="both columns with expandable segments (PyTorch's expandable_segments:True, memkernels' VMM pool)",
+    )
 
     def run(args):
         from memkernels.allocator import print_replay_table
@@ -238,6 +243,7 @@ def _add_replay(subparsers):
             capacity=args.capacity,
             repeats=args.repeats,
             simulated_device=args.simulated_device,
+            expandable_segments=args.expandable_segments,
         )
         return 0
 

@@ -412,8 +412,8 @@ def test_replay_with_a_small_device_counts_ooms():
 
 
 def test_replay_input_errors():
-    with pytest.raises(NotImplementedError, match="issue 8"):
-        allocator.replay(_synthetic_trace(), expandable_segments=True)
+    with pytest.raises(ValueError, match="expandable_segments must be True or False"):
+        allocator.replay(_synthetic_trace(), expandable_segments=1)
     with pytest.raises(ValueError, match="device must be an index"):
         allocator.replay(_synthetic_trace(), device=1)
     with pytest.raises(ValueError, match="capacity must be"):

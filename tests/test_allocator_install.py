@@ -45,3 +45,14 @@ def test_install_hands_torch_the_pool_entry_points(monkeypatch):
     assert getattr(library, handed["alloc"]) and getattr(library, handed["free"])
     with pytest.raises(TypeError, match="unknown allocator option"):
         allocator.install(cap=3)
+
+
+def test_install_with_expandable_segments(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", lambda *names: names)
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", lambda a: None)
+    allocator.install(expandable_segments=True)
+    assert _C.installed_device_pool() is not None
+    with pytest.raises(TypeError, match="unknown allocator option"):
+        allocator.install(expandable_segment=True)

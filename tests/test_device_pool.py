@@ -198,3 +198,42 @@ def test_cli_replay_on_the_simulated_device(tmp_path, capsys):
     assert main(["replay", str(path), "--simulated-device", "--repeats", "1", "--capacity", str(4 * GiB)]) == 0
     assert "on the simulated CUDA device" in capsys.readouterr().out
     assert sim.counters()["cudaMalloc"] >= 2
+
+
+def test_pluggable_allocator_entry_points_with_expandable_segments():
+    alloc, free = _entry_points()
+    pool = _C.install_device_pool(allocator._pool_config(expandable_segments=True, trace_capacity=100))
+    stream = device.stream_create()
+    p = alloc(5 * MiB, 0, stream)
+    q = alloc(3 * MiB, 0, stream)
+    assert p and q == p + 5 * MiB and sim.is_device_memory(p, 8 * MiB)  # one range, grown in place
+    assert sim.stats()["mapped_bytes"] == pool.stats()["reserved_bytes"]["current"] == 8 * MiB
+    free(q, 3 * MiB, 0, stream)
+    free(p, 5 * MiB, 0, stream)
+    allocator.empty_cache()  # waits for the free-time events, then unmaps
+    assert sim.stats()["mapped_bytes"] == 0 and allocator.stats(0)["reserved_bytes"]["current"] == 0
+    snapshot = allocator.snapshot()
+    assert snapshot["segments"] == []
+    actions = [e["action"] for e in snapshot["device_traces"][0]]
+    assert actions.count("segment_map") == 2 and "segment_unmap" in actions
+    pool.check_invariants()
+
+
+def test_replay_with_expandable_segments_on_the_simulated_device():
+    events = []
+    for i in range(40):
+        events.append({"action": "alloc", "addr": 100 + i, "size": (i % 7 + 1) * 3 * MiB + i, "stream": 0})
+        if i % 3 == 2:
+            events.append({"action": "free_completed", "addr": 100 + i - 2, "size": 0, "stream": 0})
+    trace = {"segments": [], "device_traces": [events]}
+    on_sim = allocator.replay(trace, simulated_device=True, capacity=GiB, expandable_segments=True)
+    on_core = allocator.replay(trace, capacity=GiB, expandable_segments=True)
+    assert on_sim["peak_requested_bytes"] == on_core["peak_requested_bytes"] and on_sim["num_ooms"] == 0
+    # Nothing is unmapped before growth on the core (no free page borders a gap); the sim, whose
+    # unmapping also waits for stream events, can only have fewer candidates: the same decisions.
+    assert on_core["num_device_free"] == 0
+    for key in ("peak_reserved_bytes", "peak_allocated_bytes", "num_device_alloc", "num_device_free"):
+        assert on_sim[key] == on_core[key], key
+    counters = sim.counters()
+    assert counters["cuMemMap"] == counters["cuMemCreate"] >= on_sim["num_device_alloc"] > 0
+    assert counters["cuMemAddressReserve"] >= 1

@@ -2,11 +2,12 @@
 
 The fuzz runs 10^5 operations (malloc, free, record_stream, empty_cache) over four streams,
 on the pool's own virtual device (events complete after a random number of queries) and on
-the simulated CUDA device (stream workers delay every operation by a random time), and after
-every step asks the
+the simulated CUDA device (stream workers delay every operation by a random time), with
+classic and with expandable segments (address ranges with pages mapped through the VMM
+calls), and after every step asks the
 pool to recount itself (check_invariants, C++): blocks tile their segments (so no two live
 blocks overlap), free lists hold exactly the free blocks, adjacent free blocks were merged,
-every statistic equals its recount. Independently, Python tracks the live allocations and
+every statistic equals its recount, expandable segments' mapped bytes equal their blocks. Independently, Python tracks the live allocations and
 checks them against the pool's statistics. The stress test runs malloc/free from several
 threads at once (the bindings release the GIL).
 """
@@ -71,14 +72,20 @@ def reset_sim():
 
 
 @pytest.mark.parametrize(
-    "device_kind, policy, steps",
-    [("virtual", "memkernels", 100_000), ("virtual", "pytorch", 30_000), ("simulated", "memkernels", 100_000)],
+    "device_kind, policy, steps, expandable",
+    [
+        ("virtual", "memkernels", 100_000, False),
+        ("virtual", "pytorch", 30_000, False),
+        ("simulated", "memkernels", 100_000, False),
+        ("virtual", "memkernels", 100_000, True),
+        ("simulated", "memkernels", 100_000, True),
+    ],
 )
-def test_fuzz_invariants_hold_after_every_step(device_kind, policy, steps, reset_sim):
+def test_fuzz_invariants_hold_after_every_step(device_kind, policy, steps, expandable, reset_sim):
     rng = random.Random(random.getrandbits(64))  # conftest seeds `random` per test
     make_device = _virtual_device if device_kind == "virtual" else _simulated_device
     events, device_used, streams, make_pool = make_device(rng)
-    pool = make_pool(allocator._pool_config(policy=policy))
+    pool = make_pool(allocator._pool_config(policy=policy, expandable_segments=expandable))
     live = {}  # addr -> (requested size, stream)
     addrs = []
     counts = dict.fromkeys(("malloc", "free", "oom", "record_stream", "empty_cache", "drain"), 0)
@@ -128,8 +135,13 @@ def test_fuzz_invariants_hold_after_every_step(device_kind, policy, steps, reset
     pool.empty_cache()
     pool.check_invariants()
     stats = pool.stats()
-    assert stats["reserved_bytes"]["current"] == 0 and device_used() == 0
-    assert stats["num_device_alloc"] == stats["num_device_free"]
+    assert stats["reserved_bytes"]["current"] == 0 and device_used() == 0 and stats["segment"]["current"] == 0
+    if expandable:  # every page was mapped and unmapped through the upstream
+        assert stats["num_device_alloc"] > 0 and stats["num_device_free"] > 0
+    else:
+        assert stats["num_device_alloc"] == stats["num_device_free"]
+    if device_kind == "simulated":  # no mapping or address range outlives the pool's cache
+        assert sim.stats()["mapped_bytes"] == 0 and sim.stats()["reserved_bytes"] == 0
     if events is not None:
         assert events.live_events() == 0
     else:  # ordering really went through the simulated device's events
@@ -137,12 +149,13 @@ def test_fuzz_invariants_hold_after_every_step(device_kind, policy, steps, reset
         assert counters["cudaEventRecord"] >= counts["free"] and counters["cudaEventQuery"] > 0
 
 
-def test_stress_concurrent_malloc_free_from_threads():
+@pytest.mark.parametrize("expandable", [False, True])
+def test_stress_concurrent_malloc_free_from_threads(expandable):
     threads, steps = 4, 15_000
     base_seed = random.getrandbits(64)
     events = _C.DelayedEvents(4, base_seed)
     upstream = _C.VirtualUpstream(64 * GiB)
-    pool = _C.Pool(allocator._pool_config(), upstream, events)
+    pool = _C.Pool(allocator._pool_config(expandable_segments=expandable), upstream, events)
     owners, owners_lock = {}, threading.Lock()
     handoff = queue.Queue()  # allocations freed by a thread other than the one that made them
     errors = []
@@ -204,4 +217,5 @@ def test_stress_concurrent_malloc_free_from_threads():
     pool.check_invariants()
     stats = pool.stats()
     assert stats["allocation"]["current"] == 0 and stats["reserved_bytes"]["current"] == 0
+    assert upstream.used() == 0 and upstream.mapped() == 0
     assert stats["allocation"]["allocated"] >= threads * steps // 3

@@ -93,7 +93,7 @@ py::list segments_list(int device, const std::vector<SegmentInfo>& segments) {
     d["stream"] = seg.stream;
     d["segment_type"] = pool_name(seg.pool);
     d["segment_pool_id"] = py::make_tuple(0, 0);
-    d["is_expandable"] = false;
+    d["is_expandable"] = seg.expandable;
     d["is_reserved"] = seg.kept;
     d["frames"] = py::list();
     d["blocks"] = blocks;
@@ -152,17 +152,24 @@ void bind_pool(py::module_& m) {
       .def_readwrite("memory_cap_fraction", &PoolConfig::memory_cap_fraction)
       .def_readwrite("gc_threshold", &PoolConfig::gc_threshold)
       .def_readwrite("trace_capacity", &PoolConfig::trace_capacity)
+      .def_readwrite("expandable_segments", &PoolConfig::expandable_segments)
+      .def_readwrite("expandable_range_bytes", &PoolConfig::expandable_range_bytes)
       .def("validate", &PoolConfig::validate);
 
   py::class_<Upstream, std::shared_ptr<Upstream>>(m, "Upstream").def_property_readonly("name", &Upstream::name);
   py::class_<EventSource, std::shared_ptr<EventSource>>(m, "EventSource");
 
   py::class_<VirtualUpstream, Upstream, std::shared_ptr<VirtualUpstream>>(
-      m, "VirtualUpstream", "Hands out virtual addresses (no memory touched) up to a capacity per device.")
-      .def(py::init<std::size_t>(), py::arg("capacity"))
+      m, "VirtualUpstream",
+      "Hands out virtual addresses (no memory touched) up to a capacity per device; with virtual memory "
+      "(address ranges, pages of page_bytes mapped into them) for expandable segments.")
+      .def(py::init<std::size_t, std::size_t>(), py::arg("capacity"), py::arg("page_bytes") = std::size_t(2) << 20)
       .def("fail_nth", &VirtualUpstream::fail_nth, py::arg("n"),
-           "Refuse the n-th allocation from now (1 = the next); 0 disarms.")
-      .def("used", &VirtualUpstream::used, py::arg("device") = 0);
+           "Refuse the n-th allocation or page mapping from now (1 = the next); 0 disarms.")
+      .def("used", &VirtualUpstream::used, py::arg("device") = 0)
+      .def("map_calls", &VirtualUpstream::map_calls, py::arg("device") = 0)
+      .def("unmap_calls", &VirtualUpstream::unmap_calls, py::arg("device") = 0)
+      .def("mapped", &VirtualUpstream::mapped, py::arg("device") = 0, "Bytes mapped now.");
 
   py::class_<DelayedEvents, EventSource, std::shared_ptr<DelayedEvents>>(
       m, "DelayedEvents", "Events that complete after a random number (0..max_delay) of queries.")

@@ -22,6 +22,8 @@ std::string format_bytes(std::int64_t bytes) {
   return os.str();
 }
 
+std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
+
 int histogram_bucket(std::size_t size) {
   int bucket = 0;
   while (size > 1 && bucket < kHistogramBuckets - 1) size >>= 1, ++bucket;
@@ -45,6 +47,14 @@ DevicePool::DevicePool(int device, PoolConfig config, Upstream* upstream, EventS
   config_.validate();
   trace_.set_capacity(config_.trace_capacity);
   allocated_.reserve(1024);
+  if (config_.expandable_segments) {
+    page_ = upstream_->page_size(device_);
+    MK_EXPECTS(page_ != 0, "expandable_segments=True needs virtual memory, which upstream '" + upstream_->name() +
+                               "' does not have; use expandable_segments=False");
+    MK_EXPECTS(config_.expandable_range_bytes % page_ == 0,
+               "expandable_range_bytes must be a multiple of the device's page size (" + std::to_string(page_) +
+                   " bytes), got " + std::to_string(config_.expandable_range_bytes));
+  }
 }
 
 DevicePool::~DevicePool() {
@@ -61,7 +71,23 @@ DevicePool::~DevicePool() {
     }
   for (auto& entry : segments_) {
     try {
-      upstream_->deallocate(device_, entry.second->base, entry.second->size);
+      Segment& segment = *entry.second;
+      if (segment.kind == Segment::Kind::classic) {
+        upstream_->deallocate(device_, segment.base, segment.size);
+        continue;
+      }
+      // Unmap every mapped run, then give the address range back.
+      for (Block* b = segment.head; b != nullptr;) {
+        if (b->state == BlockState::unmapped) {
+          b = b->next;
+          continue;
+        }
+        std::uintptr_t start = b->addr;
+        while (b != nullptr && b->state != BlockState::unmapped) b = b->next;
+        std::uintptr_t end = b != nullptr ? b->addr : segment.base + segment.size;
+        upstream_->unmap(device_, start, end - start);
+      }
+      upstream_->release_range(device_, segment.base, segment.size);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "memkernels: pool on device %d: releasing a segment: %s\n", device_, e.what());
     }
@@ -137,7 +163,10 @@ Block* DevicePool::find_free(PoolKind pool, StreamId stream, std::size_t rounded
   key.size = rounded;
   key.addr = 0;
   Block* best = nullptr;
-  std::size_t largest = pool == PoolKind::large ? config_.policy.largest_block_for(rounded) : SIZE_MAX;
+  // The oversize rule guards classic segments' tails; an expandable block's tail is unmapped instead.
+  std::size_t largest = pool == PoolKind::large && !config_.expandable_segments
+                            ? config_.policy.largest_block_for(rounded)
+                            : SIZE_MAX;
   auto consider = [&](FreeSet& set) {
     auto it = set.lower_bound(&key);
     if (it != set.end() && (*it)->size <= largest && (best == nullptr || BySizeAddr{}(*it, best))) best = *it;
@@ -187,7 +216,7 @@ Block* DevicePool::device_alloc(PoolKind pool, StreamId stream, std::size_t byte
 }
 
 bool DevicePool::releasable(const Block* block) const {
-  return block->prev == nullptr && block->next == nullptr && !block->segment->kept &&
+  return block->segment->kind == Segment::Kind::classic && block->prev == nullptr && block->next == nullptr && !block->segment->kept &&
          (block->state == BlockState::free_any || block->state == BlockState::free_stream);
 }
 
@@ -218,10 +247,12 @@ std::size_t DevicePool::release_cached(std::size_t stop_below, bool oldest_first
     ++released;
     release_segment(segment->head);
   }
+  if (stop_below == 0 && !expandable_.empty()) released += release_expandable();
   return released;
 }
 
 Block* DevicePool::new_segment_block(PoolKind pool, StreamId stream, std::size_t rounded, std::size_t requested) {
+  if (config_.expandable_segments) return grow_block(pool, stream, rounded, requested);
   const Policy& policy = config_.policy;
   std::size_t preferred = policy.segment_size(rounded);
   std::size_t minimal = pool == PoolKind::small
@@ -256,14 +287,286 @@ Block* DevicePool::new_segment_block(PoolKind pool, StreamId stream, std::size_t
     release_cached();
     block = attempt();
   }
-  if (block == nullptr) {
-    ++stats_.num_ooms;
-    std::size_t limit = cap_bytes() != 0 ? cap_bytes() : upstream_->total_memory(device_);
-    std::size_t reserved_now = std::size_t(stats_.total.reserved_bytes.current);
-    trace_.record(TraceAction::oom, 0, requested, stream, limit > reserved_now ? limit - reserved_now : 0);
-    throw out_of_memory(oom_message(requested, minimal));
-  }
+  if (block == nullptr) fail_oom(requested, stream, minimal);
   return block;
+}
+
+void DevicePool::fail_oom(std::size_t requested, StreamId stream, std::size_t segment_bytes) {
+  ++stats_.num_ooms;
+  std::size_t limit = cap_bytes() != 0 ? cap_bytes() : upstream_->total_memory(device_);
+  std::size_t reserved_now = std::size_t(stats_.total.reserved_bytes.current);
+  trace_.record(TraceAction::oom, 0, requested, stream, limit > reserved_now ? limit - reserved_now : 0);
+  throw out_of_memory(oom_message(requested, segment_bytes));
+}
+
+// ---------------------------------------------------------------- expandable segments
+//
+// Each (stream, pool) grows one address range (a new one only when it is full).
+// A request no free block can serve maps the fewest whole pages that make room:
+// into the unmapped gap after a free block it extends, or a gap of its own,
+// lowest address on ties. Free pages are unmapped only once no stream can
+// still be using them (their free-time event completed; cuMemUnmap does not
+// wait for the device): before growth would raise the reserved high-water mark
+// (just enough of them, largest first), past the GC threshold, and all of them
+// on empty_cache() and before an out-of-memory retry.
+
+Block* DevicePool::grow_block(PoolKind pool, StreamId stream, std::size_t rounded, std::size_t requested) {
+  auto reserved = [&] { return std::size_t(stats_.total.reserved_bytes.current); };
+  GrowthPlan plan = plan_growth(pool, stream, rounded);
+  if (config_.policy.release_before_growth >= 0.0 && reserved() + plan.bytes > std::size_t(high_water_) &&
+      unmap_free_pages(reserved() + plan.bytes - std::size_t(high_water_), plan.joins) > 0) {
+    ++stats_.num_early_releases;
+    plan = plan_growth(pool, stream, rounded);
+  }
+  if (config_.gc_threshold > 0.0) {
+    std::size_t cap = cap_bytes();
+    std::size_t limit = std::size_t(config_.gc_threshold * double(cap != 0 ? cap : upstream_->total_memory(device_)));
+    if (reserved() + plan.bytes > limit && unmap_free_pages(reserved() + plan.bytes - limit, plan.joins) > 0) {
+      ++stats_.num_gc_releases;
+      plan = plan_growth(pool, stream, rounded);
+    }
+  }
+  Block* block = map_growth(plan, pool, stream);
+  if (block == nullptr) {
+    ++stats_.num_alloc_retries;
+    process_events(true);
+    release_cached();
+    plan = plan_growth(pool, stream, rounded);
+    block = map_growth(plan, pool, stream);
+  }
+  if (block == nullptr) fail_oom(requested, stream, plan.bytes);
+  return block;
+}
+
+DevicePool::GrowthPlan DevicePool::plan_growth(PoolKind pool, StreamId stream, std::size_t rounded) {
+  GrowthPlan best;
+  Block key;
+  for (Segment* segment : expandable_) {
+    if (segment->pool != pool || segment->stream != stream) continue;
+    key.addr = segment->base;
+    for (auto it = unmapped_.lower_bound(&key); it != unmapped_.end() && (*it)->addr < segment->base + segment->size;
+         ++it) {
+      Block* gap = *it;
+      const Block* prev = gap->prev;
+      // The new pages (free for `stream`) merge with a free block before the gap if it serves `stream` too.
+      bool joins = prev != nullptr && (prev->state == BlockState::free_any ||
+                                       (prev->state == BlockState::free_stream && prev->stream == stream));
+      std::size_t have = joins ? prev->size : 0;
+      std::size_t bytes = round_up(rounded > have ? rounded - have : 1, page_);
+      if (bytes > gap->size) continue;
+      if (best.gap == nullptr || bytes < best.bytes || (bytes == best.bytes && gap->addr < best.gap->addr))
+        best = GrowthPlan{segment, gap, bytes, joins ? prev : nullptr};
+    }
+  }
+  if (best.gap == nullptr) best.bytes = round_up(rounded, page_);
+  return best;
+}
+
+Block* DevicePool::map_growth(GrowthPlan plan, PoolKind pool, StreamId stream) {
+  std::size_t cap = cap_bytes();
+  if (cap != 0 && std::size_t(stats_.total.reserved_bytes.current) + plan.bytes > cap) return nullptr;
+  if (plan.segment == nullptr) {
+    plan.segment = new_range(pool, stream, plan.bytes);
+    if (plan.segment == nullptr) return nullptr;
+    plan.gap = plan.segment->head;
+  }
+  Segment* segment = plan.segment;
+  Block* gap = plan.gap;
+  if (!upstream_->map(device_, gap->addr, plan.bytes)) return nullptr;
+  segment->mapped += plan.bytes;
+  segment->last_used = tick_;
+  ++stats_.num_device_alloc;
+  add(pool, &PoolStats::reserved_bytes, std::int64_t(plan.bytes));
+  high_water_ = std::max(high_water_, stats_.total.reserved_bytes.current);
+  trace_.record(TraceAction::segment_map, gap->addr, plan.bytes, stream);
+
+  Block* fresh = gap;
+  unmapped_.erase(gap);
+  if (plan.bytes < gap->size) {
+    fresh = new_block();
+    fresh->addr = gap->addr;
+    fresh->size = plan.bytes;
+    fresh->segment = segment;
+    fresh->prev = gap->prev;
+    fresh->next = gap;
+    if (gap->prev != nullptr) gap->prev->next = fresh;
+    if (segment->head == gap) segment->head = fresh;
+    gap->prev = fresh;
+    gap->addr += plan.bytes;
+    gap->size -= plan.bytes;
+    unmapped_.insert(gap);
+  }
+  // Fresh pages: no stream has used them, so no event guards them (event_seq 0).
+  fresh->state = BlockState::free_stream;
+  fresh->stream = stream;
+  fresh->event_seq = 0;
+  ++fresh->generation;
+  Block* block = merge_and_insert(fresh);
+  erase_free(block);
+  return block;
+}
+
+Segment* DevicePool::new_range(PoolKind pool, StreamId stream, std::size_t min_bytes) {
+  // As much address space as the device has memory (as PyTorch): a range never
+  // fills up, so blocks never stop at its end.
+  std::size_t bytes = config_.expandable_range_bytes != 0 ? config_.expandable_range_bytes
+                                                          : std::min(upstream_->total_memory(device_), kMaxRequest);
+  // Room beyond the first request: the range then ends in unmapped space, which
+  // is what lets release-before-growth find its free tail pages.
+  bytes = round_up(bytes + min_bytes, page_);
+  std::uintptr_t base = upstream_->reserve_range(device_, bytes);
+  if (base == 0 && bytes > min_bytes) base = upstream_->reserve_range(device_, bytes = min_bytes);
+  if (base == 0) return nullptr;
+  MK_ASSERT(base % page_ == 0, "the upstream reserved a range that is not page-aligned");
+  auto segment = std::make_unique<Segment>();
+  segment->base = base;
+  segment->size = bytes;
+  segment->pool = pool;
+  segment->kind = Segment::Kind::expandable;
+  segment->stream = stream;
+  segment->last_used = tick_;
+  Block* gap = new_block();
+  gap->addr = base;
+  gap->size = bytes;
+  gap->segment = segment.get();
+  gap->stream = stream;
+  gap->state = BlockState::unmapped;
+  segment->head = gap;
+  unmapped_.insert(gap);
+  Segment* raw = segment.get();
+  segments_.emplace(base, std::move(segment));
+  expandable_.push_back(raw);
+  add(pool, &PoolStats::segment_count, 1);
+  return raw;
+}
+
+void DevicePool::release_range(Segment* segment) {
+  Block* gap = segment->head;
+  MK_ASSERT(segment->mapped == 0 && gap->state == BlockState::unmapped && gap->next == nullptr,
+            "releasing an expandable segment that still has pages mapped");
+  unmapped_.erase(gap);
+  upstream_->release_range(device_, segment->base, segment->size);
+  sub(segment->pool, &PoolStats::segment_count, 1);
+  recycle(gap);
+  expandable_.erase(std::find(expandable_.begin(), expandable_.end(), segment));
+  segments_.erase(segment->base);
+}
+
+bool DevicePool::unmappable(const Block* block) const {
+  if (block->segment->kind != Segment::Kind::expandable) return false;
+  if (block->state == BlockState::free_any) return true;
+  // free_stream: safe once no event is pending for it (fresh pages), or when
+  // there are no events at all (an upstream on which nothing runs: replay).
+  return block->state == BlockState::free_stream && (events_ == nullptr || block->event_seq == 0);
+}
+
+std::size_t DevicePool::whole_pages(const Block* block) const {
+  std::uintptr_t lo = round_up(block->addr, page_);
+  std::uintptr_t hi = (block->addr + block->size) / page_ * page_;
+  return hi > lo ? hi - lo : 0;
+}
+
+std::size_t DevicePool::unmap_pages(Block* block) {
+  std::size_t bytes = whole_pages(block);
+  if (bytes == 0) return 0;
+  Segment* segment = block->segment;
+  const std::uintptr_t lo = round_up(block->addr, page_), hi = lo + bytes, end = block->addr + block->size;
+  erase_free(block);
+  upstream_->unmap(device_, lo, bytes);
+  segment->mapped -= bytes;
+  ++stats_.num_device_free;
+  sub(segment->pool, &PoolStats::reserved_bytes, std::int64_t(bytes));
+  trace_.record(TraceAction::segment_unmap, lo, bytes, segment->stream);
+
+  // The partial pages at either end stay mapped and free, with the block's state.
+  auto carve = [&](std::uintptr_t addr, std::size_t size, bool before) {
+    Block* piece = new_block();
+    piece->addr = addr;
+    piece->size = size;
+    piece->segment = segment;
+    piece->stream = block->stream;
+    piece->state = block->state;
+    piece->event_seq = block->event_seq;
+    if (before) {
+      piece->prev = block->prev;
+      piece->next = block;
+      if (block->prev != nullptr) block->prev->next = piece;
+      if (segment->head == block) segment->head = piece;
+      block->prev = piece;
+    } else {
+      piece->prev = block;
+      piece->next = block->next;
+      if (block->next != nullptr) block->next->prev = piece;
+      block->next = piece;
+    }
+    insert_free(piece);
+  };
+  if (lo > block->addr) carve(block->addr, lo - block->addr, true);
+  if (hi < end) carve(hi, end - hi, false);
+  block->addr = lo;
+  block->size = bytes;
+  block->state = BlockState::unmapped;
+  ++block->generation;
+  // Coalesce with unmapped neighbours.
+  if (Block* prev = block->prev; prev != nullptr && prev->state == BlockState::unmapped) {
+    unmapped_.erase(prev);
+    block->addr = prev->addr;
+    block->size += prev->size;
+    block->prev = prev->prev;
+    if (prev->prev != nullptr) prev->prev->next = block;
+    if (segment->head == prev) segment->head = block;
+    recycle(prev);
+  }
+  if (Block* next = block->next; next != nullptr && next->state == BlockState::unmapped) {
+    unmapped_.erase(next);
+    block->size += next->size;
+    block->next = next->next;
+    if (next->next != nullptr) next->next->prev = block;
+    recycle(next);
+  }
+  unmapped_.insert(block);
+  return bytes;
+}
+
+std::size_t DevicePool::unmap_free_pages(std::size_t target, const Block* keep) {
+  std::vector<std::pair<std::size_t, Block*>> candidates;
+  auto consider = [&](Block* b) {
+    if (b != nullptr && b != keep && unmappable(b))
+      if (std::size_t bytes = whole_pages(b)) candidates.emplace_back(bytes, b);
+  };
+  if (target == 0) {
+    for (Segment* segment : expandable_)
+      for (Block* b = segment->head; b != nullptr; b = b->next) consider(b);
+  } else {
+    // Only free blocks that border a gap: unmapping their pages widens the gap
+    // instead of opening a new one, whose partial pages at both ends would stay
+    // mapped and unusable. A free block between two gaps is listed once.
+    for (Block* gap : unmapped_) {
+      consider(gap->prev);
+      if (gap->next == nullptr || gap->next->next == nullptr || gap->next->next->state != BlockState::unmapped)
+        consider(gap->next);
+    }
+  }
+  // Largest first: the fewest unmap calls reach the target. Ties by address keep runs deterministic.
+  if (target != 0)
+    std::sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) {
+      return a.first != b.first ? a.first > b.first : a.second->addr < b.second->addr;
+    });
+  std::size_t released = 0;
+  for (auto& candidate : candidates) {
+    if (target != 0 && released >= target) break;
+    released += unmap_pages(candidate.second);
+  }
+  return released;
+}
+
+std::size_t DevicePool::release_expandable() {
+  std::size_t released = unmap_free_pages(0, nullptr) > 0 ? 1 : 0;
+  std::vector<Segment*> empty;
+  for (Segment* segment : expandable_)
+    if (segment->mapped == 0) empty.push_back(segment);
+  for (Segment* segment : empty) release_range(segment);
+  return released + empty.size();
 }
 
 std::string DevicePool::oom_message(std::size_t requested, std::size_t segment_bytes) {
@@ -303,7 +606,13 @@ std::uintptr_t DevicePool::malloc(std::size_t bytes, StreamId stream) {
   else
     block = new_segment_block(pool, stream, rounded, bytes);
 
-  if (policy.should_split(pool, block->size, rounded)) {
+  // In an expandable segment every remainder is split off: attached to the
+  // block it would be lost until the block is freed; free, it is reused or its
+  // pages unmapped.
+  bool split = config_.expandable_segments && block->segment->kind == Segment::Kind::expandable
+                   ? block->size - rounded >= policy.min_block
+                   : policy.should_split(pool, block->size, rounded);
+  if (split) {
     // The free remainder keeps the original block (and any event queued for it);
     // the allocation is a new block at the front.
     Block* front = new_block();
@@ -377,8 +686,9 @@ void DevicePool::free_block(Block* block) {
   block->state = BlockState::free_stream;
   // Only another stream could use the event; while the pool has seen a single
   // stream none is recorded (on a GPU that saves a cudaEventRecord per free).
-  // Such a block stays with its stream, which is always safe.
-  if (events_ != nullptr && streams_seen_.size() > 1) {
+  // Such a block stays with its stream, which is always safe. Expandable
+  // segments always record one: it tells when the pages may be unmapped.
+  if (events_ != nullptr && (streams_seen_.size() > 1 || config_.expandable_segments)) {
     ++block->generation;
     block->event_seq = ++event_seq_;
     record_event(block, block->stream);
@@ -414,7 +724,7 @@ bool DevicePool::mergeable(const Block* a, const Block* b) {
   return true;
 }
 
-void DevicePool::merge_and_insert(Block* block) {
+Block* DevicePool::merge_and_insert(Block* block) {
   Block* neighbours[2] = {block->prev, block->next};
   for (Block* neighbour : neighbours) {
     if (neighbour == nullptr || !mergeable(block, neighbour)) continue;
@@ -443,6 +753,7 @@ void DevicePool::merge_and_insert(Block* block) {
     block = keep;
   }
   insert_free(block);
+  return block;
 }
 
 // ---------------------------------------------------------------- events
@@ -571,10 +882,22 @@ std::vector<SegmentInfo> DevicePool::segments() {
   std::lock_guard<std::mutex> lock(mutex_);
   std::vector<SegmentInfo> out;
   out.reserve(segments_.size());
+  // An expandable segment appears as one segment per contiguous mapped run, as in PyTorch's snapshots.
   for (auto& entry : segments_) {
     const Segment& seg = *entry.second;
-    SegmentInfo info{seg.base, seg.size, 0, 0, 0, seg.stream, seg.pool, seg.kept, {}};
+    bool expandable = seg.kind == Segment::Kind::expandable;
+    bool open = false;
     for (Block* b = seg.head; b != nullptr; b = b->next) {
+      if (b->state == BlockState::unmapped) {
+        open = false;
+        continue;
+      }
+      if (!open) {
+        out.push_back(SegmentInfo{b->addr, 0, 0, 0, 0, seg.stream, seg.pool, seg.kept, expandable, {}});
+        open = true;
+      }
+      SegmentInfo& info = out.back();
+      info.total_size += b->size;
       info.blocks.push_back({b->addr, b->size, b->requested, b->state});
       if (b->state == BlockState::allocated) info.allocated_size += b->size;
       if (b->state == BlockState::allocated || b->state == BlockState::waiting) {
@@ -582,7 +905,6 @@ std::vector<SegmentInfo> DevicePool::segments() {
         info.requested_size += b->requested;
       }
     }
-    out.push_back(std::move(info));
   }
   return out;
 }
@@ -595,7 +917,7 @@ std::vector<TraceEntry> DevicePool::trace() {
 void DevicePool::check_invariants() {
   std::lock_guard<std::mutex> lock(mutex_);
   PoolStats recount[kNumPools];
-  std::size_t free_blocks = 0, allocated_blocks = 0;
+  std::size_t free_blocks = 0, allocated_blocks = 0, unmapped_blocks = 0;
   std::uintptr_t previous_end = 0;
   for (auto& entry : segments_) {
     const Segment& seg = *entry.second;
@@ -603,8 +925,10 @@ void DevicePool::check_invariants() {
     MK_ASSERT(seg.base >= previous_end, "segments overlap");
     previous_end = seg.base + seg.size;
     PoolStats& r = recount[int(seg.pool)];
-    r.reserved_bytes.current += std::int64_t(seg.size);
+    bool expandable = seg.kind == Segment::Kind::expandable;
+    r.reserved_bytes.current += std::int64_t(expandable ? seg.mapped : seg.size);
     r.segment_count.current += 1;
+    std::size_t mapped = 0;
     std::uintptr_t cursor = seg.base;
     const Block* prev = nullptr;
     for (Block* b = seg.head; b != nullptr; prev = b, b = b->next) {
@@ -614,7 +938,15 @@ void DevicePool::check_invariants() {
       MK_ASSERT(b->size % config_.policy.min_block == 0, "block size is not a multiple of min_block");
       cursor += b->size;
       if (prev != nullptr) MK_ASSERT(!mergeable(prev, b), "two adjacent free blocks were not coalesced");
+      if (b->state != BlockState::unmapped) mapped += b->size;
       switch (b->state) {
+        case BlockState::unmapped:
+          ++unmapped_blocks;
+          MK_ASSERT(expandable, "an unmapped block in a classic segment");
+          MK_ASSERT(b->addr % page_ == 0 && b->size % page_ == 0, "an unmapped block is not whole pages");
+          MK_ASSERT(prev == nullptr || prev->state != BlockState::unmapped, "two adjacent unmapped blocks");
+          MK_ASSERT(unmapped_.count(b) == 1, "unmapped block missing from the unmapped set");
+          break;
         case BlockState::allocated: {
           ++allocated_blocks;
           auto it = allocated_.find(b->addr);
@@ -642,7 +974,12 @@ void DevicePool::check_invariants() {
       }
     }
     MK_ASSERT(cursor == seg.base + seg.size, "blocks do not cover their segment");
+    MK_ASSERT(mapped == (expandable ? seg.mapped : seg.size), "mapped bytes differ from their recount");
+    if (expandable)
+      MK_ASSERT(std::find(expandable_.begin(), expandable_.end(), &seg) != expandable_.end(),
+                "expandable segment missing from its list");
   }
+  MK_ASSERT(unmapped_blocks == unmapped_.size(), "the unmapped set holds blocks that are not unmapped");
   MK_ASSERT(allocated_blocks == allocated_.size(), "address map holds blocks that are not allocated");
   std::size_t idle = 0;
   for (auto& entry : segments_)

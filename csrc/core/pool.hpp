@@ -38,6 +38,10 @@ struct PoolConfig {
   double memory_cap_fraction = 0.0;   // of Upstream::total_memory; 0: no cap
   double gc_threshold = 0.0;          // fraction of the cap (or device memory); 0: off
   std::size_t trace_capacity = 0;     // ring-buffer entries; 0: tracing off
+  // Expandable segments (needs an upstream with virtual memory): one address
+  // range per (stream, pool), physical pages mapped on demand; see pool.cpp.
+  bool expandable_segments = false;
+  std::size_t expandable_range_bytes = 0;  // address range per segment; 0: the device's memory
 
   void validate() const;
 };
@@ -47,6 +51,7 @@ enum class BlockState : std::uint8_t {
   free_stream,  // free, reusable by its stream only (event pending or no event source)
   free_any,     // free, reusable by every stream
   waiting,      // freed by the caller, still in use on other streams (record_stream)
+  unmapped,     // expandable segments: address space with no physical pages behind it
 };
 
 struct Segment;
@@ -67,9 +72,13 @@ struct Block {
 };
 
 struct Segment {
-  enum class Kind : std::uint8_t { classic };  // issue 8 adds expandable (VMM-backed)
+  // classic: one device allocation of `size` bytes. expandable: an address range
+  // of `size` bytes of which `mapped` have physical pages (blocks tile the range;
+  // the unmapped ones are BlockState::unmapped).
+  enum class Kind : std::uint8_t { classic, expandable };
   std::uintptr_t base = 0;
   std::size_t size = 0;
+  std::size_t mapped = 0;
   PoolKind pool = PoolKind::large;
   Kind kind = Kind::classic;
   StreamId stream = 0;
@@ -94,6 +103,7 @@ struct SegmentInfo {
   StreamId stream;
   PoolKind pool;
   bool kept;
+  bool expandable;  // one contiguous mapped run of an expandable segment
   std::vector<BlockInfo> blocks;
 };
 
@@ -143,6 +153,15 @@ class DevicePool {
     StreamId stream;
     std::deque<PendingEvent> events;  // recording order == completion order
   };
+  struct ByAddr {
+    bool operator()(const Block* a, const Block* b) const { return a->addr < b->addr; }
+  };
+  struct GrowthPlan {
+    Segment* segment = nullptr;  // null: reserve a new range
+    Block* gap = nullptr;        // the unmapped block the pages go into
+    std::size_t bytes = 0;       // to map (whole pages)
+    const Block* joins = nullptr;  // the free block the new pages extend
+  };
   struct FreeLists {
     FreeSet any;
     std::vector<std::pair<StreamId, FreeSet>> by_stream;
@@ -161,7 +180,7 @@ class DevicePool {
   std::size_t release_cached(std::size_t stop_below = 0, bool oldest_first = false);
   void free_block(Block* block);
   void retire(Block* block);  // no stream uses it any more: stats and trace
-  void merge_and_insert(Block* block);
+  Block* merge_and_insert(Block* block);  // returns the merged block
   static bool mergeable(const Block* a, const Block* b);
   void process_events(bool wait);
   void record_event(Block* block, StreamId stream);
@@ -172,6 +191,18 @@ class DevicePool {
   void add(PoolKind pool, Stat PoolStats::*field, std::int64_t n);
   void sub(PoolKind pool, Stat PoolStats::*field, std::int64_t n);
   std::string oom_message(std::size_t requested, std::size_t segment_bytes);
+  [[noreturn]] void fail_oom(std::size_t requested, StreamId stream, std::size_t segment_bytes);
+  // Expandable segments.
+  Block* grow_block(PoolKind pool, StreamId stream, std::size_t rounded, std::size_t requested);
+  GrowthPlan plan_growth(PoolKind pool, StreamId stream, std::size_t rounded);
+  Block* map_growth(GrowthPlan plan, PoolKind pool, StreamId stream);
+  Segment* new_range(PoolKind pool, StreamId stream, std::size_t min_bytes);
+  void release_range(Segment* segment);
+  bool unmappable(const Block* block) const;
+  std::size_t whole_pages(const Block* block) const;
+  std::size_t unmap_pages(Block* block);
+  std::size_t unmap_free_pages(std::size_t target, const Block* keep);
+  std::size_t release_expandable();
   DeviceStats stats_locked();
 
   const int device_;
@@ -187,6 +218,9 @@ class DevicePool {
   std::vector<StreamId> streams_seen_;  // every stream that allocated or used a block
   std::vector<std::unique_ptr<Block>> block_storage_;  // blocks live as long as the pool
   std::vector<Block*> spare_blocks_;
+  std::set<Block*, ByAddr> unmapped_;  // unmapped blocks of every expandable segment
+  std::vector<Segment*> expandable_;
+  std::size_t page_ = 0;  // expandable segments: the upstream's mapping granularity
   DeviceStats stats_;
   std::size_t idle_bytes_ = 0;   // bytes in whole free segments that may be released
   std::int64_t high_water_ = 0;  // reserved-bytes peak, unaffected by reset_peak_stats

@@ -11,6 +11,8 @@ const char* trace_action_name(TraceAction action) {
     case TraceAction::free_completed: return "free_completed";
     case TraceAction::segment_alloc: return "segment_alloc";
     case TraceAction::segment_free: return "segment_free";
+    case TraceAction::segment_map: return "segment_map";
+    case TraceAction::segment_unmap: return "segment_unmap";
     case TraceAction::oom: return "oom";
   }
   return "unknown";

@@ -16,6 +16,8 @@ enum class TraceAction : std::uint8_t {
   free_completed,
   segment_alloc,
   segment_free,
+  segment_map,    // expandable segments: pages mapped / unmapped
+  segment_unmap,
   oom,
 };
 

@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <string>
 
+#include "common/check.hpp"
+
 namespace mk::core {
 
 // A stream as the pool sees it: an opaque handle (cudaStream_t cast to an integer).
@@ -15,9 +17,9 @@ using StreamId = std::uint64_t;
 // An event handle owned by an EventSource.
 using EventId = std::uint64_t;
 
-// Hands out and takes back whole segments. Classic segments only for now; a VMM
-// upstream (expandable segments, issue 8) adds reserve/map/unmap next to these
-// and a Segment::Kind::expandable that the pool grows in place.
+// Hands out and takes back whole segments (classic) and, if it has virtual
+// memory (page_size() != 0), address ranges with physical pages mapped into
+// them on demand (expandable segments, Segment::Kind::expandable).
 class Upstream {
  public:
   virtual ~Upstream() = default;
@@ -28,6 +30,27 @@ class Upstream {
   // Total memory of `device` in bytes (what a fractional memory cap is a fraction of).
   virtual std::size_t total_memory(int device) = 0;
   virtual std::string name() const = 0;
+
+  // Virtual memory. The mapping granularity of `device` in bytes; 0: no
+  // virtual-memory support (the calls below then throw).
+  virtual std::size_t page_size(int /*device*/) { return 0; }
+  // An address range of `bytes` (a multiple of page_size) with nothing mapped,
+  // or 0 if the device has no address space left.
+  virtual std::uintptr_t reserve_range(int /*device*/, std::size_t /*bytes*/) { no_vmm(); }
+  // Gives back a range reserve_range returned; nothing in it may be mapped.
+  virtual void release_range(int /*device*/, std::uintptr_t /*base*/, std::size_t /*bytes*/) { no_vmm(); }
+  // Maps fresh physical pages over [address, address + bytes) inside a reserved
+  // range (page-aligned). False, with nothing mapped, if the device is out of memory.
+  virtual bool map(int /*device*/, std::uintptr_t /*address*/, std::size_t /*bytes*/) { no_vmm(); }
+  // Unmaps pages mapped by map(); the range may span several map() calls or part
+  // of one. Does not wait for the device: the caller makes sure no queued work
+  // still uses the pages.
+  virtual void unmap(int /*device*/, std::uintptr_t /*address*/, std::size_t /*bytes*/) { no_vmm(); }
+
+ private:
+  [[noreturn]] void no_vmm() const {
+    throw user_error("upstream '" + name() + "' has no virtual-memory support: expandable segments need one");
+  }
 };
 
 // Events recorded on a stream; complete when the work queued before them has run.

@@ -15,28 +15,48 @@
 
 namespace mk::core {
 
+// Segments and, for expandable segments, address ranges with pages mapped into
+// them, all counted against `capacity` per device (mapped pages, not ranges).
 class VirtualUpstream : public Upstream {
  public:
-  explicit VirtualUpstream(std::size_t capacity_bytes);
+  explicit VirtualUpstream(std::size_t capacity_bytes, std::size_t page_bytes = std::size_t(2) << 20);
   std::uintptr_t allocate(int device, std::size_t bytes) override;
   void deallocate(int device, std::uintptr_t address, std::size_t bytes) override;
   std::size_t total_memory(int device) override { return capacity_; }
   std::string name() const override { return "virtual"; }
 
-  // The n-th allocate() from now (1 = the next one) is refused; 0 disarms.
+  std::size_t page_size(int) override { return page_; }
+  std::uintptr_t reserve_range(int device, std::size_t bytes) override;
+  void release_range(int device, std::uintptr_t base, std::size_t bytes) override;
+  bool map(int device, std::uintptr_t address, std::size_t bytes) override;
+  void unmap(int device, std::uintptr_t address, std::size_t bytes) override;
+
+  // The n-th allocate() or map() from now (1 = the next one) is refused; 0 disarms.
   void fail_nth(std::uint64_t n);
   std::size_t used(int device);
+  // map() and unmap() calls so far, and bytes mapped now, on `device`.
+  std::uint64_t map_calls(int device);
+  std::uint64_t unmap_calls(int device);
+  std::size_t mapped(int device);
 
  private:
   struct DeviceSpace {
     std::uintptr_t next_address = 0;
     std::size_t used = 0;
     std::map<std::uintptr_t, std::size_t> live;
+    std::uintptr_t next_range = 0;
+    std::map<std::uintptr_t, std::size_t> ranges;  // reserved address ranges
+    std::map<std::uintptr_t, std::size_t> runs;    // mapped, disjoint, coalesced
+    std::size_t mapped = 0;
+    std::uint64_t map_calls = 0;
+    std::uint64_t unmap_calls = 0;
   };
   DeviceSpace& space(int device);
+  bool refuse_next();  // fail_nth's countdown
 
   std::mutex mutex_;
   std::size_t capacity_;
+  std::size_t page_;
   std::uint64_t fail_countdown_ = 0;
   std::unordered_map<int, DeviceSpace> devices_;
 };

@@ -73,6 +73,88 @@ std::size_t DeviceUpstream::total_memory(int device) {
 
 std::string DeviceUpstream::name() const { return api().backend; }
 
+namespace {
+
+CUmemAllocationProp pinned_on(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
+}  // namespace
+
+std::size_t DeviceUpstream::page_size(int device) {
+  DeviceGuard guard(device);
+  const Api& cu = api();
+  CUmemAllocationProp prop = pinned_on(device);
+  std::size_t granularity = 0;
+  check(cu, cu.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
+        "cuMemGetAllocationGranularity");
+  return granularity;
+}
+
+std::uintptr_t DeviceUpstream::reserve_range(int device, std::size_t bytes) {
+  DeviceGuard guard(device);
+  const Api& cu = api();
+  CUdeviceptr base = 0;
+  CUresult err = cu.cuMemAddressReserve(&base, bytes, 0, 0, 0);
+  if (err == CUDA_ERROR_OUT_OF_MEMORY) return 0;
+  check(cu, err, "cuMemAddressReserve");
+  return static_cast<std::uintptr_t>(base);
+}
+
+void DeviceUpstream::release_range(int device, std::uintptr_t base, std::size_t bytes) {
+  DeviceGuard guard(device);
+  const Api& cu = api();
+  check(cu, cu.cuMemAddressFree(static_cast<CUdeviceptr>(base), bytes), "cuMemAddressFree");
+}
+
+bool DeviceUpstream::map(int device, std::uintptr_t address, std::size_t bytes) {
+  DeviceGuard guard(device);
+  const Api& cu = api();
+  CUmemAllocationProp prop = pinned_on(device);
+  const std::size_t page = page_size(device);
+  std::size_t done = 0;
+  auto undo = [&] {
+    for (std::size_t offset = 0; offset < done; offset += page)
+      cu.cuMemUnmap(static_cast<CUdeviceptr>(address + offset), page);
+  };
+  for (; done < bytes; done += page) {
+    CUmemGenericAllocationHandle handle = 0;
+    CUresult err = cu.cuMemCreate(&handle, page, &prop, 0);
+    if (err == CUDA_ERROR_OUT_OF_MEMORY) {
+      undo();
+      return false;  // the pool releases its cache and retries
+    }
+    check(cu, err, "cuMemCreate");
+    err = cu.cuMemMap(static_cast<CUdeviceptr>(address + done), page, 0, handle, 0);
+    cu.cuMemRelease(handle);  // mapped, the memory lives on until cuMemUnmap; unmapped, this frees it
+    if (err != CUDA_SUCCESS) {
+      undo();
+      check(cu, err, "cuMemMap");
+    }
+  }
+  CUmemAccessDesc access{};
+  access.location = prop.location;
+  access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  CUresult err = cu.cuMemSetAccess(static_cast<CUdeviceptr>(address), bytes, &access, 1);
+  if (err != CUDA_SUCCESS) {
+    undo();
+    check(cu, err, "cuMemSetAccess");
+  }
+  return true;
+}
+
+void DeviceUpstream::unmap(int device, std::uintptr_t address, std::size_t bytes) {
+  DeviceGuard guard(device);
+  const Api& cu = api();
+  const std::size_t page = page_size(device);
+  for (std::size_t offset = 0; offset < bytes; offset += page)
+    check(cu, cu.cuMemUnmap(static_cast<CUdeviceptr>(address + offset), page), "cuMemUnmap");
+}
+
 DeviceEvents::~DeviceEvents() {
   const Api& cu = api();
   for (auto& entry : spare_)

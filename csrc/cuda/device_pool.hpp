@@ -18,13 +18,23 @@
 
 namespace mk::cuda {
 
-// Segments from cudaMalloc on the requested device (made current for the call).
+// Segments from cudaMalloc on the requested device (made current for the call),
+// and for expandable segments the driver's virtual memory: ranges from
+// cuMemAddressReserve, one cuMemCreate handle per page (so that any page can be
+// unmapped alone, as cuMemUnmap must cover whole mappings), released right
+// after cuMemMap (the memory lives until unmapped), read-write access for the
+// device via cuMemSetAccess.
 class DeviceUpstream : public core::Upstream {
  public:
   std::uintptr_t allocate(int device, std::size_t bytes) override;
   void deallocate(int device, std::uintptr_t address, std::size_t bytes) override;
   std::size_t total_memory(int device) override;
   std::string name() const override;
+  std::size_t page_size(int device) override;
+  std::uintptr_t reserve_range(int device, std::size_t bytes) override;
+  void release_range(int device, std::uintptr_t base, std::size_t bytes) override;
+  bool map(int device, std::uintptr_t address, std::size_t bytes) override;
+  void unmap(int device, std::uintptr_t address, std::size_t bytes) override;
 };
 
 // cudaEvent-backed completion. Events are created without timing and recycled:

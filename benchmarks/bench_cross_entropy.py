@@ -1,0 +1,136 @@
+"""LM head + cross-entropy: memory of memkernels (chunked, recompute) vs eager and PyTorch's chunked op.
+
+Run: python benchmarks/bench_cross_entropy.py            (CPU: memory; a few minutes on 2 cores)
+On a machine with a GPU it also times forward+backward (ms).
+
+Columns (bytes, measured, never from formulas):
+- extra peak: peak live bytes allocated over forward+backward (memkernels.meters.PeakBytesMeter)
+  minus the bytes of the input gradients every method must produce (d hidden, d weight).
+- held (hooks): bytes saved for backward that saved-tensor hooks see (SavedBytesMeter.new_bytes).
+- held (live): bytes allocated during the forward and still alive after it (PeakBytesMeter's
+  current bytes at the end of the forward region), minus the loss itself. PyTorch's chunked op
+  stashes its gradients as ctx attributes, which hooks never see; this column does.
+"""
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+
+CONFIGS = [
+    (4096, 1024, 32000, torch.float32),
+    (4096, 1024, 32000, torch.bfloat16),
+    (2048, 2048, 128000, torch.float32),
+]
+METHODS = {
+    "memkernels recompute": lambda h, w, t: linear_cross_entropy(h, w, t, strategy="recompute"),
+    "memkernels chunked": lambda h, w, t: linear_cross_entropy(h, w, t, strategy="chunked"),
+    "eager": lambda h, w, t: F.cross_entropy(F.linear(h, w), t),
+    "torch chunked op": lambda h, w, t: F.linear_cross_entropy(h, w, t,
+                                                                options=torch.nn.LinearCrossEntropyOptions()),
+}
+
+
+def make_inputs(n_tokens, hidden_size, n_classes, dtype, device):
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    hidden = torch.randn(n_tokens, hidden_size, generator=generator).to(device, dtype).requires_grad_()
+    weight = (torch.randn(n_classes, hidden_size, generator=generator) / hidden_size**0.5).to(device, dtype)
+    target = torch.randint(0, n_classes, (n_tokens,), generator=generator).to(device)
+    target[::7] = -100
+    return hidden, weight.requires_grad_(), target
+
+
+def methods_for(dtype):
+    """The methods above; for half inputs also PyTorch's op with float32 accumulation, memkernels'
+    own policy (its default policy on CPU accumulates dW in the input dtype)."""
+    if dtype == torch.float32:
+        return METHODS
+    accurate = torch.nn.LinearCrossEntropyOptions(acc_policy="accurate")
+    return dict(METHODS, **{"torch op, accurate": lambda h, w, t: F.linear_cross_entropy(h, w, t, options=accurate)})
+
+
+def measure_memory(method, hidden, weight, target):
+    hidden.grad = weight.grad = None
+    with PeakBytesMeter() as whole:
+        with SavedBytesMeter() as saved, PeakBytesMeter() as forward:
+            loss = method(hidden, weight, target)
+        held_live = forward.current_bytes - loss.untyped_storage().nbytes()
+        loss.backward()
+        del loss
+    grads = hidden.grad.untyped_storage().nbytes() + weight.grad.untyped_storage().nbytes()
+    return {"extra_peak": whole.peak_bytes - grads, "held_hooks": saved.new_bytes, "held_live": held_live}
+
+
+def mib(nbytes):
+    return f"{nbytes / 2**20:10.3f}"
+
+
+def memory_section(configs):
+    verdicts = []
+    for n_tokens, hidden_size, n_classes, dtype in configs:
+        hidden, weight, target = make_inputs(n_tokens, hidden_size, n_classes, dtype, "cpu")
+        logits_bytes = n_tokens * n_classes * torch.finfo(dtype).bits // 8
+        name = str(dtype).replace("torch.", "")
+        print(f"\nN={n_tokens} H={hidden_size} V={n_classes} {name}: full logits {mib(logits_bytes).strip()} MiB")
+        print(f"{'method':<22}{'extra peak MiB':>16}{'held (hooks) MiB':>18}{'held (live) MiB':>17}{'seconds':>9}")
+        results = {}
+        for label, method in methods_for(dtype).items():
+            start = time.perf_counter()
+            results[label] = measure_memory(method, hidden, weight, target)
+            r = results[label]
+            print(f"{label:<22}{mib(r['extra_peak']):>16}{mib(r['held_hooks']):>18}{mib(r['held_live']):>17}"
+                  f"{time.perf_counter() - start:9.1f}")
+        recompute, chunked = results["memkernels recompute"], results["memkernels chunked"]
+        eager, torch_op = results["eager"], results["torch chunked op"]
+        checks = [
+            ("recompute extra peak <= eager / 16", recompute["extra_peak"] <= eager["extra_peak"] / 16),
+            ("recompute held <= 1% of torch chunked op's held (live)",
+             recompute["held_live"] <= 0.01 * torch_op["held_live"]),
+            ("chunked extra peak <= torch chunked op's", chunked["extra_peak"] <= torch_op["extra_peak"]),
+        ]
+        for text, ok in checks:
+            print(f"  target: {text}: {'met' if ok else 'MISSED'}")
+            verdicts.append(ok)
+        del hidden, weight, target
+    return all(verdicts)
+
+
+def timing_section(configs, repeats=10):
+    print("\nGPU forward+backward, ms (median of", repeats, "after warm-up)")
+    for n_tokens, hidden_size, n_classes, dtype in configs:
+        hidden, weight, target = make_inputs(n_tokens, hidden_size, n_classes, dtype, "cuda")
+        row = []
+        for label, method in METHODS.items():
+            times = []
+            for step in range(repeats + 2):
+                hidden.grad = weight.grad = None
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                method(hidden, weight, target).backward()
+                end.record()
+                torch.cuda.synchronize()
+                if step >= 2:
+                    times.append(begin.elapsed_time(end))
+            row.append(f"{label} {sorted(times)[len(times) // 2]:.2f}")
+        print(f"N={n_tokens} H={hidden_size} V={n_classes} {dtype}: " + " | ".join(row))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--small", action="store_true", help="one small config, for a smoke run")
+    args = parser.parse_args()
+    configs = [(512, 128, 4000, torch.float32)] if args.small else CONFIGS
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads")
+    all_met = memory_section(configs)
+    print("\nall memory targets met" if all_met else "\nsome memory targets MISSED")
+    if torch.cuda.is_available():
+        timing_section(configs)
+    else:
+        print("no GPU: timing section skipped")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,612 @@
+"""Cross-entropy over huge vocabularies: one Triton program per row, online logsumexp over V.
+
+The math (label smoothing exactly as PyTorch defines it, with class weights,
+soft-cap ``c * tanh(x / c)``, z-loss ``z * lse**2``) is spelled out in
+:mod:`memkernels.reference.cross_entropy`, the pure-PyTorch twin of the kernel
+below; both implement the same two primitives (``loss_rows`` / ``grad_rows``)
+that the memory-lean algorithms here and in ``linear_cross_entropy`` build on.
+
+Memory contract of :func:`cross_entropy`:
+
+- default: forward saves only the per-row logsumexp (two float32, 8 bytes per row) and
+  references to the logits and targets, which the caller holds anyway; backward
+  writes the gradient straight into the tensor it returns (no V-sized scratch).
+- ``inplace_backward=True``: the forward overwrites the caller's logits with the
+  gradient (scaled for the reduction) and backward only rescales it by the
+  incoming gradient, so no N x V gradient is ever allocated. This destroys the
+  logits, so it is opt-in and refused unless it is safe by construction:
+  the logits must require grad, be a non-leaf, own their storage (not a view) and
+  be contiguous. The version counter is bumped, so an op that saved these
+  logits for its own backward makes autograd raise rather than read gradients.
+  What no check can see is a caller reading the logits again after the loss
+  (e.g. for accuracy): that is the caller's promise when opting in. It is an
+  eager-mode feature (a plain autograd.Function, not the custom op); it has not
+  been tested under torch.compile.
+
+Out-of-range targets (neither ``ignore_index`` nor in ``[0, V)``): the CPU
+reference path raises ValueError; the Triton path, which must not synchronize
+with the host, writes NaN into that row's loss (so any reduction is NaN) and
+its gradient.
+
+Reduction ``mean`` divides the cross-entropy by the summed class weight of the
+non-ignored targets (PyTorch's rule; the count when unweighted) and the z-term
+by the count of non-ignored targets. With every target ignored, ``mean`` is NaN
+and the gradient is zero, as in PyTorch.
+"""
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from memkernels import aot
+from memkernels._backend import resolve
+from memkernels.reference import cross_entropy as reference
+
+REDUCTIONS = ("none", "mean", "sum")
+# Widest vocabulary block one program holds in registers at a time.
+MAX_BLOCK_V = 4096
+
+
+@triton.jit
+def _tanh(u):
+    # libdevice is a stub under the interpreter, so tanh is built from exp. For |u| >= 0.7,
+    # 1 - 2 / (exp(2|u|) + 1) (exp overflowing to inf gives exactly 1); below, where that
+    # cancels, the odd Taylor series to u^19. Measured in fp32 against float64 on [0, 9]:
+    # max 1.5 ulp, mean 0.26 ulp (numpy's float32 tanh: 1.4 / 0.37).
+    a = tl.abs(u)
+    large = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+    s = a * a
+    series = 0.0005900274409455859 + s * -0.00023912911424355248
+    series = -0.0014558343870513183 + s * series
+    series = 0.003592128036572481 + s * series
+    series = -0.008863235529902197 + s * series
+    series = 0.021869488536155203 + s * series
+    series = -0.05396825396825397 + s * series
+    series = 0.13333333333333333 + s * series
+    series = -0.3333333333333333 + s * series
+    small = a + a * (s * series)
+    magnitude = tl.where(a < 0.7, small, large)
+    return tl.where(u < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _cast_rne(x, dtype: tl.constexpr):
+    # fp32 -> dtype, rounding to nearest even. For bf16 the rounding is done on the bits: the
+    # interpreter's bf16 cast truncates, and this gives the same bits as the GPU's cvt.rn there.
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
+
+
+@triton.jit
+def _load_capped(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
+    # row_ptr: one row of logits; returns the (soft-capped) fp32 values, 0 before capping in padded lanes
+    y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        y = softcap * _tanh(y / softcap)
+    return y
+
+
+@triton.jit
+def _cross_entropy_kernel(
+    logits_ptr,  # (N, W) logits block, fp32/fp16/bf16, row stride stride_logits, unit column stride
+    grad_ptr,  # (N, W) gradient out (may alias logits_ptr), row stride stride_grad; used if WRITE_GRAD
+    target_ptr,  # (N,) int64 class ids over the whole vocabulary
+    class_weight_ptr,  # (V,) fp32 class weights; read if HAS_WEIGHT
+    class_weight_sum_ptr,  # (1,) fp64 sum of the class weights; read if HAS_WEIGHT and SMOOTHING
+    lse_ptr,  # (N, 2) fp32 logsumexp per row as (max, log-sum-exp below the max): written if COMPUTE_LOSS,
+    #           else read
+    loss_ptr,  # (N,) fp32 per-row cross-entropy (with smoothing); written if COMPUTE_LOSS
+    z_ptr,  # (N,) fp32 per-row z-term z_loss * lse^2; written if COMPUTE_LOSS and HAS_Z
+    loss_scale_ptr,  # (1,) or (N,) fp32 d(total)/d(row cross-entropy); read if WRITE_GRAD
+    z_scale_ptr,  # (1,) or (N,) fp32 d(total)/d(row z-term); read if WRITE_GRAD and HAS_Z
+    stride_logits,
+    stride_grad,
+    n_cols,  # W: columns in this block (the whole vocabulary when COMPUTE_LOSS)
+    col_offset,  # class id of column 0 of this block
+    n_classes,  # V
+    ignore_index,
+    smoothing,  # label smoothing epsilon
+    smoothing_per_class,  # epsilon / V
+    softcap,
+    z_loss,
+    SCALE_STRIDE: tl.constexpr,  # 0: one scale for all rows, 1: one per row (reduction "none")
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTHING: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Z: tl.constexpr,
+    COMPUTE_LOSS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * stride_logits
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= n_classes))
+    safe_target = tl.where(valid & (target >= 0) & (target < n_classes), target, 0)
+    if HAS_WEIGHT:
+        target_weight = tl.load(class_weight_ptr + safe_target)
+    else:
+        target_weight = 1.0
+    if SMOOTHING:
+        if HAS_WEIGHT:
+            weight_sum = tl.load(class_weight_sum_ptr)  # fp64: an fp32 sum of V weights is off by ulps
+            weight_sum32 = weight_sum.to(tl.float32)
+        else:
+            weight_sum = n_classes * 1.0
+            weight_sum32 = weight_sum
+    nan = float("nan")
+
+    if COMPUTE_LOSS:
+        # Row sums accumulate in fp64 (as eager PyTorch does on the CPU): an fp32 sum of V terms
+        # is off by ~1 ulp, which exp(y - lse) passes on to every probability.
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.full((), 0.0, tl.float64)
+        weighted_logit_sum = tl.full((), 0.0, tl.float64)  # sum_j w_j * y_j, for smoothing
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            y = _load_capped(logits_row, cols, mask, softcap, HAS_SOFTCAP)
+            if SMOOTHING:
+                if HAS_WEIGHT:
+                    w = tl.load(class_weight_ptr + col_offset + cols, mask=mask, other=0.0)
+                    weighted_logit_sum += tl.sum(w.to(tl.float64) * y.to(tl.float64), axis=0)
+                else:
+                    weighted_logit_sum += tl.sum(tl.where(mask, y, 0.0).to(tl.float64), axis=0)
+            # Padded lanes are masked after the soft-cap: tanh would turn -inf into -softcap.
+            y = tl.where(mask, y, float("-inf"))
+            new_max = tl.maximum(running_max, tl.max(y, axis=0))
+            # An all -inf prefix keeps the max at -inf; shift by 0 then to avoid inf - inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp((running_max - shift).to(tl.float64))
+            running_sum = running_sum * rescale + tl.sum(tl.exp(y - shift).to(tl.float64), axis=0)
+            running_max = new_max
+        row_max = running_max
+        log_sum64 = tl.log(running_sum)  # fp64 until the per-row results are stored
+        lse = row_max.to(tl.float64) + log_sum64
+        target_logit = tl.load(logits_row + safe_target).to(tl.float32)
+        if HAS_SOFTCAP:
+            target_logit = softcap * _tanh(target_logit / softcap)
+        ce = target_weight * ((row_max - target_logit).to(tl.float64) + log_sum64)
+        if SMOOTHING:
+            ce = (1.0 - smoothing) * ce + smoothing_per_class * (weight_sum * lse - weighted_logit_sum)
+        ce = tl.where(valid, ce.to(tl.float32), 0.0)
+        tl.store(loss_ptr + row, tl.where(out_of_range, nan, ce))
+        tl.store(lse_ptr + 2 * row, row_max)
+        log_sum = log_sum64.to(tl.float32)
+        tl.store(lse_ptr + 2 * row + 1, log_sum)
+        if HAS_Z:
+            z_term = tl.where(valid, (z_loss * (lse * lse)).to(tl.float32), 0.0)
+            tl.store(z_ptr + row, tl.where(out_of_range, nan, z_term))
+    else:
+        row_max = tl.load(lse_ptr + 2 * row)
+        log_sum = tl.load(lse_ptr + 2 * row + 1)
+
+    if WRITE_GRAD:
+        loss_scale = tl.load(loss_scale_ptr + row * SCALE_STRIDE)
+        target_coef = loss_scale * (1.0 - smoothing) * target_weight
+        smooth_coef = loss_scale * smoothing_per_class
+        if HAS_Z:
+            z_coef = tl.load(z_scale_ptr + row * SCALE_STRIDE) * 2.0 * z_loss * (row_max + log_sum)
+        grad_row = grad_ptr + row * stride_grad
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            y = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_SOFTCAP:
+                capped = _tanh(y / softcap)  # kept: 1 - tanh^2 from y / softcap would add a rounding
+                y = softcap * capped
+            # Kept as two parts: a single fp32 lse carries an absolute rounding of eps*|lse|,
+            # which exp would turn into a relative error of every probability.
+            p = tl.exp((y - row_max) - log_sum)
+            # coef*p - coef at the target: one rounding when p is tiny, exactly 0 when p == 1 (V = 1).
+            g = target_coef * p - tl.where(cols + col_offset == target, target_coef, 0.0)
+            if SMOOTHING:
+                if HAS_WEIGHT:
+                    w = tl.load(class_weight_ptr + col_offset + cols, mask=mask, other=0.0)
+                else:
+                    w = 1.0
+                g += smooth_coef * (weight_sum32 * p - w)
+            if HAS_Z:
+                g += z_coef * p
+            if HAS_SOFTCAP:
+                g *= 1.0 - capped * capped
+            g = tl.where(valid, g, 0.0)
+            g = tl.where(out_of_range, nan, g)
+            tl.store(grad_row + cols, _cast_rne(g, grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _aot_variants():
+    """Variants for the ahead-of-time compile check: each pass combination and gradient dtype,
+    every feature on (the register-hungriest) and off, for bf16 and fp32 logits."""
+    variants = []
+    passes = [("bf16", 1, 0, "bf16", "loss"), ("fp32", 1, 0, "fp32", "loss")]
+    # bf16 logits with an fp32 gradient: linear_cross_entropy's float32 chunk for half inputs.
+    for dtype, grad_dtype in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
+        passes.append((dtype, 1, 1, grad_dtype, f"loss+grad:{grad_dtype}"))
+        passes.append((dtype, 0, 1, grad_dtype, f"grad-only:{grad_dtype}"))
+    for dtype, compute_loss, write_grad, grad_dtype, pass_label in passes:
+        for features in (0, 1):
+            signature = {
+                "logits_ptr": f"*{dtype}", "grad_ptr": f"*{grad_dtype}", "target_ptr": "*i64",
+                "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp64", "lse_ptr": "*fp32",
+                "loss_ptr": "*fp32", "z_ptr": "*fp32", "loss_scale_ptr": "*fp32", "z_scale_ptr": "*fp32",
+                "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
+                "n_classes": "i32", "ignore_index": "i32", "smoothing": "fp32", "smoothing_per_class": "fp32",
+                "softcap": "fp32", "z_loss": "fp32",
+            }
+            constexprs = {"SCALE_STRIDE": features, "HAS_WEIGHT": features, "SMOOTHING": features,
+                          "HAS_SOFTCAP": features, "HAS_Z": features, "COMPUTE_LOSS": compute_loss,
+                          "WRITE_GRAD": write_grad, "BLOCK_V": MAX_BLOCK_V}
+            variants.append({"signature": signature, "constexprs": constexprs,
+                             "num_warps": _num_warps(MAX_BLOCK_V), "num_stages": 1,
+                             "label": f"{dtype}-{pass_label}-{'all-options' if features else 'plain'}"})
+    return variants
+
+
+def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col_offset, compute_loss):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    write_grad = grad is not None
+    dummy = lse  # any fp32 tensor stands in for pointers a variant never reads
+    scale_stride = 1 if (write_grad and loss_scale.numel() > 1) else 0
+    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
+    _cross_entropy_kernel[(n_rows,)](
+        logits,
+        grad if write_grad else logits,
+        target,
+        cfg.class_weight if cfg.class_weight is not None else dummy,
+        cfg.class_weight_sum if cfg.class_weight_sum is not None else dummy,
+        lse,
+        loss if compute_loss else dummy,
+        z if (compute_loss and z is not None) else dummy,
+        loss_scale if write_grad else dummy,
+        z_scale if (write_grad and z_scale is not None) else dummy,
+        logits.stride(0),
+        grad.stride(0) if write_grad else logits.stride(0),
+        n_cols,
+        col_offset,
+        cfg.n_classes,
+        cfg.ignore_index,
+        cfg.label_smoothing,
+        cfg.label_smoothing / cfg.n_classes,
+        cfg.softcap if cfg.softcap else 1.0,
+        cfg.z_loss,
+        SCALE_STRIDE=scale_stride,
+        HAS_WEIGHT=cfg.class_weight is not None,
+        SMOOTHING=cfg.label_smoothing != 0.0,
+        HAS_SOFTCAP=bool(cfg.softcap),
+        HAS_Z=cfg.z_loss != 0.0,
+        COMPUTE_LOSS=compute_loss,
+        WRITE_GRAD=write_grad,
+        BLOCK_V=block_v,
+        num_warps=_num_warps(block_v),
+    )
+
+
+def _num_warps(block_v):
+    return 8 if block_v >= 2048 else 4
+
+
+aot.register(_cross_entropy_kernel, name="cross_entropy", variants=_aot_variants())
+
+
+def loss_rows_triton(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
+    """Triton twin of :func:`memkernels.reference.cross_entropy.loss_rows` (same contract)."""
+    n_rows = logits.shape[0]
+    ce = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(n_rows, 2, dtype=torch.float32, device=logits.device)
+    z = torch.empty_like(ce) if cfg.z_loss else None
+    _launch(logits, target, cfg, lse=lse, loss=ce, z=z, grad=grad, loss_scale=loss_scale, z_scale=z_scale,
+            col_offset=0, compute_loss=True)
+    return ce, z, lse
+
+
+def grad_rows_triton(logits, target, lse, cfg, grad, loss_scale, z_scale, *, col_offset=0):
+    """Triton twin of :func:`memkernels.reference.cross_entropy.grad_rows` (same contract)."""
+    _launch(logits, target, cfg, lse=lse, loss=None, z=None, grad=grad, loss_scale=loss_scale, z_scale=z_scale,
+            col_offset=col_offset, compute_loss=False)
+
+
+def row_kernels(tensor, op_name):
+    """(loss_rows, grad_rows) for the backend that runs ``tensor``."""
+    if resolve(tensor, op_name) == "triton":
+        return loss_rows_triton, grad_rows_triton
+    return reference.loss_rows, reference.grad_rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared by cross_entropy and linear_cross_entropy: configuration, validation, reductions.
+
+
+def make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, class_weight):
+    """A LossConfig with the class weights in float32 and their sum (a device tensor: no sync)."""
+    weight32 = None if class_weight is None else class_weight.detach().float().contiguous()
+    return reference.LossConfig(
+        n_classes=n_classes,
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
+        softcap=float(softcap),
+        z_loss=float(z_loss),
+        class_weight=weight32,
+        class_weight_sum=None if weight32 is None else weight32.sum(dtype=torch.float64).reshape(1),
+    )
+
+
+def check_targets_if_cpu(backend, target, cfg):
+    """The CPU reference path raises on out-of-range targets; the Triton path writes NaN instead."""
+    if backend == "torch" and target.device.type == "cpu":
+        reference.check_targets(target, cfg.n_classes, cfg.ignore_index)
+
+
+def reduction_denominators(target, cfg, reduction):
+    """(ce_denominator, z_denominator) as float64 device tensors of shape (1,) (no host sync).
+
+    For ``mean`` the cross-entropy divides by the summed class weight of the kept
+    targets (PyTorch's rule; their count when unweighted) and the z-term by their
+    count; ``sum`` and ``none`` divide by 1. All targets ignored gives 0/0 = NaN
+    for ``mean`` like PyTorch; the kernels select (never multiply) the ignored
+    rows' zero gradient, so the gradient stays 0 as in PyTorch.
+    """
+    one = torch.ones(1, dtype=torch.float64, device=target.device)
+    if reduction != "mean":
+        return one, one
+    valid = target != cfg.ignore_index
+    count = valid.sum(dtype=torch.float64).reshape(1)
+    if cfg.class_weight is None:
+        return count, count
+    safe = torch.where(valid, target, torch.zeros_like(target)).clamp(0, cfg.n_classes - 1)
+    return torch.where(valid, cfg.class_weight[safe], 0.0).sum(dtype=torch.float64).reshape(1), count
+
+
+def reduce_rows(ce, z, denominators, reduction):
+    """Combine per-row terms into the loss; returns (loss, z_loss) (z_loss zero-size when unused)."""
+    if reduction == "none":
+        return (ce if z is None else ce + z), (z if z is not None else ce.new_zeros(0))
+    # Accumulated in float64 (N values: cheap anywhere), as eager PyTorch does on the CPU.
+    ce_denominator, z_denominator = denominators
+    total = ce.sum(dtype=torch.float64) / ce_denominator[0]
+    if z is None:
+        return total.float(), ce.new_zeros(0)
+    z_total = z.sum(dtype=torch.float64) / z_denominator[0]
+    return (total + z_total).float(), z_total.float()
+
+
+def grad_scales(grad_loss, denominators, reduction):
+    """(loss_scale, z_scale) for the gradient kernels: d(loss)/d(row term) times the incoming gradient."""
+    grad_loss = grad_loss.float()
+    if reduction == "none":
+        return grad_loss.contiguous(), grad_loss.contiguous()
+    ce_denominator, z_denominator = denominators
+    grad_loss = grad_loss.double()  # float64 quotient, rounded once to float32
+    return (grad_loss / ce_denominator).float(), (grad_loss / z_denominator).float()
+
+
+def forward_grad_scales(target, cfg, reduction):
+    """Denominators and the scales for gradients computed in the forward (incoming gradient 1)."""
+    denominators = reduction_denominators(target, cfg, reduction)
+    one = torch.ones((), dtype=torch.float64, device=target.device)
+    return denominators, grad_scales(one, denominators, "sum" if reduction == "none" else reduction)
+
+
+def validate_loss_args(target, n_classes, n_rows, *, ignore_index, label_smoothing, reduction, softcap, z_loss,
+                       class_weight, device, weight_name="weight"):
+    """Raise ValueError/TypeError naming the bad argument; shared by both public functions."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a tensor of class ids, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"target must hold integer class ids (e.g. torch.long), got dtype {target.dtype}; "
+                        "class probabilities are not supported")
+    if target.numel() != n_rows:
+        raise ValueError(f"target has {target.numel()} elements (shape {tuple(target.shape)}) but there are "
+                         f"{n_rows} rows of logits; they must match one class id per row")
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but the logits are on {device}; move it with .to()")
+    if n_classes < 1:
+        raise ValueError("the vocabulary size (last dimension of the logits) must be at least 1")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not (0.0 <= float(label_smoothing) <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None and not (float(softcap) > 0.0 and math.isfinite(float(softcap))):
+        raise ValueError(f"softcap must be None or a finite positive number, got {softcap}")
+    if not (float(z_loss) >= 0.0 and math.isfinite(float(z_loss))):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if class_weight is not None:
+        if class_weight.shape != (n_classes,):
+            raise ValueError(f"{weight_name} must have shape ({n_classes},) (one weight per class), "
+                             f"got {tuple(class_weight.shape)}")
+        if class_weight.device != device:
+            raise ValueError(f"{weight_name} is on {class_weight.device} but the logits are on {device}")
+
+
+def finish_output(loss, z, out_shape, reduction, return_z_loss):
+    """Reshape per-row results to the target's shape; add the detached z-term when asked."""
+    if reduction == "none":
+        loss = loss.view(out_shape)
+        z = z.view(out_shape) if z.numel() else z
+    if not return_z_loss:
+        return loss
+    return loss, (z.detach() if z.numel() else torch.zeros_like(loss).detach())
+
+
+# ----------------------------------------------------------------------------------------------
+# cross_entropy on given logits
+
+
+def _forward(logits, target, cfg, reduction, backend):
+    loss_rows, _ = row_kernels(logits, "cross_entropy")
+    check_targets_if_cpu(backend, target, cfg)
+    ce, z, lse = loss_rows(logits, target, cfg)
+    loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
+    return loss, z_loss, lse
+
+
+def custom_op(name, impl, fake):
+    """Register ``impl`` as the torch.library custom op ``name`` (what torch.compile keeps whole)."""
+    op = torch.library.custom_op(name, impl, mutates_args=())
+    op.register_fake(fake)
+    return op
+
+
+def autograd_pair(op, impl, setup_context, op_backward, eager_backward):
+    """Give ``op`` its autograd formula, and return the same formula as an autograd.Function for eager.
+
+    Eager calls run the Function: the chunk buffers it allocates then pass through the
+    dispatcher where tools (memkernels.meters, profilers) see them, which a custom op's
+    insides do not; torch.compile sees the op (see :func:`apply_op`).
+    """
+    op.register_autograd(op_backward, setup_context=setup_context)
+    return type(f"{op._name.split('::')[-1]}_function", (torch.autograd.Function,), {
+        "forward": staticmethod(impl),
+        "setup_context": staticmethod(setup_context),
+        "backward": staticmethod(eager_backward),
+    })
+
+
+def apply_op(op, function, *args):
+    """The custom op while torch.compile traces; its autograd.Function twin in eager mode."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return function.apply(*args)
+
+
+def _cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],
+                           ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
+                           reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
+    return _forward(logits, target, cfg, reduction, resolve(logits, "cross_entropy"))
+
+
+def _cross_entropy_fake(logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction):
+    n_rows = logits.shape[0]
+    loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
+    z_shape = (0,) if not z_loss else ((n_rows,) if reduction == "none" else ())
+    return loss, logits.new_empty(z_shape, dtype=torch.float32), logits.new_empty((n_rows, 2), dtype=torch.float32)
+
+
+def _cross_entropy_backward(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
+                            lse: torch.Tensor, class_weight: Optional[torch.Tensor], ignore_index: int,
+                            label_smoothing: float, softcap: float, z_loss: float, reduction: str) -> torch.Tensor:
+    cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
+    _, grad_rows = row_kernels(logits, "cross_entropy")
+    loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
+    grad = torch.empty_like(logits)
+    grad_rows(logits, target, lse, cfg, grad, loss_scale, z_scale)
+    return grad
+
+
+def _cross_entropy_backward_fake(grad_loss, logits, target, lse, class_weight, ignore_index, label_smoothing,
+                                 softcap, z_loss, reduction):
+    return torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
+    logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction = inputs
+    ctx.save_for_backward(logits, target, output[2], class_weight)
+    ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction)
+
+
+def _backward_with(backward):
+    def _backward(ctx, grad_loss, grad_z_loss, grad_lse):
+        # z_loss and lse are returned detached by the public function; only the loss carries gradient.
+        logits, target, lse, class_weight = ctx.saved_tensors
+        grad = backward(grad_loss, logits, target, lse, class_weight, *ctx.options)
+        return grad, None, None, None, None, None, None, None
+    return _backward
+
+
+_cross_entropy_op = custom_op("memkernels::cross_entropy", _cross_entropy_forward, _cross_entropy_fake)
+_cross_entropy_backward_op = custom_op("memkernels::cross_entropy_backward", _cross_entropy_backward,
+                                       _cross_entropy_backward_fake)
+_CrossEntropyFunction = autograd_pair(_cross_entropy_op, _cross_entropy_forward, _setup_context,
+                                      _backward_with(_cross_entropy_backward_op),
+                                      _backward_with(_cross_entropy_backward))
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """Forward writes the reduction-scaled gradient into the logits; backward rescales it in place."""
+
+    @staticmethod
+    def forward(ctx, logits, target, cfg, reduction, backend):
+        loss_rows, _ = row_kernels(logits, "cross_entropy")
+        check_targets_if_cpu(backend, target, cfg)
+        denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
+        ce, z, _ = loss_rows(logits, target, cfg, grad=logits, loss_scale=loss_scale, z_scale=z_scale)
+        torch.autograd.graph.increment_version(logits)
+        ctx.save_for_backward(logits)
+        ctx.reduction = reduction
+        loss, z_loss = reduce_rows(ce, z, denominators, reduction)
+        ctx.mark_non_differentiable(z_loss)
+        return loss, z_loss
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss):
+        (grad,) = ctx.saved_tensors  # a second backward fails here: the in-place rescale bumped its version
+        scale = grad_loss.reshape(-1, 1) if ctx.reduction == "none" else grad_loss
+        return grad.mul_(scale.to(grad.dtype)), None, None, None, None
+
+
+def _check_inplace_allowed(logits):
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        raise ValueError("inplace_backward=True needs logits that require grad (with grad mode on): "
+                         "there is no gradient to write; drop inplace_backward")
+    if logits.grad_fn is None:
+        raise ValueError("inplace_backward=True refuses a leaf tensor: its values belong to the caller. "
+                         "Pass the output of the LM head, or drop inplace_backward")
+    if logits._base is not None or not logits.is_contiguous():
+        raise ValueError("inplace_backward=True needs logits that own a contiguous storage (not a view): "
+                         "other tensors may share a view's memory. Drop inplace_backward or pass .contiguous()")
+
+
+def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
+                  softcap=None, z_loss=0.0, return_z_loss=False, inplace_backward=False):
+    """Cross-entropy of ``logits`` against class ids, without an N x V float32 log-softmax.
+
+    Args:
+        logits: (..., V) float32/float16/bfloat16.
+        target: (...) integer class ids in [0, V) or ``ignore_index``.
+        weight: optional (V,) class weights (as ``torch.nn.functional.cross_entropy``).
+        label_smoothing: epsilon in [0, 1], PyTorch's definition (also with ``weight``).
+        reduction: "none" (shape of ``target``, float32), "mean" or "sum" (0-d float32).
+        softcap: optional c > 0: the loss sees ``c * tanh(logits / c)``.
+        z_loss: factor z >= 0 of the auxiliary ``z * logsumexp**2`` per kept row
+            (reduction "mean" averages it over the kept rows).
+        return_z_loss: also return the z-term (already included in the loss), detached, for logging.
+        inplace_backward: overwrite ``logits`` with their gradient during forward (see module docs).
+    Returns:
+        loss, or ``(loss, z_loss)`` with ``return_z_loss``. float32.
+    """
+    if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
+        raise TypeError("logits must be a floating-point tensor of shape (..., V)")
+    if logits.dim() == 0:
+        raise ValueError("logits must have at least one dimension (the classes)")
+    n_classes = logits.shape[-1]
+    n_rows = logits.numel() // max(n_classes, 1)
+    validate_loss_args(target, n_classes, n_rows, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                       reduction=reduction, softcap=softcap, z_loss=z_loss, class_weight=weight,
+                       device=logits.device)
+    out_shape = target.shape
+    target = target.reshape(-1).long()
+    softcap = float(softcap) if softcap is not None else 0.0
+    if inplace_backward:
+        _check_inplace_allowed(logits)
+        cfg = make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, weight)
+        loss, z = _InplaceCrossEntropy.apply(logits.view(n_rows, n_classes), target, cfg, reduction,
+                                             resolve(logits, "cross_entropy"))
+    else:
+        loss, z, _ = apply_op(_cross_entropy_op, _CrossEntropyFunction,
+                              logits.reshape(n_rows, n_classes).contiguous(), target,
+                              None if weight is None else weight.detach(), ignore_index,
+                              float(label_smoothing), softcap, float(z_loss), reduction)
+    return finish_output(loss, z, out_shape, reduction, return_z_loss)

