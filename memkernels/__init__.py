@@ -24,6 +24,10 @@ _LAZY = {
     "FusedMLP": "memkernels.nn",
     "ChunkedCrossEntropyLoss": "memkernels.nn",
     "LinearCrossEntropyLoss": "memkernels.nn",
+    "apply": "memkernels.patch",
+    "activation_ledger": "memkernels.profile",
+    "memory_summary": "memkernels.profile",
+    "evaluate": "memkernels.profile",
 }
 
 
@@ -40,4 +44,15 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-__all__ = ["get_backend", "set_backend", "__version__"] + sorted(_LAZY)
+def estimate(model_or_config, **kwargs):
+    """Per-GPU memory of a training run; see :func:`memkernels.estimate.estimate`.
+
+    ``memkernels.estimate`` is also the submodule's name: importing the
+    submodule would replace this function with the module on the package, so
+    the submodule makes itself callable with the same signature.
+    """
+    from memkernels.estimate import estimate as run
+    return run(model_or_config, **kwargs)
+
+
+__all__ = ["get_backend", "set_backend", "estimate", "__version__"] + sorted(_LAZY)

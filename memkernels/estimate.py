@@ -1,0 +1,392 @@
+"""Memory per GPU of a training run, before you launch it.
+
+``estimate(model_or_config, batch=..., seq=...)`` breaks the memory of one GPU
+into parameters, gradients, fp32 master weights, optimizer state, activations
+saved for backward, and the logits/loss, plus FSDP's gather buffers and what
+offload moves to the host.
+
+Model state is arithmetic on the exact parameter count of the model (built on
+the ``meta`` device): under bf16/fp16 mixed precision with AdamW a parameter
+costs 2 (low-precision weight) + 2 (gradient) + 4 (fp32 master weight) + 8
+(Adam's two fp32 moments) = 16 bytes; in fp32, 4 + 4 + 8 = 16 bytes too.
+``shard_degree`` > 1 is FSDP / ZeRO-3: weights, gradients, master weights and
+optimizer state are all divided among the ranks, and each rank holds, on
+top, the gathered weights of one layer plus the next one prefetched, and one
+layer's unsharded gradient before its reduce-scatter.
+
+Activations are *measured*, not derived from a formula: the model is run
+forward on the ``meta`` device (no memory, no compute) under
+:class:`~memkernels.meters.SavedBytesMeter`, with 1 and with 2 layers.
+Blocks are identical, so the 2-layer minus 1-layer difference is exactly what
+each extra layer saves, and an L-layer model saves
+``one_layer + (L - 1) * per_layer``. This is as exact as a full L-layer meta
+forward (tests check it against a real CPU forward) but costs two tiny
+forwards, so a 80-layer model at sequence 32k estimates in well under a second.
+``batch`` is the per-GPU micro-batch; activations are not sharded.
+
+- ``checkpointing``: per-layer activation checkpointing. Each layer keeps only
+  its input; backward recomputes one layer at a time, so one layer's full
+  activations are added back as the recompute peak.
+- ``offload``: saved activations of the layers go to pinned host memory and
+  come back just in time (memkernels' offload engine, double-buffered): the GPU
+  keeps two layers' worth in flight; the rest is reported as host memory.
+- ``use_memkernels``: the model is patched with :func:`memkernels.apply`
+  (fused norms, GELU MLP, linear cross-entropy) before it is measured.
+
+Measured on the eager PyTorch graph as it runs on CPU/meta: attention as a
+flash kernel (q, k, v, output, log-sum-exp), ``nn.RMSNorm`` as PyTorch's
+composite (the same thing Hugging Face's RMSNorm does in Python), and the loss
+in fp32 after upcasting the logits, as Hugging Face does.
+"""
+import copy
+import dataclasses
+import math
+import sys
+import types
+
+import torch
+from torch import nn
+
+from memkernels.models import ModelConfig, TransformerLM, load_config
+from memkernels.profile import _table, format_bytes, ledger_forward
+
+__all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS"]
+
+# dtype -> (bytes per weight, bytes per gradient, bytes per fp32 master weight, torch dtype of compute)
+DTYPES = {"fp32": (4, 4, 0, torch.float32), "bf16": (2, 2, 4, torch.bfloat16), "fp16": (2, 2, 4, torch.float16)}
+# optimizer -> fp32 bytes of state per parameter
+OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4}
+
+_PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "logits_loss",
+          "fsdp_buffers")
+_LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights": "fp32 master weights",
+           "optimizer_state": "optimizer state", "activations": "activations", "logits_loss": "logits / loss",
+           "fsdp_buffers": "FSDP gather buffers"}
+
+
+@dataclasses.dataclass
+class MemoryEstimate:
+    """Per-GPU memory of one training configuration. All sizes in bytes (ints)."""
+
+    model: str
+    num_parameters: int
+    batch: int
+    seq: int
+    dtype: str
+    optimizer: str
+    shard_degree: int
+    checkpointing: bool
+    offload: bool
+    use_memkernels: bool
+    parameters: int
+    gradients: int
+    master_weights: int
+    optimizer_state: int
+    activations: int
+    logits_loss: int
+    fsdp_buffers: int
+    host_offload: int
+    recompute_peak: int  # part of ``activations``: one layer recomputed during backward (checkpointing)
+    notes: list
+
+    @property
+    def model_state(self):
+        return self.parameters + self.gradients + self.master_weights + self.optimizer_state
+
+    @property
+    def total(self):
+        """Bytes one GPU needs (host offload excluded)."""
+        return sum(getattr(self, part) for part in _PARTS)
+
+    def breakdown(self):
+        """{readable part name: bytes} in a fixed order (GPU parts only)."""
+        return {_LABELS[part]: getattr(self, part) for part in _PARTS}
+
+    def to_dict(self):
+        data = dataclasses.asdict(self)
+        data.update(total=self.total, model_state=self.model_state)
+        return data
+
+    def describe(self):
+        flags = [f"{self.dtype}{' mixed' if self.dtype != 'fp32' else ''}", self.optimizer]
+        flags += [f"shard {self.shard_degree}"] if self.shard_degree > 1 else []
+        flags += [name for name, on in (("checkpointing", self.checkpointing), ("offload", self.offload),
+                                        ("memkernels", self.use_memkernels)) if on]
+        return ", ".join(flags)
+
+    def table(self):
+        rows = [(name, format_bytes(nbytes)) for name, nbytes in self.breakdown().items()]
+        rows.append(("total per GPU", format_bytes(self.total)))
+        if self.host_offload:
+            rows.append(("host (offloaded)", format_bytes(self.host_offload)))
+        head = (f"{self.model}: {self.num_parameters / 1e9:.2f}B parameters, batch {self.batch} x seq {self.seq}, "
+                f"{self.describe()}")
+        return "\n".join([head, _table(("per GPU", "bytes"), rows)] + [f"  note: {n}" for n in self.notes])
+
+    __str__ = table
+
+
+def _positive_int(name, value):
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"estimate({name}={value!r}): must be a positive int")
+    return value
+
+
+def _hf_layers_attr(config):
+    for attr in ("num_hidden_layers", "n_layer"):
+        if hasattr(config, attr):
+            return attr
+    raise ValueError(f"estimate: cannot find the layer count of {type(config).__name__} "
+                     "(no num_hidden_layers / n_layer)")
+
+
+class _Source:
+    """How to build the model with a given number of layers, on meta."""
+
+    def __init__(self, model_or_config):
+        self.hf_config = None
+        if isinstance(model_or_config, TransformerLM):
+            self.config = model_or_config.config
+        elif isinstance(model_or_config, nn.Module):
+            hf_config = getattr(model_or_config, "config", None)
+            if hf_config is None or not hasattr(hf_config, "model_type"):
+                raise ValueError(
+                    f"estimate(model_or_config=...): cannot rebuild a {type(model_or_config).__name__} on the meta "
+                    "device; pass a memkernels TransformerLM, a Hugging Face model, a built-in name or a config. "
+                    "For any other module, measure it with memkernels.activation_ledger on meta inputs.")
+            self.hf_class, self.hf_config = type(model_or_config), model_or_config.config
+            self.layers_attr = _hf_layers_attr(self.hf_config)
+            self.config = None
+        else:
+            self.config = load_config(model_or_config)
+
+    @property
+    def name(self):
+        if self.config is not None:
+            return self.config.name
+        return getattr(self.hf_config, "_name_or_path", "") or self.hf_class.__name__
+
+    @property
+    def num_layers(self):
+        return self.config.num_layers if self.config is not None else getattr(self.hf_config, self.layers_attr)
+
+    def build(self, num_layers=None):
+        """The model on meta (``num_layers``: override the depth)."""
+        with torch.device("meta"):
+            if self.config is not None:
+                config = self.config if num_layers is None else self.config.replace(num_layers=num_layers)
+                return TransformerLM(config)
+            config = copy.deepcopy(self.hf_config)
+            if num_layers is not None:
+                setattr(config, self.layers_attr, num_layers)
+            config._attn_implementation = "sdpa"
+            return self.hf_class(config)
+
+    def key(self):
+        return self.config if self.config is not None else (self.hf_class, self.hf_config.to_json_string())
+
+
+_measured = {}  # (model key, layers, batch, seq, dtype, checkpointing, memkernels) -> result
+
+
+def _cached_measure(source, *args):
+    key = (source.key(),) + args
+    if key not in _measured:
+        _measured[key] = _measure_saved(source, *args)
+    return _measured[key]
+
+
+def _measure_saved(source, num_layers, batch, seq, dtype, checkpointing, use_memkernels):
+    """(new saved bytes, logits/loss part) of one meta forward with labels."""
+    model = source.build(num_layers).to(DTYPES[dtype][3])
+    if checkpointing:
+        _enable_checkpointing(model)
+    if use_memkernels:
+        from memkernels.patch import apply
+        apply(model, measure=False)
+    ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+    if source.config is not None:
+        ledger, _ = ledger_forward(model, ids, ids)
+    else:
+        ledger, _ = ledger_forward(model, input_ids=ids, labels=ids, use_cache=False)
+    return ledger.new_bytes, ledger.by_category()["logits/loss"]
+
+
+def _enable_checkpointing(model):
+    if isinstance(model, TransformerLM):
+        model.checkpointing = True
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        model.train()
+
+
+def _layer_numel(model):
+    blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not blocks:
+        return 0
+    layers = max(blocks, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return max(sum(p.numel() for p in layer.parameters()) for layer in layers)
+
+
+def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", shard_degree=1,
+             checkpointing=False, offload=False, use_memkernels=False):
+    """Per-GPU memory of a training step: a :class:`MemoryEstimate` (``.table()``, ``.to_dict()``).
+
+    ``model_or_config``: a built-in name (``gpt2``, ``gpt2-medium``,
+    ``llama-2-7b``, ``llama-3-8b``, ``qwen2-72b``), a :class:`ModelConfig`, a
+    Hugging Face config (object, dict or config.json path), a memkernels
+    :class:`TransformerLM` or a Hugging Face causal LM (rebuilt on meta from
+    its config; its weights are not touched). ``batch``: per-GPU micro-batch;
+    ``seq``: tokens per sequence. ``dtype``: ``fp32``, or ``bf16`` / ``fp16``
+    mixed precision (low-precision weights and gradients, fp32 master weights).
+    ``optimizer``: ``adamw``/``adam`` (8 bytes of fp32 state per parameter),
+    ``sgd`` (momentum) or ``lion`` (4). ``shard_degree``: FSDP / ZeRO-3 ranks.
+    """
+    _positive_int("batch", batch)
+    _positive_int("seq", seq)
+    _positive_int("shard_degree", shard_degree)
+    if dtype not in DTYPES:
+        raise ValueError(f"estimate(dtype={dtype!r}): use one of {', '.join(DTYPES)}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"estimate(optimizer={optimizer!r}): use one of {', '.join(OPTIMIZERS)}")
+    source = _Source(model_or_config)
+    if source.config is not None and source.config.position == "learned" and seq > source.config.max_seq_len:
+        raise ValueError(f"estimate(seq={seq}): {source.name} has learned positions up to "
+                         f"{source.config.max_seq_len} tokens")
+    full = source.build()
+    num_parameters = sum(p.numel() for p in full.parameters())
+    layer_numel = _layer_numel(full)
+    num_layers = source.num_layers
+    weight_bytes, grad_bytes, master_bytes, _ = DTYPES[dtype]
+
+    def measure(layers, ckpt):
+        return _cached_measure(source, layers, batch, seq, dtype, ckpt, use_memkernels)
+
+    one, one_loss = measure(1, checkpointing)
+    two, _ = measure(2, checkpointing)
+    per_layer = two - one
+    saved = one + (num_layers - 1) * per_layer
+    notes = [f"activations measured on meta: 1 layer saves {format_bytes(one - one_loss)} besides the loss, "
+             f"each further layer {format_bytes(per_layer)}, x {num_layers - 1}"]
+    recompute = 0
+    if checkpointing:
+        full_one, _ = measure(1, False)
+        full_two, _ = measure(2, False)
+        recompute = full_two - full_one
+        saved += recompute
+        notes.append(f"checkpointing keeps each layer's input; backward recomputes one layer "
+                     f"(+{format_bytes(recompute)})")
+    activations = saved - one_loss
+    host = 0
+    if offload:
+        offloaded_layers = max(num_layers - 2, 0)
+        host = offloaded_layers * per_layer
+        activations -= host
+        notes.append(f"offload: {offloaded_layers} layers' saved tensors live on the host; 2 in flight on the GPU")
+
+    def sharded(nbytes):
+        return math.ceil(nbytes / shard_degree)
+
+    fsdp = 0
+    if shard_degree > 1:
+        fsdp = layer_numel * (2 * weight_bytes + grad_bytes)
+        notes.append("FSDP/ZeRO-3: all model state divided by the shard degree; + one layer's gathered weights, "
+                     "the next one prefetched, and one layer's unsharded gradients")
+    return MemoryEstimate(
+        model=source.name, num_parameters=num_parameters, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer,
+        shard_degree=shard_degree, checkpointing=checkpointing, offload=offload, use_memkernels=use_memkernels,
+        parameters=sharded(num_parameters * weight_bytes), gradients=sharded(num_parameters * grad_bytes),
+        master_weights=sharded(num_parameters * master_bytes),
+        optimizer_state=sharded(num_parameters * OPTIMIZERS[optimizer]),
+        activations=activations, logits_loss=one_loss, fsdp_buffers=fsdp, host_offload=host,
+        recompute_peak=recompute, notes=notes)
+
+
+# Optimizations in order of what they cost (cheapest first): memkernels' kernels add no
+# compute; checkpointing recomputes each layer's forward (~+33% step time); offload
+# moves saved activations over PCIe and costs time when the transfer outruns compute.
+OPTIONS = (
+    ("memkernels", {"use_memkernels": True}, "fused kernels, no extra compute"),
+    ("checkpointing", {"checkpointing": True}, "recomputes the forward in backward (~+33% compute)"),
+    ("memkernels + checkpointing", {"use_memkernels": True, "checkpointing": True}, "~+33% compute"),
+    ("offload", {"offload": True}, "host<->GPU copies of saved activations (PCIe bound)"),
+    ("memkernels + offload", {"use_memkernels": True, "offload": True}, "PCIe bound"),
+    ("checkpointing + offload", {"checkpointing": True, "offload": True}, "~+33% compute, PCIe bound"),
+    ("all three", {"use_memkernels": True, "checkpointing": True, "offload": True}, "~+33% compute, PCIe bound"),
+)
+
+
+def fitting_options(model_or_config, gpu_bytes, **kwargs):
+    """Which optimizations make a run fit ``gpu_bytes`` per GPU, cheapest first.
+
+    ``kwargs`` as :func:`estimate` (batch, seq, dtype, optimizer, shard_degree).
+    Returns a list of dicts ``name``, ``cost``, ``total`` (bytes), ``fits``, or
+    ``error`` (str) when an option cannot be measured (e.g. the fused ops are not
+    installed); options the caller already enabled are skipped.
+    """
+    if not isinstance(gpu_bytes, int) or gpu_bytes <= 0:
+        raise ValueError(f"fitting_options(gpu_bytes={gpu_bytes!r}): must be a positive int (bytes)")
+    rows = []
+    for name, flags, cost in OPTIONS:
+        options = dict(kwargs, **flags)
+        try:
+            total = estimate(model_or_config, **options).total
+        except (ImportError, RuntimeError) as error:
+            rows.append({"name": name, "cost": cost, "total": None, "fits": False, "error": str(error)})
+            continue
+        rows.append({"name": name, "cost": cost, "total": total, "fits": total <= gpu_bytes, "error": None})
+    return rows
+
+
+def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
+    """Write a stacked-bar PNG of :class:`MemoryEstimate` breakdowns (one bar each) to ``path``.
+
+    Needs matplotlib; raises ImportError naming the fix without it. Bars are labeled by
+    each estimate's configuration; ``gpu_bytes`` draws the per-GPU capacity line.
+    """
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("breakdown_chart needs matplotlib: pip install matplotlib") from None
+    gib = 2.0 ** 30
+    labels = [label for label, _ in estimates]
+    colors = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1")
+    fig, ax = plt.subplots(figsize=(11, 6.5), dpi=110)
+    bottoms = [0.0] * len(estimates)
+    for part, color in zip(_PARTS, colors):
+        heights = [getattr(result, part) / gib for _, result in estimates]
+        if not any(heights):
+            continue
+        ax.bar(labels, heights, bottom=bottoms, color=color, label=_LABELS[part], edgecolor="white", linewidth=0.5)
+        bottoms = [b + h for b, h in zip(bottoms, heights)]
+    top = max(max(bottoms), (gpu_bytes or 0) / gib) * 1.15
+    for x, (_, result) in enumerate(estimates):
+        ax.text(x, result.total / gib + top * 0.01, f"{result.total / gib:.1f} GiB", ha="center", va="bottom", fontsize=10,
+                fontweight="bold", bbox={"facecolor": "white", "edgecolor": "none", "pad": 1.5}, zorder=5)
+    if gpu_bytes:
+        ax.axhline(gpu_bytes / gib, color="black", linestyle="--", linewidth=1.2, zorder=4)
+        ax.text(len(estimates) - 0.5, gpu_bytes / gib,
+                f"GPU: {gpu_bytes / 1e9:.0f} GB = {gpu_bytes / gib:.1f} GiB ", va="bottom", ha="right", zorder=5)
+    ax.set_ylabel("memory per GPU (GiB)")
+    ax.set_title(title or "memory per GPU by configuration")
+    ax.legend(loc="upper right", fontsize=9)
+    ax.set_ylim(0, top)
+    ax.grid(axis="y", alpha=0.3)
+    plt.setp(ax.get_xticklabels(), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+class _CallableModule(types.ModuleType):
+    """``memkernels.estimate(...)`` keeps working once this submodule has been imported
+    (importing it sets the package attribute ``estimate`` to the module)."""
+
+    def __call__(self, model_or_config, **kwargs):
+        return estimate(model_or_config, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -1,0 +1,358 @@
+"""Model shapes the measuring tools know: built-in configs and a small GPT-style model.
+
+- :class:`ModelConfig`: the hyperparameters that decide memory (vocabulary,
+  width, depth, heads, KV heads, MLP width and kind, norm kind, tied
+  embeddings).
+- :data:`BUILTIN_CONFIGS`: ``gpt2``, ``gpt2-medium``, ``llama-2-7b``,
+  ``llama-3-8b``, ``qwen2-72b`` with their published hyperparameters, and
+  ``tiny-gpt``, the embedded default of ``memkernels report``.
+- :func:`load_config`: a built-in name, a Hugging Face config object, a dict
+  or the path of a ``config.json`` (read as plain JSON: no network, no
+  ``transformers`` import).
+- :class:`TransformerLM`: one decoder-only language model that covers both
+  families: GPT-2 style (LayerNorm, GELU MLP with biases, learned positions)
+  and Llama style (RMSNorm, SwiGLU MLP, rotary positions, grouped-query
+  attention). Build it on ``torch.device("meta")`` to measure a 70B model for
+  free; :mod:`memkernels.estimate` does exactly that.
+"""
+import dataclasses
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["ModelConfig", "BUILTIN_CONFIGS", "load_config", "TransformerLM", "synthetic_batch"]
+
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("gelu", "gelu_tanh", "swiglu", "geglu")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyperparameters of a decoder-only transformer LM (everything memory depends on).
+
+    ``mlp``: ``gelu``/``gelu_tanh`` (fc → GELU → proj, GPT-2 style),
+    ``swiglu`` (Llama: down(silu(gate(x)) * up(x))) or ``geglu`` (Gemma: GELU
+    gate). ``position``: ``learned`` (absolute embeddings, GPT-2) or ``rope``.
+    ``bias``: biases on every linear (GPT-2); ``qkv_bias``: on q/k/v only (Qwen2).
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_seq_len: int
+    norm: str = "rmsnorm"
+    norm_eps: float = 1e-5
+    mlp: str = "swiglu"
+    position: str = "rope"
+    tie_embeddings: bool = False
+    bias: bool = False
+    qkv_bias: bool = False
+    head_dim: int = None
+    rope_theta: float = 10000.0
+    embedding_scale: bool = False  # Gemma multiplies embeddings by sqrt(hidden_size)
+
+    def __post_init__(self):
+        for field in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                      "intermediate_size", "max_seq_len"):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"ModelConfig({self.name!r}): {field}={value!r} must be a positive int")
+        if self.norm not in NORMS:
+            raise ValueError(f"ModelConfig({self.name!r}): norm={self.norm!r}; use one of {NORMS}")
+        if self.mlp not in MLPS:
+            raise ValueError(f"ModelConfig({self.name!r}): mlp={self.mlp!r}; use one of {MLPS}")
+        if self.position not in ("learned", "rope"):
+            raise ValueError(f"ModelConfig({self.name!r}): position={self.position!r}; use 'learned' or 'rope'")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"ModelConfig({self.name!r}): num_heads={self.num_heads} is not a multiple of "
+                             f"num_kv_heads={self.num_kv_heads}")
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"ModelConfig({self.name!r}): hidden_size={self.hidden_size} is not divisible by "
+                                 f"num_heads={self.num_heads}; pass head_dim explicitly")
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+
+    def replace(self, **changes):
+        """A copy with some fields changed (e.g. ``num_layers=1``)."""
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters(self):
+        """Exact parameter count of :class:`TransformerLM` built from this config."""
+        with torch.device("meta"):
+            model = TransformerLM(self)
+        return sum(p.numel() for p in model.parameters())
+
+
+def _gpt2(name, hidden, layers, heads):
+    return ModelConfig(name=name, vocab_size=50257, hidden_size=hidden, num_layers=layers, num_heads=heads,
+                       num_kv_heads=heads, intermediate_size=4 * hidden, max_seq_len=1024, norm="layernorm",
+                       norm_eps=1e-5, mlp="gelu_tanh", position="learned", tie_embeddings=True, bias=True)
+
+
+# Published hyperparameters (the models' Hugging Face config.json files).
+BUILTIN_CONFIGS = {
+    "gpt2": _gpt2("gpt2", 768, 12, 12),
+    "gpt2-medium": _gpt2("gpt2-medium", 1024, 24, 16),
+    "llama-2-7b": ModelConfig(name="llama-2-7b", vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32,
+                              num_kv_heads=32, intermediate_size=11008, max_seq_len=4096, norm_eps=1e-5),
+    "llama-3-8b": ModelConfig(name="llama-3-8b", vocab_size=128256, hidden_size=4096, num_layers=32, num_heads=32,
+                              num_kv_heads=8, intermediate_size=14336, max_seq_len=8192, norm_eps=1e-5,
+                              rope_theta=500000.0),
+    "qwen2-72b": ModelConfig(name="qwen2-72b", vocab_size=152064, hidden_size=8192, num_layers=80, num_heads=64,
+                             num_kv_heads=8, intermediate_size=29568, max_seq_len=32768, norm_eps=1e-6,
+                             qkv_bias=True, rope_theta=1000000.0),
+    # The embedded default of `memkernels report`: GPT-2 shaped, small enough that one
+    # CPU training step takes about a second.
+    "tiny-gpt": ModelConfig(name="tiny-gpt", vocab_size=16384, hidden_size=384, num_layers=6, num_heads=6,
+                            num_kv_heads=6, intermediate_size=1536, max_seq_len=1024, norm="layernorm",
+                            mlp="gelu_tanh", position="learned", tie_embeddings=True, bias=True),
+}
+
+_GELU_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
+
+
+def _from_hf_dict(cfg, name):
+    """Translate a Hugging Face config dict (GPT-2, Llama, Mistral, Qwen2, Gemma families)."""
+    model_type = cfg.get("model_type")
+    if model_type == "gpt2":
+        hidden = cfg.get("n_embd", 768)
+        act = cfg.get("activation_function", "gelu_new")
+        return ModelConfig(
+            name=name, vocab_size=cfg.get("vocab_size", 50257), hidden_size=hidden,
+            num_layers=cfg.get("n_layer", 12), num_heads=cfg.get("n_head", 12), num_kv_heads=cfg.get("n_head", 12),
+            intermediate_size=cfg.get("n_inner") or 4 * hidden, max_seq_len=cfg.get("n_positions", 1024),
+            norm="layernorm", norm_eps=cfg.get("layer_norm_epsilon", 1e-5), mlp=_GELU_ACTS.get(act, "gelu_tanh"),
+            position="learned", tie_embeddings=cfg.get("tie_word_embeddings", True), bias=True)
+    if model_type in ("llama", "mistral", "qwen2", "gemma"):
+        heads = cfg["num_attention_heads"]
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
+        gemma = model_type == "gemma"
+        return ModelConfig(
+            name=name, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            num_layers=cfg["num_hidden_layers"], num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads, intermediate_size=cfg["intermediate_size"],
+            max_seq_len=cfg.get("max_position_embeddings", 4096), norm="rmsnorm",
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), mlp="geglu" if act in _GELU_ACTS else "swiglu",
+            position="rope", tie_embeddings=cfg.get("tie_word_embeddings", gemma),
+            qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
+            head_dim=cfg.get("head_dim"), rope_theta=cfg.get("rope_theta", 10000.0), embedding_scale=gemma)
+    raise ValueError(f"load_config: Hugging Face model_type={model_type!r} is not supported; supported: "
+                     "gpt2, llama, mistral, qwen2, gemma (or pass a built-in name: "
+                     f"{', '.join(BUILTIN_CONFIGS)})")
+
+
+def load_config(spec):
+    """A :class:`ModelConfig` from a built-in name, a HF config (object or dict) or a config.json path."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    if isinstance(spec, str):
+        if spec in BUILTIN_CONFIGS:
+            return BUILTIN_CONFIGS[spec]
+        if spec.endswith(".json") or os.path.sep in spec:
+            if not os.path.isfile(spec):
+                raise ValueError(f"load_config: {spec!r} is not a file; pass a config.json path or a built-in "
+                                 f"name ({', '.join(BUILTIN_CONFIGS)})")
+            with open(spec) as handle:
+                try:
+                    data = json.load(handle)
+                except json.JSONDecodeError as error:
+                    raise ValueError(f"load_config: {spec!r} is not valid JSON ({error})") from None
+            return _from_hf_dict(data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec)
+        raise ValueError(f"load_config: unknown model {spec!r}; use a built-in name ({', '.join(BUILTIN_CONFIGS)}) "
+                         "or the path of a Hugging Face config.json")
+    if isinstance(spec, dict):
+        return _from_hf_dict(spec, spec.get("_name_or_path") or spec.get("model_type", "hf-config"))
+    if hasattr(spec, "to_dict") and hasattr(spec, "model_type"):  # a transformers PretrainedConfig
+        data = spec.to_dict()
+        data.setdefault("model_type", spec.model_type)
+        return _from_hf_dict(data, data.get("_name_or_path") or spec.model_type)
+    raise ValueError(f"load_config: cannot read a model config from {type(spec).__name__}; pass a built-in name, "
+                     "a ModelConfig, a Hugging Face config (object or dict) or a config.json path")
+
+
+def _norm(config):
+    if config.norm == "layernorm":
+        return nn.LayerNorm(config.hidden_size, eps=config.norm_eps, bias=True)
+    return nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads; flash-style SDPA (saves q, k, v, out, lse)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        qkv_bias = config.bias or config.qkv_bias
+        self.q_proj = nn.Linear(config.hidden_size, config.num_heads * config.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.bias)
+
+    def forward(self, x, rope=None):
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=self.num_kv_heads != self.num_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def _apply_rope(x, rope):
+    cos, sin = rope  # (seq, head_dim) each, in x's dtype
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MLP(nn.Module):
+    """GELU MLP (fc1 → act → fc2), the shape ``FusedMLP.from_modules(fc1, act, fc2)`` takes."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.act = nn.GELU(approximate="tanh" if config.mlp == "gelu_tanh" else "none")
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+
+    def forward(self, x):
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (Llama, Qwen2) or GeGLU (Gemma)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.bias)
+        self.act = nn.SiLU() if config.mlp == "swiglu" else nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm1(x)), then + mlp(norm2(x))."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.norm1 = _norm(config)
+        self.attn = Attention(config)
+        self.norm2 = _norm(config)
+        self.mlp = GatedMLP(config) if config.mlp in ("swiglu", "geglu") else MLP(config)
+
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.norm1(x), rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class LogitsLoss(nn.Module):
+    """LM head + next-token cross-entropy the usual way: full logits, upcast to fp32.
+
+    ``memkernels.apply`` swaps it for the fused linear cross-entropy, which never
+    materializes the logits. No parameters of its own: the head weight is passed in.
+    """
+
+    def forward(self, hidden, weight, labels, bias=None):
+        logits = F.linear(hidden, weight, bias).float()
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+class TransformerLM(nn.Module):
+    """Decoder-only LM built from a :class:`ModelConfig` (random init).
+
+    ``forward(input_ids)`` → logits (batch, seq, vocab); ``forward(input_ids,
+    labels)`` → scalar mean next-token loss (labels are shifted inside, as in
+    Hugging Face: ``labels[:, 1:]`` are the targets of positions ``:-1``).
+    ``input_ids``/``labels``: int64 (batch, seq). Set ``model.checkpointing =
+    True`` for per-block activation checkpointing.
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        config = load_config(config)
+        self.config = config
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.pos_embed = (nn.Embedding(config.max_seq_len, config.hidden_size)
+                          if config.position == "learned" else None)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.num_layers))
+        self.norm = _norm(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.loss_fn = LogitsLoss()
+        self.checkpointing = False
+        if not any(p.is_meta for p in self.parameters()):
+            self._init_weights()
+
+    def _init_weights(self):
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
+
+    def _rope(self, seq, x):
+        if self.pos_embed is not None:
+            return None
+        dim = self.config.head_dim
+        inv_freq = 1.0 / (self.config.rope_theta ** (torch.arange(0, dim, 2, device=x.device).float() / dim))
+        angles = torch.outer(torch.arange(seq, device=x.device).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    def hidden_states(self, input_ids):
+        """Final-norm hidden states (batch, seq, hidden), before the LM head."""
+        batch, seq = _check_ids(input_ids, self.config)
+        x = self.embed(input_ids)
+        if self.config.embedding_scale:
+            x = x * math.sqrt(self.config.hidden_size)
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(torch.arange(seq, device=input_ids.device))
+        rope = self._rope(seq, x)
+        for block in self.blocks:
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, rope, use_reentrant=True)
+            else:
+                x = block(x, rope)
+        return self.norm(x)
+
+    def forward(self, input_ids, labels=None):
+        hidden = self.hidden_states(input_ids)
+        if labels is None:
+            return self.lm_head(hidden)
+        if labels.shape != input_ids.shape:
+            raise ValueError(f"TransformerLM: labels has shape {tuple(labels.shape)} but input_ids has "
+                             f"{tuple(input_ids.shape)}; they must match")
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+        return self.loss_fn(hidden, self.lm_head.weight, targets)
+
+
+def _check_ids(input_ids, config):
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype != torch.long:
+        raise ValueError("TransformerLM: input_ids must be an int64 tensor of shape (batch, seq)")
+    batch, seq = input_ids.shape
+    if seq > config.max_seq_len and config.position == "learned":
+        raise ValueError(f"TransformerLM({config.name}): seq={seq} exceeds max_seq_len={config.max_seq_len} "
+                         "of its learned position embeddings")
+    return batch, seq
+
+
+def synthetic_batch(config, batch, seq, device="cpu", generator=None):
+    """Random token ids (batch, seq) int64 in [0, vocab): inputs and labels of a synthetic LM step."""
+    config = load_config(config)
+    if device == "meta" or (isinstance(device, torch.device) and device.type == "meta"):
+        return torch.empty(batch, seq, dtype=torch.long, device="meta")
+    return torch.randint(0, config.vocab_size, (batch, seq), device=device, generator=generator)

@@ -1,0 +1,362 @@
+"""``memkernels.apply(model)``: swap in the fused kernels without rewriting the model.
+
+What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=False``):
+
+- norms: ``nn.LayerNorm`` → ``FusedLayerNorm``; ``nn.RMSNorm`` and the RMSNorm
+  classes of Hugging Face's Llama, Mistral and Qwen2 → ``FusedRMSNorm``
+  (Llama casting: normalize in fp32, cast, then scale); Gemma's RMSNorm →
+  ``FusedRMSNorm(offset=1, casting_mode="gemma")`` (scale by 1 + weight in fp32).
+- GELU MLPs: memkernels' own ``MLP`` → ``FusedMLP``; Hugging Face GPT-2's
+  Conv1D MLP and BERT's intermediate/output pair → the same MLP computed with
+  ``gelu_linear`` (the activated tensor is never stored). Gated MLPs (SwiGLU,
+  GeGLU) have no fused kernel and are left alone (listed as skipped).
+- loss: a causal LM given ``labels`` computes its loss with
+  ``linear_cross_entropy`` from the final hidden states; the logits are never
+  materialized (the output's ``logits`` is None then). Without labels the
+  forward is unchanged.
+
+The model keeps its parameters: the new modules share the old modules'
+``nn.Parameter`` objects under the same names, so ``state_dict`` keys, values
+and layouts are unchanged (a checkpoint loads either way) and an optimizer
+built before ``apply`` still holds the right tensors. Hugging Face modules are
+patched by switching their class to a subclass with a fused ``forward``, so
+their submodules and keys stay where they were.
+"""
+import copy
+import itertools
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memkernels.models import MLP, LogitsLoss, TransformerLM
+from memkernels.profile import _table, ledger_forward
+
+__all__ = ["apply", "PatchReport"]
+
+_LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
+_GEMMA_NORMS = ("GemmaRMSNorm",)
+# Hugging Face activation classes → nn.GELU(approximate=...) they compute.
+_HF_GELUS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh",
+             "PytorchGELUTanh": "tanh", "FastGELUActivation": "tanh"}
+
+
+def _require(what):
+    """Import the fused op(s) ``what`` needs, or raise naming what is missing."""
+    try:
+        if what == "norms":
+            from memkernels.nn import FusedLayerNorm, FusedRMSNorm
+            return FusedLayerNorm, FusedRMSNorm
+        if what == "mlp":
+            from memkernels.nn import FusedMLP
+            from memkernels.ops.gelu_linear import gelu_linear
+            return FusedMLP, gelu_linear
+        from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+        return linear_cross_entropy
+    except ImportError as error:
+        raise RuntimeError(
+            f"memkernels.apply({what}=True): the fused op it needs is not available in this memkernels "
+            f"installation ({error}). Install a memkernels that ships it, or pass {what}=False.") from error
+
+
+def _gelu_approximation(act):
+    """'none' / 'tanh' for a GELU activation module, None for anything else."""
+    if isinstance(act, nn.GELU):
+        return act.approximate
+    return _HF_GELUS.get(type(act).__name__)
+
+
+# ----------------------------------------------------------------------------- Hugging Face subclasses
+
+class _FusedGPT2MLP:
+    """GPT-2's MLP (Conv1D c_fc → GELU → Conv1D c_proj → dropout) with gelu_linear.
+
+    Conv1D stores its weight as (in, out); ``gelu_linear`` takes (out, in), so it
+    gets the transposed view: same parameter, same state_dict.
+    """
+
+    def forward(self, hidden_states):
+        from memkernels.ops.gelu_linear import gelu_linear
+        h = self.c_fc(hidden_states)
+        out = gelu_linear(h, self.c_proj.weight.t(), self.c_proj.bias, approximate=self._memkernels_gelu)
+        return self.dropout(out)
+
+
+class _FusedBertLayer:
+    """BERT's feed-forward (intermediate.dense → GELU → output.dense → dropout → LayerNorm(+x)) fused."""
+
+    def feed_forward_chunk(self, attention_output):
+        from memkernels.ops.gelu_linear import gelu_linear
+        h = self.intermediate.dense(attention_output)
+        out = gelu_linear(h, self.output.dense.weight, self.output.dense.bias, approximate=self._memkernels_gelu)
+        return self.output.LayerNorm(self.output.dropout(out) + attention_output)
+
+
+class _CausalLMLoss(nn.Module):
+    """Next-token cross-entropy from hidden states through the LM head, logits never materialized.
+
+    A module (no parameters, nothing in state_dict) so that the ledger files
+    its saved tensors under logits/loss.
+    """
+
+    def forward(self, hidden, weight, targets, bias=None, softcap=None, num_items_in_batch=None):
+        from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=-100, reduction=reduction,
+                                    softcap=softcap)
+        if num_items_in_batch is None:
+            return loss
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        return loss / num_items_in_batch
+
+
+class _FusedCausalLM:
+    """A Hugging Face *ForCausalLM whose loss skips the logits when labels are given."""
+
+    def forward(self, *args, labels=None, **kwargs):
+        if labels is None:
+            return super().forward(*args, **kwargs)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+        num_items = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)
+        kwargs.pop("logits_to_keep", None)
+        kwargs.pop("return_dict", None)
+        outputs = self.base_model(*args, **kwargs)
+        hidden = outputs[0]
+        if shift_labels is None:  # Hugging Face's shift: position t predicts labels[t + 1]
+            shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
+        head = self.get_output_embeddings()
+        loss = self._memkernels_loss(hidden, head.weight, shift_labels.to(hidden.device), getattr(head, "bias", None),
+                                     getattr(self.config, "final_logit_softcapping", None), num_items)
+        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
+                                      hidden_states=getattr(outputs, "hidden_states", None),
+                                      attentions=getattr(outputs, "attentions", None))
+
+
+def _switch_class(module, mixin):
+    """Give ``module`` a subclass of its class with ``mixin``'s methods (same attributes, same keys).
+
+    The subclass is registered in this module under its name so it pickles.
+    """
+    base = type(module)
+    name = f"Memkernels{base.__name__}"
+    cls = getattr(sys.modules[__name__], name, None)
+    if cls is None or cls.__bases__[-1] is not base:
+        cls = type(name, (mixin, base), {"__module__": __name__})
+        setattr(sys.modules[__name__], name, cls)
+    module.__class__ = cls
+
+
+def _is_hf_causal_lm(module):
+    """A Hugging Face causal LM with a linear head (patched or not)."""
+    return (type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and hasattr(module, "base_model")
+            and hasattr(module, "get_output_embeddings") and isinstance(module.get_output_embeddings(), nn.Linear)
+            and module.base_model is not module)
+
+
+# ----------------------------------------------------------------------------- the report
+
+class PatchReport:
+    """What :func:`apply` did.
+
+    ``replaced``: list of dicts ``name`` (qualified module name, ``''`` = the model),
+    ``before``, ``after`` (type names); ``skipped``: dicts ``name``, ``type``,
+    ``reason``; ``bytes_per_token``: ``{"before": float, "after": float}`` saved
+    for backward per token by a training forward (measured on a meta copy at
+    ``measured_tokens``), or None with ``measure_note`` saying why.
+    """
+
+    def __init__(self):
+        self.replaced, self.skipped = [], []
+        self.bytes_per_token, self.measured_tokens, self.measure_note = None, None, ""
+
+    def to_dict(self):
+        return {"replaced": list(self.replaced), "skipped": list(self.skipped),
+                "bytes_per_token": self.bytes_per_token, "measured_tokens": self.measured_tokens,
+                "measure_note": self.measure_note}
+
+    def summary(self):
+        counts = {}
+        for row in self.replaced:
+            key = (row["before"], row["after"])
+            counts[key] = counts.get(key, 0) + 1
+        rows = [(before, after, n) for (before, after), n in counts.items()]
+        lines = ["memkernels.apply replaced:", _table(("module type", "now", "count"), rows) if rows else "  nothing"]
+        skipped = {}
+        for row in self.skipped:
+            skipped.setdefault((row["type"], row["reason"]), 0)
+            skipped[(row["type"], row["reason"])] += 1
+        lines += [f"  left alone: {n} x {t} ({reason})" for (t, reason), n in skipped.items()]
+        if self.bytes_per_token:
+            before, after = self.bytes_per_token["before"], self.bytes_per_token["after"]
+            lines.append(f"saved for backward per token: {before:,.0f} B -> {after:,.0f} B "
+                         f"({(after - before) / before:+.0%}; meta forward of {self.measured_tokens} tokens)")
+        elif self.measure_note:
+            lines.append(f"saved bytes per token: {self.measure_note}")
+        return "\n".join(lines)
+
+    __str__ = summary
+
+
+# ----------------------------------------------------------------------------- measuring on a meta copy
+
+def _meta_copy(model):
+    """A deep copy of ``model`` whose parameters and buffers are on ``meta`` (no real memory)."""
+    memo = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        meta = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(meta, requires_grad=tensor.requires_grad) \
+            if isinstance(tensor, nn.Parameter) else meta
+    return copy.deepcopy(model, memo)
+
+
+def _lm_forward_args(model, tokens):
+    """(args, kwargs) of a training forward with labels, on meta; None if the model is not a known LM."""
+    ids = torch.empty(1, tokens, dtype=torch.long, device="meta")
+    if isinstance(model, TransformerLM):
+        return (ids, ids), {}
+    if _is_hf_causal_lm(model):
+        return (), {"input_ids": ids, "labels": ids, "use_cache": False}
+    return None
+
+
+def _saved_bytes_per_token(model, tokens):
+    args, kwargs = _lm_forward_args(model, tokens)
+    ledger, _ = ledger_forward(_meta_copy(model), *args, **kwargs)
+    return ledger.new_bytes / tokens
+
+
+def _max_positions(model):
+    config = getattr(model, "config", None)
+    for attr in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        if getattr(config, attr, None):
+            return getattr(config, attr)
+    return 128
+
+
+# ----------------------------------------------------------------------------- apply
+
+def _plan(model, norms, mlp, loss, report):
+    """Collect (qualified name, action) pairs; nothing is changed yet."""
+    actions = []
+    for name, module in model.named_modules():
+        cls_name = type(module).__name__
+        if norms and (isinstance(module, (nn.LayerNorm, nn.RMSNorm))
+                      or cls_name in _LLAMA_STYLE_NORMS + _GEMMA_NORMS):
+            actions.append((name, "norm", module))
+        elif mlp and isinstance(module, MLP):
+            if _gelu_approximation(module.act) is None:
+                report.skipped.append({"name": name, "type": cls_name, "reason": "activation is not GELU"})
+            else:
+                actions.append((name, "mlp", module))
+        elif mlp and cls_name == "GPT2MLP":
+            actions.append((name, "gpt2_mlp", module))
+        elif mlp and cls_name in ("BertLayer", "RobertaLayer") and hasattr(module, "intermediate"):
+            actions.append((name, "bert_ffn", module))
+        elif mlp and cls_name.endswith("MLP") and hasattr(module, "gate_proj"):
+            report.skipped.append({"name": name, "type": cls_name, "reason": "gated MLP: no fused kernel"})
+        elif loss and isinstance(module, LogitsLoss):
+            actions.append((name, "lm_loss", module))
+    if loss and _is_hf_causal_lm(model) and not isinstance(model, _FusedCausalLM):
+        actions.append(("", "hf_loss", model))
+    return actions
+
+
+def _set_child(model, name, new):
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def _fused_norm(module, fused_layer_norm, fused_rms_norm):
+    cls_name = type(module).__name__
+    if isinstance(module, nn.LayerNorm):
+        new = fused_layer_norm.from_module(module)
+    elif cls_name in _GEMMA_NORMS:
+        new = fused_rms_norm.from_module(module, offset=1.0, casting_mode="gemma")
+    else:
+        new = fused_rms_norm.from_module(module, casting_mode="llama")
+    # Share, don't copy: keeps optimizers, tied weights and FSDP/DDP registrations valid.
+    if module.weight is not None:
+        new.weight = module.weight
+    if getattr(module, "bias", None) is not None:
+        new.bias = module.bias
+    return new
+
+
+def _check_flag(name, value):
+    if not isinstance(value, bool):
+        raise ValueError(f"memkernels.apply({name}={value!r}): must be True or False")
+
+
+def apply(model, *, norms=True, mlp=True, loss=True, measure=True):
+    """Swap the fused memkernels kernels into ``model`` in place; returns a :class:`PatchReport`.
+
+    ``model``: any nn.Module (a memkernels :class:`~memkernels.models.TransformerLM`,
+    a Hugging Face model, or your own module containing nn.LayerNorm/nn.RMSNorm).
+    ``norms`` / ``mlp`` / ``loss``: which kinds to replace (see the module doc).
+    ``measure``: for a causal LM, also measure saved bytes per token before and
+    after on a meta copy (no real memory, a fraction of a second). Call it
+    before wrapping the model in DDP/FSDP or ``torch.compile``.
+
+    Raises RuntimeError naming the missing op when a fused op needed by the
+    model is not available.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"memkernels.apply(model=...) needs an nn.Module, got {type(model).__name__}")
+    for name, value in (("norms", norms), ("mlp", mlp), ("loss", loss), ("measure", measure)):
+        _check_flag(name, value)
+    report = PatchReport()
+    before = None
+    if measure and _lm_forward_args(model, 1) is not None:
+        report.measured_tokens = min(128, _max_positions(model))
+        before = _measure_or_note(model, report)
+    elif measure:
+        report.measure_note = "not measured (not a causal LM this function can feed; use activation_ledger)"
+
+    actions = _plan(model, norms, mlp, loss, report)
+    kinds = {kind for _, kind, _ in actions}
+    fused_layer_norm, fused_rms_norm = _require("norms") if "norm" in kinds else (None, None)
+    fused_mlp = _require("mlp")[0] if kinds & {"mlp", "gpt2_mlp", "bert_ffn"} else None
+    if kinds & {"lm_loss", "hf_loss"}:
+        _require("loss")
+    for name, kind, module in actions:
+        before_type = type(module).__name__
+        if kind == "norm":
+            _set_child(model, name, _fused_norm(module, fused_layer_norm, fused_rms_norm))
+        elif kind == "mlp":
+            fused = fused_mlp.from_modules(module.fc1, nn.GELU(approximate=_gelu_approximation(module.act)),
+                                           module.fc2)
+            _set_child(model, name, fused)
+        elif kind in ("gpt2_mlp", "bert_ffn"):
+            act = module.act if kind == "gpt2_mlp" else module.intermediate.intermediate_act_fn
+            approximate = _gelu_approximation(act)
+            if approximate is None:
+                report.skipped.append({"name": name, "type": before_type,
+                                       "reason": f"activation {type(act).__name__} is not GELU"})
+                continue
+            _switch_class(module, _FusedGPT2MLP if kind == "gpt2_mlp" else _FusedBertLayer)
+            module._memkernels_gelu = approximate
+        elif kind == "lm_loss":
+            _set_child(model, name, _CausalLMLoss())
+        elif kind == "hf_loss":
+            _switch_class(module, _FusedCausalLM)
+            module._memkernels_loss = _CausalLMLoss()
+        after = model.get_submodule(name) if name else model
+        report.replaced.append({"name": name, "before": before_type, "after": type(after).__name__})
+    if before is not None:
+        after = _measure_or_note(model, report)
+        if after is not None:
+            report.bytes_per_token = {"before": before, "after": after}
+    return report
+
+
+def _measure_or_note(model, report):
+    """Saved bytes per token on a meta copy; a model whose forward cannot run on meta gets a note instead."""
+    try:
+        return _saved_bytes_per_token(model, report.measured_tokens)
+    except (RuntimeError, NotImplementedError, TypeError) as error:
+        report.measure_note = f"not measured: the model's forward does not run on the meta device ({error})"
+        return None

@@ -1,0 +1,85 @@
+"""apply()'d kernels under DDP and FSDP2 (fully_shard): two CPU processes, gloo backend.
+
+Each rank trains on its half of a batch; the gradients after backward (DDP's
+all-reduce average, FSDP2's reduce-scatter, gathered back with full_tensor())
+must equal single-process training on the whole batch. "Equal" is judged as
+everywhere in this project: against the unpatched model run in float64 on the
+whole batch, within 2x the error of the unpatched fp32 model (single process),
+plus a floor of a few fp32 roundings of the largest gradient.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from memkernels.models import ModelConfig, TransformerLM
+from memkernels.patch import apply
+
+WORLD = 2
+CONFIG = ModelConfig(name="dist-tiny", vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
+                     intermediate_size=64, max_seq_len=32, norm="layernorm", mlp="gelu", position="learned",
+                     tie_embeddings=False, bias=True)
+
+
+def _grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    model(ids, ids).backward()
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _worker(rank, mode, store_path, result_path):
+    torch.set_num_threads(1)  # two ranks on a 2-core machine: more threads only contend
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(1234)  # same weights and batch on every rank
+        model = TransformerLM(CONFIG)
+        ids = torch.randint(0, CONFIG.vocab_size, (4, 24))
+        reference = _grads(copy.deepcopy(model).double(), ids)
+        eager = _grads(copy.deepcopy(model), ids)
+        patched = copy.deepcopy(model)
+        report = apply(patched, measure=False)
+        # Each rank gets two whole rows: every row has seq - 1 targets, so the mean of
+        # the two ranks' mean losses is the whole batch's mean loss.
+        local = ids.chunk(WORLD)[rank]
+        if mode == "ddp":
+            wrapped = torch.nn.parallel.DistributedDataParallel(patched)
+            wrapped(local, local).backward()
+            grads = {n: p.grad for n, p in wrapped.module.named_parameters()}
+        else:
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (WORLD,))
+            for block in patched.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(patched, mesh=mesh)
+            patched(local, local).backward()
+            grads = {n: p.grad.full_tensor() for n, p in patched.named_parameters()}
+            assert all(type(p).__name__ == "DTensor" for p in patched.parameters())
+        failures = []
+        scale = max(g.abs().max().item() for g in reference.values())
+        for name, g64 in reference.items():
+            eager_error = (eager[name].double() - g64).abs().max().item()
+            error = (grads[name].double() - g64).abs().max().item()
+            floor = 8 * torch.finfo(torch.float32).eps * scale
+            if error > 2 * eager_error + floor:
+                failures.append(f"{name}: {error:.3e} > 2 x {eager_error:.3e} + {floor:.1e}")
+        with open(f"{result_path}.{rank}", "w") as handle:
+            handle.write("\n".join([f"replaced {len(report.replaced)}"] + failures))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_gradients_equal_single_process_training(mode, tmp_path):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.fail("torch.distributed with gloo is required for this test")
+    result_path = str(tmp_path / "result")
+    mp.spawn(_worker, args=(mode, str(tmp_path / "store"), result_path), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        with open(f"{result_path}.{rank}") as handle:
+            lines = handle.read().splitlines()
+        assert lines[0] == "replaced 8", lines[0]  # 5 LayerNorms, 2 MLPs, the loss
+        assert lines[1:] == [], f"rank {rank}: " + "; ".join(lines[1:])
+

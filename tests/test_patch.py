@@ -1,0 +1,252 @@
+"""memkernels.apply on tiny Hugging Face models built from configs (no downloads) and on TransformerLM.
+
+Parity is judged the project's way: the unpatched model run in float64 is the
+reference; the patched fp32 model's loss and every parameter gradient must be
+within 2x the error the unpatched fp32 model itself makes against it (plus a
+floor of a few fp32 roundings of the largest value, for gradients that are zero
+by symmetry and hold only rounding noise).
+"""
+import copy
+import sys
+
+import pytest
+import torch
+
+from memkernels.models import ModelConfig, TransformerLM, synthetic_batch
+from memkernels.patch import apply
+from memkernels.profile import activation_ledger
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 131
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64, attn_implementation="sdpa")
+
+
+def _llama():
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(num_key_value_heads=2, **COMMON))
+
+
+def _qwen2():
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, **COMMON))
+
+
+def _gemma():
+    model = transformers.GemmaForCausalLM(transformers.GemmaConfig(num_key_value_heads=1, head_dim=16, **COMMON))
+    with torch.no_grad():  # Gemma initializes its norm weights to 0 (scale 1 + w): make the offset matter
+        for module in model.modules():
+            if type(module).__name__ == "GemmaRMSNorm":
+                module.weight.normal_(0, 0.1)
+    return model
+
+
+def _gpt2():
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     attn_implementation="sdpa")
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _tiny_lm():
+    config = ModelConfig(name="tiny", vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                         intermediate_size=96, max_seq_len=64, norm="layernorm", mlp="gelu", position="learned",
+                         tie_embeddings=True, bias=True)
+    return TransformerLM(config)
+
+
+HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "gpt2": _gpt2}
+ALL_MODELS = dict(HF_MODELS, memkernels_tiny_lm=_tiny_lm)
+
+
+def _batch(batch=2, seq=24):
+    ids = torch.randint(0, VOCAB, (batch, seq))
+    labels = ids.clone()
+    labels[0, :3] = -100  # ignored positions, as padding would be
+    return ids, labels
+
+
+def _loss(model, ids, labels, **kwargs):
+    if isinstance(model, TransformerLM):
+        return model(ids, labels)
+    return model(input_ids=ids, labels=labels, use_cache=False, **kwargs).loss
+
+
+def _loss_and_grads(model, ids, labels, **kwargs):
+    model.zero_grad(set_to_none=True)
+    loss = _loss(model, ids, labels, **kwargs)
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_parity(reference, eager, patched, name, scale=None):
+    """patched within 2x eager's error against the float64 reference, plus a floor of
+    4 fp32 roundings of ``scale`` (default: the reference's largest magnitude)."""
+    scale = reference.abs().max().item() if scale is None else scale
+    eager_error = (eager.double() - reference).abs().max().item()
+    patched_error = (patched.double() - reference).abs().max().item()
+    floor = 4 * torch.finfo(torch.float32).eps * scale
+    assert patched_error <= 2 * eager_error + floor, (
+        f"{name}: patched error {patched_error:.3e} > 2 x eager error {eager_error:.3e} + floor {floor:.1e}")
+
+
+@pytest.fixture
+def triton_backend():
+    from memkernels import set_backend
+    set_backend("triton")
+    yield
+    set_backend("auto")
+
+
+@pytest.mark.parametrize("family", sorted(ALL_MODELS))
+def test_loss_and_every_gradient_match_unpatched(family):
+    _check_gradient_parity(family)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["memkernels_tiny_lm", "gpt2", "llama"])
+def test_triton_kernels_match_unpatched(family, triton_backend):
+    """The same parity with the Triton kernels (run by the interpreter on the CPU)."""
+    _check_gradient_parity(family)
+
+
+def _check_gradient_parity(family):
+    model = ALL_MODELS[family]().train()
+    reference = copy.deepcopy(model).double()
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    assert report.replaced, report.summary()
+    ids, labels = _batch()
+    loss64, grads64 = _loss_and_grads(reference, ids, labels)
+    loss32, grads32 = _loss_and_grads(model, ids, labels)
+    loss_p, grads_p = _loss_and_grads(patched, ids, labels)
+    _assert_parity(loss64.reshape(1), loss32.reshape(1), loss_p.reshape(1), "loss")
+    assert set(grads_p) == set(grads32)
+    # The floor is relative to the model's largest gradient: some gradients are zero
+    # by symmetry (a key bias under softmax) and hold rounding noise only.
+    global_scale = max(g.abs().max().item() for g in grads64.values())
+    for name, g64 in grads64.items():
+        _assert_parity(g64, grads32[name], grads_p[name], name, scale=max(g64.abs().max().item(), global_scale * 1e-3))
+
+
+@pytest.mark.parametrize("family", sorted(ALL_MODELS))
+def test_ledger_shows_fewer_saved_bytes_per_token(family):
+    model = ALL_MODELS[family]().train()
+    patched = copy.deepcopy(model)
+    report = apply(patched)
+    ids, labels = _batch()
+    tokens = ids.numel()
+
+    def saved(m):
+        if isinstance(m, TransformerLM):
+            return activation_ledger(m, ids, labels)
+        return activation_ledger(m, input_ids=ids, labels=labels, use_cache=False)
+
+    before, after = saved(model), saved(patched)
+    assert after.per_token(tokens) < before.per_token(tokens)
+    assert after.by_category()["logits/loss"] < before.by_category()["logits/loss"]
+    # apply()'s own figure, measured on a meta copy, says the same
+    assert report.bytes_per_token["after"] < report.bytes_per_token["before"]
+
+
+@pytest.mark.parametrize("family", sorted(ALL_MODELS))
+def test_state_dict_loads_both_ways(family):
+    model = ALL_MODELS[family]()
+    patched = copy.deepcopy(model)
+    apply(patched, measure=False)
+    original_state, patched_state = model.state_dict(), patched.state_dict()
+    assert list(patched_state) == list(original_state)
+    for key, value in original_state.items():
+        assert patched_state[key].shape == value.shape and torch.equal(patched_state[key], value), key
+    fresh = ALL_MODELS[family]()
+    fresh_patched = copy.deepcopy(fresh)
+    apply(fresh_patched, measure=False)
+    fresh_patched.load_state_dict(original_state, strict=True)   # unpatched checkpoint -> patched model
+    fresh.load_state_dict(patched_state, strict=True)            # patched checkpoint -> unpatched model
+    ids, labels = _batch()
+    with torch.no_grad():
+        assert torch.allclose(_loss(fresh, ids, labels), _loss(model, ids, labels))
+        assert torch.allclose(_loss(fresh_patched, ids, labels), _loss(model, ids, labels), rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", sorted(HF_MODELS))
+def test_without_labels_the_logits_are_unchanged(family):
+    model = HF_MODELS[family]().eval()
+    patched = copy.deepcopy(model)
+    apply(patched, measure=False)
+    ids, _ = _batch()
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False).logits
+        got = patched(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert patched(input_ids=ids, labels=ids, use_cache=False).logits is None  # logits never built
+
+
+def test_num_items_in_batch_sums_then_divides_like_hugging_face():
+    model = _llama()
+    patched = copy.deepcopy(model)
+    apply(patched, measure=False)
+    ids, labels = _batch()
+    items = torch.tensor(17)
+    expected = model(input_ids=ids, labels=labels, num_items_in_batch=items, use_cache=False).loss
+    got = patched(input_ids=ids, labels=labels, num_items_in_batch=items, use_cache=False).loss
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_report_lists_replacements_and_skips():
+    report = apply(_llama())
+    replaced = {(r["before"], r["after"]) for r in report.replaced}
+    assert ("LlamaRMSNorm", "FusedRMSNorm") in replaced
+    assert ("LlamaForCausalLM", "MemkernelsLlamaForCausalLM") in replaced
+    assert sum(r["before"] == "LlamaRMSNorm" for r in report.replaced) == 2 * 2 + 1
+    assert {s["type"] for s in report.skipped} == {"LlamaMLP"}  # SwiGLU: no fused kernel
+    g = _gemma()
+    gemma_norms = [m for m in g.modules() if type(m).__name__ == "GemmaRMSNorm"]
+    apply(g, measure=False)
+    fused = [m for m in g.modules() if type(m).__name__ == "FusedRMSNorm"]
+    assert len(fused) == len(gemma_norms) and all(m.offset == 1.0 for m in fused)
+    text = report.summary()
+    assert "FusedRMSNorm" in text and "per token" in text
+
+
+@pytest.mark.parametrize("family", sorted(ALL_MODELS))
+def test_apply_twice_changes_nothing_more(family):
+    model = ALL_MODELS[family]()
+    first = apply(model, measure=False)
+    keys = list(model.state_dict())
+    second = apply(model, measure=False)
+    assert first.replaced and second.replaced == []
+    assert list(model.state_dict()) == keys
+
+
+def test_switches_are_honoured():
+    model = _gpt2()
+    report = apply(model, norms=False, loss=False, measure=False)
+    assert {r["before"] for r in report.replaced} == {"GPT2MLP"}
+    assert any(type(m).__name__ == "LayerNorm" for m in model.modules())
+
+
+def test_bad_arguments_and_missing_ops_are_clear_errors(monkeypatch):
+    with pytest.raises(ValueError, match="nn.Module"):
+        apply("llama")
+    with pytest.raises(ValueError, match="norms"):
+        apply(_tiny_lm(), norms="yes")
+    monkeypatch.setitem(sys.modules, "memkernels.ops.linear_cross_entropy", None)  # as if not installed
+    with pytest.raises(RuntimeError, match=r"apply\(loss=True\).*loss=False"):
+        apply(_tiny_lm(), measure=False)
+
+
+def test_bert_feed_forward_is_fused_with_parity():
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=96, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = transformers.BertModel(config)
+    reference = copy.deepcopy(model).double()
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    assert sum(r["before"] == "BertLayer" for r in report.replaced) == 2
+    ids, _ = _batch()
+    outs = [m(input_ids=ids).last_hidden_state.double() for m in (reference, model, patched)]
+    _assert_parity(*[o.detach() for o in outs], "bert hidden states")
+    before = activation_ledger(model, input_ids=ids).by_category()["mlp"]
+    after = activation_ledger(patched, input_ids=ids).by_category()["mlp"]
+    assert after < before
