@@ -49,6 +49,9 @@ where eager's error is tiny on every rerun (measured: the RMSNorm weight
 gradient at hidden size 1, whose normalized value is +-1 up to eps, ~1e-9
 while one float32 rounding there is ~3e-8), an op one rounding less accurate
 fails as before: that is a real one-ulp difference from eager, not noise.
+Measured on correct fp32 ops (fresh seeds, both backends, small shapes):
+norms 16 of 5520 checks failed with one eager run, 4 with four (3 of them the
+hidden-size-1 case above); gelu_linear 6 of 1896, then 0.
 Rounding-error bounds from the op's size (n*eps for a
 sum of n terms) were not used: they need the op's structure, and the
 classical bound is loose by ~sqrt(n) for typical data. float16/bfloat16 rows
