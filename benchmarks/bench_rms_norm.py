@@ -13,11 +13,11 @@ Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
     where memory_efficient=True (keep y, not x) pays off;
   - peak MB: the most bytes alive at once during forward + backward of norm and
     next layer, on top of the inputs (memkernels.meters.PeakBytesMeter). The meter
-    sees every op's outputs but not what runs inside a torch.library custom op, so
-    for memkernels it counts y, residual_out, rstd, dx, dw and not the op's internal
-    buffers: the reference path's whole-tensor temporaries, or the Triton backward's
-    [programs, 2, H] fp32 partial sums. Read memkernels' peaks as lower bounds. The PyTorch reference path runs whole-tensor
-    fp32 temporaries that the Triton kernels (which keep rows in registers) do not.
+    sees inside the torch.library custom ops too, so memkernels' peaks include the
+    op's internal buffers: the reference path's whole-tensor temporaries, or the
+    Triton backward's [programs, 2, H] fp32 partial sums. The PyTorch reference
+    path (this CPU run) makes whole-tensor fp32 temporaries that the Triton
+    kernels, which keep rows in registers, do not: its peak is not the GPU's.
 
 GPU timing (only with CUDA): forward+backward GB/s of memkernels (Triton) vs eager
 and torch.compile'd eager; otherwise the section says it skipped.
@@ -120,7 +120,7 @@ def memory_section(tokens, hidden, backend):
     print(f"Memory, [{tokens}, {hidden}], CPU, memkernels backend {backend!r}")
     print("new: bytes/token the norm creates and saves; cost: bytes/token it holds for backward beyond\n"
           "what the next layer holds anyway (its input y), counting x if kept; peak: forward + backward\n"
-          "(memkernels rows: a lower bound, buffers inside the custom ops are not seen; see the docstring)")
+          "(everything allocated, buffers inside the custom ops included)")
     header = f"{'':<32}{'dtype':<10}{'new B/tok':>10}{'keeps x':>9}{'cost B/tok':>12}{'peak MB':>9}"
     print(header)
     print("-" * len(header))

@@ -15,10 +15,23 @@ storage's Python object alive for as long as its StorageImpl lives (PyObject
 preservation), so the callback fires exactly when the memory is released, not
 when the last Python handle goes away; tests/test_meters.py pins this.
 
+Custom ops (``torch.library`` ops outside ``aten``, e.g. ``memkernels::norm_fwd``)
+reach a dispatch mode as one opaque call: PyTorch pops the mode before calling
+``__torch_dispatch__``, so running the op there would hide every tensor its
+implementation allocates and frees (scratch, temporaries of a reference path)
+and only its outputs would be seen. The watch therefore runs such an op with
+itself back on the mode stack, redispatched to the backend kernel below the
+Python key (which also keeps the op from reaching the watch again): the aten ops
+inside are metered like any other, and the op's outputs, already tracked when
+they were allocated inside, are not counted twice. When another kind of mode
+is on the stack or an argument is a tensor subclass (fake tensors, functional
+tensors during torch.compile tracing), skipping the Python key would bypass
+them, so the op is then run as a single call and only its outputs are seen.
+
 What is *not* seen: memory a kernel allocates internally without returning it
-as a tensor (e.g. a CPU BLAS workspace), and tensors made outside the
-dispatcher. The meters count tensor storages, which is what a caching
-allocator is asked for on the GPU.
+as a tensor (e.g. a CPU BLAS workspace, or a C++ aten kernel's internal
+buffers), and tensors made outside the dispatcher. The meters count tensor
+storages, which is what a caching allocator is asked for on the GPU.
 
 Usage::
 
@@ -33,10 +46,14 @@ import threading
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
 __all__ = ["SavedBytesMeter", "PeakBytesMeter"]
+
+_PYTHON_KEY = torch._C.DispatchKey.Python
+_KEYS_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(_PYTHON_KEY)
+_CORE_NAMESPACES = ("aten", "prim", "prims")
 
 
 def _storage_of(value):
@@ -116,6 +133,24 @@ class _AllocationWatch(TorchDispatchMode):
                 entry.last_nbytes = nbytes
                 self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
+    def _run(self, func, args, kwargs):
+        """Run ``func``; a custom op runs with this watch on the stack so its insides are seen."""
+        if not isinstance(func, torch._ops.OpOverload) or func.namespace in _CORE_NAMESPACES:
+            return func(*args, **kwargs)
+        keys = None
+        for leaf in tree_leaves((args, kwargs)):
+            if isinstance(leaf, torch.Tensor):
+                leaf_keys = torch._C._dispatch_keys(leaf)
+                if leaf_keys.has(_PYTHON_KEY):  # a tensor subclass: it must see the op itself
+                    return func(*args, **kwargs)
+                keys = leaf_keys if keys is None else keys | leaf_keys
+        other_modes = _get_current_dispatch_mode_stack()
+        if keys is None or not all(isinstance(mode, _AllocationWatch) for mode in other_modes):
+            return func(*args, **kwargs)
+        # Other watches below this one see the op's insides through this one's func() calls.
+        with self:
+            return func.redispatch(keys & _KEYS_BELOW_PYTHON, *args, **kwargs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # Sizes of the storages the op was given, before it runs: an output storage
@@ -125,7 +160,7 @@ class _AllocationWatch(TorchDispatchMode):
             storage = _storage_of(leaf)
             if storage is not None:
                 input_nbytes[storage._cdata] = storage.nbytes()
-        out = func(*args, **kwargs)
+        out = self._run(func, args, kwargs)
         for leaf in tree_leaves(out):
             storage = _storage_of(leaf)
             if storage is None:

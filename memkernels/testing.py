@@ -24,12 +24,48 @@ eager's own error is typically one such rounding or more, so the floor adds
 at most about half to the bound and does not make those checks vacuous
 (tests/test_testing.py pins the smallest systematic error caught per dtype).
 Integer and bool outputs get no floor.
+
+float32: eager's error is estimated from several runs, not one. The "2x
+eager" standard is about low precision, where eager's error is large and
+stable from run to run. In float32 the kernels (fp32 accumulation) and eager
+are equally accurate, and ``err(eager)`` on one input is one draw of a random
+quantity: with few elements its max is small by luck often enough that a
+correct kernel failed 0.1-0.6% of seeds per case (~1 CI run in 10 over the
+suite). So for float32 outputs and gradients::
+
+    err(eager) = max over FLOAT32_EAGER_RUNS runs of the reference in float32:
+                 the given inputs, and copies with every nonzero float input
+                 moved one ulp up or down at random, each against its own
+                 float64 reference
+
+A one-ulp change is a different but equally valid input of the same size and
+conditioning (the same rounding of some other real data), and it reshuffles
+which intermediate values round up or down, so each run is a fresh draw of
+eager's rounding error on this op at this size. Their max estimates what eager
+float32 error the op can show here, instead of one lucky draw; the bound is
+still twice an error plain PyTorch really made, so a systematic error past a
+few float32 roundings still fails (tests/test_testing.py). What it cannot fix:
+where eager's error is tiny on every rerun (measured: the RMSNorm weight
+gradient at hidden size 1, whose normalized value is +-1 up to eps, ~1e-9
+while one float32 rounding there is ~3e-8), an op one rounding less accurate
+fails as before: that is a real one-ulp difference from eager, not noise.
+Measured on correct fp32 ops (fresh seeds, both backends, small shapes):
+norms 16 of 5520 checks failed with one eager run, 4 with four (3 of them the
+hidden-size-1 case above); gelu_linear 6 of 1896, then 0.
+Rounding-error bounds from the op's size (n*eps for a
+sum of n terms) were not used: they need the op's structure, and the
+classical bound is loose by ~sqrt(n) for typical data. float16/bfloat16 rows
+keep the single eager run: there eager's own error is the standard.
 """
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["check_against_reference", "CheckReport", "CheckRow"]
+__all__ = ["check_against_reference", "CheckReport", "CheckRow", "FLOAT32_EAGER_RUNS"]
+
+# Eager float32 runs whose largest error is the float32 rows' err(eager): the given
+# inputs and FLOAT32_EAGER_RUNS - 1 one-ulp perturbations (module docstring).
+FLOAT32_EAGER_RUNS = 4
 
 
 @dataclass
@@ -40,10 +76,11 @@ class CheckRow:
     dtype: torch.dtype
     shape: tuple
     err_fn: float
-    err_eager: float
+    err_eager: float  # float32: the largest of eager_errors
     floor: float
     scale: float  # max |float64 reference|
     problem: str = ""  # set when the comparison could not be made (non-finite, shape, ...)
+    eager_errors: tuple = ()  # float32: err(eager) of each eager run, the given inputs first
 
     @property
     def bound(self):
@@ -77,6 +114,9 @@ class CheckReport:
                          f"{row.err_eager:>11.3e}{row.floor:>11.3e}{row.bound:>11.3e}{relative:>13.3e}  {verdict}")
         lines.append("rule: err = max|x - float64 reference|; pass if err(fn) <= 2*err(eager) + floor, "
                      "floor = eps(dtype)/2 * max|float64 reference|")
+        if any(row.eager_errors for row in self.rows):
+            lines.append(f"float32 rows: err(eager) is the largest over {FLOAT32_EAGER_RUNS} eager runs "
+                         "(the given inputs and one-ulp perturbations of them)")
         return "\n".join(lines)
 
 
@@ -140,6 +180,56 @@ def _compare(quantity, fn_value, eager_value, reference):
     if dtype.is_floating_point:
         row.floor = torch.finfo(dtype).eps / 2 * row.scale
     return row
+
+
+def _perturbed_by_one_ulp(inputs):
+    """Copies of the inputs with every nonzero finite float element moved one ulp up or down at random."""
+    perturbed = []
+    for value in inputs:
+        if not _is_float(value):
+            perturbed.append(value)
+            continue
+        data = value.detach()
+        upward = torch.rand(data.shape, device=data.device) < 0.5
+        direction = torch.where(upward, torch.inf, -torch.inf).to(data.dtype)
+        moved = torch.nextafter(data, direction)
+        keep = (data == 0) | ~torch.isfinite(data)  # zeros and infinities keep their meaning
+        perturbed.append(torch.where(keep, data, moved).requires_grad_(value.requires_grad))
+    return perturbed
+
+
+def _eager_and_reference(reference, inputs, kwargs, grads64, differentiable):
+    """{quantity: (eager value, float64 value)} of the reference run on ``inputs`` in their precision and in float64."""
+    values = {}
+    for to_float64 in (False, True):
+        run_inputs = _prepare(inputs, to_float64)
+        outputs = _as_tuple(reference(*run_inputs, **kwargs), "reference")
+        quantities = {f"output[{index}]": output for index, output in enumerate(outputs)}
+        if grads64 is not None:
+            gradients = _input_grads(outputs, run_inputs, grads64, "reference")
+            for input_index, gradient in zip(differentiable, gradients):
+                quantities[f"grad inputs[{input_index}]"] = \
+                    torch.zeros_like(run_inputs[input_index]) if gradient is None else gradient
+        for quantity, value in quantities.items():
+            values.setdefault(quantity, []).append(value)
+    return values
+
+
+def _widen_float32_eager_errors(report, reference, inputs, kwargs, grads64, differentiable):
+    """Float32 rows: err(eager) becomes the largest over the given run and perturbed reruns."""
+    float32_rows = [row for row in report.rows if row.dtype == torch.float32 and not row.problem]
+    for row in float32_rows:
+        row.eager_errors = (row.err_eager,)
+    for _ in range(FLOAT32_EAGER_RUNS - 1 if float32_rows else 0):
+        values = _eager_and_reference(reference, _perturbed_by_one_ulp(inputs), kwargs, grads64, differentiable)
+        for row in float32_rows:
+            eager, ref = values[row.quantity]
+            error = _max_abs_diff(eager, ref)
+            # A rerun that leaves the op's domain (overflow, a log of a now-negative value) says nothing of rounding.
+            if error < float("inf"):
+                row.eager_errors += (error,)
+    for row in float32_rows:
+        row.err_eager = max(row.eager_errors)
 
 
 def _grad_outputs_float64(grad_outputs, reference_outputs):
@@ -228,6 +318,7 @@ def check_against_reference(fn, reference, inputs, *, kwargs=None, grad=True, na
         if ref is not None:
             report.rows.append(_compare(f"output[{index}]", value, eager, ref))
 
+    grads64 = None
     if grad and not any(row.problem for row in report.rows):
         grads64 = _grad_outputs_float64(grad_outputs, ref_outputs)
         grads = {who: _input_grads(runs[who][1], runs[who][0], grads64, who) for who in runs}
@@ -242,6 +333,7 @@ def check_against_reference(fn, reference, inputs, *, kwargs=None, grad=True, na
             # fn leaving an input's gradient undefined is only right where the reference's is zero.
             fn_grad = torch.zeros_like(fn_leaf) if fn_grad is None else fn_grad
             report.rows.append(_compare(f"grad inputs[{input_index}]", fn_grad, eager_grad, ref_grad))
+    _widen_float32_eager_errors(report, reference, inputs, kwargs, grads64, differentiable)
 
     if not report.passed:
         raise AssertionError(str(report))

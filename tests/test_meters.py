@@ -5,6 +5,7 @@ import weakref
 import pytest
 import torch
 import triton
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from aot_example_kernels import scale_kernel
 from memkernels._backend import triton_interpreted
@@ -244,3 +245,75 @@ def test_meters_see_triton_launcher_allocations_only():
     # The interpreter's own host copies of the arguments cost nothing on CPU and are not counted.
     assert peak.peak_bytes == peak.current_bytes == 4000
     assert saved.new_bytes == 4000 and saved.aliased_bytes == 4000
+
+
+@torch.library.custom_op("memkernels_test::scratch_double", mutates_args=())
+def _scratch_double(x: torch.Tensor, scratch_mb: int) -> torch.Tensor:
+    """x * 2, holding scratch_mb MiB of scratch while the output is allocated."""
+    scratch = megabytes(scratch_mb, x.device)
+    out = x * 2
+    del scratch
+    return out
+
+
+@_scratch_double.register_fake
+def _scratch_double_fake(x, scratch_mb):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("memkernels_test::nested_scratch_double", mutates_args=())
+def _nested_scratch_double(x: torch.Tensor, scratch_mb: int) -> torch.Tensor:
+    """A custom op calling another: 1 MiB of its own scratch held around the inner op."""
+    scratch = megabytes(1, x.device)
+    out = _scratch_double(x, scratch_mb)
+    del scratch
+    return out
+
+
+def test_peak_sees_allocations_inside_custom_ops():
+    x = torch.randn(1024)  # 4 KiB
+    with PeakBytesMeter() as meter:
+        y = _scratch_double(x, 3)
+    assert meter.peak_bytes == 3 * MB + 4096  # scratch and output coexist inside the op
+    assert meter.current_bytes == 4096  # the output, counted once
+    assert torch.equal(y, x * 2)
+
+    with PeakBytesMeter() as nested:
+        y = _nested_scratch_double(x, 2)
+    assert nested.peak_bytes == MB + 2 * MB + 4096
+    assert nested.current_bytes == 4096
+
+
+def test_nested_meters_all_see_inside_custom_ops():
+    x = torch.randn(1024, requires_grad=True)
+    with PeakBytesMeter() as outer, SavedBytesMeter() as saved, PeakBytesMeter() as inner:
+        y = _scratch_double(x.detach(), 3).requires_grad_().exp()  # exp saves its 4 KiB output
+    assert outer.peak_bytes == inner.peak_bytes == 3 * MB + 4096
+    assert outer.current_bytes == inner.current_bytes == 2 * 4096
+    assert saved.new_bytes == 4096
+    del y
+
+
+def test_custom_op_on_meta_counts_its_outputs_once():
+    x = torch.empty(1024, device="meta")
+    with PeakBytesMeter() as meter:
+        y = _scratch_double(x, 3)  # the fake implementation: allocates only the output
+    assert meter.peak_bytes == meter.current_bytes == 4096
+    del y
+
+
+def test_custom_op_under_a_foreign_mode_is_one_call_that_mode_sees():
+    """Skipping the Python key would hide the op from a mode below the watch; it must not."""
+    x = torch.randn(1024)
+    seen = []
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Recording(), PeakBytesMeter() as meter:
+        y = _scratch_double(x, 3)
+    assert torch.ops.memkernels_test.scratch_double.default in seen
+    assert meter.current_bytes == 4096  # its output still counted, once
+    del y

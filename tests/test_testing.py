@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from memkernels.testing import check_against_reference
+from memkernels.testing import FLOAT32_EAGER_RUNS, _perturbed_by_one_ulp, check_against_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -88,6 +88,33 @@ def test_floor_does_not_excuse_an_error_when_eager_is_exact():
     x = torch.randn(1000, requires_grad=True)  # eager x * 2 is exact: err(eager) == 0
     with pytest.raises(AssertionError, match="FAIL"):
         check_against_reference(lambda t: t * 2 * (1 + 1e-6), lambda t: t * 2, (x,))
+
+
+def test_float32_eager_error_is_the_largest_over_perturbed_runs():
+    x, weight, eps = rms_norm_inputs(torch.float32)
+    report = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, (x, weight, eps))
+    given_error = (rms_norm_eager(x, weight, eps).double() - rms_norm_eager(x.double(), weight.double(), eps)).abs().max()
+    for row in report.rows:
+        assert len(row.eager_errors) == FLOAT32_EAGER_RUNS
+        assert row.err_eager == max(row.eager_errors)
+    assert report.rows[0].eager_errors[0] == given_error.item()  # the given inputs' run comes first
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_keeps_the_single_eager_run(dtype):
+    report = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, rms_norm_inputs(dtype))
+    assert all(row.eager_errors == () for row in report.rows)
+
+
+def test_perturbation_moves_each_nonzero_finite_element_one_ulp():
+    x = torch.tensor([0.0, -0.0, 1.0, -3.5, 1e-30, float("inf"), float("-inf")], requires_grad=True)
+    index = torch.tensor([1, 2])
+    moved, same_index, scale = _perturbed_by_one_ulp((x, index, 0.5))
+    assert same_index is index and scale == 0.5 and moved.requires_grad
+    up, down = torch.nextafter(x, torch.tensor(float("inf"))), torch.nextafter(x, torch.tensor(float("-inf")))
+    changed = (moved == up) | (moved == down)
+    assert changed[2:5].all() and (moved[2:5] != x[2:5]).all()
+    assert torch.equal(moved[[0, 1, 5, 6]], x.detach()[[0, 1, 5, 6]])
 
 
 def test_tuple_outputs_integer_and_python_inputs_pass_through():

@@ -409,8 +409,6 @@ class _Step:
     """One GEMM of the op as a custom op, with the reference it falls back to."""
 
     def __init__(self, name, schema, triton_impl, reference_impl, fake_impl):
-        self.reference = reference_impl
-
         def impl(*args):
             *operands, backend = args
             return (triton_impl if backend == "triton" else reference_impl)(*operands)
@@ -441,11 +439,7 @@ _STEPS = {
 
 
 def _run(step, backend, *args):
-    """One GEMM step. The torch backend runs the reference inline in eager mode, so its
-    temporaries stay visible to profilers and memkernels.meters; Triton, and everything under
-    torch.compile, goes through the custom op."""
-    if backend == "torch" and not torch.compiler.is_compiling():
-        return _STEPS[step].reference(*args)
+    """One GEMM step, through its custom op on both backends, in eager mode as under torch.compile."""
     return _STEPS[step].custom_op(*args, backend)
 
 
