@@ -41,8 +41,13 @@ def recovery_threshold(dtype):
 
 
 def compute_dtype(dtype):
-    """The type this path computes in for inputs of ``dtype``."""
-    return torch.float64 if dtype == torch.float32 else torch.float32
+    """The type this path computes in for inputs of ``dtype``: float32, as the kernels do.
+
+    Not float64 for float32 inputs: that doubles every temporary on the CPU path
+    and makes its x̂ round differently from the kernels' (one ulp off where the
+    float32 computation is exact, e.g. x̂ = ±1 at hidden size 1).
+    """
+    return torch.float32
 
 
 def effective_weight(weight, offset, casting, dtype):
@@ -149,6 +154,11 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     dy_c = dy.to(compute_dtype(dy.dtype))
     rstd = rstd.to(dy_c.dtype)
     dx = dw = db = None
+    # dw and db first: with float32 dy, dy_c *is* dy, which dx_out may overwrite.
+    if needs_dw:
+        dw = (dy_c * xhat).sum(dim=0).to(weight.dtype)
+    if needs_db:
+        db = dy_c.sum(dim=0).to(bias.dtype)
     if needs_dx:
         scale = effective_weight(weight, offset, casting, dy.dtype)
         g = dy_c if scale is None else dy_c * scale
@@ -166,8 +176,4 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
         if dresidual_out is not None:
             dx_c = dx_c + dresidual_out.to(dx_c.dtype)
         dx = dx_c.to(dy.dtype) if dx_out is None else dx_out.copy_(dx_c)
-    if needs_dw:
-        dw = (dy_c * xhat).sum(dim=0).to(weight.dtype)
-    if needs_db:
-        db = dy_c.sum(dim=0).to(bias.dtype)
     return dx, dw, db
