@@ -68,9 +68,18 @@ def _pretend_cuda(monkeypatch, raw_stats):
     monkeypatch.setattr(torch.cuda, "memory_stats", lambda index: raw_stats)
 
 
+def _no_pool_installed(monkeypatch):
+    """The device pool is process-wide and cannot be uninstalled, and tests/test_device_pool.py
+    installs one (on the simulated device) in whichever worker runs it: say explicitly that
+    none is installed here."""
+    core = pytest.importorskip("memkernels._C", reason="the C++ core is not built here")
+    monkeypatch.setattr(core, "installed_device_pool", lambda: None)
+
+
 def test_memory_summary_reads_pytorchs_allocator_stats(monkeypatch):
     _pretend_cuda(monkeypatch, {"allocated_bytes.all.current": 300, "reserved_bytes.all.current": 1000,
                                 "allocated_bytes.all.peak": 900, "reserved_bytes.all.peak": 1200})
+    _no_pool_installed(monkeypatch)
     with pytest.warns(RuntimeWarning, match="70%"):
         summary = memory_summary(0)
     assert summary.source == "torch" and summary.available
@@ -97,7 +106,7 @@ def test_memory_summary_prefers_the_memkernels_pool_when_installed(monkeypatch):
 
 def test_memory_summary_reads_torch_when_the_pool_is_not_installed(monkeypatch):
     _pretend_cuda(monkeypatch, {"allocated_bytes.all.current": 10, "reserved_bytes.all.current": 10})
-    pytest.importorskip("memkernels._C", reason="the C++ core is not built here")
+    _no_pool_installed(monkeypatch)
     assert memory_summary(0).source == "torch"
 
 
