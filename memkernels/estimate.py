@@ -47,7 +47,7 @@ import types
 import torch
 from torch import nn
 
-from memkernels.models import ModelConfig, TransformerLM, load_config
+from memkernels.models import TransformerLM, load_config
 from memkernels.profile import _table, format_bytes, ledger_forward
 
 __all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS"]

@@ -8,6 +8,7 @@ subprocesses) skips importing torch: the sanitizer runs load only the C++
 core and the torch-free ``cpp`` test modules, and torch's own libraries are
 neither built with nor meant to run under ASan/TSan.
 """
+import contextlib
 import os
 import random
 
@@ -90,6 +91,22 @@ def _bf16_rounding_shim(original, interpreter, tl):
 if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_builder("create_dot", _bf16_dot_shim)
     _patch_interpreter_builder("cast_impl", _bf16_rounding_shim)
+
+
+@contextlib.contextmanager
+def simulated_device(*, capacity, granularity, memory="backed", address_space=1 << 36, sync_timeout_s=5.0,
+                     device_count=1):
+    """Select and configure the simulated CUDA device; release held events and reset it after."""
+    from memkernels.device import sim, use_sim
+
+    use_sim()
+    sim.configure(device_count=device_count, capacity=capacity, host_capacity=None, granularity=granularity,
+                  memory=memory, address_space=address_space, sync_timeout_s=sync_timeout_s)
+    try:
+        yield sim
+    finally:
+        sim.hold_events(False)
+        sim.reset()
 
 
 @pytest.fixture(autouse=True)

@@ -5,12 +5,12 @@ sim's entry points, so these tests exercise the table and the simulator
 together. Host buffers are numpy arrays (no torch: this module also runs
 under the sanitizer builds).
 """
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
+from conftest import simulated_device
 
 from memkernels import device
 from memkernels.device import CudaError, sim
@@ -25,12 +25,8 @@ GiB = 1 << 30
 @pytest.fixture(autouse=True)
 def sim_device():
     """A fresh, small, backed simulated device for every test."""
-    device.use_sim()
-    sim.configure(device_count=1, capacity=64 * MiB, host_capacity=None, granularity=64 * KiB,
-                  memory="backed", address_space=1 << 36, sync_timeout_s=5.0)
-    yield sim
-    sim.hold_events(False)
-    sim.reset()
+    with simulated_device(capacity=64 * MiB, granularity=64 * KiB) as configured:
+        yield configured
 
 
 def host(nbytes, fill=None):

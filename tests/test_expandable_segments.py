@@ -4,6 +4,7 @@ driver's VMM calls on the simulated device, then on traces."""
 import os
 
 import pytest
+from conftest import simulated_device
 
 from memkernels import _C, allocator, device
 from memkernels.device import sim
@@ -222,11 +223,9 @@ def test_snapshot_of_expandable_segments_renders_with_pytorchs_memory_viz():
 
 @pytest.fixture
 def sim_device():
-    device.use_sim()
-    sim.configure(device_count=1, capacity=256 * MiB, host_capacity=None, granularity=2 * MiB,
-                  memory="virtual", address_space=4 * GiB, sync_timeout_s=5.0)
-    yield sim
-    sim.reset()
+    with simulated_device(capacity=256 * MiB, granularity=2 * MiB, memory="virtual",
+                          address_space=4 * GiB) as configured:
+        yield configured
 
 
 def test_simulated_device_runs_the_vmm_calls(sim_device):

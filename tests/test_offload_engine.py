@@ -10,6 +10,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import simulated_device
 
 from memkernels import _C, device
 from memkernels.device import sim
@@ -24,12 +25,8 @@ SANITIZED = bool(os.environ.get("MEMKERNELS_SANITIZER_RUN"))
 
 @pytest.fixture(autouse=True)
 def sim_device():
-    device.use_sim()
-    sim.configure(device_count=1, capacity=256 * MiB, host_capacity=None, granularity=64 * KiB,
-                  memory="backed", address_space=1 << 36, sync_timeout_s=10.0)
-    yield sim
-    sim.hold_events(False)
-    sim.reset()
+    with simulated_device(capacity=256 * MiB, granularity=64 * KiB, sync_timeout_s=10.0) as configured:
+        yield configured
 
 
 @pytest.fixture

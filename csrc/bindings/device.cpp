@@ -15,6 +15,7 @@ namespace py = pybind11;
 namespace {
 
 using mk::cuda::api;
+using mk::cuda::pinned_on;
 
 template <class T>
 T* as_ptr(std::uintptr_t value) {
@@ -32,14 +33,6 @@ bool completed(cudaError_t err, const char* call) {
   if (err == cudaErrorNotReady) return false;
   check(err, call);
   return true;
-}
-
-CUmemAllocationProp pinned_on(int device) {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  return prop;
 }
 
 CUmemAccess_flags access_flags(const std::string& access) {

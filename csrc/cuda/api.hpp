@@ -171,6 +171,16 @@ inline void check(const Api& table, CUresult err, const std::string& call) {
   if (err != CUDA_SUCCESS) throw_call_error(table, err, call);
 }
 
+// The allocation properties of physical device memory for the VMM calls
+// (cuMemCreate, cuMemGetAllocationGranularity): pinned, on `device`.
+inline CUmemAllocationProp pinned_on(int device) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = device;
+  return prop;
+}
+
 }  // namespace cuda
 }  // namespace mk
 

@@ -73,18 +73,6 @@ std::size_t DeviceUpstream::total_memory(int device) {
 
 std::string DeviceUpstream::name() const { return api().backend; }
 
-namespace {
-
-CUmemAllocationProp pinned_on(int device) {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = device;
-  return prop;
-}
-
-}  // namespace
-
 std::size_t DeviceUpstream::page_size(int device) {
   DeviceGuard guard(device);
   const Api& cu = api();
