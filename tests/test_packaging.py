@@ -49,3 +49,25 @@ def test_wheel_builds_in_a_venv_without_torch(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert glob.glob(str(tmp_path / "dist" / "memkernels-*.whl"))
+
+
+def test_headers_come_from_the_nvidia_wheel_when_no_toolkit_is_found(tmp_path, monkeypatch):
+    """The fallback a machine without a CUDA toolkit takes (this one has a toolkit)."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "_build"))
+    import cuda_headers
+    import mk_build_backend
+
+    monkeypatch.setattr(cuda_headers, "toolkit_include_dirs", lambda: [])
+    monkeypatch.setattr(mk_build_backend, "find_cuda_include", cuda_headers.find_cuda_include)
+    include = tmp_path / "nvidia" / "cu13" / "include"
+    include.mkdir(parents=True)
+    fake_nvidia = type(sys)("nvidia")
+    fake_nvidia.__path__ = [str(tmp_path / "nvidia")]
+    monkeypatch.setitem(sys.modules, "nvidia", fake_nvidia)
+
+    assert cuda_headers.find_cuda_include() is None, "an include dir without the headers must not count"
+    assert mk_build_backend._extra() == ["nvidia-cuda-runtime"]
+    for header in ("cuda.h", "cuda_runtime_api.h"):
+        (include / header).write_text("")
+    assert cuda_headers.find_cuda_include() == str(include)
+    assert cuda_headers.find_cuda_include(include_wheels=False) is None
