@@ -64,12 +64,12 @@ def run_check(dtype, n_rows, n_classes, reduction, option_name, logit_scale=3.0)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_rows,n_classes", [(1, 1), (4, 1), (64, 257), (33, 16)])
 def test_matches_float64(request, backend, dtype, n_rows, n_classes, reduction, option_name):
-    if n_classes == 1 and option_name == "combined":
+    if n_classes == 1 and option_name == "combined" and dtype == torch.float32:
         # With one class the loss is z * (c * tanh(x / c))^2 alone, one value per row: nothing
         # averages out a ~1 ulp difference, while eager (CPU, double accumulators) is sometimes
-        # within 0.1 ulp by luck, and 2x eager + half an ulp is then missed. Measured on the
-        # Triton path (whose tanh is built from exp: max 1.5 ulp, mean 0.26): 9 of 60 seeds;
-        # the reference path (torch.tanh): about 1 in 60; other shapes 0-2 of 60.
+        # within 0.1 ulp by luck, and 2x eager + half an ulp is then missed. Measured under the
+        # float32 rule of memkernels.testing (eager's worst of 4 perturbed runs): 2 failures in
+        # 168 float32 runs of these cases, 0 in 336 float16/bfloat16 runs, which stay strict.
         request.applymarker(pytest.mark.xfail(strict=False, reason="~1 ulp on a single value vs eager's luck"))
     run_check(dtype, n_rows, n_classes, reduction, option_name)
 
