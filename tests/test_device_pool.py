@@ -170,13 +170,18 @@ def test_python_api_over_the_installed_pool():
         allocator.reserve(-1)
 
 
-def test_replay_on_the_simulated_device_matches_the_core_replay():
+def _interleaved_trace():
+    """40 allocations of 3-21 MiB, every third one freeing the allocation two before it."""
     events = []
     for i in range(40):
         events.append({"action": "alloc", "addr": 100 + i, "size": (i % 7 + 1) * 3 * MiB + i, "stream": 0})
         if i % 3 == 2:
             events.append({"action": "free_completed", "addr": 100 + i - 2, "size": 0, "stream": 0})
-    trace = {"segments": [], "device_traces": [events]}
+    return {"segments": [], "device_traces": [events]}
+
+
+def test_replay_on_the_simulated_device_matches_the_core_replay():
+    trace = _interleaved_trace()
     on_sim = allocator.replay(trace, simulated_device=True, capacity=4 * GiB)
     on_core = allocator.replay(trace, capacity=4 * GiB)
     for key in ("peak_reserved_bytes", "peak_allocated_bytes", "peak_requested_bytes", "num_device_alloc",
@@ -220,12 +225,7 @@ def test_pluggable_allocator_entry_points_with_expandable_segments():
 
 
 def test_replay_with_expandable_segments_on_the_simulated_device():
-    events = []
-    for i in range(40):
-        events.append({"action": "alloc", "addr": 100 + i, "size": (i % 7 + 1) * 3 * MiB + i, "stream": 0})
-        if i % 3 == 2:
-            events.append({"action": "free_completed", "addr": 100 + i - 2, "size": 0, "stream": 0})
-    trace = {"segments": [], "device_traces": [events]}
+    trace = _interleaved_trace()
     on_sim = allocator.replay(trace, simulated_device=True, capacity=GiB, expandable_segments=True)
     on_core = allocator.replay(trace, capacity=GiB, expandable_segments=True)
     assert on_sim["peak_requested_bytes"] == on_core["peak_requested_bytes"] and on_sim["num_ooms"] == 0
