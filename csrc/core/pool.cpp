@@ -188,15 +188,13 @@ std::size_t DevicePool::cap_bytes() const {
   return cap;
 }
 
-Block* DevicePool::device_alloc(PoolKind pool, StreamId stream, std::size_t bytes) {
-  std::size_t cap = cap_bytes();
-  if (cap != 0 && std::size_t(stats_.total.reserved_bytes.current) + bytes > cap) return nullptr;
-  std::uintptr_t base = upstream_->allocate(device_, bytes);
-  if (base == 0) return nullptr;
+Segment* DevicePool::add_segment(std::uintptr_t base, std::size_t bytes, PoolKind pool, StreamId stream,
+                                 Segment::Kind kind, BlockState state) {
   auto segment = std::make_unique<Segment>();
   segment->base = base;
   segment->size = bytes;
   segment->pool = pool;
+  segment->kind = kind;
   segment->stream = stream;
   segment->last_used = tick_;
   Block* block = new_block();
@@ -204,9 +202,20 @@ Block* DevicePool::device_alloc(PoolKind pool, StreamId stream, std::size_t byte
   block->size = bytes;
   block->segment = segment.get();
   block->stream = stream;
-  block->state = events_ != nullptr ? BlockState::free_any : BlockState::free_stream;
+  block->state = state;
   segment->head = block;
+  Segment* raw = segment.get();
   segments_.emplace(base, std::move(segment));
+  return raw;
+}
+
+Block* DevicePool::device_alloc(PoolKind pool, StreamId stream, std::size_t bytes) {
+  std::size_t cap = cap_bytes();
+  if (cap != 0 && std::size_t(stats_.total.reserved_bytes.current) + bytes > cap) return nullptr;
+  std::uintptr_t base = upstream_->allocate(device_, bytes);
+  if (base == 0) return nullptr;
+  Block* block = add_segment(base, bytes, pool, stream, Segment::Kind::classic,
+                             events_ != nullptr ? BlockState::free_any : BlockState::free_stream)->head;
   ++stats_.num_device_alloc;
   add(pool, &PoolStats::reserved_bytes, std::int64_t(bytes));
   add(pool, &PoolStats::segment_count, 1);
@@ -418,23 +427,8 @@ Segment* DevicePool::new_range(PoolKind pool, StreamId stream, std::size_t min_b
   if (base == 0 && bytes > min_bytes) base = upstream_->reserve_range(device_, bytes = min_bytes);
   if (base == 0) return nullptr;
   MK_ASSERT(base % page_ == 0, "the upstream reserved a range that is not page-aligned");
-  auto segment = std::make_unique<Segment>();
-  segment->base = base;
-  segment->size = bytes;
-  segment->pool = pool;
-  segment->kind = Segment::Kind::expandable;
-  segment->stream = stream;
-  segment->last_used = tick_;
-  Block* gap = new_block();
-  gap->addr = base;
-  gap->size = bytes;
-  gap->segment = segment.get();
-  gap->stream = stream;
-  gap->state = BlockState::unmapped;
-  segment->head = gap;
-  unmapped_.insert(gap);
-  Segment* raw = segment.get();
-  segments_.emplace(base, std::move(segment));
+  Segment* raw = add_segment(base, bytes, pool, stream, Segment::Kind::expandable, BlockState::unmapped);
+  unmapped_.insert(raw->head);
   expandable_.push_back(raw);
   add(pool, &PoolStats::segment_count, 1);
   return raw;

@@ -187,6 +187,9 @@ class DevicePool {
   void note_stream(StreamId stream);
   void complete(Block* block);
   Block* new_block();
+  // A new segment [base, base + bytes) of `kind`, owned by segments_, as one block in `state`.
+  Segment* add_segment(std::uintptr_t base, std::size_t bytes, PoolKind pool, StreamId stream, Segment::Kind kind,
+                       BlockState state);
   void recycle(Block* block);
   void add(PoolKind pool, Stat PoolStats::*field, std::int64_t n);
   void sub(PoolKind pool, Stat PoolStats::*field, std::int64_t n);
