@@ -111,8 +111,9 @@ def simulated_device(*, capacity, granularity, memory="backed", address_space=1 
 
 @pytest.fixture(autouse=True)
 def _fresh_seed(request):
-    """Fresh random inputs every run, but reproducible from the printed seed on failure."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """Fresh random inputs every run, but reproducible from the printed seed on failure
+    (MEMKERNELS_TEST_SEED=<seed> replays it)."""
+    seed = int(os.environ.get("MEMKERNELS_TEST_SEED") or int.from_bytes(os.urandom(4), "little"))
     if not NO_TORCH:
         torch.manual_seed(seed)
     np.random.seed(seed)

@@ -5,6 +5,7 @@ import torch
 import memkernels
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.nn.cross_entropy import LinearCrossEntropyLoss
+from memkernels.ops import linear_cross_entropy as lce
 from memkernels.ops.linear_cross_entropy import linear_cross_entropy, pick_strategy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
@@ -136,9 +137,33 @@ class TestHeldBytes:
         element = torch.finfo(dtype).bits // 8
         expected = self.n_tokens * self.hidden_size * element + self.n_classes * (self.hidden_size * 4 + 8)
         assert saved.new_bytes == expected
+        # dW accumulates in float32: a float32 tensor, or for bfloat16 its two halves (bfloat16 + int16)
+        accumulator = {torch.float32} if dtype != torch.bfloat16 else {torch.bfloat16, torch.int16}
         assert {r["dtype"] for r in saved.records if r["new"] and len(r["shape"]) == 2 and
-                r["shape"][0] == self.n_classes} == {torch.float32}  # dW accumulates in fp32
+                r["shape"][0] == self.n_classes} == accumulator
         loss.backward()
+
+    def test_bfloat16_split_accumulator_is_exact_float32(self, backend, monkeypatch):
+        """The split bfloat16 dW accumulator gives the bits of a plain float32 accumulator rounded once,
+        and its backward allocates no V x H copy (only one scratch block)."""
+        hidden, weight, bias, target = self.inputs(torch.bfloat16)
+        monkeypatch.setattr(lce, "SPLIT_SCRATCH_BYTES", 3 * self.hidden_size * 4)  # blocks of 3 rows
+        grad_output = torch.rand(())
+
+        def weight_grad():
+            weight.grad = hidden.grad = None
+            loss = linear_cross_entropy(hidden, weight, target, bias=bias, strategy="chunked", chunk_size=7)
+            with PeakBytesMeter() as backward:
+                loss.backward(grad_output)
+            return weight.grad, backward.peak_bytes
+
+        split, split_backward_peak = weight_grad()
+        monkeypatch.setattr(lce, "_SPLIT_BFLOAT16", False)
+        plain, plain_backward_peak = weight_grad()
+        assert torch.equal(split.view(torch.int16), plain.view(torch.int16))
+        dw_bytes = weight.numel() * 2
+        assert plain_backward_peak >= dw_bytes  # the float32 -> bfloat16 copy of dW
+        assert split_backward_peak < dw_bytes / 4
 
     def test_no_grad_holds_nothing_and_stays_within_a_chunk(self, backend):
         hidden, weight, bias, target = self.inputs(torch.float32)
@@ -260,3 +285,20 @@ def test_compiled_model_with_ignored_targets_matches_eager(strategy):
     torch.testing.assert_close(compiled_loss, eager_loss, rtol=0, atol=0)
     for got, expected in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n_rows,n_cols", [(1, 1), (3, 5), (7, 333)])
+def test_split_float32_kernel_matches_float32_addition_bitwise(n_rows, n_cols):
+    """The Triton kernel behind the bfloat16 dW accumulator adds in float32 exactly, whatever the bits:
+    random patterns (NaN, inf, subnormals, both signs) and updates that flip signs or carry."""
+    accumulator = torch.randint(-2**31, 2**31 - 1, (n_rows, n_cols), dtype=torch.int32).view(torch.float32)
+    accumulator.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-40, float("inf")])[:accumulator.numel()]
+    update = torch.randn(n_rows, n_cols) * torch.logspace(-30, 30, n_rows * n_cols).reshape(n_rows, n_cols)
+    high = torch.empty(n_rows, n_cols, dtype=torch.bfloat16)
+    low = torch.empty(n_rows, n_cols, dtype=torch.int16)
+    lce._split(accumulator, high, low)
+    lce._add_to_split_float32_triton(high, low, update)
+    total = lce._join(high, low, torch.empty(n_rows, n_cols))
+    expected = accumulator + update
+    assert torch.equal(total.view(torch.int32)[~expected.isnan()], expected.view(torch.int32)[~expected.isnan()])
+    assert torch.equal(total.isnan(), expected.isnan())

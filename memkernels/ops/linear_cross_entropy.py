@@ -11,10 +11,13 @@ Strategies:
   gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)``,
   ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype, with
   ``addmm_`` (no V x H temporary per chunk). What is held until backward —
-  ``dX`` (N x H, input dtype), float32 ``dW`` (V x H) and float64 ``dB`` (V, summed
-  across chunks without a rounding per chunk) —
-  goes through ``save_for_backward``, so saved-tensor hooks (offload, meters)
-  see it. Backward only rescales by the incoming gradient, in place: like
+  ``dX`` (N x H, input dtype), the float32 ``dW`` accumulator (V x H, 4 bytes per
+  element) and float64 ``dB`` (V, summed across chunks without a rounding per
+  chunk) — goes through ``save_for_backward``, so saved-tensor hooks (offload,
+  meters) see it. For bfloat16 the float32 accumulator is held as its two 16-bit
+  halves (see :func:`_split_accumulator`): the high half is a bfloat16 tensor that
+  backward rounds in place and returns as ``dW``, so no float32-to-bfloat16 copy of
+  ``dW`` ever sits next to the accumulator (that copy is V x H x 2 bytes). Backward only rescales by the incoming gradient, in place: like
   PyTorch's and Liger's chunked ops it supports a single backward (a second one,
   e.g. with ``retain_graph=True``, raises). Needs a scalar loss: with
   ``reduction="none"`` the per-row incoming gradient is unknown in the forward.
@@ -38,10 +41,14 @@ chunk) overrides it, and the recompute backward uses vocabulary tiles with the
 same number of elements. Results are deterministic: reductions are GEMMs and
 ordered sums, no atomics.
 """
+import sys
 from typing import Optional
 
 import torch
+import triton
+import triton.language as tl
 
+from memkernels import aot
 from memkernels._backend import resolve
 from memkernels.ops.cross_entropy import (
     apply_op,
@@ -57,6 +64,45 @@ from memkernels.ops.cross_entropy import (
     row_kernels,
     validate_loss_args,
 )
+
+@triton.jit
+def _add_to_split_float32_kernel(
+    high_ptr,  # (n,) int16: upper halves of the float32 accumulator (the bfloat16 dW buffer's bits)
+    low_ptr,  # (n,) int16: lower halves of the float32 accumulator
+    update_ptr,  # (n,) float32: this chunk's contribution
+    n_elements,
+    BLOCK: tl.constexpr,
+):
+    # One pass instead of join + add + split: rebuild each float32 from its halves, add, store the halves.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    high = tl.load(high_ptr + offsets, mask=mask, other=0).to(tl.int32)
+    low = tl.load(low_ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
+    total = ((high << 16) | low).to(tl.float32, bitcast=True) + tl.load(update_ptr + offsets, mask=mask, other=0.0)
+    bits = total.to(tl.int32, bitcast=True)
+    tl.store(high_ptr + offsets, (bits >> 16).to(tl.int16), mask=mask)
+    tl.store(low_ptr + offsets, bits.to(tl.int16), mask=mask)  # int32 -> int16 keeps the low 16 bits
+
+
+_SPLIT_BLOCK = 1024
+
+
+def _add_to_split_float32_triton(high, low, update):
+    """(high, low) += update; high (R, H) bfloat16, low (R, H) int16, update (R, H) float32, all contiguous."""
+    n_elements = update.numel()
+    if n_elements:
+        _add_to_split_float32_kernel[(triton.cdiv(n_elements, _SPLIT_BLOCK),)](
+            high.view(torch.int16), low, update, n_elements, BLOCK=_SPLIT_BLOCK, num_warps=4)
+
+
+_SPLIT_SIGNATURE = {"high_ptr": "*i16", "low_ptr": "*i16", "update_ptr": "*fp32", "n_elements": "i32"}
+# Row blocks of a (V, H) accumulator with H a multiple of 8 start 16-byte aligned: the common case.
+aot.register(_add_to_split_float32_kernel, name="add_to_split_float32", variants=[
+    {"signature": _SPLIT_SIGNATURE, "constexprs": {"BLOCK": _SPLIT_BLOCK}, "num_warps": 4, "num_stages": 1,
+     "label": f"bf16-halves{suffix}", "aligned": aligned}
+    for suffix, aligned in (("", ()), ("-aligned", tuple(_SPLIT_SIGNATURE)))
+])
+
 
 STRATEGIES = ("auto", "chunked", "recompute")
 # Budget for the transient logits chunk and its float32 gradient (half inputs): 16 MiB. It favours
@@ -84,8 +130,80 @@ def _float32(tensor):
     return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
+# float32 as two int16 halves in memory order: on a little-endian machine (x86, ARM, CUDA devices)
+# the low half comes first. The high half of a float32 is that float32 truncated to bfloat16.
+_SPLIT_BFLOAT16 = sys.byteorder == "little"
+# Rows of dW combined per float32 scratch block when the accumulator is split: 4 MiB.
+SPLIT_SCRATCH_BYTES = 4 * 2**20
+
+
+def _weight_grad_accumulator(weight):
+    """Zeroed float32 accumulator for dW as ``(high, low)``.
+
+    bfloat16 weight: ``high`` (V, H) bfloat16 holds the accumulator's upper 16 bits
+    (its value truncated to bfloat16), ``low`` (V, H) int16 its lower 16 bits.
+    Other dtypes: ``high`` is a plain (V, H) float32 tensor and ``low`` is empty.
+    """
+    if weight.dtype == torch.bfloat16 and _SPLIT_BFLOAT16:
+        return torch.zeros_like(weight), torch.zeros(weight.shape, dtype=torch.int16, device=weight.device)
+    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device), _empty(weight)
+
+
+def _split_blocks(high):
+    rows = max(1, SPLIT_SCRATCH_BYTES // (4 * max(high.shape[1], 1)))
+    scratch = torch.empty(min(rows, high.shape[0]), high.shape[1], dtype=torch.float32, device=high.device)
+    for start in range(0, high.shape[0], rows):
+        end = min(start + rows, high.shape[0])
+        yield start, end, scratch[:end - start]
+
+
+def _join(high, low, out):
+    """out (R, H) float32 <- the float32 whose halves are high (R, H) bfloat16 and low (R, H) int16."""
+    halves = out.view(torch.int16)  # (R, 2H): low, high, low, high, ...
+    halves[:, 0::2] = low
+    halves[:, 1::2] = high.view(torch.int16)
+    return out
+
+
+def _split(value, high, low):
+    """high, low <- the two halves of value (R, H) float32."""
+    halves = value.view(torch.int16)
+    low.copy_(halves[:, 0::2])
+    high.view(torch.int16).copy_(halves[:, 1::2])
+
+
+def _accumulate_weight_grad(high, low, grad_chunk, hidden32, backend):
+    """(high, low) += grad_chunk.T @ hidden32, in float32. grad_chunk (R, V), hidden32 (R, H) float32.
+
+    Split accumulator, per block of dW rows: Triton: the GEMM writes a float32 scratch block and one
+    kernel adds it to the halves; torch: the halves are joined into the scratch block, ``addmm_``
+    adds to it, and it is split back (the same float32 sums, in more passes).
+    """
+    if low.numel() == 0:
+        high.addmm_(grad_chunk.t(), hidden32)
+        return
+    for start, end, scratch in _split_blocks(high):
+        if backend == "triton":
+            torch.mm(grad_chunk[:, start:end].t(), hidden32, out=scratch)
+            _add_to_split_float32_triton(high[start:end], low[start:end], scratch)
+        else:
+            accumulator = _join(high[start:end], low[start:end], scratch)
+            accumulator.addmm_(grad_chunk[:, start:end].t(), hidden32)
+            _split(accumulator, high[start:end], low[start:end])
+
+
+def _finish_weight_grad(high, low, scale, dtype):
+    """dW = round(accumulator * scale) in ``dtype``; a split accumulator is rounded into ``high`` in place."""
+    if low.numel() == 0:
+        return high.mul_(scale).to(dtype)
+    for start, end, scratch in _split_blocks(high):
+        high[start:end] = _join(high[start:end], low[start:end], scratch).mul_(scale)  # rounds to nearest even
+    return high
+
+
 def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None):
-    """Loss over token chunks; with ``grads`` = (dX or None, dW32 or None, dB32 or None) also the gradients.
+    """Loss over token chunks; with ``grads`` = (dX or None, (dW high, dW low) or None, dB64 or None) also
+    the gradients (see :func:`_weight_grad_accumulator` for dW).
 
     Returns (loss, z_loss, lse) with lse (N, 2) float32 (the logsumexp as max + log-sum).
     """
@@ -110,9 +228,9 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             grad_chunk = logits if logits.dtype == torch.float32 else torch.empty_like(logits, dtype=torch.float32)
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
                                                               loss_scale=loss_scale, z_scale=z_scale)
-            grad_hidden, grad_weight32, grad_bias64 = grads
-            if grad_weight32 is not None:
-                grad_weight32.addmm_(grad_chunk.t(), _float32(hidden_rows))
+            grad_hidden, grad_weight_halves, grad_bias64 = grads
+            if grad_weight_halves is not None:
+                _accumulate_weight_grad(*grad_weight_halves, grad_chunk, _float32(hidden_rows), backend)
             if grad_bias64 is not None:
                 grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
@@ -241,23 +359,25 @@ def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
                      z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool, needs_weight: bool,
                      needs_bias: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-    grad_weight32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if needs_weight else None
+    grad_weight_halves = _weight_grad_accumulator(weight) if needs_weight else None
     grad_bias64 = torch.zeros(bias.shape, dtype=torch.float64, device=bias.device) if needs_bias else None
     loss, z_loss_out, _ = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
-                                          grads=(grad_hidden, grad_weight32, grad_bias64))
-    grads = tuple(g if g is not None else _empty(hidden) for g in (grad_hidden, grad_weight32, grad_bias64))
-    return (loss, z_loss_out) + grads
+                                          grads=(grad_hidden, grad_weight_halves, grad_bias64))
+    grad_weight_halves = grad_weight_halves or (_empty(hidden), _empty(hidden))
+    grads = tuple(g if g is not None else _empty(hidden) for g in (grad_hidden, grad_bias64))
+    return (loss, z_loss_out, grads[0]) + grad_weight_halves + grads[1:]
 
 
 def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
                   reduction, chunk_size, needs_hidden, needs_weight, needs_bias):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
+    grad_weight_halves = _weight_grad_accumulator(weight) if needs_weight else (_empty(hidden), _empty(hidden))
     return (loss, z,
             torch.empty_like(hidden) if needs_hidden else _empty(hidden),
-            weight.new_empty(weight.shape, dtype=torch.float32) if needs_weight else _empty(hidden),
+            *grad_weight_halves,
             bias.new_empty(bias.shape, dtype=torch.float64) if needs_bias else _empty(hidden))
 
 
@@ -272,13 +392,13 @@ def _chunked_setup(ctx, inputs, output):
 
 
 def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
-    grad_hidden, grad_weight32, grad_bias64 = ctx.saved_tensors
+    grad_hidden, grad_weight_high, grad_weight_low, grad_bias64 = ctx.saved_tensors
     weight_dtype, bias_dtype = ctx.dtypes
     needs_hidden, needs_weight, needs_bias = ctx.needs
     scale = grad_loss.float()
     # In place: these buffers exist only for this backward (a second backward trips the version check).
     grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if needs_hidden else None
-    grad_weight = grad_weight32.mul_(scale).to(weight_dtype) if needs_weight else None
+    grad_weight = _finish_weight_grad(grad_weight_high, grad_weight_low, scale, weight_dtype) if needs_weight else None
     grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
 
