@@ -15,6 +15,14 @@ OPTIONS = {
     "plain": {},
     "combined": {"label_smoothing": 0.1, "softcap": 4.0, "z_loss": 1e-2, "class_weight": True},
 }
+# Each option alone (test_each_option_alone): what "combined" could hide, e.g. a z-term scale that
+# only matters without smoothing.
+SINGLE_OPTIONS = {
+    "smoothing": {"label_smoothing": 0.1},
+    "softcap": {"softcap": 4.0},
+    "z_loss": {"z_loss": 1e-2},
+    "class_weight": {"class_weight": True},
+}
 
 
 @pytest.fixture(params=["torch", "triton"])
@@ -32,7 +40,7 @@ def make_target(n_tokens, n_classes):
 
 
 def run_check(dtype, n_tokens, hidden_size, n_classes, reduction, strategy, option_name, chunk_size):
-    options = dict(OPTIONS[option_name])
+    options = dict({**OPTIONS, **SINGLE_OPTIONS}[option_name])
     hidden = torch.randn(n_tokens, hidden_size).to(dtype).requires_grad_()
     weight = (torch.randn(n_classes, hidden_size) / hidden_size**0.5).to(dtype).requires_grad_()
     bias = torch.randn(n_classes).to(dtype).requires_grad_()
@@ -80,6 +88,13 @@ def test_matches_float64(request, backend, dtype, n_tokens, hidden_size, n_class
         request.applymarker(pytest.mark.xfail(strict=False, reason="chunked rescales after the matmul"))
     # chunk_size=5 tokens: several chunks, the last one partial.
     run_check(dtype, n_tokens, hidden_size, n_classes, reduction, strategy, option_name, chunk_size=5)
+
+
+@pytest.mark.parametrize("option_name", list(SINGLE_OPTIONS))
+@pytest.mark.parametrize("strategy,reduction", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_each_option_alone(backend, dtype, strategy, reduction, option_name):
+    run_check(dtype, 24, 8, 300, reduction, strategy, option_name, chunk_size=5)
 
 
 @pytest.mark.slow

@@ -8,6 +8,11 @@ from memkernels.ops.linear_cross_entropy import linear_cross_entropy
 class ChunkedCrossEntropyLoss(torch.nn.Module):
     """``torch.nn.CrossEntropyLoss`` for class-id targets, without an N x V float32 log-softmax.
 
+    "Chunked" over the vocabulary: on the GPU each row's program walks V in blocks with an
+    online logsumexp (no temporaries); on the CPU path rows go in blocks of at most
+    ``memkernels.reference.cross_entropy.BLOCK_ELEMENTS`` logits. Either way the forward
+    holds 8 bytes per row and the backward allocates only the gradient it returns.
+
     forward(logits (..., V), target (...)) -> float32 loss; options as
     :func:`memkernels.ops.cross_entropy.cross_entropy` (``weight`` is a buffer).
     """

@@ -28,12 +28,28 @@ is neither ``ignore_index`` nor in ``[0, V)`` get NaN loss and NaN gradient (the
 GPU contract: no host sync); the CPU entry points call :func:`check_targets`
 first, which raises instead.
 
-Everything is computed in float32 whatever the logits dtype; the temporaries are
-a few float32 copies of the block, which the callers keep small.
+Everything is computed in float32 whatever the logits dtype. Both primitives walk
+their rows in blocks of at most :data:`BLOCK_ELEMENTS` logits, so the temporaries
+are a few float32 copies of one such block however many rows the caller passes
+(``cross_entropy`` passes all of them).
 """
 from typing import NamedTuple, Optional
 
 import torch
+
+
+# Logits per block of rows: each float32 temporary of a block is at most 4 MiB.
+BLOCK_ELEMENTS = 2**20
+
+
+def _row_blocks(n_rows, n_cols):
+    rows = max(1, BLOCK_ELEMENTS // max(n_cols, 1))
+    return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+
+
+def _rows_of(scale, rows):
+    """A shared scale (one element) as is, a per-row (R,) scale's block."""
+    return scale if scale is None or scale.numel() == 1 else scale[rows]
 
 
 class LossConfig(NamedTuple):
@@ -95,7 +111,7 @@ def _finish(values, valid, out_of_range):
 
 
 def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
-    """Cross-entropy of full rows.
+    """Cross-entropy of full rows, block of rows by block of rows.
 
     logits: (R, V) float; target: (R,) int64.
     Returns ``(ce, zt, lse_parts)``: ce and zt (R,) float32 (``zt`` is None when
@@ -106,6 +122,21 @@ def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
     ``sum(loss_scale * ce + z_scale * zt)`` is written into it; ``loss_scale`` and
     ``z_scale`` are float32 tensors of shape () or (R,).
     """
+    n_rows = logits.shape[0]
+    ce = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    zt = torch.empty_like(ce) if cfg.z_loss else None
+    lse_parts = torch.empty(n_rows, 2, dtype=torch.float32, device=logits.device)
+    for rows in _row_blocks(*logits.shape):
+        ce[rows], z_rows, lse_parts[rows] = _loss_block(logits[rows], target[rows], cfg)
+        if zt is not None:
+            zt[rows] = z_rows
+        if grad is not None:
+            _write_grad(*_softcapped_with_slope(logits[rows], cfg), target[rows], lse_parts[rows], cfg, grad[rows],
+                        _rows_of(loss_scale, rows), _rows_of(z_scale, rows), 0)
+    return ce, zt, lse_parts
+
+
+def _loss_block(logits, target, cfg):
     y = _softcapped(logits, cfg)
     row_max = y.max(dim=1).values.float()
     # exp(-inf - -inf) is NaN: a row of -inf keeps max -inf but is shifted by 0.
@@ -127,9 +158,6 @@ def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
     ce = ce.float()
     ce = _finish(ce, valid, out_of_range)
     zt = _finish((cfg.z_loss * (lse * lse)).float(), valid, out_of_range) if cfg.z_loss else None
-    if grad is not None:
-        del y  # the gradient pass recomputes it with the soft-cap slope
-        grad_rows(logits, target, lse_parts, cfg, grad, loss_scale, z_scale)
     return ce, zt, lse_parts
 
 
@@ -140,8 +168,9 @@ def grad_rows(logits, target, lse_parts, cfg, grad, loss_scale, z_scale, *, col_
     lse_parts: (R, 2) from :func:`loss_rows`;
     grad: (R, W) buffer written in place (may be ``logits``); scales as in :func:`loss_rows`.
     """
-    _write_grad(*_softcapped_with_slope(logits, cfg), target, lse_parts, cfg, grad, loss_scale, z_scale,
-                col_offset)
+    for rows in _row_blocks(*logits.shape):
+        _write_grad(*_softcapped_with_slope(logits[rows], cfg), target[rows], lse_parts[rows], cfg, grad[rows],
+                    _rows_of(loss_scale, rows), _rows_of(z_scale, rows), col_offset)
 
 
 def _write_grad(y, slope, target, lse_parts, cfg, grad, loss_scale, z_scale, col_offset):
