@@ -76,7 +76,8 @@ def effective_weight(weight, offset, casting, dtype):
 def unrecoverable_columns(weight, bias, offset, casting, dtype):
     """int64 [K]: columns where x̂ cannot be recovered from y (memory_efficient mode).
 
-    On a CUDA weight this reads K back to the host: one device sync per call.
+    On a CUDA weight this reads K back to the host (a device sync); the custom op
+    caches the result per weight state (memkernels.ops._norm_ops.unrecoverable_columns).
     """
     scale = effective_weight(weight, offset, casting, dtype)
     if scale is None:
