@@ -11,13 +11,16 @@ Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
   - cost B/tok: what the norm holds for backward beyond what the next layer
     (which keeps the norm's output y) holds anyway, counting x if kept. This is
     where memory_efficient=True (keep y, not x) pays off;
-  - peak MB: the most bytes alive at once during forward + backward of norm and
-    next layer, on top of the inputs (memkernels.meters.PeakBytesMeter). The meter
-    sees inside the torch.library custom ops too, so memkernels' peaks include the
-    op's internal buffers: the reference path's whole-tensor temporaries, or the
-    Triton backward's [programs, 2, H] fp32 partial sums. The PyTorch reference
-    path (this CPU run) makes whole-tensor fp32 temporaries that the Triton
-    kernels, which keep rows in registers, do not: its peak is not the GPU's.
+  - peak MB: the most bytes alive at once during forward + backward of the norm and
+    the next layer (memkernels.meters.PeakBytesMeter), counting x: it is made inside
+    the metered region, as an activation is made in a model's forward, so that
+    freeing it early (memory_efficient=True) shows. The meter sees inside the
+    torch.library custom ops too, so memkernels' peaks include the op's internal
+    buffers: the PyTorch reference path's row-block temporaries (at most
+    memkernels.reference._norm.TEMPORARY_BUDGET_BYTES), or the Triton backward's
+    [programs, 2, H] fp32 partial sums;
+  - peak <= eager: "met" when memkernels' peak is at most the eager baseline's
+    (the group's first row), compared in bytes, else "MISSED" and by how much.
 
 GPU timing (only with CUDA): forward+backward GB/s of memkernels (Triton) vs eager
 and torch.compile'd eager; otherwise the section says it skipped.
@@ -53,24 +56,27 @@ import memkernels  # noqa: E402
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter  # noqa: E402
 
 
-def _cases(hidden, dtype, device):
-    """name -> (module, takes_residual). Eager add+norm is x + residual followed by the norm."""
+def _groups(hidden, dtype, device):
+    """[(takes_residual, [(name, module), ...])]: eager baseline first, then memkernels' modules.
+
+    Eager add+norm is x + residual followed by the norm.
+    """
     factory = {"device": device, "dtype": dtype}
-    return {
-        "eager nn.RMSNorm": (nn.RMSNorm(hidden, eps=1e-6, **factory), False),
-        "memkernels FusedRMSNorm": (memkernels.FusedRMSNorm(hidden, eps=1e-6, **factory), False),
-        "  memory_efficient=True": (memkernels.FusedRMSNorm(hidden, eps=1e-6, memory_efficient=True, **factory),
-                                    False),
-        "eager add + nn.RMSNorm": (nn.RMSNorm(hidden, eps=1e-6, **factory), True),
-        "memkernels FusedAddRMSNorm": (memkernels.FusedAddRMSNorm(hidden, eps=1e-6, **factory), True),
-        "  memory_efficient=True  ": (memkernels.FusedAddRMSNorm(hidden, eps=1e-6, memory_efficient=True,
-                                                                 **factory), True),
-        "eager nn.LayerNorm": (nn.LayerNorm(hidden, **factory), False),
-        "memkernels FusedLayerNorm": (memkernels.FusedLayerNorm(hidden, **factory), False),
-        "  memory_efficient=True ": (memkernels.FusedLayerNorm(hidden, memory_efficient=True, **factory), False),
-        "eager add + nn.LayerNorm": (nn.LayerNorm(hidden, **factory), True),
-        "memkernels FusedAddLayerNorm": (memkernels.FusedAddLayerNorm(hidden, **factory), True),
-    }
+    rms = {"eps": 1e-6, **factory}
+    return [
+        (False, [("eager nn.RMSNorm", nn.RMSNorm(hidden, **rms)),
+                 ("memkernels FusedRMSNorm", memkernels.FusedRMSNorm(hidden, **rms)),
+                 ("  memory_efficient=True", memkernels.FusedRMSNorm(hidden, memory_efficient=True, **rms))]),
+        (True, [("eager add + nn.RMSNorm", nn.RMSNorm(hidden, **rms)),
+                ("memkernels FusedAddRMSNorm", memkernels.FusedAddRMSNorm(hidden, **rms)),
+                ("  memory_efficient=True", memkernels.FusedAddRMSNorm(hidden, memory_efficient=True, **rms))]),
+        (False, [("eager nn.LayerNorm", nn.LayerNorm(hidden, **factory)),
+                 ("memkernels FusedLayerNorm", memkernels.FusedLayerNorm(hidden, **factory)),
+                 ("  memory_efficient=True", memkernels.FusedLayerNorm(hidden, memory_efficient=True, **factory))]),
+        (True, [("eager add + nn.LayerNorm", nn.LayerNorm(hidden, **factory)),
+                ("memkernels FusedAddLayerNorm", memkernels.FusedAddLayerNorm(hidden, **factory)),
+                ("  memory_efficient=True", memkernels.FusedAddLayerNorm(hidden, memory_efficient=True, **factory))]),
+    ]
 
 
 def _forward(module, takes_residual, x, residual):
@@ -85,8 +91,8 @@ def _forward(module, takes_residual, x, residual):
 def measure_memory(module, takes_residual, tokens, hidden, dtype):
     """Bytes per token the norm costs for backward, and the peak bytes of forward + backward.
 
-    x is an activation made before the measured region, as in a model, and the
-    norm's output feeds a next layer that keeps it for its own backward (here
+    x is an activation made at the start of the measured region, as in a model's
+    forward, and the norm's output feeds a next layer that keeps it for its own backward (here
     ``y * scale``, a stand-in for the Linear that follows a norm). Returns
     (new bytes/token of the norm alone, whether it keeps x alive, bytes/token
     the norm holds beyond what the next layer holds anyway, peak bytes).
@@ -95,9 +101,9 @@ def measure_memory(module, takes_residual, tokens, hidden, dtype):
     residual = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
     next_scale = torch.randn(hidden, dtype=dtype, requires_grad=True)
     grads = [torch.randn(tokens, hidden, dtype=dtype) for _ in range(2)]
-    x = source * 2  # an activation (a scalar multiply saves nothing for backward)
-    input_bytes = x.untyped_storage().nbytes()
     with PeakBytesMeter() as peak:
+        x = source * 2  # an activation (a scalar multiply saves nothing for backward)
+        input_bytes = x.untyped_storage().nbytes()
         with SavedBytesMeter() as both_saved:
             with SavedBytesMeter() as norm_saved:
                 outputs = _forward(module, takes_residual, x, residual)
@@ -121,15 +127,25 @@ def memory_section(tokens, hidden, backend):
     print("new: bytes/token the norm creates and saves; cost: bytes/token it holds for backward beyond\n"
           "what the next layer holds anyway (its input y), counting x if kept; peak: forward + backward\n"
           "(everything allocated, buffers inside the custom ops included)")
-    header = f"{'':<32}{'dtype':<10}{'new B/tok':>10}{'keeps x':>9}{'cost B/tok':>12}{'peak MB':>9}"
+    header = (f"{'':<32}{'dtype':<10}{'new B/tok':>10}{'keeps x':>9}{'cost B/tok':>12}{'peak MB':>9}"
+              f"{'peak <= eager':>20}")
     print(header)
     print("-" * len(header))
+    missed = 0
     for dtype in (torch.float32, torch.bfloat16):
-        for name, (module, takes_residual) in _cases(hidden, dtype, "cpu").items():
-            new, keeps_input, cost, peak = measure_memory(module, takes_residual, tokens, hidden, dtype)
-            print(f"{name:<32}{str(dtype).replace('torch.', ''):<10}{new:>10.1f}{'yes' if keeps_input else 'no':>9}"
-                  f"{cost:>12.1f}{peak / 2**20:>9.1f}")
+        for takes_residual, modules in _groups(hidden, dtype, "cpu"):
+            eager_peak = None
+            for name, module in modules:
+                new, keeps_input, cost, peak = measure_memory(module, takes_residual, tokens, hidden, dtype)
+                if eager_peak is None:
+                    eager_peak, verdict = peak, ""
+                else:
+                    verdict = "met" if peak <= eager_peak else f"MISSED +{(peak - eager_peak) / 2**10:.0f} KiB"
+                    missed += peak > eager_peak
+                print(f"{name:<32}{str(dtype).replace('torch.', ''):<10}{new:>10.1f}"
+                      f"{'yes' if keeps_input else 'no':>9}{cost:>12.1f}{peak / 2**20:>9.1f}{verdict:>20}")
         print()
+    print(f"peak <= eager: {'met by every memkernels row' if not missed else f'MISSED by {missed} rows'}\n")
     memkernels.set_backend("auto")
 
 
@@ -144,10 +160,9 @@ def gpu_section(tokens, hidden):
     print(header)
     print("-" * len(header))
     for dtype in (torch.float32, torch.bfloat16):
-        for name, (module, takes_residual) in _cases(hidden, dtype, "cuda").items():
-            variants = [(name, module)]
-            if name.startswith("eager"):
-                variants.append(("  torch.compile", torch.compile(module)))
+        for takes_residual, modules in _groups(hidden, dtype, "cuda"):
+            _, eager = modules[0]
+            variants = [modules[0], ("  torch.compile", torch.compile(eager))] + modules[1:]
             for label, function in variants:
                 x = torch.randn(tokens, hidden, dtype=dtype, device="cuda", requires_grad=True)
                 residual = torch.randn_like(x, requires_grad=True)

@@ -37,3 +37,33 @@ def assert_drop_in(fused_class, eager, x, keys, **options):
     fused.load_state_dict(eager.state_dict())
     for module in (fused, fused_class.from_module(eager)):
         torch.testing.assert_close(module(x), eager(x))
+
+
+@pytest.fixture
+def small_row_blocks(monkeypatch):
+    """Reference path with row blocks of 3 rows (plus a short last one), so that tests with a
+    handful of rows cross block boundaries; the default blocks are 1 MiB of fp32."""
+    from memkernels.reference import _norm
+    memkernels.set_backend("torch")
+    monkeypatch.setattr(_norm, "BLOCK_ELEMENTS", 3 * 129)
+    yield
+    memkernels.set_backend("auto")
+
+
+def peak_with_next_layer(norm, takes_residual, rows, hidden, dtype):
+    """Peak bytes (PeakBytesMeter) of forward + backward of ``norm`` followed by a next layer that
+    keeps its output (y * scale), the scenario of benchmarks/bench_rms_norm.py: x is made inside
+    the region, as an activation in a model's forward, and dropped once the forward is done."""
+    from memkernels.meters import PeakBytesMeter
+    source = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+    residual = torch.randn(rows, hidden, dtype=dtype, requires_grad=True)
+    next_scale = torch.randn(hidden, dtype=dtype, requires_grad=True)
+    grads = [torch.randn(rows, hidden, dtype=dtype) for _ in range(2)]
+    with PeakBytesMeter() as peak:
+        x = source * 2
+        outputs = norm(x, residual) if takes_residual else (norm(x),)
+        outputs = (outputs[0] * next_scale,) + tuple(outputs[1:])
+        del x
+        torch.autograd.backward(outputs, grads[: len(outputs)])
+        del outputs
+    return peak.peak_bytes

@@ -16,7 +16,8 @@ import memkernels
 from memkernels.functional import add_rms_norm, rms_norm
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.testing import check_against_reference
-from norm_cases import DTYPES, SHAPES, assert_drop_in, backend, leaf  # noqa: F401 (backend: fixture)
+from norm_cases import (DTYPES, SHAPES, assert_drop_in, backend, leaf, peak_with_next_layer,  # noqa: F401
+                        small_row_blocks)  # (backend, small_row_blocks: fixtures)
 
 
 def rms_norm_eager(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
@@ -376,3 +377,138 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills():
     assert len(reports) == 2 * 2 * len(_norm_kernels._FORWARD_VARIANTS)
     failed = [(r.kernel, r.variant, r.arch, r.spills, r.error) for r in reports if not r.ok]
     assert not failed, failed
+
+
+# --- reference path: row blocks, peak memory --------------------------------------------------
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_row_blocks_match_float64(small_row_blocks, dtype, memory_efficient):
+    """13 rows in blocks of 3 + 1: statistics, y, dx and the per-block dw partial sums stay exact."""
+    x, residual = leaf(13, 129, dtype=dtype), leaf(13, 129, dtype=dtype)
+    weight = _spiked_weight(129, dtype)
+    options = {"memory_efficient": memory_efficient}
+    check_against_reference(functools.partial(rms_norm, **options), rms_norm_eager, (x, weight))
+    check_against_reference(functools.partial(add_rms_norm, **options), add_rms_norm_eager, (x, residual, weight))
+
+
+def test_reference_row_blocks_in_place_backward(small_row_blocks):
+    """dx is written over dy block by block; each block reads its rows of dy first."""
+    x, weight = leaf(13, 129, dtype=torch.float32), leaf(129, dtype=torch.float32, shift=1.0)
+    probe = torch.randn(13, 129)
+    grads = []
+    for in_place in (False, True):
+        x.grad = weight.grad = None
+        (rms_norm(x, weight, in_place=in_place) * probe).sum().backward()
+        grads.append((x.grad, weight.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("variant", ["rms_norm", "add_rms_norm"])
+def test_reference_peak_is_at_most_eager(dtype, variant):
+    """Measured with PeakBytesMeter, which sees inside the custom ops: the reference path's row-block
+    temporaries fit under what eager nn.RMSNorm (after x + residual for the add variant) needs."""
+    rows, hidden = 1024, 2048  # 8 MiB per fp32 tensor: larger than a block's temporaries
+    memkernels.set_backend("torch")
+    try:
+        fused = (memkernels.FusedAddRMSNorm if variant == "add_rms_norm" else memkernels.FusedRMSNorm)(
+            hidden, eps=1e-6, dtype=dtype)
+        eager = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
+        takes_residual = variant == "add_rms_norm"
+        ours = peak_with_next_layer(fused, takes_residual, rows, hidden, dtype)
+        baseline = peak_with_next_layer((lambda x, r: (eager(x + r), x + r)) if takes_residual else eager,
+                                        takes_residual, rows, hidden, dtype)
+    finally:
+        memkernels.set_backend("auto")
+    assert ours <= baseline, (ours, baseline)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_reference_temporaries_stay_within_budget(dtype):
+    """Forward and backward each need at most TEMPORARY_BUDGET_BYTES beyond the tensors they return."""
+    from memkernels.reference import _norm
+    rows, hidden = 1024, 2048  # a whole-tensor fp32 temporary is 8 MiB; the old path kept several
+    memkernels.set_backend("torch")
+    try:
+        x, residual = leaf(rows, hidden, dtype=dtype), leaf(rows, hidden, dtype=dtype)
+        weight = leaf(hidden, dtype=dtype, shift=1.0)
+        with PeakBytesMeter() as forward:
+            y, residual_out = add_rms_norm(x, residual, weight)
+        returned = 2 * y.untyped_storage().nbytes() + 4 * rows  # y, residual_out, rstd
+        assert forward.peak_bytes - returned <= _norm.TEMPORARY_BUDGET_BYTES
+        grad = torch.randn_like(y)
+        with PeakBytesMeter() as backward:
+            y.backward(grad)
+        # dx, its copy for residual, dw and the engine's zero gradient for residual_out
+        returned = 3 * y.untyped_storage().nbytes() + weight.untyped_storage().nbytes()
+        assert backward.peak_bytes - returned <= _norm.TEMPORARY_BUDGET_BYTES
+    finally:
+        memkernels.set_backend("auto")
+
+
+# --- memory_efficient: the unrecoverable-column decision is cached per weight state ---------------
+
+@pytest.fixture
+def counted_readbacks(monkeypatch):
+    """Counts calls of the function whose result (K) is read back from the device."""
+    from memkernels.reference import _norm
+    calls = []
+    compute = _norm.unrecoverable_columns
+    monkeypatch.setattr(_norm, "unrecoverable_columns", lambda *args: calls.append(len(args)) or compute(*args))
+    return calls
+
+
+def _memory_efficient_gradients(module, x):
+    module.zero_grad()
+    x.grad = None
+    module(x).square().sum().backward()
+    return x.grad.clone(), module.weight.grad.clone()
+
+
+def _expected_gradients(module, x):
+    x64 = x.detach().double().requires_grad_()
+    weight64 = module.weight.detach().double().requires_grad_()
+    rms_norm_eager(x64, weight64).square().sum().backward()
+    return x64.grad, weight64.grad
+
+
+@pytest.mark.parametrize("update", ["no_grad-mul_", "sgd", "fused-adamw"])
+def test_unrecoverable_columns_cached_until_the_weight_changes(backend, counted_readbacks, update):
+    module = memkernels.FusedRMSNorm(64, eps=1e-6, memory_efficient=True)
+    x = torch.randn(5, 64, requires_grad=True)
+    for _ in range(3):  # a step with unchanged weight reuses the decision
+        _memory_efficient_gradients(module, x)
+    assert len(counted_readbacks) == 1
+    # The update zeroes column 7: the cached decision (no fallback column) would divide by zero.
+    if update == "no_grad-mul_":
+        with torch.no_grad():
+            module.weight.mul_(torch.where(torch.arange(64) == 7, 0.0, 1.0))
+    else:
+        module.weight.grad = torch.zeros(64)
+        module.weight.grad[7] = 1.0
+        optimizer = (torch.optim.SGD([module.weight], lr=1.0) if update == "sgd"
+                     else torch.optim.AdamW([module.weight], lr=1.0, weight_decay=0.0, fused=True))
+        optimizer.step()
+        with torch.no_grad():  # the counter-visible write is not needed for the optimizer case to work
+            module.weight.data[7] = 0.0
+    assert module.weight[7] == 0.0
+    grads = _memory_efficient_gradients(module, x)
+    assert len(counted_readbacks) == 2  # recomputed once after the update
+    _memory_efficient_gradients(module, x)
+    assert len(counted_readbacks) == 2  # and cached again
+    for got, want in zip(grads, _expected_gradients(module, x)):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_unrecoverable_columns_cache_keeps_no_weight_alive():
+    from memkernels.ops import _norm_ops
+    weight = torch.rand(32) + 0.5
+    rms_norm(torch.randn(3, 32), weight, memory_efficient=True)
+    released = []
+    watch = weakref.ref(weight.untyped_storage(), released.append)  # noqa: F841 (the callback needs it alive)
+    assert weight.untyped_storage() in _norm_ops._UNRECOVERABLE  # cached, keyed by the weight's storage
+    del weight
+    gc.collect()
+    assert released, "the cache must not keep the weight alive"

@@ -14,9 +14,12 @@ memkernels._backend.resolve in the public function. The public functions live
 in memkernels/ops/rms_norm.py and memkernels/ops/layer_norm.py.
 """
 import math
+import weakref
 from typing import Optional
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from memkernels import _backend
 from memkernels.reference import _norm as reference
@@ -40,6 +43,77 @@ def _empty(like, dtype=None):
     return like.new_empty(0, dtype=dtype)
 
 
+class _CachedColumns:
+    """One memory_efficient decision: the unrecoverable columns for one weight/bias state."""
+
+    __slots__ = ("versions", "bias_storage", "columns", "valid")
+
+    def __init__(self, versions, bias_storage, columns):
+        self.versions = versions          # (weight._version, bias._version) when computed
+        self.bias_storage = bias_storage  # weakref to the bias storage (None without one)
+        self.columns = columns            # int64 [K] on the parameters' device
+        self.valid = True                 # cleared by an optimizer step over either parameter
+
+
+# parameter storage -> {view geometry and options -> _CachedColumns}. Keyed weakly by
+# storage: a cache entry never keeps a weight alive, and dies with it.
+_UNRECOVERABLE = WeakIdKeyDictionary()
+
+
+def _geometry(param):
+    return None if param is None else (param.storage_offset(), tuple(param.shape), param.stride(), param.dtype)
+
+
+def unrecoverable_columns(weight, bias, offset, casting, dtype):
+    """reference.unrecoverable_columns, remembered per weight and bias state: int64 [K].
+
+    Computing K reads a count back from the device (the host must know K to size the
+    [M, K] fallback, and torch.compile sees it as a data-dependent size). A branch-free
+    kernel cannot avoid that: it has no place to put x̂ of unrecoverable columns unless
+    K is known, and reserving room for all H columns would save the input again. So the
+    decision is cached instead, keyed on the parameters' storages (held weakly), their
+    view geometry, the options and the parameters' version counters: a training step
+    with unchanged weights pays no readback. It is recomputed after any in-place change
+    the version counter records (optimizer steps, in-place ops under no_grad,
+    load_state_dict) and after every torch.optim optimizer step that covers the weight
+    or bias, also when the step does not bump the counter (fused AdamW does not).
+    Writes through ``.data`` are invisible to both, as they are to autograd's own checks;
+    a weight that becomes exactly zero that way gives NaN gradients, not silent ones.
+    """
+    anchor = weight if weight is not None else bias
+    if anchor is None:
+        return reference.unrecoverable_columns(weight, bias, offset, casting, dtype)
+    entries = _UNRECOVERABLE.get(anchor.untyped_storage())
+    if entries is None:
+        entries = _UNRECOVERABLE[anchor.untyped_storage()] = {}
+    key = (_geometry(weight), _geometry(bias), offset, casting, dtype)
+    versions = (weight._version if weight is not None else None, bias._version if bias is not None else None)
+    bias_storage = bias.untyped_storage() if bias is not None and weight is not None else None
+    entry = entries.get(key)
+    if (entry is None or not entry.valid or entry.versions != versions
+            or (bias_storage is not None and entry.bias_storage() is not bias_storage)):
+        entry = _CachedColumns(versions, None if bias_storage is None else weakref.ref(bias_storage),
+                               reference.unrecoverable_columns(weight, bias, offset, casting, dtype))
+        entries[key] = entry
+        if bias_storage is not None:  # an optimizer step over the bias alone must find it too
+            _UNRECOVERABLE.setdefault(bias_storage, {})[("bias of",) + key] = entry
+    # A fresh tensor per call: the op's outputs must not be shared (torch.compile may reuse them).
+    return entry.columns.clone()
+
+
+def _forget_stepped_parameters(optimizer, args, kwargs):
+    """Optimizer step post-hook: the columns of every parameter it stepped are stale."""
+    if not _UNRECOVERABLE:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for entry in _UNRECOVERABLE.get(param.untyped_storage(), {}).values():
+                entry.valid = False
+
+
+register_optimizer_step_post_hook(_forget_stepped_parameters)
+
+
 @torch.library.custom_op("memkernels::norm_fwd", mutates_args=())
 def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
              bias: Optional[torch.Tensor], eps: float, offset: float, is_rms: bool, casting: int,
@@ -51,7 +125,7 @@ def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional
     because the autograd context is built from the op's inputs.
     """
     if memory_efficient:
-        unsafe_cols = reference.unrecoverable_columns(weight, bias, offset, casting, x.dtype).to(x.device)
+        unsafe_cols = unrecoverable_columns(weight, bias, offset, casting, x.dtype).to(x.device)
     else:
         unsafe_cols = x.new_empty(0, dtype=torch.int64)
     y, residual_out, mean, rstd, fallback = _implementation(backend).norm_forward(

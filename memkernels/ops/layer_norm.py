@@ -15,7 +15,9 @@ _MEMORY_NOTE = """
     ~1e-31 fp32). For the other K columns (zero or tiny weights, or a bias much
     larger than the weight) x̂ itself is stored as an [M, K] tensor, so
     gradients stay exact and nothing is divided by zero. Finding K reads one
-    count back from the device on every memory_efficient call.
+    count back from the device; that decision is cached per weight state and
+    recomputed after an in-place update or optimizer step (see
+    _norm_ops.unrecoverable_columns).
 """
 
 

@@ -14,7 +14,8 @@ _MEMORY_NOTE = """
     for fp16, ~1e-36 for bf16, ~1e-31 for fp32; zero weights included) x̂ of
     those K columns is stored instead, as an [M, K] tensor, so gradients stay
     exact with no division by zero. Finding K reads one count back from the
-    device on every memory_efficient call.
+    device; that decision is cached per weight state and recomputed after an
+    in-place update or optimizer step (see _norm_ops.unrecoverable_columns).
 """
 
 

@@ -7,10 +7,16 @@ and the same tensors kept for backward. Everything works on 2-D contiguous
 
 Notation: s is the normalized input (x, or residual_out = x + residual rounded
 to x's dtype), x̂ = (s - mean) * rstd (mean = 0 for RMSNorm), W' = offset + w
-(1 without a weight). Statistics are kept in fp32. This CPU path computes in
-fp32 for fp16/bf16 inputs and in float64 for fp32 inputs (the kernels use
-fp32 throughout): on the CPU the wider type costs little, and it keeps fp32
-results within one rounding of exact.
+(1 without a weight). Everything is computed in fp32, as in the kernels, and
+statistics are kept in fp32.
+
+Memory: the kernels keep a row in registers; this path works on blocks of
+rows instead (``row_blocks``), so that its float32 temporaries never exceed
+BLOCK_ELEMENTS elements each (1 MiB), whatever the tensor's size: a block
+keeps at most about six alive, TEMPORARY_BUDGET_BYTES in all. y, residual_out
+and dx are allocated once and filled block by block. dw/db are, like the
+kernels' per-program partial sums, one fp32 sum per block, added up in float64
+in block order (deterministic) and cast to the parameter's dtype once.
 
 casting_mode (RMSNorm; LayerNorm always uses "gemma"):
   "llama": y = round(round(x̂) * W')       (x̂ cast to x's dtype before the weight)
@@ -27,6 +33,12 @@ compact [M, K] tensor, K = number of such columns (usually 0).
 import torch
 
 CASTING_MODES = {"none": 0, "llama": 1, "gemma": 2}
+
+# Elements per float32 temporary of a row block (1 MiB): small next to any tensor worth
+# metering, large enough that the per-block Python overhead stays small.
+BLOCK_ELEMENTS = 1 << 18
+# Bound on the bytes of a block's temporaries alive at once (pinned by tests/test_rms_norm.py).
+TEMPORARY_BUDGET_BYTES = 8 * 4 * BLOCK_ELEMENTS
 
 
 def recovery_threshold(dtype):
@@ -64,7 +76,8 @@ def effective_weight(weight, offset, casting, dtype):
 def unrecoverable_columns(weight, bias, offset, casting, dtype):
     """int64 [K]: columns where x̂ cannot be recovered from y (memory_efficient mode).
 
-    On a CUDA weight this reads K back to the host: one device sync per call.
+    On a CUDA weight this reads K back to the host (a device sync); the custom op
+    caches the result per weight state (memkernels.ops._norm_ops.unrecoverable_columns).
     """
     scale = effective_weight(weight, offset, casting, dtype)
     if scale is None:
@@ -83,97 +96,149 @@ def _round(t, dtype):
     return t.to(dtype).to(t.dtype)
 
 
+def row_blocks(rows, hidden):
+    """(start, stop) of consecutive row blocks of at most BLOCK_ELEMENTS elements (at least one row)."""
+    step = max(1, BLOCK_ELEMENTS // hidden)
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def _rows(t, start, stop):
+    """Rows start:stop of an [M, ...] tensor, or None."""
+    return None if t is None else t[start:stop]
+
+
 def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols):
-    """Forward on [M, H] tensors.
+    """Forward on [M, H] tensors, one row block at a time.
 
     Returns (y [M, H] x.dtype, residual_out [M, H] or None, mean [M] fp32 or None
     (LayerNorm keeping its input only), rstd [M] fp32, fallback [M, K] x.dtype
     or None (memory_efficient only)).
     """
+    rows, hidden = x.shape
     dtype, compute = x.dtype, compute_dtype(x.dtype)
-    residual_out = None
-    if residual is not None:
-        residual_out = (x.to(compute) + residual.to(compute)).to(dtype)
-        s = residual_out.to(compute)
-    else:
-        s = x.to(compute)
-    mean = None if is_rms else s.mean(dim=1)
-    centered = s if is_rms else s - mean[:, None]
-    rstd = torch.rsqrt(centered.square().mean(dim=1) + eps)
-    xhat = centered * rstd[:, None]
-
-    if casting == CASTING_MODES["none"]:
-        normalized = _round(s * _round(rstd, dtype)[:, None], dtype)
-    elif casting == CASTING_MODES["llama"]:
-        normalized = _round(xhat, dtype)
-    else:
-        normalized = xhat
     scale = effective_weight(weight, offset, casting, dtype)
-    out = normalized if scale is None else normalized * scale
-    if bias is not None:
-        out = out + bias.to(compute)
-    y = out.to(dtype)
-
+    shift = None if bias is None else bias.to(compute)
+    y = torch.empty_like(x)
+    residual_out = None if residual is None else torch.empty_like(x)
+    keep_mean = not (is_rms or memory_efficient)
+    mean = torch.empty(rows, dtype=torch.float32, device=x.device) if keep_mean else None
+    rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
     fallback = None
     if memory_efficient:
-        fallback = xhat[:, unsafe_cols.to(x.device)].to(dtype)
-    mean = None if memory_efficient or mean is None else mean.float()
-    return y, residual_out, mean, rstd.float(), fallback
+        unsafe_cols = unsafe_cols.to(x.device)
+        fallback = torch.empty((rows, unsafe_cols.numel()), dtype=dtype, device=x.device)
+    for start, stop in row_blocks(rows, hidden):
+        if residual is None:
+            s = x[start:stop].to(compute)
+        else:
+            residual_out[start:stop] = x[start:stop].to(compute) + residual[start:stop].to(compute)
+            s = residual_out[start:stop].to(compute)
+        if is_rms:
+            centered = s
+        else:
+            block_mean = s.mean(dim=1)
+            centered = s - block_mean[:, None]
+            if keep_mean:
+                mean[start:stop] = block_mean
+        block_rstd = torch.rsqrt(centered.square().mean(dim=1) + eps)
+        rstd[start:stop] = block_rstd
+        xhat = centered * block_rstd[:, None]
+        del centered
+        if casting == CASTING_MODES["none"]:
+            normalized = _round(s * _round(block_rstd, dtype)[:, None], dtype)
+        elif casting == CASTING_MODES["llama"]:
+            normalized = _round(xhat, dtype)
+        else:
+            normalized = xhat
+        del s
+        out = normalized if scale is None else normalized * scale
+        del normalized
+        if shift is not None:
+            out = out + shift
+        y[start:stop] = out  # the one rounding to x's dtype
+        del out
+        if memory_efficient and unsafe_cols.numel():
+            fallback[start:stop] = xhat[:, unsafe_cols]
+    return y, residual_out, mean, rstd, fallback
 
 
-def recover_xhat(saved, mean, rstd, weight, bias, offset, casting, memory_efficient, unsafe_cols, fallback):
-    """x̂ [M, H] in the compute type from what forward kept: s with its statistics, or y (memory_efficient)."""
-    compute = compute_dtype(saved.dtype)
-    if not memory_efficient:
-        centered = saved.to(compute) if mean is None else saved.to(compute) - mean.to(compute)[:, None]
-        return centered * rstd.to(compute)[:, None]
-    shifted = saved.to(compute) if bias is None else saved.to(compute) - bias.to(compute)
-    scale = effective_weight(weight, offset, casting, saved.dtype)
-    if scale is None:
-        xhat = shifted
-    else:
-        unsafe = torch.zeros_like(scale, dtype=torch.bool)
-        unsafe[unsafe_cols] = True
-        # The guard keeps 0/0 out of columns whose x̂ comes from the fallback.
-        xhat = shifted / torch.where(unsafe, torch.ones_like(scale), scale)
-    if unsafe_cols.numel():
-        xhat[:, unsafe_cols] = fallback.to(compute)
-    return xhat
+class _Recovery:
+    """What recovering x̂ needs besides the saved rows: per-column [H] values, computed once per call."""
+
+    def __init__(self, saved_dtype, weight, bias, offset, casting, memory_efficient, unsafe_cols):
+        compute = compute_dtype(saved_dtype)
+        self.memory_efficient = memory_efficient
+        self.unsafe_cols = unsafe_cols
+        self.shift = None if bias is None else bias.to(compute)
+        self.divisor = None
+        scale = effective_weight(weight, offset, casting, saved_dtype)
+        if memory_efficient and scale is not None:
+            unsafe = torch.zeros_like(scale, dtype=torch.bool)
+            unsafe[unsafe_cols] = True
+            # The guard keeps 0/0 out of columns whose x̂ comes from the fallback.
+            self.divisor = torch.where(unsafe, torch.ones_like(scale), scale)
+
+    def xhat(self, saved, mean, rstd, fallback):
+        """x̂ of one row block in the compute type, from s with its statistics, or from y (memory_efficient)."""
+        compute = compute_dtype(saved.dtype)
+        if not self.memory_efficient:
+            centered = saved.to(compute) if mean is None else saved.to(compute) - mean.to(compute)[:, None]
+            return centered * rstd.to(compute)[:, None]
+        xhat = saved.to(compute) if self.shift is None else saved.to(compute) - self.shift
+        if self.divisor is not None:
+            xhat = xhat / self.divisor
+        if self.unsafe_cols.numel():  # never without a weight or a bias: then xhat is a fresh tensor
+            xhat[:, self.unsafe_cols] = fallback.to(compute)
+        return xhat
 
 
 def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
                   memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db, dx_out=None):
-    """Backward on [M, H] tensors. Returns (dx or None, dw or None, db or None).
+    """Backward on [M, H] tensors, one row block at a time. Returns (dx or None, dw or None, db or None).
 
-    dx is written into ``dx_out`` when given (the in_place backward passes dy).
+    dx is written into ``dx_out`` when given (the in_place backward passes dy itself:
+    each block reads its rows of dy before it writes dx there).
 
-    dx is also the gradient of residual (residual_out = x + residual). dw/db are
-    reduced in the compute type and returned in the parameter's dtype.
+    dx is also the gradient of residual (residual_out = x + residual). dw/db: one
+    fp32 partial sum per block, accumulated in float64, returned in the parameter's dtype.
     """
-    xhat = recover_xhat(saved, mean, rstd, weight, bias, offset, casting, memory_efficient, unsafe_cols, fallback)
-    dy_c = dy.to(compute_dtype(dy.dtype))
-    rstd = rstd.to(dy_c.dtype)
-    dx = dw = db = None
-    # dw and db first: with float32 dy, dy_c *is* dy, which dx_out may overwrite.
-    if needs_dw:
-        dw = (dy_c * xhat).sum(dim=0).to(weight.dtype)
-    if needs_db:
-        db = dy_c.sum(dim=0).to(bias.dtype)
+    rows, hidden = dy.shape
+    compute = compute_dtype(dy.dtype)
+    recovery = _Recovery(saved.dtype, weight, bias, offset, casting, memory_efficient, unsafe_cols)
+    scale = effective_weight(weight, offset, casting, dy.dtype)
+    dx = None
     if needs_dx:
-        scale = effective_weight(weight, offset, casting, dy.dtype)
-        g = dy_c if scale is None else dy_c * scale
-        projection = (g * xhat).mean(dim=1, keepdim=True)
-        if is_rms and xhat.shape[1] == 1:
-            # One column: g - x̂ (g x̂) = g (1 - x̂²), which cancels when x̂² is near 1;
-            # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
-            square = xhat.square()
-            inner = g * torch.where(square > 0.5, eps * rstd.square()[:, None], 1.0 - square)
-        else:
-            inner = g - xhat * projection
-        if not is_rms:
-            inner = inner - g.mean(dim=1, keepdim=True)
-        dx_c = inner * rstd[:, None]
-        if dresidual_out is not None:
-            dx_c = dx_c + dresidual_out.to(dx_c.dtype)
-        dx = dx_c.to(dy.dtype) if dx_out is None else dx_out.copy_(dx_c)
+        dx = torch.empty_like(dy) if dx_out is None else dx_out
+    dw_total = torch.zeros(hidden, dtype=torch.float64, device=dy.device) if needs_dw else None
+    db_total = torch.zeros(hidden, dtype=torch.float64, device=dy.device) if needs_db else None
+    for start, stop in row_blocks(rows, hidden):
+        xhat = recovery.xhat(saved[start:stop], _rows(mean, start, stop), rstd[start:stop],
+                             _rows(fallback, start, stop))
+        dy_c = dy[start:stop].to(compute)
+        # dw and db first: with float32 dy, dy_c *is* dy's rows, which dx may overwrite.
+        if needs_dw:
+            dw_total += (dy_c * xhat).sum(dim=0)
+        if needs_db:
+            db_total += dy_c.sum(dim=0)
+        if needs_dx:
+            block_rstd = rstd[start:stop].to(compute)[:, None]
+            g = dy_c if scale is None else dy_c * scale
+            del dy_c
+            if is_rms and hidden == 1:
+                # One column: g - x̂ (g x̂) = g (1 - x̂²), which cancels when x̂² is near 1;
+                # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
+                square = xhat.square()
+                inner = g * torch.where(square > 0.5, eps * block_rstd.square(), 1.0 - square)
+            else:
+                inner = g - xhat * (g * xhat).mean(dim=1, keepdim=True)
+            if not is_rms:
+                inner -= g.mean(dim=1, keepdim=True)
+            del g, xhat
+            inner *= block_rstd
+            if dresidual_out is not None:
+                inner += dresidual_out[start:stop].to(compute)
+            dx[start:stop] = inner  # the one rounding to dy's dtype
+    dw = dw_total.to(weight.dtype) if needs_dw else None
+    db = db_total.to(bias.dtype) if needs_db else None
     return dx, dw, db
