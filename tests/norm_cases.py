@@ -67,3 +67,11 @@ def peak_with_next_layer(norm, takes_residual, rows, hidden, dtype):
         torch.autograd.backward(outputs, grads[: len(outputs)])
         del outputs
     return peak.peak_bytes
+
+
+def eager_add_then(norm):
+    """Eager add+norm, the baseline of the fused add variants: ``s = x + residual; (norm(s), s)``."""
+    def add_norm(x, residual):
+        residual_out = x + residual
+        return norm(residual_out), residual_out
+    return add_norm

@@ -16,8 +16,8 @@ import memkernels
 from memkernels.functional import add_rms_norm, rms_norm
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.testing import check_against_reference
-from norm_cases import (DTYPES, SHAPES, assert_drop_in, backend, leaf, peak_with_next_layer,  # noqa: F401
-                        small_row_blocks)  # (backend, small_row_blocks: fixtures)
+from norm_cases import (DTYPES, SHAPES, assert_drop_in, backend, eager_add_then, leaf,  # noqa: F401
+                        peak_with_next_layer, small_row_blocks)  # (backend, small_row_blocks: fixtures)
 
 
 def rms_norm_eager(x, weight, eps=1e-6, *, offset=0.0, casting_mode="llama"):
@@ -73,16 +73,35 @@ def test_add_rms_norm_matches_float64(backend, dtype, hidden):
     check_against_reference(add_rms_norm, add_rms_norm_eager, (x, residual, weight))
 
 
+@pytest.mark.parametrize("views", [False, True])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_add_rms_norm_gradients_do_not_alias(backend, in_place):
-    """x.grad and residual.grad are equal but separate: changing one must not change the other."""
+def test_add_rms_norm_gradients_do_not_alias(backend, in_place, views):
+    """x.grad and residual.grad are equal but separate: changing one must not change the other
+    (also when the norm sees views of the leaves, where each leaf gets its own view of one dx)."""
     x, residual, weight = leaf(3, 8, dtype=torch.float32), leaf(3, 8, dtype=torch.float32), leaf(8, dtype=torch.float32)
-    y, residual_out = add_rms_norm(x, residual, weight, in_place=in_place)
+    x_in, residual_in = (x.view(3, 2, 4).view(3, 8), residual.view(24).view(3, 8)) if views else (x, residual)
+    y, residual_out = add_rms_norm(x_in, residual_in, weight, in_place=in_place)
     (y.pow(2).sum() + residual_out.sin().sum()).backward()
     assert torch.equal(x.grad, residual.grad)
     expected = residual.grad.clone()
     x.grad.zero_()
     assert torch.equal(residual.grad, expected)
+
+
+def test_add_norm_shares_dx_between_layer_outputs(backend):
+    """x and residual made by other layers get one dx between them (no copy), as eager's add does;
+    leaves get separate .grads (test_add_rms_norm_gradients_do_not_alias)."""
+    source, weight = leaf(64, 32, dtype=torch.float32), leaf(32, dtype=torch.float32)
+    x, residual = source * 2, source * 3  # activations: their gradients go to MulBackward, not a leaf
+    received = []
+    x.register_hook(received.append)
+    residual.register_hook(received.append)
+    y, residual_out = add_rms_norm(x, residual, weight)
+    torch.autograd.backward([y, residual_out], [torch.randn_like(y), torch.randn_like(y)])
+    x_grad, residual_grad = received
+    assert x_grad.untyped_storage().data_ptr() == residual_grad.untyped_storage().data_ptr()
+    expected_source_grad = 5 * x_grad
+    torch.testing.assert_close(source.grad, expected_source_grad)
 
 
 def test_leading_dims_non_contiguous_and_no_weight(backend):
@@ -404,20 +423,21 @@ def test_reference_row_blocks_in_place_backward(small_row_blocks):
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
 
 
+@pytest.mark.parametrize("memory_efficient", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("variant", ["rms_norm", "add_rms_norm"])
-def test_reference_peak_is_at_most_eager(dtype, variant):
+def test_reference_peak_is_at_most_eager(dtype, variant, memory_efficient):
     """Measured with PeakBytesMeter, which sees inside the custom ops: the reference path's row-block
     temporaries fit under what eager nn.RMSNorm (after x + residual for the add variant) needs."""
     rows, hidden = 1024, 2048  # 8 MiB per fp32 tensor: larger than a block's temporaries
     memkernels.set_backend("torch")
     try:
         fused = (memkernels.FusedAddRMSNorm if variant == "add_rms_norm" else memkernels.FusedRMSNorm)(
-            hidden, eps=1e-6, dtype=dtype)
+            hidden, eps=1e-6, dtype=dtype, memory_efficient=memory_efficient)
         eager = nn.RMSNorm(hidden, eps=1e-6, dtype=dtype)
         takes_residual = variant == "add_rms_norm"
         ours = peak_with_next_layer(fused, takes_residual, rows, hidden, dtype)
-        baseline = peak_with_next_layer((lambda x, r: (eager(x + r), x + r)) if takes_residual else eager,
+        baseline = peak_with_next_layer(eager_add_then(eager) if takes_residual else eager,
                                         takes_residual, rows, hidden, dtype)
     finally:
         memkernels.set_backend("auto")

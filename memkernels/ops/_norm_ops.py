@@ -242,14 +242,39 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
         dx, dw, db = norm_bwd(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
                               fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
                               needs_db, backend)
-    # x and residual get the same gradient, but not the same buffer: the custom-op wrapper
-    # hands each a separate alias, and leaves would then steal both as one shared .grad.
-    dresidual = dx.clone() if needs_x and needs_residual else dx
-    return (dx if needs_x else None, dresidual if needs_residual else None, dw if needs_dw else None,
+    # x and residual get the same gradient tensor, as eager's add gives both its inputs; when both
+    # are leaves, normalize() routes residual through _SeparateGradient so their .grads do not share.
+    return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
             db if needs_db else None) + (None,) * 7
 
 
 torch.library.register_autograd("memkernels::norm_fwd", _backward, setup_context=_setup_context)
+
+
+class _SeparateGradient(torch.autograd.Function):
+    """Identity whose backward copies the gradient.
+
+    The norm returns one dx for x and residual. If both lead straight to leaves (a leaf, or
+    a view of one: the engine hands each leaf its own view of dx), each leaf would adopt its
+    view as .grad and the two .grads would share memory, so accumulating into one would change
+    the other. Only then is the copy needed; in a model, x and residual come out of other
+    layers and share dx for free, as eager ``x + residual`` shares its gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+def _gradient_goes_to_a_leaf(tensor):
+    if torch.compiler.is_compiling():
+        return True  # grad_fn is not traceable: copy, as the safe side
+    root = tensor if tensor._base is None else tensor._base
+    return tensor.requires_grad and root.grad_fn is None
 
 
 def _check_param(name, param, x, normalized_shape):
@@ -309,6 +334,8 @@ def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_m
 
     x2d = x.reshape(-1, hidden).contiguous()
     residual2d = residual.reshape(-1, hidden).contiguous() if residual is not None else None
+    if residual is not None and _gradient_goes_to_a_leaf(x) and _gradient_goes_to_a_leaf(residual):
+        residual2d = _SeparateGradient.apply(residual2d)
     y, residual_out, *_ = norm_fwd(x2d, residual2d, weight, bias, eps, offset, is_rms,
                                    reference.CASTING_MODES[casting_mode], bool(memory_efficient), bool(in_place),
                                    backend)
