@@ -33,9 +33,8 @@ question, and the rounding of the incoming gradient (up to half an ulp of it)
 became an error that fn and eager share. On an output of many elements that
 shared part washes out; on a few elements eager's own roundings sometimes
 cancel it by luck while fn's add to it, and a correct fn failed (measured on
-cross-entropy with one token or one class: a float16 hidden gradient 1.33e-4
-from float64 against eager's 2.5e-5, 1.15e-4 against 2.0e-5 with the
-rounded gradient, which passes).
+linear cross-entropy with one token, float16/bfloat16: 8 of 1600 runs failed
+before this rounding, 0 of 1600 after).
 
 float32: eager's error is estimated from several runs, not one. The "2x
 eager" standard is about low precision, where eager's error is large and
