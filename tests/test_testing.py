@@ -145,6 +145,16 @@ def test_explicit_grad_outputs_are_used():
         check_against_reference(_times_two_wrong_backward, lambda t: t * 2, (x,))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float64_run_gets_the_output_gradient_fn_gets(dtype):
+    # The gradient of x * 1 is the output gradient itself: exact in every run once the float64 run
+    # receives the same dtype-rounded values, so neither fn nor eager shows an error.
+    x = torch.randn(64, dtype=dtype, requires_grad=True)
+    for grad_outputs in (None, torch.randn(64, dtype=torch.float64)):
+        report = check_against_reference(lambda t: t * 1, lambda t: t * 1, (x,), grad_outputs=grad_outputs)
+        assert report.rows[1].err_fn == 0.0 and report.rows[1].err_eager == 0.0
+
+
 def _times_two_wrong_backward(x):
     return _TimesTwoWrongBackward.apply(x)
 
