@@ -67,7 +67,26 @@ Rounding-error bounds from the op's size (n*eps for a
 sum of n terms) were not used: they need the op's structure, and the
 classical bound is loose by ~sqrt(n) for typical data. float16/bfloat16 rows
 keep the single eager run: there eager's own error is the standard.
+
+float32 quantities of few elements (at most FLOAT32_FEW_ELEMENTS: a scalar loss,
+the gradient of one token or one class): one value is one draw of a handful of
+roundings, for fn as for eager, and their error distributions were measured
+the same (CE with one class over 20,000 rows: median 0.75 vs 0.77 half-ulps,
+99th percentile 6.8 vs 7.5), so a single draw of each failed "2x eager" by
+luck in 0.5-1% of seeds. For these rows fn also runs on the perturbed inputs,
+FLOAT32_FEW_ELEMENTS_RUNS runs in all, each input moved by 1 to
+FLOAT32_FEW_ELEMENTS_ULPS ulps (one ulp gives one logit only two neighbours,
+so the reruns repeated the same rounding pattern), and the rule compares
+worst with worst over the same inputs::
+
+    err(fn) = max over the runs of fn's error, err(eager) = max over the same runs
+
+A systematic error shows in every run of fn, so it still fails
+(tests/test_testing.py: a scalar off by 16 float32 ulps). Measured on
+cross_entropy with one class, float32, combined options, both backends:
+11 of 720 runs failed with the previous rule, 0 of 720 with this one.
 """
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +96,13 @@ __all__ = ["check_against_reference", "CheckReport", "CheckRow", "FLOAT32_EAGER_
 # Eager float32 runs whose largest error is the float32 rows' err(eager): the given
 # inputs and FLOAT32_EAGER_RUNS - 1 one-ulp perturbations (module docstring).
 FLOAT32_EAGER_RUNS = 4
+# float32 quantities this small are one or a few draws of rounding error: fn runs on the
+# same perturbed inputs as eager, and the rule compares fn's worst with eager's worst.
+FLOAT32_FEW_ELEMENTS = 16
+FLOAT32_FEW_ELEMENTS_RUNS = 8
+# ... and their perturbations move each input by up to this many ulps: one logit moved by one
+# ulp has only two neighbours, so one-ulp reruns repeat the same few rounding patterns.
+FLOAT32_FEW_ELEMENTS_ULPS = 64
 
 
 @dataclass
@@ -92,6 +118,7 @@ class CheckRow:
     scale: float  # max |float64 reference|
     problem: str = ""  # set when the comparison could not be made (non-finite, shape, ...)
     eager_errors: tuple = ()  # float32: err(eager) of each eager run, the given inputs first
+    fn_errors: tuple = ()  # float32 quantities of few elements: err(fn) on the same inputs as eager_errors
 
     @property
     def bound(self):
@@ -126,8 +153,10 @@ class CheckReport:
         lines.append("rule: err = max|x - float64 reference|; pass if err(fn) <= 2*err(eager) + floor, "
                      "floor = eps(dtype)/2 * max|float64 reference|")
         if any(row.eager_errors for row in self.rows):
-            lines.append(f"float32 rows: err(eager) is the largest over {FLOAT32_EAGER_RUNS} eager runs "
-                         "(the given inputs and one-ulp perturbations of them)")
+            runs = max(len(row.eager_errors) for row in self.rows)
+            lines.append(f"float32 rows: err(eager) is the largest over {runs} eager runs (the given inputs and "
+                         f"one-ulp perturbations of them); rows of <= {FLOAT32_FEW_ELEMENTS} elements: err(fn) "
+                         "is fn's largest over the same inputs")
         return "\n".join(lines)
 
 
@@ -193,54 +222,64 @@ def _compare(quantity, fn_value, eager_value, reference):
     return row
 
 
-def _perturbed_by_one_ulp(inputs):
-    """Copies of the inputs with every nonzero finite float element moved one ulp up or down at random."""
+def _perturbed(inputs, ulps=1):
+    """Copies of the inputs with every nonzero finite float element moved up or down at random by
+    1 to ``ulps`` units in the last place."""
     perturbed = []
     for value in inputs:
         if not _is_float(value):
             perturbed.append(value)
             continue
         data = value.detach()
-        upward = torch.rand(data.shape, device=data.device) < 0.5
-        direction = torch.where(upward, torch.inf, -torch.inf).to(data.dtype)
-        moved = torch.nextafter(data, direction)
+        spacing = torch.nextafter(data, torch.full_like(data, torch.inf)) - data
+        steps = torch.randint(1, ulps + 1, data.shape, device=data.device).to(data.dtype)
+        sign = torch.where(torch.rand(data.shape, device=data.device) < 0.5, 1.0, -1.0).to(data.dtype)
+        moved = data + sign * steps * spacing
         keep = (data == 0) | ~torch.isfinite(data)  # zeros and infinities keep their meaning
         perturbed.append(torch.where(keep, data, moved).requires_grad_(value.requires_grad))
     return perturbed
 
 
-def _eager_and_reference(reference, inputs, kwargs, grads64, differentiable):
-    """{quantity: (eager value, float64 value)} of the reference run on ``inputs`` in their precision and in float64."""
-    values = {}
-    for to_float64 in (False, True):
-        run_inputs = _prepare(inputs, to_float64)
-        outputs = _as_tuple(reference(*run_inputs, **kwargs), "reference")
-        quantities = {f"output[{index}]": output for index, output in enumerate(outputs)}
-        if grads64 is not None:
-            gradients = _input_grads(outputs, run_inputs, grads64, "reference")
-            for input_index, gradient in zip(differentiable, gradients):
-                quantities[f"grad inputs[{input_index}]"] = \
-                    torch.zeros_like(run_inputs[input_index]) if gradient is None else gradient
-        for quantity, value in quantities.items():
-            values.setdefault(quantity, []).append(value)
-    return values
+def _quantities(function, inputs, kwargs, grads64, differentiable, who, to_float64=False):
+    """{quantity: value}: the outputs of ``function`` on fresh copies of ``inputs`` and, with
+    ``grads64``, the gradients of the differentiable inputs."""
+    run_inputs = _prepare(inputs, to_float64)
+    outputs = _as_tuple(function(*run_inputs, **kwargs), who)
+    quantities = {f"output[{index}]": output for index, output in enumerate(outputs)}
+    if grads64 is not None:
+        for input_index, gradient in zip(differentiable, _input_grads(outputs, run_inputs, grads64, who)):
+            quantities[f"grad inputs[{input_index}]"] = \
+                torch.zeros_like(run_inputs[input_index]) if gradient is None else gradient
+    return quantities
 
 
-def _widen_float32_eager_errors(report, reference, inputs, kwargs, grads64, differentiable):
-    """Float32 rows: err(eager) becomes the largest over the given run and perturbed reruns."""
+def _widen_float32_errors(report, fn, reference, inputs, kwargs, grads64, differentiable):
+    """Float32 rows: err(eager) becomes the largest over the given run and perturbed reruns; rows of
+    at most FLOAT32_FEW_ELEMENTS elements also take err(fn) as fn's largest over the same inputs."""
     float32_rows = [row for row in report.rows if row.dtype == torch.float32 and not row.problem]
+    few_rows = [row for row in float32_rows if math.prod(row.shape) <= FLOAT32_FEW_ELEMENTS]
     for row in float32_rows:
         row.eager_errors = (row.err_eager,)
-    for _ in range(FLOAT32_EAGER_RUNS - 1 if float32_rows else 0):
-        values = _eager_and_reference(reference, _perturbed_by_one_ulp(inputs), kwargs, grads64, differentiable)
+    for row in few_rows:
+        row.fn_errors = (row.err_fn,)
+    reruns = (FLOAT32_FEW_ELEMENTS_RUNS if few_rows else FLOAT32_EAGER_RUNS) if float32_rows else 1
+    for _ in range(reruns - 1):
+        perturbed = _perturbed(inputs, FLOAT32_FEW_ELEMENTS_ULPS if few_rows else 1)
+        eager = _quantities(reference, perturbed, kwargs, grads64, differentiable, "reference")
+        truth = _quantities(reference, perturbed, kwargs, grads64, differentiable, "reference", to_float64=True)
+        ours = _quantities(fn, perturbed, kwargs, grads64, differentiable, "fn") if few_rows else {}
         for row in float32_rows:
-            eager, ref = values[row.quantity]
-            error = _max_abs_diff(eager, ref)
+            error = _max_abs_diff(eager[row.quantity], truth[row.quantity])
             # A rerun that leaves the op's domain (overflow, a log of a now-negative value) says nothing of rounding.
-            if error < float("inf"):
-                row.eager_errors += (error,)
+            if error == float("inf"):
+                continue
+            row.eager_errors += (error,)
+            if row.fn_errors:
+                row.fn_errors += (_max_abs_diff(ours[row.quantity], truth[row.quantity]),)
     for row in float32_rows:
         row.err_eager = max(row.eager_errors)
+    for row in few_rows:
+        row.err_fn = max(row.fn_errors)
 
 
 def _grad_outputs_float64(grad_outputs, reference_outputs, eager_outputs):
@@ -354,7 +393,7 @@ def check_against_reference(fn, reference, inputs, *, kwargs=None, grad=True, na
             # fn leaving an input's gradient undefined is only right where the reference's is zero.
             fn_grad = torch.zeros_like(fn_leaf) if fn_grad is None else fn_grad
             report.rows.append(_compare(f"grad inputs[{input_index}]", fn_grad, eager_grad, ref_grad))
-    _widen_float32_eager_errors(report, reference, inputs, kwargs, grads64, differentiable)
+    _widen_float32_errors(report, fn, reference, inputs, kwargs, grads64, differentiable)
 
     if not report.passed:
         raise AssertionError(str(report))

@@ -63,18 +63,7 @@ def run_check(dtype, n_rows, n_classes, reduction, option_name, logit_scale=3.0)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_rows,n_classes", [(1, 1), (4, 1), (64, 257), (33, 16)])
-def test_matches_float64(request, backend, dtype, n_rows, n_classes, reduction, option_name):
-    if n_classes == 1 and option_name == "combined" and dtype == torch.float32:
-        # With one class the loss is z * y^2, y = c * tanh(x / c), and the gradient 2z * y * (1 - tanh^2):
-        # one value per row through ~5 float32 roundings, in fn and eager alike (over 20000 rows their
-        # error quantiles match: median 0.75, 99% 7 half-ulps on the gradient). On one or four values a
-        # single draw of each decides, and the float32 rule's perturbed reruns cannot widen eager's
-        # sample: one logit and one class weight give 4 distinct inputs. The Triton kernel's tanh (no
-        # libdevice in the interpreter) is also 1.5 ulp at worst against torch's 0.57. Measured
-        # (200 seeds x 12 cases, both backends): 17 of 2400 runs failed, 14 with the output gradient
-        # rounded in the float64 run too; float16/bfloat16 run strict.
-        request.applymarker(pytest.mark.xfail(strict=False, reason="one value, fn and eager equally accurate: "
-                                                              "eager's lucky draw fails ~0.6% of runs"))
+def test_matches_float64(backend, dtype, n_rows, n_classes, reduction, option_name):
     run_check(dtype, n_rows, n_classes, reduction, option_name)
 
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from memkernels.testing import FLOAT32_EAGER_RUNS, _perturbed_by_one_ulp, check_against_reference
+from memkernels.testing import (FLOAT32_EAGER_RUNS, FLOAT32_FEW_ELEMENTS, FLOAT32_FEW_ELEMENTS_RUNS, _perturbed,
+                                check_against_reference)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -106,15 +107,43 @@ def test_low_precision_keeps_the_single_eager_run(dtype):
     assert all(row.eager_errors == () for row in report.rows)
 
 
-def test_perturbation_moves_each_nonzero_finite_element_one_ulp():
-    x = torch.tensor([0.0, -0.0, 1.0, -3.5, 1e-30, float("inf"), float("-inf")], requires_grad=True)
+@pytest.mark.parametrize("ulps", [1, 64])
+def test_perturbation_moves_each_nonzero_finite_element_by_one_to_ulps_ulps(ulps):
+    x = torch.tensor([0.0, -0.0, 1.0, -3.5, 1e-30, float("inf"), float("-inf")] * 20, requires_grad=True)
     index = torch.tensor([1, 2])
-    moved, same_index, scale = _perturbed_by_one_ulp((x, index, 0.5))
+    moved, same_index, scale = _perturbed((x, index, 0.5), ulps)
     assert same_index is index and scale == 0.5 and moved.requires_grad
-    up, down = torch.nextafter(x, torch.tensor(float("inf"))), torch.nextafter(x, torch.tensor(float("-inf")))
-    changed = (moved == up) | (moved == down)
-    assert changed[2:5].all() and (moved[2:5] != x[2:5]).all()
-    assert torch.equal(moved[[0, 1, 5, 6]], x.detach()[[0, 1, 5, 6]])
+    finite = torch.isfinite(x) & (x != 0)
+    spacing = (torch.nextafter(x, torch.tensor(float("inf"))) - x).detach()
+    steps = ((moved - x) / spacing).detach()[finite]
+    assert torch.equal(steps, steps.round()) and (steps.abs() >= 1).all() and (steps.abs() <= ulps).all()
+    assert (steps > 0).any() and (steps < 0).any()
+    assert torch.equal(moved[~finite], x.detach()[~finite])
+
+
+def test_few_element_float32_rows_compare_fn_and_eager_worst_over_the_same_inputs():
+    x = torch.randn(3, 4, requires_grad=True)  # 12 elements: every row of this check is "few"
+    weight = torch.randn(4, requires_grad=True)
+    report = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, (x, weight, 1e-6))
+    for row in report.rows:
+        assert len(row.eager_errors) == len(row.fn_errors) == FLOAT32_FEW_ELEMENTS_RUNS
+        assert row.err_fn == max(row.fn_errors) and row.err_eager == max(row.eager_errors)
+    many = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, rms_norm_inputs(torch.float32))
+    assert all(row.fn_errors == () for row in many.rows)  # > FLOAT32_FEW_ELEMENTS elements: the plain rule
+    assert 3 * 4 <= FLOAT32_FEW_ELEMENTS < 37 * 129
+
+
+def test_few_element_rule_still_catches_a_systematic_float32_error():
+    """A scalar off by 16 float32 ulps (relative 2e-6) fails: fn's worst over the reruns is at least
+    its systematic error, while eager's worst stays a few roundings."""
+    x = torch.randn(7, 5, requires_grad=True)
+
+    def mean_square(t):
+        return t.pow(2).mean()
+
+    with pytest.raises(AssertionError, match=r"output\[0\].*FAIL"):
+        check_against_reference(lambda t: mean_square(t) * (1 + 16 * torch.finfo(torch.float32).eps),
+                                mean_square, (x,), grad=False)
 
 
 def test_tuple_outputs_integer_and_python_inputs_pass_through():

@@ -554,7 +554,8 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss, grad_z_loss):
         (grad,) = ctx.saved_tensors  # a second backward fails here: the in-place rescale bumped its version
         scale = grad_loss.reshape(-1, 1) if ctx.reduction == "none" else grad_loss
-        return grad.mul_(scale.to(grad.dtype)), None, None, None, None
+        # float32 scale: the product is taken in float32 and rounded once to the gradient's dtype.
+        return grad.mul_(scale.float()), None, None, None, None
 
 
 def _check_inplace_allowed(logits):

@@ -397,7 +397,8 @@ def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
     needs_hidden, needs_weight, needs_bias = ctx.needs
     scale = grad_loss.float()
     # In place: these buffers exist only for this backward (a second backward trips the version check).
-    grad_hidden = grad_hidden.mul_(scale.to(grad_hidden.dtype)) if needs_hidden else None
+    # A float32 0-d scale: the product is taken in float32 and rounded once to dX's dtype.
+    grad_hidden = grad_hidden.mul_(scale) if needs_hidden else None
     grad_weight = _finish_weight_grad(grad_weight_high, grad_weight_low, scale, weight_dtype) if needs_weight else None
     grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
