@@ -68,21 +68,22 @@ sum of n terms) were not used: they need the op's structure, and the
 classical bound is loose by ~sqrt(n) for typical data. float16/bfloat16 rows
 keep the single eager run: there eager's own error is the standard.
 
-float32 quantities of few elements (at most FLOAT32_FEW_ELEMENTS: a scalar loss,
-the gradient of one token or one class): one value is one draw of a handful of
-roundings, for fn as for eager, and their error distributions were measured
-the same (CE with one class over 20,000 rows: median 0.75 vs 0.77 half-ulps,
-99th percentile 6.8 vs 7.5), so a single draw of each failed "2x eager" by
-luck in 0.5-1% of seeds. For these rows fn also runs on the perturbed inputs,
-FLOAT32_FEW_ELEMENTS_RUNS runs in all, each input moved by 1 to
-FLOAT32_FEW_ELEMENTS_ULPS ulps (one ulp gives one logit only two neighbours,
-so the reruns repeated the same rounding pattern), and the rule compares
-worst with worst over the same inputs::
+Quantities of few elements (at most FEW_ELEMENTS: a scalar loss, the gradient
+of one token, one class or one bias), in every dtype: one value is one draw of
+a handful of roundings, for fn as for eager, and their error distributions
+were measured the same (CE with one class, float32, over 20,000 rows: median
+0.75 vs 0.77 half-ulps, 99th percentile 6.8 vs 7.5), so a single draw of each
+failed "2x eager" by luck in 0.5-1% of seeds; a sum that cancels (a bias
+gradient 10x smaller than its terms) is one such value too. For these rows
+fn also runs on the perturbed inputs, FEW_ELEMENTS_RUNS runs in all, float32
+inputs moved by 1 to FEW_ELEMENTS_ULPS ulps (one ulp gives one logit only two
+neighbours, so the reruns repeated the same rounding pattern), half inputs by
+one ulp, and the rule compares worst with worst over the same inputs::
 
     err(fn) = max over the runs of fn's error, err(eager) = max over the same runs
 
 A systematic error shows in every run of fn, so it still fails
-(tests/test_testing.py: a scalar off by 16 float32 ulps). Measured on
+(tests/test_testing.py: a scalar off by 16 float32 ulps, or 3 half ulps). Measured on
 cross_entropy with one class, float32, combined options, both backends:
 11 of 720 runs failed with the previous rule, 0 of 720 with this one.
 """
@@ -98,11 +99,11 @@ __all__ = ["check_against_reference", "CheckReport", "CheckRow", "FLOAT32_EAGER_
 FLOAT32_EAGER_RUNS = 4
 # float32 quantities this small are one or a few draws of rounding error: fn runs on the
 # same perturbed inputs as eager, and the rule compares fn's worst with eager's worst.
-FLOAT32_FEW_ELEMENTS = 16
-FLOAT32_FEW_ELEMENTS_RUNS = 8
+FEW_ELEMENTS = 16
+FEW_ELEMENTS_RUNS = 8
 # ... and their perturbations move each input by up to this many ulps: one logit moved by one
 # ulp has only two neighbours, so one-ulp reruns repeat the same few rounding patterns.
-FLOAT32_FEW_ELEMENTS_ULPS = 64
+FEW_ELEMENTS_ULPS = 64
 
 
 @dataclass
@@ -155,7 +156,7 @@ class CheckReport:
         if any(row.eager_errors for row in self.rows):
             runs = max(len(row.eager_errors) for row in self.rows)
             lines.append(f"float32 rows: err(eager) is the largest over {runs} eager runs (the given inputs and "
-                         f"one-ulp perturbations of them); rows of <= {FLOAT32_FEW_ELEMENTS} elements: err(fn) "
+                         f"one-ulp perturbations of them); rows of <= {FEW_ELEMENTS} elements: err(fn) "
                          "is fn's largest over the same inputs")
         return "\n".join(lines)
 
@@ -224,7 +225,8 @@ def _compare(quantity, fn_value, eager_value, reference):
 
 def _perturbed(inputs, ulps=1):
     """Copies of the inputs with every nonzero finite float element moved up or down at random by
-    1 to ``ulps`` units in the last place."""
+    1 to ``ulps`` units in the last place (float32/float64 inputs; half inputs move by one ulp,
+    already thousands of float32 ulps)."""
     perturbed = []
     for value in inputs:
         if not _is_float(value):
@@ -232,7 +234,8 @@ def _perturbed(inputs, ulps=1):
             continue
         data = value.detach()
         spacing = torch.nextafter(data, torch.full_like(data, torch.inf)) - data
-        steps = torch.randint(1, ulps + 1, data.shape, device=data.device).to(data.dtype)
+        limit = ulps if torch.finfo(data.dtype).bits >= 32 else 1
+        steps = torch.randint(1, limit + 1, data.shape, device=data.device).to(data.dtype)
         sign = torch.where(torch.rand(data.shape, device=data.device) < 0.5, 1.0, -1.0).to(data.dtype)
         moved = data + sign * steps * spacing
         keep = (data == 0) | ~torch.isfinite(data)  # zeros and infinities keep their meaning
@@ -253,22 +256,24 @@ def _quantities(function, inputs, kwargs, grads64, differentiable, who, to_float
     return quantities
 
 
-def _widen_float32_errors(report, fn, reference, inputs, kwargs, grads64, differentiable):
-    """Float32 rows: err(eager) becomes the largest over the given run and perturbed reruns; rows of
-    at most FLOAT32_FEW_ELEMENTS elements also take err(fn) as fn's largest over the same inputs."""
-    float32_rows = [row for row in report.rows if row.dtype == torch.float32 and not row.problem]
-    few_rows = [row for row in float32_rows if math.prod(row.shape) <= FLOAT32_FEW_ELEMENTS]
-    for row in float32_rows:
+def _widen_errors(report, fn, reference, inputs, kwargs, grads64, differentiable):
+    """float32 rows: err(eager) becomes the largest over the given run and perturbed reruns. Rows of
+    at most FEW_ELEMENTS elements, any dtype: err(eager) and err(fn) become their largest over the
+    same FEW_ELEMENTS_RUNS inputs."""
+    valid = [row for row in report.rows if not row.problem]
+    few_rows = [row for row in valid if math.prod(row.shape) <= FEW_ELEMENTS]
+    widened = [row for row in valid if row.dtype == torch.float32 or row in few_rows]
+    for row in widened:
         row.eager_errors = (row.err_eager,)
     for row in few_rows:
         row.fn_errors = (row.err_fn,)
-    reruns = (FLOAT32_FEW_ELEMENTS_RUNS if few_rows else FLOAT32_EAGER_RUNS) if float32_rows else 1
+    reruns = FEW_ELEMENTS_RUNS if few_rows else FLOAT32_EAGER_RUNS if widened else 1
     for _ in range(reruns - 1):
-        perturbed = _perturbed(inputs, FLOAT32_FEW_ELEMENTS_ULPS if few_rows else 1)
+        perturbed = _perturbed(inputs, FEW_ELEMENTS_ULPS if few_rows else 1)
         eager = _quantities(reference, perturbed, kwargs, grads64, differentiable, "reference")
         truth = _quantities(reference, perturbed, kwargs, grads64, differentiable, "reference", to_float64=True)
         ours = _quantities(fn, perturbed, kwargs, grads64, differentiable, "fn") if few_rows else {}
-        for row in float32_rows:
+        for row in widened:
             error = _max_abs_diff(eager[row.quantity], truth[row.quantity])
             # A rerun that leaves the op's domain (overflow, a log of a now-negative value) says nothing of rounding.
             if error == float("inf"):
@@ -276,7 +281,7 @@ def _widen_float32_errors(report, fn, reference, inputs, kwargs, grads64, differ
             row.eager_errors += (error,)
             if row.fn_errors:
                 row.fn_errors += (_max_abs_diff(ours[row.quantity], truth[row.quantity]),)
-    for row in float32_rows:
+    for row in widened:
         row.err_eager = max(row.eager_errors)
     for row in few_rows:
         row.err_fn = max(row.fn_errors)
@@ -393,7 +398,7 @@ def check_against_reference(fn, reference, inputs, *, kwargs=None, grad=True, na
             # fn leaving an input's gradient undefined is only right where the reference's is zero.
             fn_grad = torch.zeros_like(fn_leaf) if fn_grad is None else fn_grad
             report.rows.append(_compare(f"grad inputs[{input_index}]", fn_grad, eager_grad, ref_grad))
-    _widen_float32_errors(report, fn, reference, inputs, kwargs, grads64, differentiable)
+    _widen_errors(report, fn, reference, inputs, kwargs, grads64, differentiable)
 
     if not report.passed:
         raise AssertionError(str(report))

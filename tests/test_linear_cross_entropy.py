@@ -75,14 +75,7 @@ CASES = [("chunked", r) for r in ("mean", "sum")] + [("recompute", r) for r in (
 @pytest.mark.parametrize("strategy,reduction", CASES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n_tokens,hidden_size,n_classes", [(6, 8, 1), (1, 16, 41), (24, 8, 300)])
-def test_matches_float64(request, backend, dtype, n_tokens, hidden_size, n_classes, strategy, reduction,
-                         option_name):
-    if option_name == "combined" and n_classes == 1 and dtype == torch.float16 and reduction == "sum":
-        # Not diagnosed: at 1 of 25 seeds (the same seed for both strategies and backends) the bias
-        # gradient (one value, float16) was 3.7 ulp off against eager's 0.26. Measured over 25 seeds
-        # x 60 cases (one token or one class, all dtypes, both backends): 4 of 1500 runs failed, all
-        # this case; float32 0 of 500 under memkernels.testing's few-element rule (11 before it).
-        request.applymarker(pytest.mark.xfail(strict=False, reason="float16 one-class bias gradient: 1 seed in 25"))
+def test_matches_float64(backend, dtype, n_tokens, hidden_size, n_classes, strategy, reduction, option_name):
     # chunk_size=5 tokens: several chunks, the last one partial.
     run_check(dtype, n_tokens, hidden_size, n_classes, reduction, strategy, option_name, chunk_size=5)
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from memkernels.testing import (FLOAT32_EAGER_RUNS, FLOAT32_FEW_ELEMENTS, FLOAT32_FEW_ELEMENTS_RUNS, _perturbed,
+from memkernels.testing import (FLOAT32_EAGER_RUNS, FEW_ELEMENTS, FEW_ELEMENTS_RUNS, _perturbed,
                                 check_against_reference)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -126,24 +126,27 @@ def test_few_element_float32_rows_compare_fn_and_eager_worst_over_the_same_input
     weight = torch.randn(4, requires_grad=True)
     report = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, (x, weight, 1e-6))
     for row in report.rows:
-        assert len(row.eager_errors) == len(row.fn_errors) == FLOAT32_FEW_ELEMENTS_RUNS
+        assert len(row.eager_errors) == len(row.fn_errors) == FEW_ELEMENTS_RUNS
         assert row.err_fn == max(row.fn_errors) and row.err_eager == max(row.eager_errors)
     many = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, rms_norm_inputs(torch.float32))
-    assert all(row.fn_errors == () for row in many.rows)  # > FLOAT32_FEW_ELEMENTS elements: the plain rule
-    assert 3 * 4 <= FLOAT32_FEW_ELEMENTS < 37 * 129
+    assert all(row.fn_errors == () for row in many.rows)  # > FEW_ELEMENTS elements: the plain rule
+    assert 3 * 4 <= FEW_ELEMENTS < 37 * 129
 
 
-def test_few_element_rule_still_catches_a_systematic_float32_error():
-    """A scalar off by 16 float32 ulps (relative 2e-6) fails: fn's worst over the reruns is at least
-    its systematic error, while eager's worst stays a few roundings."""
-    x = torch.randn(7, 5, requires_grad=True)
+@pytest.mark.parametrize("dtype,ulps", [(torch.float32, 16), (torch.float16, 3), (torch.bfloat16, 3)])
+def test_few_element_rule_still_catches_a_systematic_error(dtype, ulps):
+    """A scalar off by a few ulps fails: fn's worst over the reruns is at least its systematic error,
+    while eager's worst stays a few roundings (eager computes this sum in float32 inside)."""
+    x = torch.randn(7, 5).to(dtype).requires_grad_()
 
     def mean_square(t):
         return t.pow(2).mean()
 
+    def off(t):
+        return (mean_square(t).double() * (1 + ulps * torch.finfo(dtype).eps)).to(dtype)
+
     with pytest.raises(AssertionError, match=r"output\[0\].*FAIL"):
-        check_against_reference(lambda t: mean_square(t) * (1 + 16 * torch.finfo(torch.float32).eps),
-                                mean_square, (x,), grad=False)
+        check_against_reference(off, mean_square, (x,), grad=False)
 
 
 def test_tuple_outputs_integer_and_python_inputs_pass_through():
