@@ -36,10 +36,17 @@ Under ``torch.no_grad()`` (or when nothing requires grad) only the loss is
 computed: chunked logits, no gradient buffers.
 
 Chunk size: by default a logits chunk (with its float32 working copy for half
-inputs) is bounded by :data:`DEFAULT_CHUNK_BYTES`; ``chunk_size`` (tokens per
-chunk) overrides it, and the recompute backward uses vocabulary tiles with the
-same number of elements. Results are deterministic: reductions are GEMMs and
-ordered sums, no atomics.
+inputs) is bounded by a transient budget. For ``"recompute"`` (and loss-only
+calls) it is :data:`DEFAULT_CHUNK_BYTES`, and the recompute backward uses
+vocabulary tiles with the same number of elements. For ``"chunked"`` it is the
+larger of :data:`DEFAULT_CHUNK_BYTES` and :data:`CHUNKED_TRANSIENT_FRACTION` of
+what the strategy holds anyway (dX plus the float32 dW): every chunk reads and
+writes all of dW, so at a large V x H fixed 16 MiB chunks would mean hundreds of
+passes over gigabytes (Llama-3-8B's head, 8192 tokens, bfloat16: 390 passes over
+2 GiB, against 24 with the fraction). The bfloat16 split accumulator's scratch
+block is a quarter of that budget. ``chunk_size`` (tokens per chunk) overrides
+the chunk. Results are deterministic: reductions are GEMMs and ordered sums, no
+atomics.
 """
 import sys
 from typing import Optional
@@ -108,16 +115,25 @@ STRATEGIES = ("auto", "chunked", "recompute")
 # Budget for the transient logits chunk and its float32 gradient (half inputs): 16 MiB. It favours
 # memory; on a GPU, larger chunks (chunk_size=1024 or more tokens) make better GEMMs.
 DEFAULT_CHUNK_BYTES = 16 * 2**20
+# "chunked" may spend this fraction of what it holds anyway (dX + float32 dW) on one chunk: each
+# chunk is a full read-modify-write pass over dW, so the chunk count must stay small at large V x H.
+CHUNKED_TRANSIENT_FRACTION = 1 / 8
 _OP = "linear_cross_entropy"
 
 
-def _chunk_elements(dtype, chunk_size, n_classes):
-    """Elements per logits chunk: chunk_size tokens, or as many as fit the byte budget."""
+def _chunked_budget(hidden, weight):
+    """Transient bytes of one "chunked" step: DEFAULT_CHUNK_BYTES, or more when dX + dW are large."""
+    held = hidden.numel() * hidden.element_size() + weight.numel() * 4
+    return max(DEFAULT_CHUNK_BYTES, int(held * CHUNKED_TRANSIENT_FRACTION))
+
+
+def _chunk_elements(dtype, chunk_size, n_classes, budget=DEFAULT_CHUNK_BYTES):
+    """Elements per logits chunk: chunk_size tokens, or as many as fit ``budget`` bytes."""
     if chunk_size is not None:
         return chunk_size * n_classes
     half = dtype != torch.float32
     bytes_per_element = torch.finfo(dtype).bits // 8 + (4 if half else 0)
-    return max(n_classes, DEFAULT_CHUNK_BYTES // bytes_per_element)
+    return max(n_classes, budget // bytes_per_element)
 
 
 def _logits(hidden_rows, weight_rows, bias_rows):
@@ -133,8 +149,8 @@ def _float32(tensor):
 # float32 as two int16 halves in memory order: on a little-endian machine (x86, ARM, CUDA devices)
 # the low half comes first. The high half of a float32 is that float32 truncated to bfloat16.
 _SPLIT_BFLOAT16 = sys.byteorder == "little"
-# Rows of dW combined per float32 scratch block when the accumulator is split: 4 MiB.
-SPLIT_SCRATCH_BYTES = 4 * 2**20
+# The split accumulator's float32 scratch block takes this share of the chunked budget.
+SPLIT_SCRATCH_SHARE = 1 / 4
 
 
 def _weight_grad_accumulator(weight):
@@ -149,8 +165,12 @@ def _weight_grad_accumulator(weight):
     return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device), _empty(weight)
 
 
-def _split_blocks(high):
-    rows = max(1, SPLIT_SCRATCH_BYTES // (4 * max(high.shape[1], 1)))
+def _split_scratch_bytes(budget):
+    return int(budget * SPLIT_SCRATCH_SHARE)
+
+
+def _split_blocks(high, scratch_bytes):
+    rows = max(1, scratch_bytes // (4 * max(high.shape[1], 1)))
     scratch = torch.empty(min(rows, high.shape[0]), high.shape[1], dtype=torch.float32, device=high.device)
     for start in range(0, high.shape[0], rows):
         end = min(start + rows, high.shape[0])
@@ -172,7 +192,7 @@ def _split(value, high, low):
     high.view(torch.int16).copy_(halves[:, 1::2])
 
 
-def _accumulate_weight_grad(high, low, grad_chunk, hidden32, backend):
+def _accumulate_weight_grad(high, low, grad_chunk, hidden32, backend, scratch_bytes):
     """(high, low) += grad_chunk.T @ hidden32, in float32. grad_chunk (R, V), hidden32 (R, H) float32.
 
     Split accumulator, per block of dW rows: Triton: the GEMM writes a float32 scratch block and one
@@ -182,7 +202,7 @@ def _accumulate_weight_grad(high, low, grad_chunk, hidden32, backend):
     if low.numel() == 0:
         high.addmm_(grad_chunk.t(), hidden32)
         return
-    for start, end, scratch in _split_blocks(high):
+    for start, end, scratch in _split_blocks(high, scratch_bytes):
         if backend == "triton":
             torch.mm(grad_chunk[:, start:end].t(), hidden32, out=scratch)
             _add_to_split_float32_triton(high[start:end], low[start:end], scratch)
@@ -192,11 +212,11 @@ def _accumulate_weight_grad(high, low, grad_chunk, hidden32, backend):
             _split(accumulator, high[start:end], low[start:end])
 
 
-def _finish_weight_grad(high, low, scale, dtype):
+def _finish_weight_grad(high, low, scale, dtype, scratch_bytes):
     """dW = round(accumulator * scale) in ``dtype``; a split accumulator is rounded into ``high`` in place."""
     if low.numel() == 0:
         return high.mul_(scale).to(dtype)
-    for start, end, scratch in _split_blocks(high):
+    for start, end, scratch in _split_blocks(high, scratch_bytes):
         high[start:end] = _join(high[start:end], low[start:end], scratch).mul_(scale)  # rounds to nearest even
     return high
 
@@ -211,7 +231,8 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
     loss_rows, _ = row_kernels(hidden, _OP)
     check_targets_if_cpu(backend, target, cfg)
     n_tokens = hidden.shape[0]
-    rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes) // cfg.n_classes)
+    budget = DEFAULT_CHUNK_BYTES if grads is None else _chunked_budget(hidden, weight)
+    rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, budget) // cfg.n_classes)
     denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
     ce = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     z = torch.empty_like(ce) if cfg.z_loss else None
@@ -230,7 +251,8 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
                                                               loss_scale=loss_scale, z_scale=z_scale)
             grad_hidden, grad_weight_halves, grad_bias64 = grads
             if grad_weight_halves is not None:
-                _accumulate_weight_grad(*grad_weight_halves, grad_chunk, _float32(hidden_rows), backend)
+                _accumulate_weight_grad(*grad_weight_halves, grad_chunk, _float32(hidden_rows), backend,
+                                        _split_scratch_bytes(budget))
             if grad_bias64 is not None:
                 grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
@@ -388,6 +410,7 @@ def _chunked_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[2:])
     ctx.dtypes = (inputs[1].dtype, None if inputs[3] is None else inputs[3].dtype)
+    ctx.scratch_bytes = _split_scratch_bytes(_chunked_budget(inputs[0], inputs[1]))
     ctx.needs = inputs[-3:]
 
 
@@ -399,7 +422,8 @@ def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
     # In place: these buffers exist only for this backward (a second backward trips the version check).
     # A float32 0-d scale: the product is taken in float32 and rounded once to dX's dtype.
     grad_hidden = grad_hidden.mul_(scale) if needs_hidden else None
-    grad_weight = _finish_weight_grad(grad_weight_high, grad_weight_low, scale, weight_dtype) if needs_weight else None
+    grad_weight = (_finish_weight_grad(grad_weight_high, grad_weight_low, scale, weight_dtype, ctx.scratch_bytes)
+                   if needs_weight else None)
     grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
 
@@ -457,7 +481,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
         label_smoothing, reduction, softcap, z_loss, return_z_loss: as in
             :func:`memkernels.ops.cross_entropy.cross_entropy`.
         strategy: "auto", "chunked" or "recompute" (see the module docstring).
-        chunk_size: tokens per logits chunk; default: bounded by DEFAULT_CHUNK_BYTES.
+        chunk_size: tokens per logits chunk; default: as many as fit the transient budget (16 MiB;
+            for "chunked" at least 1/8 of dX + float32 dW, see the module docstring).
     Returns:
         float32 loss (shape of ``target`` for reduction "none", else 0-d), or
         ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached).
