@@ -430,23 +430,32 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
 
 
 def _aot_variants():
-    """Launch variants for memkernels.aot: each dtype, both norms, the widest register-resident row
-    (BLOCK = max block, single pass) and looping rows (H > max block), most features on."""
+    """Launch variants for memkernels.aot: the widest register-resident row (BLOCK = max block, single
+    pass) and looping rows (H > max block, e.g. 16384), for every dtype and both norms as drop-ins use
+    them (plain, weights in x's dtype or fp32), and feature-heavy combinations (residual,
+    memory_efficient, casting modes)."""
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    cases = [  # (dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass)
-        (torch.bfloat16, True, 1, True, True, False, False, True),
-        (torch.bfloat16, True, 1, False, True, False, True, True),
-        (torch.bfloat16, False, 2, True, True, True, False, True),
-        (torch.bfloat16, False, 2, True, True, True, True, False),
-        (torch.bfloat16, True, 0, True, True, False, False, False),
-        (torch.float16, False, 2, False, True, True, True, True),
-        (torch.float32, True, 2, True, True, False, False, True),
-        (torch.float32, False, 2, True, True, True, True, False),
+    plain = [  # (dtype, param dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass)
+        (dtype, param_dtype, is_rms, 1 if is_rms else 2, False, True, not is_rms, False, single_pass)
+        for dtype in short for param_dtype in {dtype, torch.float32}
+        for is_rms in (True, False) for single_pass in (True, False)
+    ]
+    features = [
+        (torch.bfloat16, torch.bfloat16, True, 1, True, True, False, False, True),
+        (torch.bfloat16, torch.bfloat16, True, 1, False, True, False, True, True),
+        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, False, True),
+        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, True, False),
+        (torch.bfloat16, torch.bfloat16, True, 0, True, True, False, False, False),
+        (torch.bfloat16, torch.float32, True, 1, True, True, False, True, False),
+        (torch.float16, torch.float16, False, 2, False, True, True, True, True),
+        (torch.float32, torch.float32, True, 2, True, True, False, False, True),
+        (torch.float32, torch.float32, False, 2, True, True, True, True, False),
     ]
     forward, backward = [], []
-    for dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass in cases:
-        t = "*" + short[dtype]
-        label = (f"{short[dtype]}-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
+    for dtype, param_dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass in plain + features:
+        t, p = "*" + short[dtype], "*" + short[param_dtype]
+        label = (f"{short[dtype]}{'' if param_dtype == dtype else '-w' + short[param_dtype]}"
+                 f"-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
                  f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}"
                  f"-{'single' if single_pass else 'loop'}")
         fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
@@ -454,14 +463,14 @@ def _aot_variants():
         common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
                   "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
         forward.append({
-            "signature": {"X": t, "RESIDUAL": t, "RESIDUAL_OUT": t, "W": t, "B": t, "Y": t, "MEAN": "*fp32",
+            "signature": {"X": t, "RESIDUAL": t, "RESIDUAL_OUT": t, "W": p, "B": p, "Y": t, "MEAN": "*fp32",
                           "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "H": "i32", "K": "i32",
                           "eps": "fp32", "offset": "fp32"},
             "constexprs": {**common, "HAS_RESIDUAL": residual, "STORE_MEAN": not is_rms and not memory_efficient,
                            "BLOCK": fwd_block},
             "num_warps": fwd_warps, "num_stages": 1, "label": f"{label}{fwd_block}"})
         backward.append({
-            "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": t, "B": t, "MEAN": "*fp32",
+            "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": p, "B": p, "MEAN": "*fp32",
                           "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
                           "DB_PARTIAL": "*fp32", "M": "i32", "H": "i32", "K": "i32", "eps": "fp32",
                           "offset": "fp32"},
