@@ -97,7 +97,7 @@ __all__ = ["check_against_reference", "CheckReport", "CheckRow", "FLOAT32_EAGER_
 # Eager float32 runs whose largest error is the float32 rows' err(eager): the given
 # inputs and FLOAT32_EAGER_RUNS - 1 one-ulp perturbations (module docstring).
 FLOAT32_EAGER_RUNS = 4
-# float32 quantities this small are one or a few draws of rounding error: fn runs on the
+# Quantities this small (any dtype) are one or a few draws of rounding error: fn runs on the
 # same perturbed inputs as eager, and the rule compares fn's worst with eager's worst.
 FEW_ELEMENTS = 16
 FEW_ELEMENTS_RUNS = 8
@@ -156,8 +156,8 @@ class CheckReport:
         if any(row.eager_errors for row in self.rows):
             runs = max(len(row.eager_errors) for row in self.rows)
             lines.append(f"float32 rows: err(eager) is the largest over {runs} eager runs (the given inputs and "
-                         f"one-ulp perturbations of them); rows of <= {FEW_ELEMENTS} elements: err(fn) "
-                         "is fn's largest over the same inputs")
+                         f"one-ulp perturbations of them); rows of <= {FEW_ELEMENTS} elements, any dtype: err(fn) "
+                         "and err(eager) are their largest over the same perturbed inputs")
         return "\n".join(lines)
 
 

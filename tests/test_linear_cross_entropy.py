@@ -178,7 +178,7 @@ class TestHeldBytes:
         """The split bfloat16 dW accumulator gives the bits of a plain float32 accumulator rounded once,
         and its backward allocates no V x H copy (only one scratch block)."""
         hidden, weight, bias, target = self.inputs(torch.bfloat16)
-        monkeypatch.setattr(lce, "DEFAULT_CHUNK_BYTES", 1)  # the budget is then dX + dW / 8
+        monkeypatch.setattr(lce, "DEFAULT_CHUNK_BYTES", 1)  # the budget is then (dX + fp32 dW) / 8
         block_rows = lce._split_scratch_bytes(lce._chunked_budget(hidden, weight)) // (4 * self.hidden_size)
         assert 1 < block_rows < self.n_classes / 4  # several scratch blocks, the last one partial
         grad_output = torch.rand(())

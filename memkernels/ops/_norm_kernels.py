@@ -437,7 +437,7 @@ def _aot_variants():
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
     plain = [  # (dtype, param dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass)
         (dtype, param_dtype, is_rms, 1 if is_rms else 2, False, True, not is_rms, False, single_pass)
-        for dtype in short for param_dtype in {dtype, torch.float32}
+        for dtype in short for param_dtype in dict.fromkeys((dtype, torch.float32))
         for is_rms in (True, False) for single_pass in (True, False)
     ]
     features = [

@@ -127,7 +127,7 @@ def _chunked_budget(hidden, weight):
     return max(DEFAULT_CHUNK_BYTES, int(held * CHUNKED_TRANSIENT_FRACTION))
 
 
-def _chunk_elements(dtype, chunk_size, n_classes, budget=DEFAULT_CHUNK_BYTES):
+def _chunk_elements(dtype, chunk_size, n_classes, budget):
     """Elements per logits chunk: chunk_size tokens, or as many as fit ``budget`` bytes."""
     if chunk_size is not None:
         return chunk_size * n_classes
@@ -233,6 +233,7 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
     n_tokens = hidden.shape[0]
     budget = DEFAULT_CHUNK_BYTES if grads is None else _chunked_budget(hidden, weight)
     rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, budget) // cfg.n_classes)
+    scratch_bytes = _split_scratch_bytes(budget)
     denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
     ce = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     z = torch.empty_like(ce) if cfg.z_loss else None
@@ -252,7 +253,7 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             grad_hidden, grad_weight_halves, grad_bias64 = grads
             if grad_weight_halves is not None:
                 _accumulate_weight_grad(*grad_weight_halves, grad_chunk, _float32(hidden_rows), backend,
-                                        _split_scratch_bytes(budget))
+                                        scratch_bytes)
             if grad_bias64 is not None:
                 grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
@@ -269,7 +270,8 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
     """Vocabulary-tiled backward from the saved logsumexp; returns (dX, dW, dB), None where not needed."""
     _, grad_rows = row_kernels(hidden, _OP)
     n_tokens = hidden.shape[0]
-    cols_per_tile = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes) // max(n_tokens, 1))
+    cols_per_tile = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, DEFAULT_CHUNK_BYTES)
+                        // max(n_tokens, 1))
     loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
     needs_hidden, needs_weight, needs_bias = needs
     half = hidden.dtype != torch.float32
