@@ -28,6 +28,8 @@ _LAZY = {
     "activation_ledger": "memkernels.profile",
     "memory_summary": "memkernels.profile",
     "evaluate": "memkernels.profile",
+    "MemoryMonitor": "memkernels.tools.monitor",
+    "explain": "memkernels.tools.explain",
 }
 
 

@@ -185,21 +185,40 @@ class PeakBytesMeter:
     frees do not lower the count: ``peak_bytes`` is the most memory the block
     needed on top of what was already allocated. CPU, ``meta`` and any device.
 
-    Attributes (bytes, ints): ``peak_bytes``; ``current_bytes`` (allocated in the
-    block and still alive; while inside the block it is live, after exit it is
-    the value at exit).
+    Attributes (bytes, ints): ``peak_bytes`` and ``current_bytes`` (allocated in
+    the block and still alive); inside the block both are live, after exit they
+    are the values at exit.
     """
 
     def __init__(self):
         self._watch = None
-        self.peak_bytes = 0
+        self._peak_at_exit = 0
         self._current_at_exit = 0
+
+    @property
+    def peak_bytes(self):
+        if self._watch is not None:
+            return self._watch.peak_bytes
+        return self._peak_at_exit
 
     @property
     def current_bytes(self):
         if self._watch is not None:
             return self._watch.live_bytes
         return self._current_at_exit
+
+    def restart_peak(self):
+        """Return the peak so far and start a new one from the live bytes now (inside the block).
+
+        Phases of one region (forward, backward, optimizer) each get their own peak this way;
+        after it, ``peak_bytes`` at exit is the peak since the last restart.
+        """
+        if self._watch is None:
+            raise RuntimeError("PeakBytesMeter.restart_peak() needs the meter's with-block to be active")
+        with self._watch._lock:
+            peak = self._watch.peak_bytes
+            self._watch.peak_bytes = self._watch.live_bytes
+        return peak
 
     def __enter__(self):
         if self._watch is not None:
@@ -212,7 +231,7 @@ class PeakBytesMeter:
         watch, self._watch = self._watch, None
         watch.__exit__(*exc)
         watch.stop()
-        self.peak_bytes = watch.peak_bytes
+        self._peak_at_exit = watch.peak_bytes
         self._current_at_exit = watch.live_bytes
         return False
 
