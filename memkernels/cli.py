@@ -9,6 +9,8 @@
 - ``memkernels replay``: recorded PyTorch memory snapshots replayed through a
   model of PyTorch's allocator and through memkernels' pool
   (:mod:`memkernels.allocator`).
+- ``memkernels explain``: the post-mortem of a recorded snapshot
+  (:mod:`memkernels.tools.explain`).
 
 The logic lives in :mod:`memkernels.profile` and :mod:`memkernels.estimate`;
 this module only parses arguments and prints. Each subcommand registers
@@ -250,7 +252,41 @@ def _add_replay(subparsers):
     parser.set_defaults(run=run)
 
 
-_SUBCOMMANDS = [_add_report, _add_estimate, _add_replay]
+# ----------------------------------------------------------------------------- explain
+
+def _add_explain(subparsers):
+    parser = subparsers.add_parser(
+        "explain",
+        help="post-mortem of a recorded PyTorch memory snapshot: the OOM, who held the memory, would another "
+        "allocator have fit",
+        description="Explain torch.cuda.memory._dump_snapshot pickles, per device: the failing request and the "
+        "free bytes the device reported, reserved vs allocated and the largest free block at the OOM (or the "
+        "peak), the top live allocations by the innermost frame of your code, the trace replayed through "
+        "PyTorch's policy, expandable segments and memkernels' pool on a device of the same size, and the next "
+        "step. Files are loaded as plain data only: a pickle that refers to code is refused.",
+    )
+    parser.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", help="snapshot pickle(s)")
+    parser.add_argument("--device", type=int, default=None, help="explain only this device (default: every device)")
+    parser.add_argument("--top", type=_positive, default=10, help="groups of live allocations to list")
+    parser.add_argument("--capacity", default=None, metavar="SIZE",
+                        help="device memory for the counterfactual, e.g. 80GiB (default: after an OOM, reserved + "
+                        "the free bytes the device reported; without one, unknown)")
+
+    def run(args):
+        from memkernels.tools.explain import explain
+        from memkernels.tools.sizes import parse_size
+
+        capacity = None if args.capacity is None else parse_size(args.capacity, what="--capacity")
+        for i, path in enumerate(args.snapshots):
+            if i:
+                print()
+            print(explain(path, device=args.device, top=args.top, capacity=capacity).text())
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+_SUBCOMMANDS = [_add_report, _add_estimate, _add_replay, _add_explain]
 
 
 def main(argv=None):

@@ -40,6 +40,12 @@ POLICIES = (
     ("memkernels", "memkernels' pool"),
     ("memkernels_expandable", "memkernels' pool, expandable segments"),
 )
+# How to switch to each policy but the first.
+_HOW = {
+    "pytorch_expandable": "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True",
+    "memkernels": "memkernels.allocator.install()",
+    "memkernels_expandable": "memkernels.allocator.install(expandable_segments=True)",
+}
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", "/lib/python3", "\\lib\\python3", "<frozen ")
 _TORCH_MARKERS = ("/torch/", "\\torch\\")
 _SEGMENT_GROWTH = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
@@ -63,8 +69,14 @@ def load_snapshot(path_or_dict):
         snapshot = load_trace(path_or_dict)
     except FileNotFoundError:
         raise
+    except MemoryError:  # a corrupt length field asks for more than any machine has
+        raise ValueError(f"{name}: not a torch.cuda.memory._dump_snapshot pickle (corrupt: it declares more data "
+                         "than fits in memory)") from None
     except pickle.UnpicklingError as error:
-        raise ValueError(f"{name}: refused or corrupt pickle: {_one_line(error)}") from None
+        if "memkernels loads only plain-data" in str(error):  # the data-only unpickler's refusal
+            raise ValueError(f"{name}: refused: {_one_line(error)}") from None
+        raise ValueError(f"{name}: not a torch.cuda.memory._dump_snapshot pickle (corrupt: {_one_line(error)})") \
+            from None
     except (EOFError, ValueError, TypeError, IndexError, KeyError, AttributeError, UnicodeDecodeError,
             OverflowError) as error:
         raise ValueError(f"{name}: not a torch.cuda.memory._dump_snapshot pickle ({_one_line(error)})") from None
@@ -379,11 +391,10 @@ def _next_step(d):
     framed = [row["frame"] for row in d["top"] if not row["frame"].startswith("<")]
     top = framed[0] if framed else "the largest live allocations"
     counter = d["counterfactual"]
-    fitting = [label for policy, label in POLICIES[1:] if counter[policy]["fits"]]
+    fitting = [f"{label} ({_HOW[policy]})" for policy, label in POLICIES[1:] if counter[policy]["fits"]]
     if d["verdict"] == "fragmentation":
         if fitting:
-            return (f"the memory was there but in pieces; switch the allocator: {fitting[0]} fits this trace "
-                    "(PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, or memkernels.allocator.install())")
+            return f"the memory was there but in pieces; switch the allocator: {fitting[0]} fits this trace"
         return ("the memory was there but in pieces; free cached segments between phases "
                 "(torch.cuda.empty_cache()) or try expandable segments / memkernels' pool")
     if d["oom"] and fitting:
