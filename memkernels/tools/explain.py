@@ -312,8 +312,9 @@ class Explanation:
     is the final state's, the trace cannot say how it changed); ``peak_live_bytes``;
     ``top`` (list of ``{"frame", "bytes", "count", "largest"}``, largest first);
     ``capacity`` (bytes the replays ran with, or None) and ``capacity_source``;
-    ``counterfactual`` (see :func:`counterfactuals`); ``verdict`` (``"fragmentation"`` or
-    ``"demand"``) and ``next_step`` (a sentence).
+    ``counterfactual`` (see :func:`counterfactuals`); ``verdict`` (``"fragmentation"``,
+    ``"demand"``, or ``"device refused"`` when the device reported enough free bytes for the
+    request) and ``next_step`` (a sentence).
     """
 
     def __init__(self, name, devices):
@@ -392,6 +393,10 @@ def _next_step(d):
     top = framed[0] if framed else "the largest live allocations"
     counter = d["counterfactual"]
     fitting = [f"{label} ({_HOW[policy]})" for policy, label in POLICIES[1:] if counter[policy]["fits"]]
+    if d["verdict"] == "device refused":
+        return ("the device reported enough free memory for the request, so neither the cache nor the program's "
+                "demand explains it: look for a memory cap (torch.cuda.set_per_process_memory_fraction, "
+                "memkernels' memory_cap), another process on the GPU (nvidia-smi), or an injected fault")
     if d["verdict"] == "fragmentation":
         if fitting:
             return f"the memory was there but in pieces; switch the allocator: {fitting[0]} fits this trace"
@@ -421,7 +426,8 @@ def _explain_device(snapshot, device, top, capacity):
     fragmentation = 1 - rounded_allocated / reserved if reserved else None
     groups = {}
     for allocation in live.values():
-        frame = user_frame(allocation.frames) if allocation.frames else f"<{allocation.origin}, no frames>"
+        frame = user_frame(allocation.frames) if allocation.frames or allocation.origin == "trace" \
+            else f"<{allocation.origin}, no frames>"
         group = groups.setdefault(frame, {"frame": frame, "bytes": 0, "count": 0, "largest": 0})
         group["bytes"] += allocation.size
         group["count"] += 1
@@ -447,12 +453,15 @@ def _explain_device(snapshot, device, top, capacity):
         "capacity": capacity, "capacity_source": capacity_source,
         "counterfactual": counterfactuals(replay, capacity),
     }
-    if oom is not None and reserved is not None:
+    if oom is not None and oom["size"] <= oom["device_free"]:
+        verdict = "device refused"  # it said it had the bytes: a cap, another process, or a fault
+    elif oom is not None and reserved is not None:
         # The request fit in what the cache held unused plus what the device had left: fragmentation.
         in_pieces = oom["size"] <= (reserved - rounded_allocated) + oom["device_free"]
+        verdict = "fragmentation" if in_pieces else "demand"
     else:
-        in_pieces = fragmentation is not None and fragmentation > FRAGMENTATION_THRESHOLD
-    result["verdict"] = "fragmentation" if in_pieces else "demand"
+        verdict = "fragmentation" if fragmentation is not None and fragmentation > FRAGMENTATION_THRESHOLD else "demand"
+    result["verdict"] = verdict
     result["next_step"] = _next_step(result)
     return result
 

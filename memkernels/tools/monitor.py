@@ -435,6 +435,7 @@ class MemoryMonitor:
         }
         for phase in PHASES:
             row[f"peak_{phase}_bytes"] = self._phase_peaks.get(phase)
+        row = {column: row[column] for column in COLUMNS}
         self.rows.append(row)
         self._write(row)
         if not self.warned and row["fragmentation_at_peak"] is not None \
