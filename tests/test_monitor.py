@@ -252,3 +252,20 @@ def test_columns_and_scalars_are_consistent():
         row = monitor.step()
     assert tuple(row) == tuple(c for c in COLUMNS if c in row) and set(row) == set(COLUMNS)
     pickle.dumps(row)  # plain data
+
+
+def test_tensorboard_is_an_optional_extra_and_its_absence_is_explained(monkeypatch, tmp_path):
+    import os
+    import sys
+
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        project = tomllib.load(f)["project"]
+    extras = project["optional-dependencies"]
+    assert "tensorboard" in extras["monitor"] and "tensorboard" in extras["test"]
+    assert not any("tensorboard" in d for d in project["dependencies"])  # optional: never required
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
+    with pytest.raises(ImportError, match=r"memkernels\[monitor\]"):
+        MemoryMonitor(source="cpu", log_dir=str(tmp_path)).__enter__()
+    assert not _get_current_dispatch_mode_stack()
