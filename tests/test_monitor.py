@@ -269,3 +269,13 @@ def test_tensorboard_is_an_optional_extra_and_its_absence_is_explained(monkeypat
     with pytest.raises(ImportError, match=r"memkernels\[monitor\]"):
         MemoryMonitor(source="cpu", log_dir=str(tmp_path)).__enter__()
     assert not _get_current_dispatch_mode_stack()
+
+
+def test_importing_the_tools_pulls_in_no_optional_dependency():
+    import subprocess
+    import sys
+
+    code = ("import sys, memkernels, memkernels.integrations; memkernels.MemoryMonitor; memkernels.explain; "
+            "print(sorted(m for m in ('transformers', 'tensorboard', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -3,18 +3,13 @@
 - :class:`MemoryCallback` (``memkernels.integrations.hf``): :class:`memkernels.MemoryMonitor`
   as a Hugging Face ``transformers.TrainerCallback``.
 """
-import importlib
 
-_LAZY = {"MemoryCallback": "memkernels.integrations.hf"}
+__all__ = ["MemoryCallback"]
 
 
 def __getattr__(name):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'memkernels.integrations' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+    if name == "MemoryCallback":  # imports transformers: only when asked for
+        from memkernels.integrations.hf import MemoryCallback
 
-
-__all__ = sorted(_LAZY)
+        return MemoryCallback
+    raise AttributeError(f"module 'memkernels.integrations' has no attribute {name!r}")
