@@ -279,3 +279,14 @@ def test_importing_the_tools_pulls_in_no_optional_dependency():
             "print(sorted(m for m in ('transformers', 'tensorboard', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_dispatch_mode_left_open_inside_a_step_is_refused_not_popped():
+    with MemoryMonitor(source="cpu") as monitor:
+        stray = PeakBytesMeter().__enter__()
+        with pytest.raises(RuntimeError, match="still active"):
+            monitor.step()
+        stray.__exit__(None, None, None)
+        monitor.begin_step()
+        assert monitor.step()["peak_allocated_bytes"] == 0
+    assert not _get_current_dispatch_mode_stack()

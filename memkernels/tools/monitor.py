@@ -157,7 +157,7 @@ class CPUTensorStats:
     def close(self):
         from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-        meter, self._meter = self._meter, None
+        meter = self._meter
         if meter is None:
             return
         stack = _get_current_dispatch_mode_stack()
@@ -165,6 +165,7 @@ class CPUTensorStats:
             # Exiting now would pop someone else's mode: a region opened inside the step is still open.
             raise RuntimeError("MemoryMonitor (cpu source): a TorchDispatchMode opened after the step began is "
                                "still active; close it (end its with-block) before monitor.step() or the monitor's end")
+        self._meter = None
         meter.__exit__(None, None, None)
 
     def read(self):
@@ -316,7 +317,7 @@ class MemoryMonitor:
             if exc_type is not None and issubclass(exc_type, _out_of_memory_types()):
                 self._post_mortem(exc)
         finally:
-            self._close(write_png=True)
+            self._close(write_png=True, error_in_flight=exc_type is not None)
         return False  # nothing is swallowed
 
     def close(self):
@@ -324,12 +325,16 @@ class MemoryMonitor:
         if self._active:
             self._close(write_png=True)
 
-    def _close(self, write_png):
+    def _close(self, write_png, error_in_flight=False):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        failure = None
         if hasattr(self.source, "close"):
-            self.source.close()
+            try:
+                self.source.close()
+            except RuntimeError as error:
+                failure = error
         self.source.stop_history()
         if self._writer is not None:
             self._writer.close()
@@ -340,6 +345,10 @@ class MemoryMonitor:
         self._active = False
         if write_png and self.png_path and self.rows:
             self._write_png()
+        if failure is not None:
+            if not error_in_flight:
+                raise failure
+            print(f"memkernels MemoryMonitor: {failure}", file=self.file or sys.stderr)  # never hide the error
 
     def _open_outputs(self):
         if self.log_dir is not None:
