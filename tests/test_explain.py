@@ -71,9 +71,11 @@ def oom_snapshot():
     events.append({"action": "oom", "size": 10 * MiB, "device_free": 4 * MiB, "stream": 0, "frames": MLP})
     free(SEG_A, 6 * MiB)  # unwinding after the OOM, before _dump_snapshot
     segments = [
-        _segment(SEG_A, [_block(SEG_A, 12 * MiB, "inactive"), _block(SEG_A + 12 * MiB, 6 * MiB, "active_allocated", MLP),
+        _segment(SEG_A, [_block(SEG_A, 12 * MiB, "inactive"),
+                         _block(SEG_A + 12 * MiB, 6 * MiB, "active_allocated", MLP),
                          _block(SEG_A + 18 * MiB, 2 * MiB, "inactive")]),
-        _segment(SEG_B, [_block(SEG_B, 6 * MiB, "active_allocated", ATTENTION), _block(SEG_B + 6 * MiB, 6 * MiB, "inactive"),
+        _segment(SEG_B, [_block(SEG_B, 6 * MiB, "active_allocated", ATTENTION),
+                         _block(SEG_B + 6 * MiB, 6 * MiB, "inactive"),
                          _block(SEG_B + 12 * MiB, 6 * MiB, "active_allocated", ATTENTION),
                          _block(SEG_B + 18 * MiB, 2 * MiB, "inactive")]),
     ]

@@ -166,8 +166,9 @@ def test_fragmentation_warns_once_with_measured_remedies(sim_pool):
     # The remedies carry the numbers of a replay of this run's own trace, the same as explain's.
     replay = [e for e in snapshot["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
     results = counterfactuals(replay, None)
-    assert f"expandable_segments:True): peak reserved {format_size(results['pytorch_expandable']['peak_reserved_bytes'])}" in text
-    assert f"memkernels.allocator.install()): peak reserved {format_size(results['memkernels']['peak_reserved_bytes'])}" in text
+    expandable, pool = (format_size(results[p]["peak_reserved_bytes"]) for p in ("pytorch_expandable", "memkernels"))
+    assert f"expandable_segments:True): peak reserved {expandable}" in text
+    assert f"memkernels.allocator.install()): peak reserved {pool}" in text
     assert "after the forward phase" in text
 
 

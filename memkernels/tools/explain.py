@@ -162,7 +162,7 @@ def _device_segments(snapshot, device):
 
 def _pre_recording(snapshot, device, events):
     """Allocations live when recording started: freed later in the trace, or still live at the end
-    and never seen in the trace. ``{addr: _Allocation}``, and the addresses the trace allocates."""
+    and never seen in the trace: ``{addr: _Allocation}``."""
     seen_alloc, live_before = set(), {}
     for event in events:
         action = event["action"]
@@ -174,11 +174,12 @@ def _pre_recording(snapshot, device, events):
     touched = seen_alloc | set(live_before)
     for segment in _device_segments(snapshot, device):
         for block in segment.get("blocks", []):
-            if block.get("state") == "active_allocated" and block.get("address") not in touched:
+            live = block.get("state") in ("active_allocated", "active_pending_free")
+            if live and block.get("address") not in touched:
                 live_before[block["address"]] = _Allocation(
                     block["address"], block.get("requested_size", block.get("size", 0)), block.get("frames", []),
                     "live through the whole trace")
-    return live_before, seen_alloc
+    return live_before
 
 
 def _live_at(events, index, live_before):
@@ -361,7 +362,8 @@ def _device_text(d):
     if d["reserved_bytes"] is None:
         lines.append("    (the snapshot has no segments, so reserved memory is unknown)")
     elif not d["segment_events"]:
-        lines.append("    (the trace has no segment events: reserved and free blocks are those of the snapshot's final state)")
+        lines.append("    (the trace has no segment events: reserved and free blocks are those of the snapshot's "
+                     "final state)")
     lines.append(f"  top live allocations {where}, by the innermost frame of your code:")
     for row in d["top"]:
         lines.append(f"    {format_size(row['bytes']):>11}  {row['count']:>5} allocation(s), largest "
@@ -413,7 +415,7 @@ def _explain_device(snapshot, device, top, capacity):
     events = snapshot["device_traces"][device] if device < len(snapshot["device_traces"]) else []
     if not events and not _device_segments(snapshot, device):
         return None
-    live_before, _ = _pre_recording(snapshot, device, events)
+    live_before = _pre_recording(snapshot, device, events)
     ooms = [i for i, e in enumerate(events) if e["action"] == "oom"]
     peak_at, peak_live = _peak_index(events, live_before)
     at = ooms[-1] if ooms else peak_at

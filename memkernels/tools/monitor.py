@@ -267,7 +267,8 @@ class MemoryMonitor:
             raise ValueError(f"MemoryMonitor(model=...): needs an nn.Module, got {type(model).__name__}")
         inner = getattr(optimizer, "optimizer", optimizer)
         if optimizer is not None and not hasattr(inner, "register_step_pre_hook"):
-            raise ValueError(f"MemoryMonitor(optimizer=...): needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+            raise ValueError("MemoryMonitor(optimizer=...): needs a torch.optim.Optimizer, got "
+                             f"{type(optimizer).__name__}")
         self.source = self._make_source(source)
         self.model, self.optimizer = model, inner
         self.csv_path, self.jsonl_path, self.log_dir, self.png_path = csv, jsonl, log_dir, png
@@ -483,8 +484,8 @@ class MemoryMonitor:
         lines += self._measured_remedies()
         if self._phase_gaps:
             phase, gap = max(self._phase_gaps.items(), key=lambda item: item[1])
-            lines.append(f"  - empty_cache: call torch.cuda.empty_cache() (memkernels.allocator.empty_cache() under the "
-                         f"pool) after the {phase} phase, which left the most reserved-but-unused memory "
+            lines.append("  - empty_cache: call torch.cuda.empty_cache() (memkernels.allocator.empty_cache() under "
+                         f"the pool) after the {phase} phase, which left the most reserved-but-unused memory "
                          f"({format_size(gap)}); it returns whole free segments only")
         else:
             lines.append("  - empty_cache: pass model= and optimizer= to see which phase leaves the most "
@@ -516,8 +517,8 @@ class MemoryMonitor:
             return f"peak reserved {format_size(peak)} ({(peak - base) / base:+.0%} vs PyTorch's policy)" if base else \
                 f"peak reserved {format_size(peak)}"
 
-        return [f"  - expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): {versus('pytorch_expandable')}"
-                f" on this run's last {len(replay)} events, replayed",
+        return ["  - expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): "
+                f"{versus('pytorch_expandable')} on this run's last {len(replay)} events, replayed",
                 f"  - memkernels' pool (memkernels.allocator.install()): {versus('memkernels')}; with its expandable "
                 f"segments {versus('memkernels_expandable')}"]
 
