@@ -216,3 +216,20 @@ def test_bad_arguments():
         explain(oom_snapshot(), device=3)
     with pytest.raises(FileNotFoundError, match="no such file"):
         explain("/nonexistent/snapshot.pickle")
+
+
+def test_a_missing_or_unreadable_path_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        main(["explain", str(tmp_path)])  # a directory
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(tmp_path) in err and "no such file" in err
+    path = tmp_path / "snapshot.pickle"
+    path.write_bytes(pickle.dumps(oom_snapshot()))
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr("memkernels.allocator.open", refuse, raising=False)  # root reads any file: simulate
+    with pytest.raises(ValueError, match=r"cannot be read \(\[Errno 13\] Permission denied\)") as info:
+        load_snapshot(str(path))
+    assert str(path) in str(info.value)

@@ -291,3 +291,15 @@ def test_a_dispatch_mode_left_open_inside_a_step_is_refused_not_popped():
         monitor.begin_step()
         assert monitor.step()["peak_allocated_bytes"] == 0
     assert not _get_current_dispatch_mode_stack()
+
+
+def test_an_oom_without_history_says_the_failing_request_was_not_recorded(sim_pool, tmp_path):
+    from memkernels import _C
+
+    pool, sim = sim_pool
+    out = io.StringIO()
+    with pytest.raises(_C.OutOfMemoryError):
+        with MemoryMonitor(source=PoolStats(pool), oom_snapshot=str(tmp_path / "oom.pickle"), file=out):
+            sim.fail_allocations(1, count=2)
+            pool.malloc(32 * MiB)
+    assert "recorded no history, so the failing request is not in the snapshot" in out.getvalue()

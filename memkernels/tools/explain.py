@@ -69,6 +69,8 @@ def load_snapshot(path_or_dict):
         snapshot = load_trace(path_or_dict)
     except FileNotFoundError:
         raise
+    except OSError as error:
+        raise ValueError(f"{name}: cannot be read ({_one_line(error)})") from None
     except MemoryError:  # a corrupt length field asks for more than any machine has
         raise ValueError(f"{name}: not a torch.cuda.memory._dump_snapshot pickle (corrupt: it declares more data "
                          "than fits in memory)") from None

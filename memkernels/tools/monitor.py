@@ -539,6 +539,12 @@ class MemoryMonitor:
 
             print(f"memkernels MemoryMonitor: out of memory ({type(error).__name__}); snapshot written to "
                   f"{self.oom_snapshot}", file=out)
+            device = self.source.device_index() or 0
+            traces = snapshot.get("device_traces", [])
+            if not any(e.get("action") == "oom" for e in (traces[device] if device < len(traces) else [])):
+                print("  the allocator recorded no history, so the failing request is not in the snapshot: pass "
+                      "MemoryMonitor(record_history=100_000) to capture it and the events before it; the state "
+                      "below is the allocator's at the snapshot", file=out)
             print(explain(snapshot, device=self.source.device_index()).text(), file=out)
         except Exception as failure:  # the post-mortem must never hide the OOM itself
             print(f"memkernels MemoryMonitor: the OOM post-mortem failed ({type(failure).__name__}: {failure}); "
