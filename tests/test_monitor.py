@@ -1,5 +1,5 @@
 """MemoryMonitor (memkernels/tools/monitor.py): per-step rows on the CPU, on memkernels' pool over the
-simulated device (fragmentation warning, injected OOM), and on PyTorch-style statistics."""
+simulated device (fragmentation warning, injected OOM), and on PyTorch-allocator statistics."""
 import csv
 import dataclasses
 import io
@@ -84,7 +84,7 @@ def test_cpu_rows_equal_peak_bytes_meter_and_reach_csv_jsonl_tensorboard_and_png
 
 
 def _fake_torch_stats(figures):
-    """A ``memory_stats_as_nested_dict`` stand-in: PyTorch's nested layout, flattened by torch's own code."""
+    """A ``torch.cuda.memory_stats_as_nested_dict`` stand-in: the CUDA caching allocator's nested layout."""
     def nested(device=None):
         stats = {}
         for name in ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes", "inactive_split_bytes",
@@ -99,7 +99,7 @@ def _fake_torch_stats(figures):
     return nested
 
 
-def test_pytorch_allocator_statistics_are_read_from_torch_cuda_memory_stats(monkeypatch):
+def test_pytorch_allocator_statistics_are_read_from_torchs_nested_memory_stats(monkeypatch):
     figures = {"allocated": 10 * MiB, "peak_allocated": 30 * MiB, "reserved": 40 * MiB, "peak_reserved": 50 * MiB,
                "retries": 2, "ooms": 0}
     monkeypatch.setattr(torch.cuda.memory, "memory_stats_as_nested_dict", _fake_torch_stats(figures))
