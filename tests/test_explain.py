@@ -233,3 +233,15 @@ def test_a_missing_or_unreadable_path_is_one_line_naming_it(tmp_path, monkeypatc
     with pytest.raises(ValueError, match=r"cannot be read \(\[Errno 13\] Permission denied\)") as info:
         load_snapshot(str(path))
     assert str(path) in str(info.value)
+
+
+def test_demand_events_put_allocations_live_before_recording_first():
+    from memkernels.tools.explain import demand_events
+
+    snapshot = oom_snapshot()
+    snapshot["device_traces"][0].insert(0, {"action": "free_completed", "addr": 0x1000, "size": 512, "stream": 0,
+                                            "frames": []})
+    events = demand_events(snapshot)
+    assert events[0] == {"action": "alloc", "addr": 0x1000, "size": 512, "stream": 0}
+    assert events[1]["action"] == "free_completed" and events[1]["addr"] == 0x1000
+    assert [e["action"] for e in events].count("alloc") == 1 + 6 and events[-1]["action"] == "free_completed"

@@ -164,6 +164,9 @@ def test_fragmentation_warns_once_with_measured_remedies(sim_pool):
     text = out.getvalue()
     assert text.count("memkernels MemoryMonitor: at step 1") == 1 and "step 2" not in text  # once
     # The remedies carry the numbers of a replay of this run's own trace, the same as explain's.
+    kept = snapshot["segments"] and [b for seg in snapshot["segments"] for b in seg["blocks"]
+                                     if b["state"] == "active_allocated"]
+    assert not kept  # nothing was live before the history began: the replay is the trace's allocs and frees
     replay = [e for e in snapshot["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
     results = counterfactuals(replay, None)
     expandable, pool = (format_size(results[p]["peak_reserved_bytes"]) for p in ("pytorch_expandable", "memkernels"))

@@ -30,7 +30,7 @@ from memkernels._torch_policy import round_size
 from memkernels.allocator import _run_pool, _summary, load_trace, replay_pytorch_model, trace_ops
 from memkernels.tools.sizes import format_size
 
-__all__ = ["explain", "Explanation", "load_snapshot", "user_frame", "counterfactuals"]
+__all__ = ["explain", "Explanation", "load_snapshot", "user_frame", "demand_events", "counterfactuals"]
 
 # Above this share of reserved memory held but unused, the trouble is the allocator.
 FRAGMENTATION_THRESHOLD = 0.30
@@ -268,6 +268,13 @@ def _replay_events(events, stop, live_before, oom_size):
     if oom_size is not None:
         replay.append({"action": "alloc", "addr": _OOM_FAKE_ADDR, "size": oom_size, "stream": 0})
     return replay
+
+
+def demand_events(snapshot, device=0):
+    """Every alloc/free the program made on ``device`` as far as the snapshot knows: the allocations
+    live before recording started (as allocations at the start), then the trace's."""
+    events = snapshot["device_traces"][device] if device < len(snapshot["device_traces"]) else []
+    return _replay_events(events, len(events), _pre_recording(snapshot, device, events), None)
 
 
 def counterfactuals(events, capacity):

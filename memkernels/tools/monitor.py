@@ -500,15 +500,14 @@ class MemoryMonitor:
             except RuntimeError:
                 snapshot = None
         device = self.source.device_index() or 0
-        events = (snapshot or {}).get("device_traces", [])
-        events = events[device] if device < len(events) else []
-        if not any(e.get("action") == "alloc" for e in events):
+        traces = (snapshot or {}).get("device_traces", [])
+        if not any(e.get("action") == "alloc" for e in (traces[device] if device < len(traces) else [])):
             return ["  - expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or memkernels' pool "
                     "(memkernels.allocator.install()): not measured, no allocation history; pass "
                     "record_history=100_000 and the monitor replays this run's trace through both"]
-        from memkernels.tools.explain import counterfactuals
+        from memkernels.tools.explain import counterfactuals, demand_events
 
-        replay = [e for e in events if e.get("action") in ("alloc", "free_completed")]
+        replay = demand_events(snapshot, device)  # what was live before the history began included
         results = counterfactuals(replay, None)
         base = results["pytorch"]["peak_reserved_bytes"]
 
@@ -518,7 +517,7 @@ class MemoryMonitor:
                 f"peak reserved {format_size(peak)}"
 
         return ["  - expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): "
-                f"{versus('pytorch_expandable')} on this run's last {len(replay)} events, replayed",
+                f"{versus('pytorch_expandable')} on this run's trace ({len(replay)} allocations and frees), replayed",
                 f"  - memkernels' pool (memkernels.allocator.install()): {versus('memkernels')}; with its expandable "
                 f"segments {versus('memkernels_expandable')}"]
 
