@@ -245,6 +245,8 @@ def test_bad_arguments_are_named():
         MemoryMonitor(source="cpu", model=object())
     with pytest.raises(ValueError, match="optimizer"):
         MemoryMonitor(source="cpu", optimizer=object())
+    with pytest.raises(ValueError, match="lacks read, reset_peak"):
+        MemoryMonitor(source=object())
     with pytest.raises(RuntimeError, match="not active"):
         MemoryMonitor(source="cpu").step()
 

@@ -292,8 +292,11 @@ class MemoryMonitor:
                 raise ValueError(f"MemoryMonitor(source={source!r}): use 'auto', 'torch', 'memkernels', 'cpu' "
                                  "or a source object")
             return makers[source]()
-        if not all(hasattr(source, m) for m in ("read", "reset_peak", "snapshot")):
-            raise ValueError(f"MemoryMonitor(source=...): {type(source).__name__} has no read/reset_peak/snapshot")
+        needed = ("read", "reset_peak", "snapshot", "record_history", "stop_history", "device_index")
+        missing = [m for m in needed if not hasattr(source, m)]
+        if missing:
+            raise ValueError(f"MemoryMonitor(source=...): {type(source).__name__} lacks {', '.join(missing)}; use "
+                             "TorchCudaStats, PoolStats or CPUTensorStats")
         return source
 
     # -------------------------------------------------------------- lifecycle
