@@ -1,25 +1,16 @@
-"""The `memkernels` command: report and estimate."""
-import argparse
+"""The `memkernels` command: report, estimate and replay (the CLI's argument handling and its output)."""
 import os
+import pickle
 import subprocess
 import sys
 
 import pytest
 
-from memkernels.cli import main, parse_bytes
+from memkernels.cli import main
 from memkernels.estimate import estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def test_parse_bytes_units():
-    assert parse_bytes("80GB") == 80 * 10**9
-    assert parse_bytes("80 GiB") == 80 * 2**30
-    assert parse_bytes("24000MiB") == 24000 * 2**20
-    assert parse_bytes("80") == 80 * 10**9  # a bare number is GB, as GPUs are sold
-    for bad in ("eighty", "80XB", "-3GB", ""):
-        with pytest.raises(argparse.ArgumentTypeError):
-            parse_bytes(bad)
+GiB, MiB = 2**30, 2**20
 
 
 def test_estimate_command_prints_the_breakdown_and_that_it_fits(capsys):
@@ -32,7 +23,7 @@ def test_estimate_command_prints_the_breakdown_and_that_it_fits(capsys):
                   "logits / loss", "FSDP gather buffers", "total per GPU"):
         assert label in out
     assert "8.03B parameters" in out
-    assert expected.total <= 80 * 10**9 and "fits in" in out
+    assert expected.total <= 80 * GiB and "fits in" in out
 
 
 def test_estimate_command_lists_options_cheapest_first_when_it_does_not_fit(capsys):
@@ -46,14 +37,14 @@ def test_estimate_command_lists_options_cheapest_first_when_it_does_not_fit(caps
              for name in ("memkernels", "checkpointing", "offload", "all three")]
     assert order == sorted(order)
     fitting = estimate("llama-3-8b", batch=1, seq=8192, shard_degree=8, checkpointing=True)
-    assert fitting.total <= 40 * 10**9  # checkpointing alone fits, so a cheapest fitting option is named
+    assert fitting.total <= 40 * GiB  # checkpointing alone fits, so a cheapest fitting option is named
     assert "cheapest that fits:" in out
 
 
 @pytest.mark.parametrize("argv, message", [
     (["estimate", "--model", "llama-3-8b", "--batch", "0", "--seq", "8"], "must be positive"),
     (["estimate", "--model", "gpt-9", "--batch", "1", "--seq", "8"], "unknown model"),
-    (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--gpu-mem", "lots"], "not a size"),
+    (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--gpu-mem", "lots"], "not a memory size"),
     (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "4096"], "learned positions"),
     (["report", "--model", "gpt-9"], "unknown model"),
 ])
