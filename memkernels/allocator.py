@@ -300,7 +300,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
     """Replay through the model of PyTorch's caching allocator (:mod:`memkernels._torch_policy`).
 
     ``expandable_segments=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
-    Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
+    Returns the keys of :func:`replay` (without ns_per_op and ops: the model is Python) plus
     ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order.
     """
     if not isinstance(expandable_segments, bool):

@@ -183,7 +183,10 @@ def load_config(spec):
             if not isinstance(data, dict):
                 raise ValueError(f"load_config: {spec!r} holds a JSON {type(data).__name__}; a Hugging Face "
                                  "config.json is a JSON object of the model's hyperparameters")
-            return _from_hf_dict(data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec)
+            try:
+                return _from_hf_dict(data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec)
+            except ValueError as error:
+                raise ValueError(f"{error} (read from {spec!r})") from None
         raise ValueError(f"load_config: unknown model {spec!r}; use a built-in name ({', '.join(BUILTIN_CONFIGS)}) "
                          "or the path of a Hugging Face config.json")
     if isinstance(spec, dict):

@@ -449,6 +449,67 @@ def test_trace_files_cannot_run_code(tmp_path):
         allocator.load_trace(str(path))
 
 
+def test_unreadable_trace_files_raise_a_trace_error_naming_the_file(tmp_path):
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(b"")
+    truncated = tmp_path / "truncated.pickle"
+    truncated.write_bytes(pickle.dumps(_synthetic_trace())[:100])
+    memo = tmp_path / "memo.pickle"
+    memo.write_bytes(b"\x80\x04h\x05.")  # a memo reference to nothing: "Memo value not found"
+    listed = tmp_path / "list.pickle"
+    listed.write_bytes(pickle.dumps([1, 2]))
+    for path, says in ((empty, "the file is empty"), (truncated, "is not a torch.cuda.memory._dump_snapshot"),
+                       (memo, "is not a torch.cuda.memory._dump_snapshot"), (listed, "got list"),
+                       (tmp_path, "is a directory")):
+        with pytest.raises(allocator.TraceError, match=re.escape(repr(str(path))) + ".*" + re.escape(says)):
+            allocator.load_trace(str(path))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        allocator.load_trace(str(tmp_path / "missing.pickle"))
+    bad_event = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5, "stream": 0}]]}
+    with pytest.raises(allocator.TraceError, match="trace event 0 .alloc. needs non-negative int"):
+        allocator.replay(bad_event)
+
+
+def test_trace_files_expands_directories(tmp_path):
+    for name in ("b.pickle", "a.pickle", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    assert allocator.trace_files(str(tmp_path)) == [str(tmp_path / "a.pickle"), str(tmp_path / "b.pickle")]
+    assert allocator.trace_files([str(tmp_path / "notes.txt")]) == [str(tmp_path / "notes.txt")]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(allocator.TraceError, match="has no \\*.pickle files"):
+        allocator.trace_files([str(tmp_path / "empty")])
+    with pytest.raises(FileNotFoundError):
+        allocator.trace_files([str(tmp_path / "missing")])
+
+
+def _capacity_trace():
+    """Live bytes reach 768 MiB, then request 3 (512 MiB) cannot fit 1 GiB; request 4 fits again."""
+    sizes = (512, 256, 512, 256)
+    events = [{"action": "alloc", "addr": i + 1, "size": n * MiB, "stream": 0} for i, n in enumerate(sizes)]
+    events.insert(3, {"action": "free_completed", "addr": 1, "size": 0, "stream": 0})
+    return {"segments": [], "device_traces": [events]}
+
+
+@pytest.mark.parametrize("replay", [allocator.replay, allocator.replay_pytorch_model])
+def test_replay_under_a_capacity_counts_failed_requests_and_names_the_first(replay):
+    result = replay(_capacity_trace(), capacity=GiB)
+    assert result["num_ooms"] == 1
+    assert result["first_oom"] == {"request": 3, "size": 512 * MiB, "stream": 0, "live_bytes": 768 * MiB}
+    fits = replay(_capacity_trace(), capacity=2 * GiB)
+    assert fits["num_ooms"] == 0 and fits["first_oom"] is None
+
+
+def test_replay_results_hold_the_documented_keys_and_no_end_state_fragmentation():
+    """``fragmentation`` (the pool's state after the last event, undocumented) was dropped: both
+    replays return the keys their docstrings list."""
+    documented = {"peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "num_device_alloc",
+                  "num_device_free", "num_alloc_retries", "num_ooms", "first_oom"}
+    assert set(allocator.replay(_synthetic_trace())) == documented | {"ns_per_op", "ops"}
+    assert set(allocator.replay_pytorch_model(_synthetic_trace())) == documented | {"segment_sizes"}
+    for key in documented | {"ns_per_op", "ops"}:
+        assert key in allocator.replay.__doc__
+
+
 def test_pytorch_preset_in_the_pool_matches_the_python_model_on_a_synthetic_trace():
     trace = _synthetic_trace()
     model = allocator.replay_pytorch_model(trace)

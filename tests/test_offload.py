@@ -577,6 +577,32 @@ def test_saved_tensor_after_close_raises_clearly(offload):
         y.backward()
 
 
+def test_plain_cpu_warns_once_naming_why_offload_is_disabled():
+    # A fresh interpreter without the simulator and without CUDA, every warning shown.
+    code = (
+        "import warnings, torch, memkernels\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    first = memkernels.OffloadActivations()\n"
+        "    second = memkernels.OffloadActivations()\n"
+        "    with second:\n"
+        "        pass\n"
+        "assert len(caught) == 1, [str(w.message) for w in caught]\n"
+        "assert caught[0].category is RuntimeWarning and caught[0].filename == '<string>'\n"
+        "print(caught[0].message)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MEMKERNELS_DEVICE"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    message = result.stdout
+    assert message.startswith("memkernels.OffloadActivations is disabled (a no-op): ")
+    if torch.version.cuda is None and torch.version.hip is None:
+        assert f"this torch ({torch.__version__}) is a CPU-only build" in message
+    else:
+        assert "torch.cuda.is_available() is False" in message
+
+
 def test_plain_cpu_is_a_no_op():
     # A fresh interpreter without the simulator and without CUDA.
     code = (

@@ -49,7 +49,7 @@ def parse_size(text, *, what="size"):
         raise SizeError(what, f"{text!r} is larger than any memory; write e.g. {MEMORY_FORMS}")
     nbytes = int(round(value))
     if nbytes <= 0:
-        raise SizeError(what, f"{text!r} must be positive (at least one byte)")
+        raise SizeError(what, f"{text!r} must be positive; write e.g. {MEMORY_FORMS}")
     return nbytes
 
 
