@@ -8,6 +8,7 @@ import pickle
 import re
 
 import pytest
+from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C
 from memkernels import allocator
@@ -16,14 +17,6 @@ from memkernels._torch_policy import TorchPolicyModel
 pytestmark = pytest.mark.cpp
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-TRACE_DIR = next(
-    (d for d in (os.path.join(os.path.dirname(__file__), "..", up, "shared", "traces") for up in ("..", "../.."))
-     if os.path.isdir(d)),
-    None,
-)
-TRACES = sorted(os.listdir(TRACE_DIR)) if TRACE_DIR else []
-TRACES = [t for t in TRACES if t.endswith(".pickle")]
-needs_traces = pytest.mark.skipif(not TRACES, reason="../shared/traces not found next to the repository")
 
 
 def make_pool(capacity=8 * GiB, events=None, policy="memkernels", **config):
@@ -468,6 +461,36 @@ def test_unreadable_trace_files_raise_a_trace_error_naming_the_file(tmp_path):
     bad_event = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5, "stream": 0}]]}
     with pytest.raises(allocator.TraceError, match="trace event 0 .alloc. needs non-negative int"):
         allocator.replay(bad_event)
+
+
+def test_trace_tests_say_why_they_skip_and_where_traces_may_live(tmp_path, monkeypatch):
+    """A clone has no ../shared/traces: the tests that need traces skip naming what is missing and
+    how to provide it; MEMKERNELS_TRACE_DIR points them at a directory anywhere."""
+    import importlib.util
+    import shutil
+
+    helper = os.path.join(os.path.dirname(__file__), "recorded_traces.py")
+    clone = tmp_path / "clone" / "tests"
+    clone.mkdir(parents=True)
+    shutil.copy(helper, clone)
+
+    def load():
+        spec = importlib.util.spec_from_file_location("recorded_traces_copy", clone / "recorded_traces.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    monkeypatch.delenv("MEMKERNELS_TRACE_DIR", raising=False)
+    alone = load()
+    assert alone.TRACES == [] and alone.needs_traces.args == (True,)
+    reason = alone.needs_traces.kwargs["reason"]
+    assert "not in the repository" in reason and "MEMKERNELS_TRACE_DIR" in reason and "README" in reason
+    traces = tmp_path / "my traces"
+    traces.mkdir()
+    (traces / "step.pickle").write_bytes(pickle.dumps(_synthetic_trace()))
+    monkeypatch.setenv("MEMKERNELS_TRACE_DIR", str(traces))
+    found = load()
+    assert found.TRACE_DIR == str(traces) and found.TRACES == ["step.pickle"] and found.needs_traces.args == (False,)
 
 
 def test_trace_files_expands_directories(tmp_path):
