@@ -194,7 +194,7 @@ def _pool_config(policy="memkernels", **config):
 def _check_capacity(capacity):
     if capacity is None:
         return None
-    if not isinstance(capacity, int) or capacity <= 0:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
         raise ValueError(f"capacity must be a positive number of bytes or None (unlimited), got {capacity!r}")
     return capacity
 
@@ -393,12 +393,14 @@ def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False
     """
     if not isinstance(expandable_segments, bool):
         raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats <= 0:
+        raise ValueError(f"repeats must be a positive int (replays for the ns/op median), got {repeats!r}")
     snapshot = load_trace(trace)
     capacity_bytes = _check_capacity(capacity)
     ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
     config = dict(config, expandable_segments=expandable_segments)
     runs = [
-        _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(max(1, repeats))
+        _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(repeats)
     ]
     memkernels = _summary(*runs[0], ops)
     memkernels["ns_per_op"] = statistics.median(run["elapsed_ns"] / max(run["ops"], 1) for _, run in runs)
@@ -443,6 +445,8 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
     from :func:`compare` plus ``trace`` and ``device``).
     """
     out = file if file is not None else sys.stdout
+    if isinstance(traces, (str, os.PathLike, dict)):  # one trace, not an iterable of them
+        traces = [traces]
     header = (
         f"{'trace':<38} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
         f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'segment_alloc match (in order / any order)'}"

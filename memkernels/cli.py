@@ -39,14 +39,22 @@ def _size_used(what, nbytes):
     return f"{what}: {format_size(nbytes)} = {nbytes:,} bytes (K, M, G, T are powers of 2: G = GB = GiB = 2^30)"
 
 
-def _positive(text):
+def _integer(text, minimum, what):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{text} must be {what}")
     return value
+
+
+def _positive(text):
+    return _integer(text, 1, "positive")
+
+
+def _nonnegative(text):
+    return _integer(text, 0, "0 or more")
 
 
 def _progress(step, total, message):
@@ -241,11 +249,12 @@ def _add_replay(subparsers):
     )
     parser.add_argument("traces", nargs="+", metavar="TRACE",
                         help="snapshot pickle(s), or directories: every *.pickle in them")
-    parser.add_argument("--device", type=int, default=None, help="replay only this device (default: every device)")
+    parser.add_argument("--device", type=_nonnegative, default=None,
+                        help="replay only this device (default: every device)")
     parser.add_argument("--capacity", type=_size_argument(parse_device_size, "--capacity"), default=None,
                         help=f"device memory (default: unlimited): {MEMORY_FORMS}. Says per policy whether "
                         "the trace fit, how many requests failed and the first that did")
-    parser.add_argument("--repeats", type=int, default=5, help="replays per trace for the ns/op median")
+    parser.add_argument("--repeats", type=_positive, default=5, help="replays per trace for the ns/op median")
     parser.add_argument(
         "--simulated-device",
         action="store_true",

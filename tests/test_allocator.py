@@ -493,6 +493,24 @@ def test_trace_tests_say_why_they_skip_and_where_traces_may_live(tmp_path, monke
     assert found.TRACE_DIR == str(traces) and found.TRACES == ["step.pickle"] and found.needs_traces.args == (False,)
 
 
+def test_replay_arguments_of_the_wrong_type_or_range_are_refused():
+    trace = _synthetic_trace()
+    for capacity in (True, 0, -1, 1.5, "4GB"):
+        with pytest.raises(ValueError, match="capacity must be a positive number of bytes"):
+            allocator.replay(trace, capacity=capacity)
+    for repeats in (0, -1, "3", True):
+        with pytest.raises(ValueError, match="repeats must be a positive int"):
+            allocator.compare(trace, repeats=repeats)
+
+
+def test_print_replay_table_takes_one_trace_as_well_as_a_list(tmp_path):
+    path = tmp_path / "one.pickle"
+    path.write_bytes(pickle.dumps(_synthetic_trace()))
+    out = io.StringIO()
+    rows = allocator.print_replay_table(str(path), repeats=1, file=out)
+    assert [row["trace"] for row in rows] == ["one.pickle"] and "one.pickle" in out.getvalue()
+
+
 def test_trace_files_expands_directories(tmp_path):
     for name in ("b.pickle", "a.pickle", "notes.txt"):
         (tmp_path / name).write_bytes(b"")

@@ -220,3 +220,29 @@ def test_replay_under_a_capacity_says_per_policy_whether_it_fit(tmp_path, capsys
     row = next(line for line in out.splitlines() if line.startswith("t.pickle"))
     assert float(row.split("|")[1].split()[0]) >= 1.0 and float(row.split("|")[2].split()[0]) >= 1.0
     assert "    PyTorch: fits in 2.00 GiB" in out and "    memkernels: fits in 2.00 GiB" in out
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["replay", "--repeats", "0", "t.pickle"], "argument --repeats: 0 must be positive"),
+    (["replay", "--repeats", "-3", "t.pickle"], "argument --repeats: -3 must be positive"),
+    (["replay", "--device", "-1", "t.pickle"], "argument --device: -1 must be 0 or more"),
+    (["estimate", "--model", "gpt2", "--shard", "0"], "argument --shard: 0 must be positive"),
+])
+def test_counts_below_their_range_are_refused_with_the_argument_named(argv, says, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_the_chart_labels_the_capacity_line_with_the_figure_used(tmp_path, monkeypatch):
+    """An 80GB (= 80 GiB) capacity line was labelled "GPU: 86 GB = 80.0 GiB", as if GB were 10^9."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from memkernels.estimate import breakdown_chart
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    breakdown_chart([("bf16", estimate("gpt2", batch=1, seq=128))], str(tmp_path / "chart.png"), gpu_bytes=80 * GiB)
+    labels = [text.get_text() for text in figures[0].axes[0].texts]
+    assert "GPU: 80.0 GiB " in labels and not any(" GB" in label for label in labels)
