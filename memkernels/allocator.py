@@ -477,7 +477,10 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
 def _print_replay_rows(path, device, capacity, repeats, simulated_device, config, out):
     snapshot = load_trace(path)
     name = os.path.basename(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else "<dict>"
-    devices = range(len(snapshot["device_traces"])) if device is None else [device]
+    count = len(snapshot["device_traces"])
+    if device is not None and not 0 <= device < count:
+        raise TraceError(f"trace {name!r} records {count} device(s) (device_traces); device {device} is not one")
+    devices = range(count) if device is None else [device]
     rows = []
     for d in devices:
         if device is None and not any(

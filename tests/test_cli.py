@@ -68,6 +68,10 @@ def test_report_runs_and_writes_a_png(tmp_path):
                      "peak bytes", "llama-3-8b", "+ memkernels", f"wrote {out}"):
         assert expected in result.stdout, expected
     assert "[4/4]" in result.stderr  # progress
+    # One figure for the saved bytes, saying what it measures: apply()'s own per-token figure (a meta forward
+    # of another token count, -47%) printed beside this step's total (-36%) read as a contradiction.
+    assert "saved for backward per token" not in result.stdout
+    assert "bytes saved for backward by this training step (4 x 256 tokens), by category:" in result.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
 
 
@@ -188,6 +192,18 @@ def test_replay_names_unreadable_traces_replays_the_others_and_exits_1(tmp_path)
     assert f"{str(not_a_snapshot)!r}" in errors[2] and "'device_traces' list" in errors[2]
     assert "good.pickle" in result.stdout  # the readable trace was still replayed
     assert "3 trace(s) could not be read" in result.stderr
+
+
+def test_replay_of_a_device_one_trace_lacks_skips_that_trace_only(tmp_path, capsys):
+    one_device = _write_trace(tmp_path / "one.pickle", [3])
+    two_devices = tmp_path / "two.pickle"
+    events = pickle.loads(one_device.read_bytes())["device_traces"][0]
+    two_devices.write_bytes(pickle.dumps({"segments": [], "device_traces": [[], events]}))
+    assert main(["replay", "--repeats", "1", "--device", "1", str(one_device), str(two_devices)]) == 1
+    captured = capsys.readouterr()
+    assert "memkernels replay: error: trace 'one.pickle' records 1 device(s) (device_traces); device 1 is not one" \
+        in captured.err
+    assert "two.pickle" in captured.out
 
 
 def test_replay_takes_a_directory(tmp_path, capsys):
