@@ -16,6 +16,7 @@ itself in ``_SUBCOMMANDS``.
 """
 import argparse
 import copy
+import os
 import sys
 
 from memkernels.tools.sizes import MEMORY_FORMS, parse_device_size
@@ -89,7 +90,12 @@ def run_report(args):
     from memkernels.models import TransformerLM, load_config, synthetic_batch
     from memkernels.profile import _table, compare_steps, format_bytes
 
-    load_config(args.model)  # a bad --model fails now, not after the training step
+    load_config(args.model)  # a bad --model or --out fails now, not after the training step
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(out_dir):
+        raise ValueError(f"--out {args.out!r}: " + ("is a directory; name the PNG file to write, e.g. "
+                         f"{os.path.join(args.out, 'memkernels-report.png')!r}" if os.path.isdir(args.out)
+                         else f"its directory {out_dir!r} does not exist"))
     if args.gpu_mem is not None:
         print(_size_used("--gpu-mem", args.gpu_mem))
     total = 4

@@ -47,6 +47,8 @@ def test_estimate_command_lists_options_cheapest_first_when_it_does_not_fit(caps
     (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "8", "--gpu-mem", "lots"], "not a memory size"),
     (["estimate", "--model", "gpt2", "--batch", "1", "--seq", "4096"], "learned positions"),
     (["report", "--model", "gpt-9"], "unknown model"),
+    (["report", "--out", os.path.dirname(__file__)], "is a directory; name the PNG file"),
+    (["report", "--out", "/no/such/dir/report.png"], "its directory '/no/such/dir' does not exist"),
 ])
 def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
