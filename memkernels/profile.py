@@ -20,6 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.tools.sizes import format_size as format_bytes  # "1.50 KiB"; the name profile's callers use
 
 __all__ = ["memory_summary", "MemorySummary", "activation_ledger", "ActivationLedger", "evaluate",
            "EvaluationResult", "format_bytes", "CATEGORIES"]
@@ -32,14 +33,6 @@ NO_CUDA_MESSAGE = ("memory_summary: no CUDA device on this machine (torch.cuda.i
 CATEGORIES = ("embedding", "norm", "attention", "mlp", "logits/loss", "other")
 
 
-def format_bytes(nbytes):
-    """``1536`` → ``'1.50 KiB'`` (binary units)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _table(header, rows):
