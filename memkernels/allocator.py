@@ -119,7 +119,7 @@ def load_trace(trace):
     if not isinstance(trace, dict) or not isinstance(trace.get("device_traces"), list):
         raise TraceError(
             f"{where} must be {_SNAPSHOT} or its loaded dict with a 'device_traces' list, got "
-            f"{type(trace).__name__}{' without device_traces' if isinstance(trace, dict) else ''} "
+            f"{type(trace).__name__}{' without a device_traces list' if isinstance(trace, dict) else ''} "
             "(record with torch.cuda.memory._record_memory_history first)"
         )
     return trace
@@ -127,9 +127,14 @@ def load_trace(trace):
 
 def _device_events(snapshot, device):
     traces = snapshot["device_traces"]
-    if not isinstance(device, int) or not 0 <= device < len(traces):
+    if not isinstance(device, int) or isinstance(device, bool) or not 0 <= device < len(traces):
         raise ValueError(f"device must be an index into the trace's {len(traces)} device_traces, got {device!r}")
-    return traces[device]
+    events = traces[device]
+    if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
+        raise TraceError(f"trace's device_traces[{device}] must be a list of event dicts (PyTorch's snapshot "
+                         f"format), got {type(events).__name__}" + (" holding other things" if isinstance(
+                             events, list) else ""))
+    return events
 
 
 def trace_ops(events):
@@ -142,7 +147,7 @@ def trace_ops(events):
     ops, slot_of, spare, live_bytes, peak = [], {}, [], 0, 0
     num_slots = 0
     for index, event in enumerate(events):
-        action = event.get("action") if isinstance(event, dict) else None
+        action = event.get("action")
         if action not in _REPLAY_ACTIONS:
             continue
         addr, size, stream = event.get("addr"), event.get("size"), event.get("stream", 0)
@@ -361,7 +366,9 @@ def segment_match(trace, *, device=0):
     while recording started mid-run, so it may take segments the trace already held.
     """
     snapshot = load_trace(trace)
-    recorded = [e["size"] for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
+    recorded = [e.get("size") for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
+    if not all(isinstance(size, int) for size in recorded):
+        raise TraceError("trace has a segment_alloc event without an int size")
     if not recorded:
         return None
     modeled = replay_pytorch_model(snapshot, device=device)["segment_sizes"]
@@ -483,8 +490,7 @@ def _print_replay_rows(path, device, capacity, repeats, simulated_device, config
     devices = range(count) if device is None else [device]
     rows = []
     for d in devices:
-        if device is None and not any(
-                isinstance(e, dict) and e.get("action") == "alloc" for e in snapshot["device_traces"][d]):
+        if device is None and not any(e.get("action") == "alloc" for e in _device_events(snapshot, d)):
             continue
         row = compare(
             snapshot, device=d, capacity=capacity, repeats=repeats, simulated_device=simulated_device, **config

@@ -461,6 +461,11 @@ def test_unreadable_trace_files_raise_a_trace_error_naming_the_file(tmp_path):
     bad_event = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5, "stream": 0}]]}
     with pytest.raises(allocator.TraceError, match="trace event 0 .alloc. needs non-negative int"):
         allocator.replay(bad_event)
+    alloc = {"action": "alloc", "addr": 1, "size": 10, "stream": 0}
+    for events, says in (([1, alloc], "must be a list of event dicts"), ("abc", "must be a list of event dicts"),
+                         ([{"action": "segment_alloc"}, alloc], "segment_alloc event without an int size")):
+        with pytest.raises(allocator.TraceError, match=says):
+            allocator.compare({"segments": [], "device_traces": [events]}, repeats=1)
 
 
 def test_trace_tests_say_why_they_skip_and_where_traces_may_live(tmp_path, monkeypatch):
