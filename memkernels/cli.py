@@ -19,13 +19,12 @@ import copy
 import os
 import sys
 
-from memkernels.tools.sizes import MEMORY_FORMS, parse_device_size
+from memkernels.tools.sizes import MEMORY_FORMS, SizeError, format_size, parse_device_size
+
 
 def _size_argument(parse, what):
     """An argparse ``type`` from a :mod:`memkernels.tools.sizes` parser: SizeError becomes argparse's error."""
     def parse_argument(text):
-        from memkernels.tools.sizes import SizeError
-
         try:
             return parse(text, what=what)
         except SizeError as error:
@@ -35,8 +34,6 @@ def _size_argument(parse, what):
 
 def _size_used(what, nbytes):
     """The line that says which figure a size argument was read as."""
-    from memkernels.tools.sizes import format_size
-
     return f"{what}: {format_size(nbytes)} = {nbytes:,} bytes (K, M, G, T are powers of 2: G = GB = GiB = 2^30)"
 
 
