@@ -1,7 +1,9 @@
 """Replay every recorded trace: PyTorch's caching-allocator policy (model) vs memkernels vs ideal.
 
     python benchmarks/bench_allocator.py [TRACE_DIR_OR_FILES...]   (default: ../shared/traces
-next to the repository)
+next to the repository; the traces are not in the repository, README "Traces" says where they
+come from)
+    python benchmarks/bench_allocator.py --no-traces   (the held-out synthetic workloads alone)
 
 Prints, per trace, peak reserved / peak requested (ideal 1.000), device allocations, and
 memkernels' ns per malloc/free (median of repeated replays on a virtual-address device), then
@@ -14,7 +16,6 @@ choosing the policy's numbers.
 """
 import statistics
 import argparse
-import glob
 import os
 import random
 import sys
@@ -23,10 +24,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 from memkernels.allocator import (  # noqa: E402
+    TraceError,
     load_trace,
     print_replay_table,
     replay,
     replay_pytorch_model,
+    trace_files,
     trace_ops,
 )
 
@@ -39,19 +42,15 @@ def _trace_files(arguments):
     if not arguments:
         found = [d for d in TRACE_DIR_CANDIDATES if os.path.isdir(d)]
         if not found:
-            raise SystemExit(f"no trace directory found at {TRACE_DIR_CANDIDATES}; pass trace files or a directory")
+            raise SystemExit(
+                f"no trace directory found at {TRACE_DIR_CANDIDATES}: the recorded traces are not part of the "
+                "repository (README, 'Traces', says where they come from). Pass trace files or a directory, or "
+                "--no-traces for the held-out synthetic workloads alone")
         arguments = found[:1]
-    files = []
-    for arg in arguments:
-        if os.path.isdir(arg):
-            files += sorted(glob.glob(os.path.join(arg, "*.pickle")))
-        elif os.path.isfile(arg):
-            files.append(arg)
-        else:
-            raise SystemExit(f"{arg!r} is neither a trace file nor a directory")
-    if not files:
-        raise SystemExit(f"no *.pickle traces found in {arguments}")
-    return files
+    try:
+        return trace_files(arguments)
+    except (TraceError, FileNotFoundError) as error:
+        raise SystemExit(str(error)) from None
 
 
 def synthetic_trace(seed, kind, steps=30, layers=24):
@@ -163,7 +162,12 @@ def main(argv=None):
     parser.add_argument("traces", nargs="*", help="trace files or directories (default: ../shared/traces)")
     parser.add_argument("--repeats", type=int, default=21, help="replays per trace for the ns/op median")
     parser.add_argument("--no-held-out", action="store_true", help="skip the synthetic held-out workloads")
+    parser.add_argument("--no-traces", action="store_true",
+                        help="only the held-out synthetic workloads (they need no recorded trace)")
     args = parser.parse_args(argv)
+    if args.no_traces:
+        held_out()
+        return 0
     files = _trace_files(args.traces)
     rows = print_replay_table(files, repeats=args.repeats)
     by_name = {os.path.basename(f): f for f in files}

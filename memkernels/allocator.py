@@ -63,26 +63,78 @@ class _DataOnlyUnpickler(pickle.Unpickler):
         )
 
 
+class TraceError(ValueError):
+    """A trace file that is not a readable ``torch.cuda.memory._dump_snapshot`` pickle; names the file."""
+
+
+_SNAPSHOT = "a torch.cuda.memory._dump_snapshot pickle"
+
+
+def trace_files(paths):
+    """Expand ``paths`` (trace files and directories) to trace files: a directory gives its
+    ``*.pickle`` files, sorted. Raises FileNotFoundError for a path that does not exist and
+    TraceError for a directory with no ``*.pickle`` in it."""
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    files = []
+    for path in map(os.fspath, paths):
+        if os.path.isdir(path):
+            found = sorted(os.path.join(path, name) for name in os.listdir(path) if name.endswith(".pickle"))
+            if not found:
+                raise TraceError(f"trace directory {path!r} has no *.pickle files; expected {_SNAPSHOT} in it")
+            files += found
+        elif os.path.exists(path):
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"trace: no such file or directory {path!r}")
+    return files
+
+
+def _unpickle(path):
+    if os.path.isdir(path):
+        raise TraceError(f"trace {path!r} is a directory; pass the snapshot pickles in it "
+                         "(memkernels replay and trace_files() take a directory)")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"trace: no such file {path!r}")
+    with open(path, "rb") as f:
+        try:
+            return _DataOnlyUnpickler(f).load()
+        # A corrupt pickle raises whatever its opcodes lead to (EOFError, UnpicklingError,
+        # IndexError, KeyError, ValueError, ...): every one means the same thing here.
+        except Exception as error:  # noqa: BLE001
+            reason = "the file is empty" if os.path.getsize(path) == 0 else f"{type(error).__name__}: {error}"
+            raise TraceError(f"trace {path!r} is not {_SNAPSHOT} ({reason})") from None
+
+
 def load_trace(trace):
-    """A snapshot dict from a path (a ``_dump_snapshot`` pickle) or an already loaded dict."""
+    """A snapshot dict from a path (a ``_dump_snapshot`` pickle) or an already loaded dict.
+
+    Raises FileNotFoundError for a missing file and :class:`TraceError` (a ValueError naming the
+    file) for a directory, an empty or corrupt pickle, or one that is not a snapshot.
+    """
+    where = "trace"
     if isinstance(trace, (str, os.PathLike)):
-        if not os.path.isfile(trace):
-            raise FileNotFoundError(f"trace: no such file {os.fspath(trace)!r}")
-        with open(trace, "rb") as f:
-            trace = _DataOnlyUnpickler(f).load()
+        where = f"trace {os.fspath(trace)!r}"
+        trace = _unpickle(os.fspath(trace))
     if not isinstance(trace, dict) or not isinstance(trace.get("device_traces"), list):
-        raise ValueError(
-            "trace must be a path to a torch.cuda.memory._dump_snapshot pickle or its loaded dict "
-            "with a 'device_traces' list (record with torch.cuda.memory._record_memory_history first)"
+        raise TraceError(
+            f"{where} must be {_SNAPSHOT} or its loaded dict with a 'device_traces' list, got "
+            f"{type(trace).__name__}{' without a device_traces list' if isinstance(trace, dict) else ''} "
+            "(record with torch.cuda.memory._record_memory_history first)"
         )
     return trace
 
 
 def _device_events(snapshot, device):
     traces = snapshot["device_traces"]
-    if not isinstance(device, int) or not 0 <= device < len(traces):
+    if not isinstance(device, int) or isinstance(device, bool) or not 0 <= device < len(traces):
         raise ValueError(f"device must be an index into the trace's {len(traces)} device_traces, got {device!r}")
-    return traces[device]
+    events = traces[device]
+    if not isinstance(events, list) or not all(isinstance(event, dict) for event in events):
+        raise TraceError(f"trace's device_traces[{device}] must be a list of event dicts (PyTorch's snapshot "
+                         f"format), got {type(events).__name__}" + (" holding other things" if isinstance(
+                             events, list) else ""))
+    return events
 
 
 def trace_ops(events):
@@ -94,11 +146,14 @@ def trace_ops(events):
     """
     ops, slot_of, spare, live_bytes, peak = [], {}, [], 0, 0
     num_slots = 0
-    for event in events:
+    for index, event in enumerate(events):
         action = event.get("action")
         if action not in _REPLAY_ACTIONS:
             continue
-        addr, size, stream = event["addr"], event["size"], event.get("stream", 0)
+        addr, size, stream = event.get("addr"), event.get("size"), event.get("stream", 0)
+        if not all(isinstance(v, int) and v >= 0 for v in (addr, size, stream)):
+            raise TraceError(f"trace event {index} ({action}) needs non-negative int addr, size and stream, "
+                             f"got addr={addr!r}, size={size!r}, stream={stream!r}")
         if action == "alloc":
             if addr in slot_of:
                 raise ValueError(f"trace allocates address {addr:#x} twice without freeing it")
@@ -144,7 +199,7 @@ def _pool_config(policy="memkernels", **config):
 def _check_capacity(capacity):
     if capacity is None:
         return None
-    if not isinstance(capacity, int) or capacity <= 0:
+    if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity <= 0:
         raise ValueError(f"capacity must be a positive number of bytes or None (unlimited), got {capacity!r}")
     return capacity
 
@@ -195,8 +250,12 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
             ``policy='pytorch'`` to run PyTorch's rules in memkernels' pool engine.
 
     Returns a dict: peak_requested_bytes, peak_allocated_bytes, peak_reserved_bytes,
-    num_device_alloc, num_device_free, num_alloc_retries, num_ooms, ns_per_op (wall time of
-    the pool calls over the number of mallocs and frees), ops, and fragmentation at the end.
+    num_device_alloc, num_device_free, num_alloc_retries; num_ooms (allocations the device could
+    not hold: the trace did not fit ``capacity`` when it is above 0, and the peaks then describe
+    a different run than the recorded one); first_oom (None, or the first failed allocation as
+    a dict: ``request``, its 1-based number among the trace's allocations, ``size``, ``stream``,
+    and ``live_bytes``, what the trace had live just before it); ns_per_op (wall time of the
+    pool calls over the number of mallocs and frees) and ops.
     """
     if not isinstance(expandable_segments, bool):
         raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
@@ -204,10 +263,10 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
     config = dict(config, expandable_segments=expandable_segments)
     stats, run = _run_pool(ops, num_slots, device, capacity, config, simulated_device)
-    return _summary(stats, run)
+    return _summary(stats, run, ops)
 
 
-def _summary(stats, run):
+def _summary(stats, run, ops):
     return {
         "peak_requested_bytes": stats["requested_bytes"]["peak"],
         "peak_allocated_bytes": stats["allocated_bytes"]["peak"],
@@ -215,11 +274,28 @@ def _summary(stats, run):
         "num_device_alloc": stats["num_device_alloc"],
         "num_device_free": stats["num_device_free"],
         "num_alloc_retries": stats["num_alloc_retries"],
-        "num_ooms": stats["num_ooms"],
+        "num_ooms": run["failed_allocs"],
+        "first_oom": _failed_request(ops, run["first_failed_op"]),
         "ns_per_op": run["elapsed_ns"] / max(run["ops"], 1),
         "ops": run["ops"],
-        "fragmentation": stats["fragmentation"],
     }
+
+
+def _failed_request(ops, index):
+    """The allocation ``ops[index]`` as a dict: ``request`` (its 1-based number among the trace's
+    allocations), ``size`` and ``stream``, and ``live_bytes``: what the trace itself had live just
+    before it (independent of which earlier requests the policy could not serve). None for -1."""
+    if index < 0:
+        return None
+    sizes, live, request = {}, 0, 0
+    for slot, is_alloc, size, _ in ops[:index]:
+        if is_alloc:
+            sizes[slot], request = size, request + 1
+            live += size
+        else:
+            live -= sizes.pop(slot, 0)
+    _, _, size, stream = ops[index]
+    return {"request": request + 1, "size": size, "stream": stream, "live_bytes": live}
 
 
 # ---------------------------------------------------------------------- PyTorch's policy
@@ -229,7 +305,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
     """Replay through the model of PyTorch's caching allocator (:mod:`memkernels._torch_policy`).
 
     ``expandable_segments=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
-    Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
+    Returns the keys of :func:`replay` (without ns_per_op and ops: the model is Python) plus
     ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order.
     """
     if not isinstance(expandable_segments, bool):
@@ -240,12 +316,15 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
     slots = [None] * num_slots
     sizes = [0] * num_slots
     requested = peak_requested = 0
-    for slot, is_alloc, size, stream in ops:
+    first_failed_op = -1
+    for index, (slot, is_alloc, size, stream) in enumerate(ops):
         if is_alloc:
             try:
                 slots[slot] = model.malloc(size, stream)
             except ModelOutOfMemory:
                 slots[slot] = None
+                if first_failed_op < 0:
+                    first_failed_op = index
                 continue
             sizes[slot] = size
             requested += size
@@ -262,6 +341,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
         "num_device_free": model.num_device_free,
         "num_alloc_retries": model.num_alloc_retries,
         "num_ooms": model.num_ooms,
+        "first_oom": _failed_request(ops, first_failed_op),
         "segment_sizes": model.map_calls if expandable_segments else model.segment_sizes,
     }
 
@@ -286,7 +366,9 @@ def segment_match(trace, *, device=0):
     while recording started mid-run, so it may take segments the trace already held.
     """
     snapshot = load_trace(trace)
-    recorded = [e["size"] for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
+    recorded = [e.get("size") for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
+    if not all(isinstance(size, int) for size in recorded):
+        raise TraceError("trace has a segment_alloc event without an int size")
     if not recorded:
         return None
     modeled = replay_pytorch_model(snapshot, device=device)["segment_sizes"]
@@ -318,15 +400,17 @@ def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False
     """
     if not isinstance(expandable_segments, bool):
         raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
+    if not isinstance(repeats, int) or isinstance(repeats, bool) or repeats <= 0:
+        raise ValueError(f"repeats must be a positive int (replays for the ns/op median), got {repeats!r}")
     snapshot = load_trace(trace)
     capacity_bytes = _check_capacity(capacity)
     ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
     config = dict(config, expandable_segments=expandable_segments)
     runs = [
-        _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(max(1, repeats))
+        _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(repeats)
     ]
-    memkernels = _summary(*runs[0])
-    memkernels["ns_per_op"] = statistics.median(_summary(*r)["ns_per_op"] for r in runs)
+    memkernels = _summary(*runs[0], ops)
+    memkernels["ns_per_op"] = statistics.median(run["elapsed_ns"] / max(run["ops"], 1) for _, run in runs)
     return {
         "pytorch": replay_pytorch_model(
             snapshot, device=device, capacity=capacity, expandable_segments=expandable_segments
@@ -335,6 +419,7 @@ def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False
         "ideal_peak_bytes": peak_live,
         "segment_match": segment_match(snapshot, device=device),
         "ops": len(ops),
+        "requests": sum(1 for op in ops if op[1]),
     }
 
 
@@ -342,13 +427,33 @@ def _ratio(result, ideal):
     return result["peak_reserved_bytes"] / ideal if ideal else float("nan")
 
 
-def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulated_device=False, file=None, **config):
+def _fit_text(result, requests, capacity):
+    """Whether one policy's replay fit ``capacity``; for a run that did not, how many requests
+    failed and the first of them."""
+    first = result["first_oom"]
+    if first is None:
+        return f"fits in {_bytes_text(capacity)} (peak reserved {_bytes_text(result['peak_reserved_bytes'])})"
+    return (
+        f"does NOT fit in {_bytes_text(capacity)}: {result['num_ooms']:,} of {requests:,} requests failed; the "
+        f"first is request {first['request']:,} ({_bytes_text(first['size'])} on stream {first['stream']}, with "
+        f"{_bytes_text(first['live_bytes'])} live before it)"
+    )
+
+
+def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulated_device=False, file=None,
+                       on_error=None, **config):
     """Print PyTorch's policy vs memkernels vs ideal for each trace (and each device in it).
 
-    ``device=None`` replays every device that has events. Returns the list of rows printed
-    (dicts from :func:`compare` plus ``trace`` and ``device``).
+    ``device=None`` replays every device that has events. Under a ``capacity``, a line per policy
+    says whether the trace fit, how many requests failed and the first that did; a run that did
+    not fit prints ``OOM`` instead of its ratio (its peaks are those of a different run).
+    ``on_error``: None raises for a trace that cannot be read; else it is called with the
+    message (naming the file) and the trace is skipped. Returns the list of rows printed (dicts
+    from :func:`compare` plus ``trace`` and ``device``).
     """
     out = file if file is not None else sys.stdout
+    if isinstance(traces, (str, os.PathLike, dict)):  # one trace, not an iterable of them
+        traces = [traces]
     header = (
         f"{'trace':<38} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
         f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'segment_alloc match (in order / any order)'}"
@@ -357,39 +462,60 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
     print("-" * len(header), file=out)
     rows = []
     for path in traces:
-        snapshot = load_trace(path)
-        name = os.path.basename(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else "<dict>"
-        devices = range(len(snapshot["device_traces"])) if device is None else [device]
-        for d in devices:
-            if device is None and not any(e.get("action") == "alloc" for e in snapshot["device_traces"][d]):
-                continue
-            row = compare(
-                snapshot, device=d, capacity=capacity, repeats=repeats, simulated_device=simulated_device, **config
-            )
-            row.update(trace=name, device=d)
-            rows.append(row)
-            ideal = row["ideal_peak_bytes"]
-            match = row["segment_match"]
-            match_text = (
-                "no segment events in trace"
-                if match is None
-                else f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
-                f" (model took {match['model_segments']})"
-            )
-            print(
-                f"{name[:38]:<38} {d:>3} {_bytes_text(ideal):>11} | {_ratio(row['pytorch'], ideal):>7.3f} "
-                f"{row['pytorch']['num_device_alloc']:>9} | {_ratio(row['memkernels'], ideal):>10.3f} "
-                f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
-                file=out,
-            )
+        try:
+            rows += _print_replay_rows(path, device, capacity, repeats, simulated_device, config, out)
+        except (TraceError, FileNotFoundError) as error:
+            if on_error is None:
+                raise
+            on_error(str(error))
     where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
     print(
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
         f"ns/op: memkernels' pool, median of runs, on {where}."
         + (" Expandable segments in both columns; dev.alloc counts page mappings." if config.get(
-            "expandable_segments") else ""),
+            "expandable_segments") else "")
+        + (f" OOM: the trace did not fit the {_bytes_text(capacity)} capacity (see the lines under it)."
+           if capacity is not None else ""),
         file=out,
     )
+    return rows
+
+
+def _print_replay_rows(path, device, capacity, repeats, simulated_device, config, out):
+    snapshot = load_trace(path)
+    name = os.path.basename(os.fspath(path)) if isinstance(path, (str, os.PathLike)) else "<dict>"
+    count = len(snapshot["device_traces"])
+    if device is not None and not 0 <= device < count:
+        raise TraceError(f"trace {name!r} records {count} device(s) (device_traces); device {device} is not one")
+    devices = range(count) if device is None else [device]
+    rows = []
+    for d in devices:
+        if device is None and not any(e.get("action") == "alloc" for e in _device_events(snapshot, d)):
+            continue
+        row = compare(
+            snapshot, device=d, capacity=capacity, repeats=repeats, simulated_device=simulated_device, **config
+        )
+        row.update(trace=name, device=d)
+        rows.append(row)
+        ideal = row["ideal_peak_bytes"]
+        match = row["segment_match"]
+        match_text = (
+            "no segment events in trace"
+            if match is None
+            else f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
+            f" (model took {match['model_segments']})"
+        )
+        ratios = [f"{_ratio(row[policy], ideal):.3f}" if row[policy]["num_ooms"] == 0 else "OOM"
+                  for policy in ("pytorch", "memkernels")]
+        print(
+            f"{name[:38]:<38} {d:>3} {_bytes_text(ideal):>11} | {ratios[0]:>7} "
+            f"{row['pytorch']['num_device_alloc']:>9} | {ratios[1]:>10} "
+            f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
+            file=out,
+        )
+        if capacity is not None:
+            for label, policy in (("PyTorch", "pytorch"), ("memkernels", "memkernels")):
+                print(f"    {label}: {_fit_text(row[policy], row['requests'], capacity)}", file=out)
     return rows
 
 
@@ -537,7 +663,18 @@ def stats(device=None):
 
 
 def memory_summary(device=None):
-    """A readable table of :func:`stats`, with a warning when fragmentation is high."""
+    """A readable table of :func:`stats`, with a warning when fragmentation is high.
+
+    On a machine without CUDA (and no pool installed on the simulated device) it returns the
+    plain message of :func:`memkernels.memory_summary` instead of raising.
+    """
+    if _C().installed_device_pool() is None:
+        import torch
+
+        if not torch.cuda.is_available():
+            from memkernels.profile import NO_CUDA_MESSAGE
+
+            return NO_CUDA_MESSAGE
     index = _device_index(device)
     return format_memory_summary(_installed().stats(index), index)
 

@@ -18,29 +18,43 @@ itself in ``_SUBCOMMANDS``.
 """
 import argparse
 import copy
-import re
+import os
 import sys
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+from memkernels.tools.sizes import MEMORY_FORMS, SizeError, format_size, parse_device_size
 
 
-def parse_bytes(text):
-    """'80GB' → 80e9 bytes, '80GiB' → 80·2³⁰; a bare number means GB."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", str(text), re.I)
-    if not match:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GB, 79.6GiB or 24000MiB")
-    return int(float(match.group(1)) * _UNITS[(match.group(2) or "gb").lower()])
+def _size_argument(parse, what):
+    """An argparse ``type`` from a :mod:`memkernels.tools.sizes` parser: SizeError becomes argparse's error."""
+    def parse_argument(text):
+        try:
+            return parse(text, what=what)
+        except SizeError as error:
+            raise argparse.ArgumentTypeError(error.detail) from None
+    return parse_argument
 
 
-def _positive(text):
+def _size_used(what, nbytes):
+    """The line that says which figure a size argument was read as."""
+    return f"{what}: {format_size(nbytes)} = {nbytes:,} bytes (K, M, G, T are powers of 2: G = GB = GiB = 2^30)"
+
+
+def _integer(text, minimum, what):
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be positive")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"{text} must be {what}")
     return value
+
+
+def _positive(text):
+    return _integer(text, 1, "positive")
+
+
+def _nonnegative(text):
+    return _integer(text, 0, "0 or more")
 
 
 def _progress(step, total, message):
@@ -50,6 +64,7 @@ def _progress(step, total, message):
 # ----------------------------------------------------------------------------- report
 
 REPORT_BATCH, REPORT_SEQ = 4, 256  # the embedded training step: tiny-gpt, 4 x 256 tokens
+ESTIMATE_BATCH, ESTIMATE_SEQ = 1, 8192  # the large-model estimate of report and estimate
 
 
 def _report_configurations(batch, seq, dtype, shard):
@@ -74,7 +89,14 @@ def run_report(args):
     from memkernels.models import TransformerLM, load_config, synthetic_batch
     from memkernels.profile import _table, compare_steps, format_bytes
 
-    load_config(args.model)  # a bad --model fails now, not after the training step
+    load_config(args.model)  # a bad --model or --out fails now, not after the training step
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(out_dir):
+        raise ValueError(f"--out {args.out!r}: " + ("is a directory; name the PNG file to write, e.g. "
+                         f"{os.path.join(args.out, 'memkernels-report.png')!r}" if os.path.isdir(args.out)
+                         else f"its directory {out_dir!r} does not exist"))
+    if args.gpu_mem is not None:
+        print(_size_used("--gpu-mem", args.gpu_mem))
     total = 4
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _progress(1, total, f"building the embedded model (tiny-gpt) on {device}")
@@ -94,7 +116,9 @@ def run_report(args):
     try:
         from memkernels.patch import apply
         optimized = copy.deepcopy(baseline)
-        patch_report = apply(optimized)
+        # measure=False: the step below measures the saved bytes of this very step; apply()'s own
+        # figure (a meta forward of another token count) would be a second, different percentage.
+        patch_report = apply(optimized, measure=False)
     except (ImportError, RuntimeError) as error:
         failure = f"memkernels kernels unavailable: {error}"
     if failure is None:
@@ -103,6 +127,7 @@ def run_report(args):
         print()
         print(comparison.step_table())
         print()
+        print(f"bytes saved for backward by this training step ({REPORT_BATCH} x {REPORT_SEQ} tokens), by category:")
         print(comparison.category_table())
     else:
         print(f"ERROR: {failure}")
@@ -147,6 +172,8 @@ def run_estimate(args):
 
     options = {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
                "shard_degree": args.shard}
+    if args.gpu_mem is not None:
+        print(_size_used("--gpu-mem", args.gpu_mem))
     result = estimate(args.model, checkpointing=args.checkpointing, offload=args.offload,
                       use_memkernels=args.memkernels, **options)
     print(result.table())
@@ -184,12 +211,13 @@ def _add_report(subparsers):
         description="One training step of the embedded tiny-gpt model, eager vs memkernels, then a per-GPU "
         "estimate of --model across configurations (fp32, mixed precision, checkpointing, offload, memkernels).")
     report.add_argument("--model", default="llama-3-8b", help=f"model to estimate: {models} or a config.json path")
-    report.add_argument("--batch", type=_positive, default=1, help="per-GPU micro-batch of the estimate")
-    report.add_argument("--seq", type=_positive, default=8192, help="sequence length of the estimate")
+    report.add_argument("--batch", type=_positive, default=ESTIMATE_BATCH, help="per-GPU micro-batch of the estimate")
+    report.add_argument("--seq", type=_positive, default=ESTIMATE_SEQ, help="sequence length of the estimate")
     report.add_argument("--dtype", choices=[d for d in DTYPES if d != "fp32"], default="bf16",
                         help="mixed precision of the estimate's configurations")
     report.add_argument("--shard", type=_positive, default=8, help="FSDP/ZeRO-3 shard degree of the estimate")
-    report.add_argument("--gpu-mem", type=parse_bytes, default=None, help="draw a capacity line, e.g. 80GB")
+    report.add_argument("--gpu-mem", type=_size_argument(parse_device_size, "--gpu-mem"), default=None,
+                        help=f"draw a capacity line: {MEMORY_FORMS}")
     report.add_argument("--out", default="memkernels-report.png", help="path of the PNG chart")
     report.set_defaults(run=run_report)
 
@@ -200,13 +228,16 @@ def _add_estimate(subparsers):
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if name != "tiny-gpt")
     est = subparsers.add_parser("estimate", help="per-GPU memory of a training run, and what makes it fit")
-    est.add_argument("--model", required=True, help=f"{models} or a Hugging Face config.json path")
-    est.add_argument("--batch", type=_positive, required=True, help="per-GPU micro-batch")
-    est.add_argument("--seq", type=_positive, required=True, help="sequence length")
+    est.add_argument("--model", required=True, 
+                     help=f"{models} (any case), a Hugging Face config.json path or a model directory holding one")
+    est.add_argument("--batch", type=_positive, default=ESTIMATE_BATCH,
+                     help=f"per-GPU micro-batch (default {ESTIMATE_BATCH})")
+    est.add_argument("--seq", type=_positive, default=ESTIMATE_SEQ, help=f"sequence length (default {ESTIMATE_SEQ})")
     est.add_argument("--dtype", choices=list(DTYPES), default="bf16")
     est.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
     est.add_argument("--shard", type=_positive, default=1, help="FSDP/ZeRO-3 shard degree")
-    est.add_argument("--gpu-mem", type=parse_bytes, default=None, help="GPU capacity, e.g. 80GB or 79.6GiB")
+    est.add_argument("--gpu-mem", type=_size_argument(parse_device_size, "--gpu-mem"), default=None,
+                     help=f"GPU capacity: {MEMORY_FORMS}")
     est.add_argument("--checkpointing", action="store_true")
     est.add_argument("--offload", action="store_true")
     est.add_argument("--memkernels", action="store_true", help="estimate with memkernels.apply()'d kernels")
@@ -221,10 +252,14 @@ def _add_replay(subparsers):
         "allocator and through memkernels' pool (virtual addresses, no GPU needed), and print peak "
         "reserved / peak requested and device allocations side by side.",
     )
-    parser.add_argument("traces", nargs="+", metavar="TRACE", help="snapshot pickle(s)")
-    parser.add_argument("--device", type=int, default=None, help="replay only this device (default: every device)")
-    parser.add_argument("--capacity", type=int, default=None, help="device memory in bytes (default: unlimited)")
-    parser.add_argument("--repeats", type=int, default=5, help="replays per trace for the ns/op median")
+    parser.add_argument("traces", nargs="+", metavar="TRACE",
+                        help="snapshot pickle(s), or directories: every *.pickle in them")
+    parser.add_argument("--device", type=_nonnegative, default=None,
+                        help="replay only this device (default: every device)")
+    parser.add_argument("--capacity", type=_size_argument(parse_device_size, "--capacity"), default=None,
+                        help=f"device memory (default: unlimited): {MEMORY_FORMS}. Says per policy whether "
+                        "the trace fit, how many requests failed and the first that did")
+    parser.add_argument("--repeats", type=_positive, default=5, help="replays per trace for the ns/op median")
     parser.add_argument(
         "--simulated-device",
         action="store_true",
@@ -237,16 +272,29 @@ def _add_replay(subparsers):
     )
 
     def run(args):
-        from memkernels.allocator import print_replay_table
+        from memkernels.allocator import print_replay_table, trace_files
+
+        if args.capacity is not None:
+            print(_size_used("--capacity", args.capacity))
+        unreadable = []
+
+        def report_unreadable(message):
+            unreadable.append(message)
+            print(f"memkernels replay: error: {message}", file=sys.stderr, flush=True)
 
         print_replay_table(
-            args.traces,
+            trace_files(args.traces),
+            on_error=report_unreadable,
             device=args.device,
             capacity=args.capacity,
             repeats=args.repeats,
             simulated_device=args.simulated_device,
             expandable_segments=args.expandable_segments,
         )
+        if unreadable:
+            print(f"memkernels replay: {len(unreadable)} trace(s) could not be read (see the errors above)",
+                  file=sys.stderr)
+            return 1
         return 0
 
     parser.set_defaults(run=run)
@@ -290,7 +338,10 @@ _SUBCOMMANDS = [_add_report, _add_estimate, _add_replay, _add_explain]
 
 
 def main(argv=None):
+    from memkernels import __version__
+
     parser = argparse.ArgumentParser(prog="memkernels", description="memkernels: measure, then save GPU memory.")
+    parser.add_argument("--version", action="version", version=f"memkernels {__version__}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in _SUBCOMMANDS:
         add(subparsers)

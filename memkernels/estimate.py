@@ -368,7 +368,7 @@ def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
     if gpu_bytes:
         ax.axhline(gpu_bytes / gib, color="black", linestyle="--", linewidth=1.2, zorder=4)
         ax.text(len(estimates) - 0.5, gpu_bytes / gib,
-                f"GPU: {gpu_bytes / 1e9:.0f} GB = {gpu_bytes / gib:.1f} GiB ", va="bottom", ha="right", zorder=5)
+                f"GPU: {gpu_bytes / gib:.1f} GiB ", va="bottom", ha="right", zorder=5)
     ax.set_ylabel("memory per GPU (GiB)")
     ax.set_title(title or "memory per GPU by configuration")
     ax.legend(loc="upper right", fontsize=9)

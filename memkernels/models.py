@@ -133,6 +133,11 @@ def _from_hf_dict(cfg, name):
             norm="layernorm", norm_eps=cfg.get("layer_norm_epsilon", 1e-5), mlp=_GELU_ACTS.get(act, "gelu_tanh"),
             position="learned", tie_embeddings=cfg.get("tie_word_embeddings", True), bias=True)
     if model_type in ("llama", "mistral", "qwen2", "gemma"):
+        missing = [key for key in ("num_attention_heads", "vocab_size", "hidden_size", "num_hidden_layers",
+                                   "intermediate_size") if key not in cfg]
+        if missing:
+            raise ValueError(f"load_config: the {model_type} config {name!r} lacks {', '.join(missing)}; a "
+                             "Hugging Face config.json of this family has them")
         heads = cfg["num_attention_heads"]
         act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
         gemma = model_type == "gemma"
@@ -150,23 +155,38 @@ def _from_hf_dict(cfg, name):
                      f"{', '.join(BUILTIN_CONFIGS)})")
 
 
+def _file_kind(error):
+    if isinstance(error, UnicodeDecodeError):
+        return f"a binary file (byte {error.object[error.start]:#04x} at offset {error.start} is not UTF-8 text)"
+    return f"text that is not valid JSON ({error})"
+
+
 def load_config(spec):
     """A :class:`ModelConfig` from a built-in name, a HF config (object or dict) or a config.json path."""
     if isinstance(spec, ModelConfig):
         return spec
     if isinstance(spec, str):
-        if spec in BUILTIN_CONFIGS:
-            return BUILTIN_CONFIGS[spec]
+        if spec.lower() in BUILTIN_CONFIGS:  # names as people type them: Llama-3-8B, GPT2
+            return BUILTIN_CONFIGS[spec.lower()]
+        if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
+            spec = os.path.join(spec, "config.json")  # a Hugging Face model directory
         if spec.endswith(".json") or os.path.sep in spec:
             if not os.path.isfile(spec):
                 raise ValueError(f"load_config: {spec!r} is not a file; pass a config.json path or a built-in "
                                  f"name ({', '.join(BUILTIN_CONFIGS)})")
-            with open(spec) as handle:
+            with open(spec, "rb") as handle:
                 try:
-                    data = json.load(handle)
-                except json.JSONDecodeError as error:
-                    raise ValueError(f"load_config: {spec!r} is not valid JSON ({error})") from None
-            return _from_hf_dict(data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec)
+                    data = json.loads(handle.read().decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as error:
+                    raise ValueError(f"load_config: {spec!r} is not a Hugging Face config.json (a JSON object "
+                                     f"of the model's hyperparameters) but {_file_kind(error)}") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"load_config: {spec!r} holds a JSON {type(data).__name__}; a Hugging Face "
+                                 "config.json is a JSON object of the model's hyperparameters")
+            try:
+                return _from_hf_dict(data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec)
+            except ValueError as error:
+                raise ValueError(f"{error} (read from {spec!r})") from None
         raise ValueError(f"load_config: unknown model {spec!r}; use a built-in name ({', '.join(BUILTIN_CONFIGS)}) "
                          "or the path of a Hugging Face config.json")
     if isinstance(spec, dict):

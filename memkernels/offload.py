@@ -21,7 +21,9 @@ Where it runs:
   (``cudaStreamWaitEvent``), with no host synchronization in forward or
   backward. *Unverified*: no GPU was available where this was written.
 * **Plain CPU** (no simulator, no CUDA): a documented no-op. The context
-  manager installs no hooks and ``stats()["enabled"]`` is False.
+  manager installs no hooks and ``stats()["enabled"]`` is False. The first
+  instance of the process warns (RuntimeWarning) and says why: a CPU-only torch
+  build, or no visible CUDA device.
 
 What is not offloaded (kept where it is, counted in ``stats()["kept_by_reason"]``):
 parameters and buffers of any module called inside the block, recognised by
@@ -95,6 +97,24 @@ def no_offload():
         yield
     finally:
         _local.no_offload -= 1
+
+
+_warned_disabled = False
+
+
+def _warn_disabled_once():
+    """A CPU-only torch installed by mistake would otherwise turn offload off without a word."""
+    global _warned_disabled
+    if _warned_disabled:
+        return
+    _warned_disabled = True
+    if torch.version.cuda is None and torch.version.hip is None:
+        why = (f"this torch ({torch.__version__}) is a CPU-only build; install a CUDA build of torch "
+               "(see the README's install section) to offload on a GPU")
+    else:
+        why = "torch.cuda.is_available() is False: no CUDA device or driver is visible to this process"
+    warnings.warn(f"memkernels.OffloadActivations is disabled (a no-op): {why}. Set MEMKERNELS_DEVICE=sim to "
+                  "exercise it on the simulated device.", RuntimeWarning, stacklevel=4)
 
 
 def _nonnegative_int(name, value, allow_none=False):
@@ -321,6 +341,7 @@ class OffloadActivations:
             return "sim", torch.device("cpu")
         if torch.cuda.is_available():
             return "cuda", torch.device("cuda", torch.cuda.current_device())
+        _warn_disabled_once()
         return None, None
 
     def _reset_block_state(self):

@@ -20,22 +20,19 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.tools.sizes import format_size as format_bytes  # "1.50 KiB"; the name profile's callers use
 
 __all__ = ["memory_summary", "MemorySummary", "activation_ledger", "ActivationLedger", "evaluate",
            "EvaluationResult", "format_bytes", "CATEGORIES"]
 
 FRAGMENTATION_WARNING = 0.30
+# What memory_summary() says without CUDA (memkernels.allocator.memory_summary() says the same).
+NO_CUDA_MESSAGE = ("memory_summary: no CUDA device on this machine (torch.cuda.is_available() is False), so there "
+                   "is no device memory to summarize. activation_ledger(), evaluate() and estimate() work on the "
+                   "CPU and meta device.")
 CATEGORIES = ("embedding", "norm", "attention", "mlp", "logits/loss", "other")
 
 
-def format_bytes(nbytes):
-    """``1536`` → ``'1.50 KiB'`` (binary units)."""
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _table(header, rows):
@@ -137,9 +134,7 @@ def memory_summary(device=None):
             return MemorySummary(parsed, False, f"memory_summary: {parsed} is not a CUDA device; device memory "
                                  "is summarized for CUDA only (use activation_ledger or evaluate on the CPU).")
     if not torch.cuda.is_available():
-        return MemorySummary(device, False, "memory_summary: no CUDA device on this machine "
-                             "(torch.cuda.is_available() is False), so there is no device memory to summarize. "
-                             "activation_ledger(), evaluate() and estimate() work on the CPU and meta device.")
+        return MemorySummary(device, False, NO_CUDA_MESSAGE)
     index = torch.device("cuda", device).index if isinstance(device, int) else torch.cuda._utils._get_device_index(
         device, optional=True)
     if not 0 <= index < torch.cuda.device_count():

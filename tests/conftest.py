@@ -89,7 +89,36 @@ def _bf16_rounding_shim(original, interpreter, tl):
     return cast_impl
 
 
-if os.environ.get("TRITON_INTERPRET") == "1":
+# The shims above replace methods of triton's interpreter as these versions define them; on
+# another version they could miss or break it, and the kernels' tests would judge the interpreter.
+INTERPRETER_SHIM_TRITON = ("3.9.",)
+
+
+def interpreter_triton_problem(version):
+    """Why the interpreter tests cannot run with triton ``version``, or None when they can."""
+    if version.startswith(INTERPRETER_SHIM_TRITON):
+        return None
+    return (f"the tests run Triton kernels through the interpreter (no GPU here), and tests/conftest.py's shims "
+            f"of it are written for triton {' or '.join(v + 'x' for v in INTERPRETER_SHIM_TRITON)}; this "
+            f"environment has triton {version}. Install a supported one: pip install triton==3.9.0")
+
+
+def _installed_triton_version():
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def pytest_configure(config):
+    version = _installed_triton_version() if os.environ.get("TRITON_INTERPRET") == "1" else None
+    problem = version and interpreter_triton_problem(version)
+    if problem:
+        raise pytest.UsageError(problem)
+
+
+if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_triton_problem(_installed_triton_version() or ""):
     _patch_interpreter_builder("create_dot", _bf16_dot_shim)
     _patch_interpreter_builder("cast_impl", _bf16_rounding_shim)
 

@@ -8,6 +8,7 @@ import pickle
 import re
 
 import pytest
+from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C
 from memkernels import allocator
@@ -16,14 +17,6 @@ from memkernels._torch_policy import TorchPolicyModel
 pytestmark = pytest.mark.cpp
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-TRACE_DIR = next(
-    (d for d in (os.path.join(os.path.dirname(__file__), "..", up, "shared", "traces") for up in ("..", "../.."))
-     if os.path.isdir(d)),
-    None,
-)
-TRACES = sorted(os.listdir(TRACE_DIR)) if TRACE_DIR else []
-TRACES = [t for t in TRACES if t.endswith(".pickle")]
-needs_traces = pytest.mark.skipif(not TRACES, reason="../shared/traces not found next to the repository")
 
 
 def make_pool(capacity=8 * GiB, events=None, policy="memkernels", **config):
@@ -445,8 +438,122 @@ def test_bad_pool_options_name_the_option(option, message):
 def test_trace_files_cannot_run_code(tmp_path):
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [], "x": os.getcwd}))  # a global reference
-    with pytest.raises(pickle.UnpicklingError, match="never imports code"):
+    with pytest.raises(allocator.TraceError, match="evil.pickle.*never imports code"):
         allocator.load_trace(str(path))
+
+
+def test_unreadable_trace_files_raise_a_trace_error_naming_the_file(tmp_path):
+    empty = tmp_path / "empty.pickle"
+    empty.write_bytes(b"")
+    truncated = tmp_path / "truncated.pickle"
+    truncated.write_bytes(pickle.dumps(_synthetic_trace())[:100])
+    memo = tmp_path / "memo.pickle"
+    memo.write_bytes(b"\x80\x04h\x05.")  # a memo reference to nothing: "Memo value not found"
+    listed = tmp_path / "list.pickle"
+    listed.write_bytes(pickle.dumps([1, 2]))
+    for path, says in ((empty, "the file is empty"), (truncated, "is not a torch.cuda.memory._dump_snapshot"),
+                       (memo, "is not a torch.cuda.memory._dump_snapshot"), (listed, "got list"),
+                       (tmp_path, "is a directory")):
+        with pytest.raises(allocator.TraceError, match=re.escape(repr(str(path))) + ".*" + re.escape(says)):
+            allocator.load_trace(str(path))
+    with pytest.raises(FileNotFoundError, match="no such file"):
+        allocator.load_trace(str(tmp_path / "missing.pickle"))
+    bad_event = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5, "stream": 0}]]}
+    with pytest.raises(allocator.TraceError, match="trace event 0 .alloc. needs non-negative int"):
+        allocator.replay(bad_event)
+    alloc = {"action": "alloc", "addr": 1, "size": 10, "stream": 0}
+    for events, says in (([1, alloc], "must be a list of event dicts"), ("abc", "must be a list of event dicts"),
+                         ([{"action": "segment_alloc"}, alloc], "segment_alloc event without an int size")):
+        with pytest.raises(allocator.TraceError, match=says):
+            allocator.compare({"segments": [], "device_traces": [events]}, repeats=1)
+
+
+def test_trace_tests_say_why_they_skip_and_where_traces_may_live(tmp_path, monkeypatch):
+    """A clone has no ../shared/traces: the tests that need traces skip naming what is missing and
+    how to provide it; MEMKERNELS_TRACE_DIR points them at a directory anywhere."""
+    import importlib.util
+    import shutil
+
+    helper = os.path.join(os.path.dirname(__file__), "recorded_traces.py")
+    clone = tmp_path / "clone" / "tests"
+    clone.mkdir(parents=True)
+    shutil.copy(helper, clone)
+
+    def load():
+        spec = importlib.util.spec_from_file_location("recorded_traces_copy", clone / "recorded_traces.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    monkeypatch.delenv("MEMKERNELS_TRACE_DIR", raising=False)
+    alone = load()
+    assert alone.TRACES == [] and alone.needs_traces.args == (True,)
+    reason = alone.needs_traces.kwargs["reason"]
+    assert "not in the repository" in reason and "MEMKERNELS_TRACE_DIR" in reason and "README" in reason
+    traces = tmp_path / "my traces"
+    traces.mkdir()
+    (traces / "step.pickle").write_bytes(pickle.dumps(_synthetic_trace()))
+    monkeypatch.setenv("MEMKERNELS_TRACE_DIR", str(traces))
+    found = load()
+    assert found.TRACE_DIR == str(traces) and found.TRACES == ["step.pickle"] and found.needs_traces.args == (False,)
+
+
+def test_replay_arguments_of_the_wrong_type_or_range_are_refused():
+    trace = _synthetic_trace()
+    for capacity in (True, 0, -1, 1.5, "4GB"):
+        with pytest.raises(ValueError, match="capacity must be a positive number of bytes"):
+            allocator.replay(trace, capacity=capacity)
+    for repeats in (0, -1, "3", True):
+        with pytest.raises(ValueError, match="repeats must be a positive int"):
+            allocator.compare(trace, repeats=repeats)
+
+
+def test_print_replay_table_takes_one_trace_as_well_as_a_list(tmp_path):
+    path = tmp_path / "one.pickle"
+    path.write_bytes(pickle.dumps(_synthetic_trace()))
+    out = io.StringIO()
+    rows = allocator.print_replay_table(str(path), repeats=1, file=out)
+    assert [row["trace"] for row in rows] == ["one.pickle"] and "one.pickle" in out.getvalue()
+
+
+def test_trace_files_expands_directories(tmp_path):
+    for name in ("b.pickle", "a.pickle", "notes.txt"):
+        (tmp_path / name).write_bytes(b"")
+    assert allocator.trace_files(str(tmp_path)) == [str(tmp_path / "a.pickle"), str(tmp_path / "b.pickle")]
+    assert allocator.trace_files([str(tmp_path / "notes.txt")]) == [str(tmp_path / "notes.txt")]
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(allocator.TraceError, match="has no \\*.pickle files"):
+        allocator.trace_files([str(tmp_path / "empty")])
+    with pytest.raises(FileNotFoundError):
+        allocator.trace_files([str(tmp_path / "missing")])
+
+
+def _capacity_trace():
+    """Live bytes reach 768 MiB, then request 3 (512 MiB) cannot fit 1 GiB; request 4 fits again."""
+    sizes = (512, 256, 512, 256)
+    events = [{"action": "alloc", "addr": i + 1, "size": n * MiB, "stream": 0} for i, n in enumerate(sizes)]
+    events.insert(3, {"action": "free_completed", "addr": 1, "size": 0, "stream": 0})
+    return {"segments": [], "device_traces": [events]}
+
+
+@pytest.mark.parametrize("replay", [allocator.replay, allocator.replay_pytorch_model])
+def test_replay_under_a_capacity_counts_failed_requests_and_names_the_first(replay):
+    result = replay(_capacity_trace(), capacity=GiB)
+    assert result["num_ooms"] == 1
+    assert result["first_oom"] == {"request": 3, "size": 512 * MiB, "stream": 0, "live_bytes": 768 * MiB}
+    fits = replay(_capacity_trace(), capacity=2 * GiB)
+    assert fits["num_ooms"] == 0 and fits["first_oom"] is None
+
+
+def test_replay_results_hold_the_documented_keys_and_no_end_state_fragmentation():
+    """``fragmentation`` (the pool's state after the last event, undocumented) was dropped: both
+    replays return the keys their docstrings list."""
+    documented = {"peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "num_device_alloc",
+                  "num_device_free", "num_alloc_retries", "num_ooms", "first_oom"}
+    assert set(allocator.replay(_synthetic_trace())) == documented | {"ns_per_op", "ops"}
+    assert set(allocator.replay_pytorch_model(_synthetic_trace())) == documented | {"segment_sizes"}
+    for key in documented | {"ns_per_op", "ops"}:
+        assert key in allocator.replay.__doc__
 
 
 def test_pytorch_preset_in_the_pool_matches_the_python_model_on_a_synthetic_trace():

@@ -200,7 +200,7 @@ def test_cli_replay_on_the_simulated_device(tmp_path, capsys):
               {"action": "free_completed", "addr": 1, "size": 3 * MiB, "stream": 0}]
     path = tmp_path / "trace.pickle"
     path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
-    assert main(["replay", str(path), "--simulated-device", "--repeats", "1", "--capacity", str(4 * GiB)]) == 0
+    assert main(["replay", str(path), "--simulated-device", "--repeats", "1", "--capacity", "4GiB"]) == 0
     assert "on the simulated CUDA device" in capsys.readouterr().out
     assert sim.counters()["cudaMalloc"] >= 2
 

@@ -5,6 +5,7 @@ import os
 
 import pytest
 from conftest import simulated_device
+from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C, allocator, device
 from memkernels.device import sim
@@ -13,13 +14,6 @@ pytestmark = pytest.mark.cpp
 
 MiB, GiB = 1 << 20, 1 << 30
 PAGE = 2 * MiB
-TRACE_DIR = next(
-    (d for d in (os.path.join(os.path.dirname(__file__), "..", up, "shared", "traces") for up in ("..", "../.."))
-     if os.path.isdir(d)),
-    None,
-)
-TRACES = sorted(t for t in os.listdir(TRACE_DIR) if t.endswith(".pickle")) if TRACE_DIR else []
-needs_traces = pytest.mark.skipif(not TRACES, reason="../shared/traces not found next to the repository")
 
 
 def make_pool(capacity=8 * GiB, events=None, **config):

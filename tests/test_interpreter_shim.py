@@ -46,3 +46,20 @@ def test_interpreter_rounds_bf16_to_nearest():
     expected = x.to(torch.bfloat16)
     assert torch.equal(y.view(torch.int16), expected.view(torch.int16)) or (
         torch.isnan(y[6]) and torch.equal(y[:6], expected[:6]) and torch.equal(y[7:], expected[7:]))
+
+
+@pytest.mark.parametrize("version", ["3.7.1", "3.10.0", "2.3.1"])
+def test_the_suite_refuses_a_triton_its_interpreter_shims_were_not_written_for(version):
+    """torch 2.13.0's CUDA wheels pin triton 3.7.1; the shims patch 3.9's interpreter."""
+    from conftest import interpreter_triton_problem
+
+    problem = interpreter_triton_problem(version)
+    assert f"triton {version}" in problem and "written for triton 3.9.x" in problem
+    assert "pip install triton==3.9.0" in problem
+
+
+def test_the_installed_triton_is_one_the_shims_were_written_for():
+    from conftest import interpreter_triton_problem
+
+    assert interpreter_triton_problem("3.9.0") is None
+    assert interpreter_triton_problem(triton.__version__) is None

@@ -577,11 +577,15 @@ def test_saved_tensor_after_close_raises_clearly(offload):
         y.backward()
 
 
-def test_plain_cpu_is_a_no_op():
-    # A fresh interpreter without the simulator and without CUDA.
+def test_plain_cpu_is_a_no_op_that_warns_once_naming_why():
+    # A fresh interpreter without the simulator and without CUDA, every warning shown: a CPU-only torch
+    # installed by mistake used to turn offload off without a word.
     code = (
-        "import torch, memkernels\n"
-        "m = memkernels.OffloadActivations(min_offload_bytes=0)\n"
+        "import warnings, torch, memkernels\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    m = memkernels.OffloadActivations(min_offload_bytes=0)\n"
+        "    memkernels.OffloadActivations()\n"
         "x = torch.randn(10, requires_grad=True)\n"
         "with m:\n"
         "    x2 = x * 2\n"
@@ -591,12 +595,20 @@ def test_plain_cpu_is_a_no_op():
         "s = m.stats()\n"
         "assert not m.enabled and s['enabled'] is False and s['bytes_offloaded'] == 0 and s['mode'] is None, s\n"
         "assert memkernels.device.is_locked() is False\n"
-        "print('ok')\n"
+        "assert len(caught) == 1, [str(w.message) for w in caught]\n"
+        "assert caught[0].category is RuntimeWarning and caught[0].filename == '<string>'\n"
+        "print(caught[0].message)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "MEMKERNELS_DEVICE"}
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
-    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert result.returncode == 0, result.stderr
+    message = result.stdout
+    assert message.startswith("memkernels.OffloadActivations is disabled (a no-op): ")
+    if torch.version.cuda is None and torch.version.hip is None:
+        assert f"this torch ({torch.__version__}) is a CPU-only build" in message
+    else:
+        assert "torch.cuda.is_available() is False" in message
 
 
 def test_exports():

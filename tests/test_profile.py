@@ -30,6 +30,19 @@ def test_memory_summary_without_cuda_says_so():
     assert summary.to_dict()["available"] is False
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
+def test_allocator_memory_summary_without_cuda_gives_the_same_message():
+    """The README spells it memkernels.allocator.memory_summary(); it raised a raw CudaError listing library
+    paths. A fresh interpreter: no pool installed on the simulated device by another test."""
+    code = ("import memkernels, memkernels.allocator as mka\n"
+            "assert mka.memory_summary() == str(memkernels.memory_summary()), mka.memory_summary()\n"
+            "print(mka.memory_summary())\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "MEMKERNELS_DEVICE"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("memory_summary: no CUDA device on this machine")
+
+
 def test_memory_summary_on_cpu_device_explains_and_bad_device_raises():
     summary = memory_summary("cpu")
     assert not summary.available and "not a CUDA device" in summary.message

@@ -240,6 +240,17 @@ def test_bad_input_names_the_argument(backend, call, error, words):
         assert word in str(raised.value)
 
 
+@pytest.mark.parametrize("normalized_shape", [-1, 0, (8, -2), "8", 8.0, True])
+def test_module_refuses_a_normalized_shape_that_is_not_positive_ints(normalized_shape):
+    """FusedRMSNorm(-1) raised torch's "negative dimension" from inside nn.Parameter, and ("8") a TypeError of
+    torch.empty; 0 built a module that failed only at its first forward."""
+    from memkernels.nn import FusedLayerNorm, FusedRMSNorm
+
+    for module in (FusedRMSNorm, FusedLayerNorm):
+        with pytest.raises(ValueError, match=f"{module.__name__}: normalized_shape=.* must be a positive int"):
+            module(normalized_shape)
+
+
 def test_zero_rows_give_empty_results(backend):
     """Documented: an input with no rows returns an empty y (and empty gradients)."""
     x = torch.randn(0, 3, 64, requires_grad=True)

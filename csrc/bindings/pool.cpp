@@ -253,6 +253,7 @@ void bind_pool(py::module_& m) {
             py::dict d;
             d["ops"] = r.ops;
             d["failed_allocs"] = r.failed_allocs;
+            d["first_failed_op"] = r.first_failed_op;
             d["elapsed_ns"] = r.elapsed_ns;
             return d;
           },

@@ -47,7 +47,7 @@ ReplayResult replay(DevicePool& pool, const std::vector<ReplayOp>& ops, std::siz
         slots[op.slot] = pool.malloc(op.size, op.stream);
       } catch (const out_of_memory&) {
         slots[op.slot] = 0;
-        ++result.failed_allocs;
+        if (result.failed_allocs++ == 0) result.first_failed_op = result.ops;
       }
     } else if (slots[op.slot] != 0) {
       pool.free(slots[op.slot]);

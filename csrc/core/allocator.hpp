@@ -42,6 +42,7 @@ struct ReplayOp {
 struct ReplayResult {
   std::int64_t ops = 0;
   std::int64_t failed_allocs = 0;
+  std::int64_t first_failed_op = -1;  // index into ops of the first failed allocation; -1: none failed
   double elapsed_ns = 0.0;
 };
 

@@ -24,7 +24,11 @@ class _FusedNorm(nn.Module):
         super().__init__()
         if isinstance(normalized_shape, numbers.Integral):
             normalized_shape = (normalized_shape,)
-        self.normalized_shape = tuple(normalized_shape)
+        if not isinstance(normalized_shape, (tuple, list, torch.Size)) or not all(
+                isinstance(n, numbers.Integral) and not isinstance(n, bool) and n > 0 for n in normalized_shape):
+            raise ValueError(f"{type(self).__name__}: normalized_shape={normalized_shape!r} must be a positive int "
+                             "or a tuple of positive ints (the trailing dims of x to normalize over)")
+        self.normalized_shape = tuple(int(n) for n in normalized_shape)
         self.eps = eps
         self.elementwise_affine = elementwise_affine
         self.offset = offset

@@ -12,8 +12,11 @@ import re
 
 _MEMORY_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
-_MEMORY_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt])(?:i?b)?\s*", re.I)
-_COUNT_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgbt]?)\s*", re.I)
+# The sign is matched so that "-1G" is told it must be positive, not that it lacks a unit.
+_MEMORY_RE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt])(?:i?b)?\s*", re.I)
+_COUNT_RE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgbt]?)\s*", re.I)
+# Far above any memory or count anyone means; keeps "1e999G" (float inf) out of int().
+_LARGEST = 2.0**80
 
 MEMORY_FORMS = "80GB, 80GiB, 80G (all 80·2³⁰ bytes), 79.6GiB or 24000MiB"
 
@@ -23,7 +26,14 @@ MAX_DEVICE_BYTES = 2 * 2**40
 
 
 class SizeError(ValueError):
-    """A size that cannot be read; the message names the argument and the accepted forms."""
+    """A size that cannot be read; the message names the argument and the accepted forms.
+
+    ``what`` is the argument's name and ``detail`` the message without it (argparse adds its own).
+    """
+
+    def __init__(self, what, detail):
+        super().__init__(f"{what}: {detail}")
+        self.what, self.detail = what, detail
 
 
 def parse_size(text, *, what="size"):
@@ -33,10 +43,13 @@ def parse_size(text, *, what="size"):
     """
     match = _MEMORY_RE.fullmatch(str(text))
     if not match:
-        raise SizeError(f"{what}: {text!r} is not a memory size with a unit; write e.g. {MEMORY_FORMS}")
-    nbytes = int(round(float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()]))
+        raise SizeError(what, f"{text!r} is not a memory size with a unit; write e.g. {MEMORY_FORMS}")
+    value = float(match.group(1)) * _MEMORY_UNITS[match.group(2).lower()]
+    if value > _LARGEST:
+        raise SizeError(what, f"{text!r} is larger than any memory; write e.g. {MEMORY_FORMS}")
+    nbytes = int(round(value))
     if nbytes <= 0:
-        raise SizeError(f"{what}: {text!r} must be positive")
+        raise SizeError(what, f"{text!r} must be positive; write e.g. {MEMORY_FORMS}")
     return nbytes
 
 
@@ -44,8 +57,8 @@ def parse_device_size(text, *, what="--gpu-mem"):
     """:func:`parse_size`, refusing figures no single GPU has (below 1 GiB or above 2 TiB)."""
     nbytes = parse_size(text, what=what)
     if not MIN_DEVICE_BYTES <= nbytes <= MAX_DEVICE_BYTES:
-        raise SizeError(f"{what}: {text!r} is {format_size(nbytes)}, outside what one GPU has "
-                        f"(1 GiB to 2 TiB); write e.g. {MEMORY_FORMS}")
+        raise SizeError(what, f"{text!r} is {format_size(nbytes)}, outside what one GPU has "
+                              f"(1 GiB to 2 TiB); write e.g. {MEMORY_FORMS}")
     return nbytes
 
 
@@ -53,10 +66,12 @@ def parse_count(text, *, what="count"):
     """``'4M'`` → ``4000000``; ``'2k'`` → ``2000``; a plain integer is taken as it is."""
     match = _COUNT_RE.fullmatch(str(text))
     if not match:
-        raise SizeError(f"{what}: {text!r} is not a count; write e.g. 4M, 500k or 4000000")
+        raise SizeError(what, f"{text!r} is not a count; write e.g. 4M, 500k or 4000000")
     value = float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()]
+    if value > _LARGEST:
+        raise SizeError(what, f"{text!r} is too large a count; write e.g. 4M, 500k or 4000000")
     if value <= 0 or value != int(value):
-        raise SizeError(f"{what}: {text!r} must be a positive whole number")
+        raise SizeError(what, f"{text!r} must be a positive whole number")
     return int(value)
 
 
