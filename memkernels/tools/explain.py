@@ -27,7 +27,7 @@ import os
 import pickle
 
 from memkernels._torch_policy import round_size
-from memkernels.allocator import _run_pool, _summary, load_trace, replay_pytorch_model, trace_ops
+from memkernels.allocator import TraceError, _run_pool, _summary, load_trace, replay_pytorch_model, trace_ops
 from memkernels.tools.sizes import format_size
 
 __all__ = ["explain", "Explanation", "load_snapshot", "user_frame", "demand_events", "counterfactuals"]
@@ -49,7 +49,6 @@ _HOW = {
 _LIBRARY_MARKERS = ("site-packages", "dist-packages", "/lib/python3", "\\lib\\python3", "<frozen ")
 _TORCH_MARKERS = ("/torch/", "\\torch\\")
 _SEGMENT_GROWTH = {"segment_alloc": 1, "segment_map": 1, "segment_free": -1, "segment_unmap": -1}
-_OOM_FAKE_ADDR = -1  # the failing request never got an address
 
 
 # ---------------------------------------------------------------------- loading
@@ -69,6 +68,10 @@ def load_snapshot(path_or_dict):
         snapshot = load_trace(path_or_dict)
     except FileNotFoundError:
         raise
+    except TraceError as error:  # already one line naming the file
+        if "memkernels loads only plain-data" in str(error):  # the data-only unpickler's refusal
+            raise ValueError(f"{name}: refused: {_one_line(error)}") from None
+        raise ValueError(_one_line(error)) from None
     except OSError as error:
         raise ValueError(f"{name}: cannot be read ({_one_line(error)})") from None
     except MemoryError:  # a corrupt length field asks for more than any machine has
@@ -266,7 +269,9 @@ def _replay_events(events, stop, live_before, oom_size):
     replay = [{"action": "alloc", "addr": a.addr, "size": a.size, "stream": 0} for a in live_before.values()]
     replay += [e for e in events[:stop] if e["action"] in ("alloc", "free_completed")]
     if oom_size is not None:
-        replay.append({"action": "alloc", "addr": _OOM_FAKE_ADDR, "size": oom_size, "stream": 0})
+        # The failing request never got an address: give it one no live block can hold.
+        unused_addr = 1 + max((e["addr"] for e in replay), default=0)
+        replay.append({"action": "alloc", "addr": unused_addr, "size": oom_size, "stream": 0})
     return replay
 
 
@@ -292,7 +297,7 @@ def counterfactuals(events, capacity):
         def run(cap):
             if policy.startswith("pytorch"):
                 return replay_pytorch_model(snapshot, capacity=cap, expandable_segments=expandable)
-            return _summary(*_run_pool(ops, num_slots, 0, cap, {"expandable_segments": expandable}))
+            return _summary(*_run_pool(ops, num_slots, 0, cap, {"expandable_segments": expandable}), ops)
 
         unlimited = run(None)
         capped = unlimited if capacity is None else run(capacity)
