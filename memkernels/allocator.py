@@ -505,10 +505,147 @@ def install(**config):
         )
     C = _C()
     pool = C.install_device_pool(_pool_config(**config))
+    _raise_torch_out_of_memory_error(torch)
+    _avoid_record_stream(torch)
     plugin = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, C.DEVICE_POOL_ALLOC_SYMBOL, C.DEVICE_POOL_FREE_SYMBOL)
     torch.cuda.memory.change_current_allocator(plugin)
     _plugin = plugin
     return pool
+
+
+# ProcessGroupNCCL reads this when a process group is created: set, it keeps references to a
+# collective's tensors until the user's stream has waited for it instead of calling the
+# allocator's recordStream, which a pluggable allocator cannot receive from C++.
+NCCL_AVOID_RECORD_STREAMS = "TORCH_NCCL_AVOID_RECORD_STREAMS"
+
+
+def _avoid_record_stream(torch):
+    """Keep blocks used on side streams safe under the pool (docs/allocator.md, "record_stream").
+
+    - ``Tensor.record_stream`` from Python (FSDP1, DataParallel, user code) is routed to the
+      pool's own record_stream: the block is not reused until those streams finished with it.
+    - C++ callers cannot be reached: ProcessGroupNCCL (DDP, FSDP) is told to stash references
+      instead (``TORCH_NCCL_AVOID_RECORD_STREAMS=1``), with a warning where that cannot hold.
+    """
+    import warnings
+
+    value = os.environ.get(NCCL_AVOID_RECORD_STREAMS)
+    if value is None:
+        os.environ[NCCL_AVOID_RECORD_STREAMS] = "1"
+    elif value.strip().lower() not in ("1", "true", "yes", "y", "on"):
+        warnings.warn(
+            f"memkernels.allocator.install(): {NCCL_AVOID_RECORD_STREAMS}={value} makes NCCL process groups "
+            "call the allocator's recordStream, which does nothing under a pluggable allocator: a tensor "
+            "used by an asynchronous collective could be reused before the collective ends. Unset it or set "
+            "it to 1.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    distributed = getattr(torch, "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        warnings.warn(
+            "memkernels.allocator.install(): a torch.distributed process group already exists; NCCL groups "
+            f"created before install() did not see {NCCL_AVOID_RECORD_STREAMS}=1 and call recordStream, "
+            "which does nothing under a pluggable allocator. Call install() before init_process_group().",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if not getattr(torch.Tensor.record_stream, "_memkernels", False):
+        torch.Tensor.record_stream = _pool_record_stream(torch.Tensor.record_stream)
+
+
+def _pool_record_stream(original):
+    warned = []
+
+    def record_stream(tensor, stream):
+        if _plugin is not None and tensor.device.type == "cuda":
+            address = tensor.untyped_storage().data_ptr()
+            try:
+                _installed().record_stream(address, stream.cuda_stream, tensor.device.index)
+            except ValueError as error:  # memory the pool did not allocate (from_blob, DLPack)
+                if not warned:
+                    warned.append(True)
+                    import warnings
+
+                    warnings.warn(f"memkernels: record_stream on memory the pool does not own: {error}",
+                                  RuntimeWarning, stacklevel=2)
+        return original(tensor, stream)
+
+    record_stream._memkernels = True
+    record_stream.__doc__ = original.__doc__
+    return record_stream
+
+
+def _raise_torch_out_of_memory_error(torch):
+    """Make the pool's out of memory raise ``torch.OutOfMemoryError`` (else RuntimeError, with a warning).
+
+    The pool's entry point throws a real ``c10::OutOfMemoryError`` built by the libc10 torch has
+    loaded (csrc/cuda/torch_error.hpp); this hands it that library's path.
+    """
+    libc10 = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    reason = _C().use_torch_out_of_memory_error(libc10 if os.path.isfile(libc10) else "libc10.so")
+    if reason:
+        import warnings
+
+        warnings.warn(
+            f"memkernels.allocator.install(): out of memory under the pool raises RuntimeError instead of "
+            f"torch.OutOfMemoryError ({reason}). `except RuntimeError` catches both; "
+            "memkernels.allocator.is_out_of_memory(error) tells them apart.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def installed():
+    """True once :func:`install` has made the pool PyTorch's CUDA allocator in this process."""
+    return _plugin is not None
+
+
+def is_out_of_memory(error):
+    """True for an out-of-memory error from PyTorch's allocator or from memkernels' installed pool.
+
+    ``torch.OutOfMemoryError`` covers both where install() could resolve torch's type; otherwise
+    the pool's error reaches Python as a RuntimeError whose message starts with
+    ``memkernels: out of memory``.
+    """
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and str(error).startswith("memkernels: out of memory")
+    )
+
+
+class CudaMemoryCounters:
+    """Allocated-bytes counters of the CUDA allocator in use: the installed pool's or PyTorch's.
+
+    ``torch.cuda.memory_allocated()`` and friends raise under a pluggable allocator, so every tool
+    reads memory through this. ``device``: index, or None for the current device.
+    """
+
+    def __init__(self, device=None):
+        self.device = device
+
+    def allocated(self):
+        if installed():
+            return stats(self.device)["allocated_bytes"]["current"]
+        import torch
+
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_allocated(self):
+        if installed():
+            return stats(self.device)["allocated_bytes"]["peak"]
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self):
+        if installed():
+            reset_peak_stats(self.device)
+        else:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
 
 
 def _installed():
