@@ -56,9 +56,9 @@ def test_segment_sizes():
     # PyTorch: 20 MiB below 10 MiB, else rounded up to 2 MiB.
     assert pytorch.segment_size(8192000) == 20 * MiB
     assert pytorch.segment_size(10 * MiB + 512) == 12 * MiB
-    # memkernels: k copies in the least wasteful 2 MiB-granular segment of at most 20 MiB:
-    # 8192000 B: 1 copy -> 8 MiB (2.3% waste), 2 -> 16 MiB (2.3%, more copies win the tie).
-    assert policy.segment_size(8192000) == 16 * MiB
+    # memkernels: k copies in the least wasteful 2 MiB-granular segment of at most 28 MiB:
+    # 8192000 B: 1 copy -> 8 MiB (2.3% waste), 2 -> 16 MiB, 3 -> 24 MiB (2.3% each, more copies win the tie).
+    assert policy.segment_size(8192000) == 24 * MiB
     # 2.5 MiB: 4 copies fill 10 MiB exactly, 8 copies fill 20 MiB exactly -> 20 MiB.
     assert policy.segment_size(2621440) == 20 * MiB
     assert policy.segment_size(10 * MiB + 512) == 12 * MiB
@@ -279,6 +279,27 @@ def test_release_before_growth_frees_idle_segments_instead_of_raising_the_peak()
     assert peak(release_before_growth=-1)["reserved_bytes"]["peak"] == 90 * MiB
     stats = peak(release_before_growth=0.0)
     assert stats["reserved_bytes"]["peak"] == 60 * MiB and stats["num_early_releases"] == 1
+
+
+def test_release_before_growth_releases_only_what_the_growth_needs():
+    """Idle segments the rest of a step reuses must stay: releasing them all cost a cudaMalloc each
+    when they were needed again (issue 18: 1.5-2.7x PyTorch's device allocations)."""
+    pool, _ = make_pool()
+    a, b, c, live, big = (pool.malloc(n * MiB) for n in (20, 30, 40, 100, 150))  # high-water mark 340 MiB
+    pool.free(big)
+    pool.empty_cache()
+    for address in (a, b, c):  # idle: 90 MiB in three segments, a the least recently used
+        pool.free(address)
+    pool.malloc(160 * MiB)  # 190 + 160 passes the mark by 10 MiB: 15 MiB with the headroom
+    stats = pool.stats()
+    assert stats["num_early_releases"] == 1 and stats["num_device_free"] == 2  # big, then a alone
+    assert {s["total_size"] for s in pool.segments()} == {30 * MiB, 40 * MiB, 100 * MiB, 160 * MiB}
+    assert stats["reserved_bytes"]["peak"] == 340 * MiB
+    pool.malloc(25 * MiB)  # served by the idle 30 MiB segment: no device allocation
+    assert pool.stats()["num_device_alloc"] == 6
+    pool.free(pool.malloc(200 * MiB))  # 330 + 200 passes it by 190 MiB: no single segment covers
+    assert pool.stats()["num_device_free"] == 3  # the largest idle one went (all there was)
+    pool.check_invariants()
 
 
 # ---------------------------------------------------------------------- statistics
