@@ -230,7 +230,8 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
 
     ``expandable_segments=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
     Returns the keys of :func:`replay` (without ns_per_op: the model is Python) plus
-    ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order.
+    ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order,
+    and ``final_segment_sizes``, the classic segments it still holds at the end.
     """
     if not isinstance(expandable_segments, bool):
         raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
@@ -263,6 +264,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
         "num_alloc_retries": model.num_alloc_retries,
         "num_ooms": model.num_ooms,
         "segment_sizes": model.map_calls if expandable_segments else model.segment_sizes,
+        "final_segment_sizes": [] if expandable_segments else sorted(model.live_segments.values()),
     }
 
 
@@ -276,33 +278,62 @@ def _longest_common_subsequence(a, b):
     return previous[-1]
 
 
-def segment_match(trace, *, device=0):
-    """How closely the PyTorch-policy model reproduces the trace's own ``segment_alloc`` sizes.
-
-    Returns None when the trace recorded no segment events, else a dict: ``trace_segments``
-    and ``model_segments`` (counts), ``in_order`` (fraction of the trace's segment sizes found
-    in the model's sequence in the same order: longest common subsequence / trace count) and
-    ``as_multiset`` (fraction found regardless of order). The model starts from an empty cache
-    while recording started mid-run, so it may take segments the trace already held.
-    """
-    snapshot = load_trace(trace)
-    recorded = [e["size"] for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
-    if not recorded:
-        return None
-    modeled = replay_pytorch_model(snapshot, device=device)["segment_sizes"]
+def _multiset_found(wanted, available):
+    """How many of ``wanted`` are in ``available``, each element of ``available`` used once."""
     remaining = {}
-    for size in modeled:
+    for size in available:
         remaining[size] = remaining.get(size, 0) + 1
     found = 0
-    for size in recorded:
+    for size in wanted:
         if remaining.get(size, 0) > 0:
             remaining[size] -= 1
             found += 1
+    return found
+
+
+def segment_match(trace, *, device=0):
+    """How closely the PyTorch-policy model reproduces the segments the trace recorded.
+
+    Three sources, the first the trace has:
+
+    - ``segment_alloc`` events (classic segments): the model's sizes against them, in order;
+    - ``segment_map`` events (recorded with expandable segments): the expandable model's mappings;
+    - else the ``segments`` the snapshot held when it was dumped (classic): the model's segments
+      at the end of the replay must all be among them (the snapshot may hold more, taken before
+      recording started).
+
+    Returns None when the trace has none of these, else a dict: ``source``, ``trace_segments``
+    and ``model_segments`` (counts), ``in_order`` (events only: fraction of the trace's sizes found
+    in the model's sequence in the same order, longest common subsequence / trace count; None for
+    the snapshot's segments) and ``as_multiset`` (events: fraction of the trace's sizes the model
+    also took; snapshot: fraction of the model's final segments found among the snapshot's).
+    The model starts from an empty cache while recording started mid-run, so it may take
+    segments the trace already held.
+    """
+    snapshot = load_trace(trace)
+    events = _device_events(snapshot, device)
+    for action, expandable in (("segment_alloc", False), ("segment_map", True)):
+        recorded = [e["size"] for e in events if e.get("action") == action]
+        if recorded:
+            modeled = replay_pytorch_model(snapshot, device=device, expandable_segments=expandable)["segment_sizes"]
+            return {
+                "source": f"{action} events",
+                "trace_segments": len(recorded),
+                "model_segments": len(modeled),
+                "in_order": _longest_common_subsequence(recorded, modeled) / len(recorded),
+                "as_multiset": _multiset_found(recorded, modeled) / len(recorded),
+            }
+    held = [s["total_size"] for s in snapshot.get("segments", [])
+            if s.get("device", 0) == device and not s.get("is_expandable", False)]
+    if not held:
+        return None
+    modeled = replay_pytorch_model(snapshot, device=device)["final_segment_sizes"]
     return {
-        "trace_segments": len(recorded),
+        "source": "segments held at the dump",
+        "trace_segments": len(held),
         "model_segments": len(modeled),
-        "in_order": _longest_common_subsequence(recorded, modeled) / len(recorded),
-        "as_multiset": found / len(recorded),
+        "in_order": None,
+        "as_multiset": _multiset_found(modeled, held) / len(modeled) if modeled else 1.0,
     }
 
 
@@ -351,7 +382,7 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
     out = file if file is not None else sys.stdout
     header = (
         f"{'trace':<38} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
-        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'segment_alloc match (in order / any order)'}"
+        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'model vs recorded segments (in order / any order)'}"
     )
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -370,18 +401,23 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
             rows.append(row)
             ideal = row["ideal_peak_bytes"]
             match = row["segment_match"]
-            match_text = (
-                "no segment events in trace"
-                if match is None
-                else f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
-                f" (model took {match['model_segments']})"
-            )
+            if match is None:
+                match_text = "nothing to check: no segment events, no segments in the snapshot"
+            elif match["in_order"] is None:
+                match_text = (f"model's {match['model_segments']} final segments: {match['as_multiset']:.1%} among "
+                              f"the {match['trace_segments']} held at the dump")
+            else:
+                match_text = (f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
+                              f" {match['source']} (model took {match['model_segments']})")
             print(
                 f"{name[:38]:<38} {d:>3} {_bytes_text(ideal):>11} | {_ratio(row['pytorch'], ideal):>7.3f} "
                 f"{row['pytorch']['num_device_alloc']:>9} | {_ratio(row['memkernels'], ideal):>10.3f} "
                 f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
                 file=out,
             )
+    unchecked = [f"{row['trace']} (device {row['device']})" for row in rows if row["segment_match"] is None]
+    print("model of PyTorch checked against recorded segments on every trace but: "
+          + (", ".join(unchecked) if unchecked else "none"), file=out)
     where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
     print(
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "

@@ -167,8 +167,16 @@ Block* DevicePool::find_free(PoolKind pool, StreamId stream, std::size_t rounded
   std::size_t largest = pool == PoolKind::large && !config_.expandable_segments
                             ? config_.policy.largest_block_for(rounded)
                             : SIZE_MAX;
+  // Expandable: as PyTorch's get_free_block, a block counts as the size it can grow to (itself
+  // and the unmapped space after it); from the smallest that fits, move on while the next one
+  // can grow to less. Blocks at the mapped frontier stay free to extend.
+  auto growable = [](const Block* b) {
+    return b->size + (b->next != nullptr && b->next->state == BlockState::unmapped ? b->next->size : 0);
+  };
   auto consider = [&](FreeSet& set) {
     auto it = set.lower_bound(&key);
+    if (it != set.end() && config_.expandable_segments)
+      for (auto next = std::next(it); next != set.end() && growable(*next) < growable(*it); ++next) it = next;
     if (it != set.end() && (*it)->size <= largest && (best == nullptr || BySizeAddr{}(*it, best))) best = *it;
   };
   for (auto& entry : free_[int(pool)].by_stream)
