@@ -56,16 +56,9 @@ def _trace_files(arguments):
     return files
 
 
-def synthetic_trace(seed, kind, steps=30, layers=24):
-    """A training-loop-shaped trace that played no part in tuning the policy.
-
-    Persistent parameters, then per step: a forward pass whose layers save activations and
-    free a temporary each, and a backward pass freeing them in reverse with a gradient-sized
-    temporary each. ``kind``: "growing" (the batch grows 10% of the first each step, as in a
-    batch-size ramp) or "random" (batch scale uniform in [0.5, 2])."""
-    rng = random.Random(seed)
+def _trace_writer():
+    """(events, alloc(size) -> address, free(address)): a device trace written call by call."""
     events, next_addr = [], [0]
-    mib = 1 << 20
 
     def alloc(size):
         next_addr[0] += 1
@@ -74,6 +67,20 @@ def synthetic_trace(seed, kind, steps=30, layers=24):
 
     def free(addr):
         events.append({"action": "free_completed", "addr": addr, "size": 0, "stream": 0})
+
+    return events, alloc, free
+
+
+def synthetic_trace(seed, kind, steps=30, layers=24):
+    """A training-loop-shaped trace that played no part in tuning the policy.
+
+    Persistent parameters, then per step: a forward pass whose layers save activations and
+    free a temporary each, and a backward pass freeing them in reverse with a gradient-sized
+    temporary each. ``kind``: "growing" (the batch grows 10% of the first each step, as in a
+    batch-size ramp) or "random" (batch scale uniform in [0.5, 2])."""
+    rng = random.Random(seed)
+    events, alloc, free = _trace_writer()
+    mib = 1 << 20
 
     for _ in range(40):
         alloc(rng.choice([4, 8, 16, 32, 64]) * mib)
@@ -98,16 +105,8 @@ def capacity_trace(seed, steps=24, layers=12):
     and shrink with the batch (a triangle wave, 0.35x to 1x every 8 steps) over ~40 GiB of
     persistent state; replayed on devices close to its peak live bytes."""
     rng = random.Random(seed)
-    events, next_addr = [], [0]
+    events, alloc, free = _trace_writer()
     gib = 1 << 30
-
-    def alloc(size):
-        next_addr[0] += 1
-        events.append({"action": "alloc", "addr": next_addr[0], "size": size, "stream": 0})
-        return next_addr[0]
-
-    def free(addr):
-        events.append({"action": "free_completed", "addr": addr, "size": 0, "stream": 0})
 
     for _ in range(30):
         alloc(int(rng.uniform(0.5, 1.5) * gib))
