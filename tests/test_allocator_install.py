@@ -15,6 +15,16 @@ import pluggable_standin
 from memkernels import _C, allocator
 
 
+@pytest.fixture(autouse=True)
+def process_state(monkeypatch):
+    """What install() changes for the whole process, put back after each test."""
+    monkeypatch.setattr(allocator, "_plugin", allocator._plugin)
+    monkeypatch.setattr(torch.Tensor, "record_stream", torch.Tensor.record_stream)
+    monkeypatch.delenv(allocator.NCCL_AVOID_RECORD_STREAMS, raising=False)
+    yield
+    _C.forget_torch_out_of_memory_error()
+
+
 def test_install_refuses_a_torch_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.version, "cuda", None)
     with pytest.raises(RuntimeError, match="build without CUDA"):
@@ -80,11 +90,8 @@ def installed(monkeypatch, tmp_path_factory):
     monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", lambda *names: names)
     monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", lambda a: None)
     monkeypatch.setattr(allocator, "_plugin", None)
-    monkeypatch.setattr(torch.Tensor, "record_stream", torch.Tensor.record_stream)  # install() wraps it
-    monkeypatch.delenv(allocator.NCCL_AVOID_RECORD_STREAMS, raising=False)
     standin = pluggable_standin.load(str(tmp_path_factory.mktemp("standin")), torch=True)
     yield standin
-    _C.forget_torch_out_of_memory_error()
     sim.hold_events(False)
     pool = _C.installed_device_pool()
     for d in pool.devices():

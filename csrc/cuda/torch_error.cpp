@@ -74,7 +74,7 @@ void throw_out_of_memory(const std::string& message) {
   if (torch == nullptr) throw out_of_memory(message);
   void* object = __cxxabiv1::__cxa_allocate_exception(kTorchErrorBytes);
   try {
-    torch->construct(object, SourceLocation{"mk_pool_alloc", __FILE__, __LINE__}, message);
+    torch->construct(object, SourceLocation{"mk_pool_alloc", "memkernels/csrc/cuda/torch_error.cpp", __LINE__}, message);
   } catch (...) {
     __cxxabiv1::__cxa_free_exception(object);
     throw;
