@@ -77,6 +77,7 @@ class TorchPolicyModel:
         self._allocated = {}  # addr -> block
         self._next_addr = 1 << 40
         self.segment_sizes = []  # every segment_alloc, in order
+        self.live_segments = {}  # address -> size of the segments held now (classic)
         self.reserved = self.peak_reserved = 0
         self.allocated = self.peak_allocated = 0
         self.num_device_alloc = self.num_device_free = 0
@@ -99,12 +100,21 @@ class TorchPolicyModel:
         i = bisect.bisect_left(keys, (stream, size, -1))
         if i == len(keys) or keys[i][0] != stream:
             return None
-        block = self._free_blocks[keys[i]]
+        block = self._free_blocks[keys[self._best_fit(keys, i, stream)]]
         if size < self.max_split_size <= block.size:
             return None  # oversize blocks only serve oversize requests
         if size >= self.max_split_size and block.size >= size + LARGE_BUFFER:
             return None  # ... and only when they waste less than 20 MiB
         return block
+
+    def _best_fit(self, keys, i, stream):
+        """Index of the chosen free block, given the smallest one that fits (``keys[i]``)."""
+        return i
+
+    def _should_split(self, pool, rounded, remaining):
+        if pool == "small":
+            return remaining >= MIN_BLOCK_SIZE
+        return rounded < self.max_split_size and remaining > SMALL_SIZE
 
     # device -----------------------------------------------------------------------
     def _device_alloc(self, size):
@@ -116,10 +126,12 @@ class TorchPolicyModel:
         self.peak_reserved = max(self.peak_reserved, self.reserved)
         self.num_device_alloc += 1
         self.segment_sizes.append(size)
+        self.live_segments[addr] = size
         return addr
 
     def _release_segment(self, block):
         self._remove_free(block)
+        del self.live_segments[block.addr]
         self.reserved -= block.size
         self.num_device_free += 1
 
@@ -144,9 +156,7 @@ class TorchPolicyModel:
         else:
             block = self._new_segment(pool, stream, rounded, size)
         remaining = block.size - rounded
-        split = remaining >= MIN_BLOCK_SIZE if pool == "small" else (
-            rounded < self.max_split_size and remaining > SMALL_SIZE)
-        if split:
+        if self._should_split(pool, rounded, remaining):
             rest = _Block(block.addr + rounded, remaining, stream, pool, block.segment_addr)
             rest.prev, rest.next = block, block.next
             if block.next is not None:
@@ -202,9 +212,17 @@ class TorchExpandablePolicyModel(TorchPolicyModel):
 
     The rules modeled, from ``CUDACachingAllocator.cpp``: each (stream, pool) has one segment, a
     virtual address range that physical pages are mapped into on demand, 2 MiB pages for the
-    small pool and 20 MiB (``kLargeBuffer``) for the large one. Rounding, pools, best fit and the
-    split rules are those of :class:`TorchPolicyModel`. A request no free block serves maps the
-    pages it lacks at the lowest-address unmapped block of its segment, counting the free block
+    small pool and 20 MiB (``kLargeBuffer``) for the large one. Rounding and pools are those of
+    :class:`TorchPolicyModel`; two rules differ there:
+
+    * ``should_split``: with expandable segments every remainder of at least 512 bytes is split
+      off, in the large pool too (the classic large pool keeps remainders up to 1 MiB attached);
+    * ``get_free_block``: for best fit an expandable block counts as the size it can grow to (its
+      own plus the unmapped block right after it): from the smallest block that fits, the search
+      moves on while the next block of the stream can grow to less.
+
+    A request no free block serves maps the pages it lacks (the rounded request, not the classic
+    segment size) at the lowest-address unmapped block of its segment, counting the free block
     just before it. Free pages are unmapped only when the cache is released (``empty_cache``, or
     the device refusing pages: release, then retry once). ``num_device_alloc`` /
     ``num_device_free`` count map / unmap calls (``segment_map`` / ``segment_unmap``).
@@ -217,6 +235,19 @@ class TorchExpandablePolicyModel(TorchPolicyModel):
         super().__init__(capacity=capacity)
         self._segments = {}  # (stream, pool) -> head block
         self.map_calls = []  # bytes of every map, in order
+
+    def _should_split(self, pool, rounded, remaining):
+        return remaining >= MIN_BLOCK_SIZE
+
+    def _best_fit(self, keys, i, stream):
+        def growable(block):
+            after = block.next
+            return block.size + (after.size if after is not None and not after.mapped else 0)
+
+        while (i + 1 < len(keys) and keys[i + 1][0] == stream
+               and growable(self._free_blocks[keys[i + 1]]) < growable(self._free_blocks[keys[i]])):
+            i += 1
+        return i
 
     def _new_segment(self, pool, stream, rounded, requested):
         head = self._segments.get((stream, pool))

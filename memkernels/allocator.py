@@ -306,7 +306,8 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
 
     ``expandable_segments=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
     Returns the keys of :func:`replay` (without ns_per_op and ops: the model is Python) plus
-    ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order.
+    ``segment_sizes``, every segment it took from the device (expandable: every mapping), in order,
+    and ``final_segment_sizes``, the classic segments it still holds at the end.
     """
     if not isinstance(expandable_segments, bool):
         raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
@@ -343,6 +344,7 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
         "num_ooms": model.num_ooms,
         "first_oom": _failed_request(ops, first_failed_op),
         "segment_sizes": model.map_calls if expandable_segments else model.segment_sizes,
+        "final_segment_sizes": [] if expandable_segments else sorted(model.live_segments.values()),
     }
 
 
@@ -356,35 +358,64 @@ def _longest_common_subsequence(a, b):
     return previous[-1]
 
 
-def segment_match(trace, *, device=0):
-    """How closely the PyTorch-policy model reproduces the trace's own ``segment_alloc`` sizes.
-
-    Returns None when the trace recorded no segment events, else a dict: ``trace_segments``
-    and ``model_segments`` (counts), ``in_order`` (fraction of the trace's segment sizes found
-    in the model's sequence in the same order: longest common subsequence / trace count) and
-    ``as_multiset`` (fraction found regardless of order). The model starts from an empty cache
-    while recording started mid-run, so it may take segments the trace already held.
-    """
-    snapshot = load_trace(trace)
-    recorded = [e.get("size") for e in _device_events(snapshot, device) if e.get("action") == "segment_alloc"]
-    if not all(isinstance(size, int) for size in recorded):
-        raise TraceError("trace has a segment_alloc event without an int size")
-    if not recorded:
-        return None
-    modeled = replay_pytorch_model(snapshot, device=device)["segment_sizes"]
+def _multiset_found(wanted, available):
+    """How many of ``wanted`` are in ``available``, each element of ``available`` used once."""
     remaining = {}
-    for size in modeled:
+    for size in available:
         remaining[size] = remaining.get(size, 0) + 1
     found = 0
-    for size in recorded:
+    for size in wanted:
         if remaining.get(size, 0) > 0:
             remaining[size] -= 1
             found += 1
+    return found
+
+
+def segment_match(trace, *, device=0):
+    """How closely the PyTorch-policy model reproduces the segments the trace recorded.
+
+    Three sources, the first the trace has:
+
+    - ``segment_alloc`` events (classic segments): the model's sizes against them, in order;
+    - ``segment_map`` events (recorded with expandable segments): the expandable model's mappings;
+    - else the ``segments`` the snapshot held when it was dumped (classic): the model's segments
+      at the end of the replay must all be among them (the snapshot may hold more, taken before
+      recording started).
+
+    Returns None when the trace has none of these, else a dict: ``source``, ``trace_segments``
+    and ``model_segments`` (counts), ``in_order`` (events only: fraction of the trace's sizes found
+    in the model's sequence in the same order, longest common subsequence / trace count; None for
+    the snapshot's segments) and ``as_multiset`` (events: fraction of the trace's sizes the model
+    also took; snapshot: fraction of the model's final segments found among the snapshot's).
+    The model starts from an empty cache while recording started mid-run, so it may take
+    segments the trace already held.
+    """
+    snapshot = load_trace(trace)
+    events = _device_events(snapshot, device)
+    for action, expandable in (("segment_alloc", False), ("segment_map", True)):
+        recorded = [e.get("size") for e in events if e.get("action") == action]
+        if not all(isinstance(size, int) for size in recorded):
+            raise TraceError(f"trace has a {action} event without an int size")
+        if recorded:
+            modeled = replay_pytorch_model(snapshot, device=device, expandable_segments=expandable)["segment_sizes"]
+            return {
+                "source": f"{action} events",
+                "trace_segments": len(recorded),
+                "model_segments": len(modeled),
+                "in_order": _longest_common_subsequence(recorded, modeled) / len(recorded),
+                "as_multiset": _multiset_found(recorded, modeled) / len(recorded),
+            }
+    held = [s["total_size"] for s in snapshot.get("segments", [])
+            if s.get("device", 0) == device and not s.get("is_expandable", False)]
+    if not held:
+        return None
+    modeled = replay_pytorch_model(snapshot, device=device)["final_segment_sizes"]
     return {
-        "trace_segments": len(recorded),
+        "source": "segments held at the dump",
+        "trace_segments": len(held),
         "model_segments": len(modeled),
-        "in_order": _longest_common_subsequence(recorded, modeled) / len(recorded),
-        "as_multiset": found / len(recorded),
+        "in_order": None,
+        "as_multiset": _multiset_found(modeled, held) / len(modeled) if modeled else 1.0,
     }
 
 
@@ -456,7 +487,7 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
         traces = [traces]
     header = (
         f"{'trace':<38} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
-        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'segment_alloc match (in order / any order)'}"
+        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'model vs recorded segments (in order / any order)'}"
     )
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -468,6 +499,9 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
             if on_error is None:
                 raise
             on_error(str(error))
+    unchecked = [f"{row['trace']} (device {row['device']})" for row in rows if row["segment_match"] is None]
+    print("model of PyTorch checked against recorded segments on every trace but: "
+          + (", ".join(unchecked) if unchecked else "none"), file=out)
     where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
     print(
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
@@ -499,12 +533,14 @@ def _print_replay_rows(path, device, capacity, repeats, simulated_device, config
         rows.append(row)
         ideal = row["ideal_peak_bytes"]
         match = row["segment_match"]
-        match_text = (
-            "no segment events in trace"
-            if match is None
-            else f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
-            f" (model took {match['model_segments']})"
-        )
+        if match is None:
+            match_text = "nothing to check: no segment events, no segments in the snapshot"
+        elif match["in_order"] is None:
+            match_text = (f"model's {match['model_segments']} final segments: {match['as_multiset']:.1%} among "
+                          f"the {match['trace_segments']} held at the dump")
+        else:
+            match_text = (f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
+                          f" {match['source']} (model took {match['model_segments']})")
         ratios = [f"{_ratio(row[policy], ideal):.3f}" if row[policy]["num_ooms"] == 0 else "OOM"
                   for policy in ("pytorch", "memkernels")]
         print(
@@ -631,10 +667,147 @@ def install(**config):
         )
     C = _C()
     pool = C.install_device_pool(_pool_config(**config))
+    _raise_torch_out_of_memory_error(torch)
+    _avoid_record_stream(torch)
     plugin = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, C.DEVICE_POOL_ALLOC_SYMBOL, C.DEVICE_POOL_FREE_SYMBOL)
     torch.cuda.memory.change_current_allocator(plugin)
     _plugin = plugin
     return pool
+
+
+# ProcessGroupNCCL reads this when a process group is created: set, it keeps references to a
+# collective's tensors until the user's stream has waited for it instead of calling the
+# allocator's recordStream, which a pluggable allocator cannot receive from C++.
+NCCL_AVOID_RECORD_STREAMS = "TORCH_NCCL_AVOID_RECORD_STREAMS"
+
+
+def _avoid_record_stream(torch):
+    """Keep blocks used on side streams safe under the pool (docs/allocator.md, "record_stream").
+
+    - ``Tensor.record_stream`` from Python (FSDP1, DataParallel, user code) is routed to the
+      pool's own record_stream: the block is not reused until those streams finished with it.
+    - C++ callers cannot be reached: ProcessGroupNCCL (DDP, FSDP) is told to stash references
+      instead (``TORCH_NCCL_AVOID_RECORD_STREAMS=1``), with a warning where that cannot hold.
+    """
+    import warnings
+
+    value = os.environ.get(NCCL_AVOID_RECORD_STREAMS)
+    if value is None:
+        os.environ[NCCL_AVOID_RECORD_STREAMS] = "1"
+    elif value.strip().lower() not in ("1", "true", "yes", "y", "on"):
+        warnings.warn(
+            f"memkernels.allocator.install(): {NCCL_AVOID_RECORD_STREAMS}={value} makes NCCL process groups "
+            "call the allocator's recordStream, which does nothing under a pluggable allocator: a tensor "
+            "used by an asynchronous collective could be reused before the collective ends. Unset it or set "
+            "it to 1.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    distributed = getattr(torch, "distributed", None)
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        warnings.warn(
+            "memkernels.allocator.install(): a torch.distributed process group already exists; NCCL groups "
+            f"created before install() did not see {NCCL_AVOID_RECORD_STREAMS}=1 and call recordStream, "
+            "which does nothing under a pluggable allocator. Call install() before init_process_group().",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    if not getattr(torch.Tensor.record_stream, "_memkernels", False):
+        torch.Tensor.record_stream = _pool_record_stream(torch.Tensor.record_stream)
+
+
+def _pool_record_stream(original):
+    warned = []
+
+    def record_stream(tensor, stream):
+        if _plugin is not None and tensor.device.type == "cuda":
+            address = tensor.untyped_storage().data_ptr()
+            try:
+                _installed().record_stream(address, stream.cuda_stream, tensor.device.index)
+            except ValueError as error:  # memory the pool did not allocate (from_blob, DLPack)
+                if not warned:
+                    warned.append(True)
+                    import warnings
+
+                    warnings.warn(f"memkernels: record_stream on memory the pool does not own: {error}",
+                                  RuntimeWarning, stacklevel=2)
+        return original(tensor, stream)
+
+    record_stream._memkernels = True
+    record_stream.__doc__ = original.__doc__
+    return record_stream
+
+
+def _raise_torch_out_of_memory_error(torch):
+    """Make the pool's out of memory raise ``torch.OutOfMemoryError`` (else RuntimeError, with a warning).
+
+    The pool's entry point throws a real ``c10::OutOfMemoryError`` built by the libc10 torch has
+    loaded (csrc/cuda/torch_error.hpp); this hands it that library's path.
+    """
+    libc10 = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
+    reason = _C().use_torch_out_of_memory_error(libc10 if os.path.isfile(libc10) else "libc10.so")
+    if reason:
+        import warnings
+
+        warnings.warn(
+            f"memkernels.allocator.install(): out of memory under the pool raises RuntimeError instead of "
+            f"torch.OutOfMemoryError ({reason}). `except RuntimeError` catches both; "
+            "memkernels.allocator.is_out_of_memory(error) tells them apart.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def installed():
+    """True once :func:`install` has made the pool PyTorch's CUDA allocator in this process."""
+    return _plugin is not None
+
+
+def is_out_of_memory(error):
+    """True for an out-of-memory error from PyTorch's allocator or from memkernels' installed pool.
+
+    ``torch.OutOfMemoryError`` covers both where install() could resolve torch's type; otherwise
+    the pool's error reaches Python as a RuntimeError whose message starts with
+    ``memkernels: out of memory``.
+    """
+    import torch
+
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and str(error).startswith("memkernels: out of memory")
+    )
+
+
+class CudaMemoryCounters:
+    """Allocated-bytes counters of the CUDA allocator in use: the installed pool's or PyTorch's.
+
+    ``torch.cuda.memory_allocated()`` and friends raise under a pluggable allocator, so every tool
+    reads memory through this. ``device``: index, or None for the current device.
+    """
+
+    def __init__(self, device=None):
+        self.device = device
+
+    def allocated(self):
+        if installed():
+            return stats(self.device)["allocated_bytes"]["current"]
+        import torch
+
+        return torch.cuda.memory_allocated(self.device)
+
+    def peak_allocated(self):
+        if installed():
+            return stats(self.device)["allocated_bytes"]["peak"]
+        import torch
+
+        return torch.cuda.max_memory_allocated(self.device)
+
+    def reset_peak(self):
+        if installed():
+            reset_peak_stats(self.device)
+        else:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(self.device)
 
 
 def _installed():

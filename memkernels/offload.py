@@ -149,7 +149,7 @@ class _Stash:
         self.state = self.DEFERRED
         self.source = storage        # the device storage, held until its D2H copy completed
         self.restored = None         # weakref to the restored storage
-        self.prefetched = None       # restored storage not yet handed to autograd
+        self.prefetched = None       # (restored storage not yet handed to autograd, its stream)
         self.storage_ref = weakref.ref(storage)
 
     def __del__(self):
@@ -224,7 +224,11 @@ class OffloadActivations:
         if not isinstance(offload_last_module, bool):
             raise ValueError(f"offload_last_module must be True or False, got {offload_last_module!r}")
         self.offload_last_module = offload_last_module
-        self._mode, self._device = self._resolve_mode()
+        self._mode = self._resolve_mode()
+        # The device is taken at the first __enter__ (the current one then), not here: a manager built
+        # before torch.cuda.set_device(rank) would otherwise serve cuda:0 on every rank.
+        self._device = torch.device("cpu") if self._mode == "sim" else None
+        self._warned_devices = set()
         self._engine = None
         self._final_engine_stats = None  # the engine's counters, kept after close()
         self._lock = threading.RLock()
@@ -236,6 +240,8 @@ class OffloadActivations:
         self._pending = collections.deque()  # stashes whose D2H copy may still run (they hold their source)
         self._live = weakref.WeakSet()   # every stash some autograd graph may still hold, all blocks
         self._prefetched_bytes = 0
+        self._orphans = []  # (storage, handle, stream) of retired prefetches: freed at an explicit point
+        self._refusals_seen = 0  # the pinned pool's cap refusals already answered with a trim
         self._drain_queued = False
         self._counts = {"bytes_offloaded": 0, "storages_offloaded": 0, "prefetch_hits": 0, "restores_on_demand": 0,
                         "restores_from_device": 0}
@@ -253,13 +259,25 @@ class OffloadActivations:
             raise RuntimeError("this OffloadActivations was closed; create a new one")
         if self._active:
             raise RuntimeError("OffloadActivations is already active; it cannot be nested in itself")
-        self._active = True
         if not self.enabled:
+            self._active = True
             return self
+        if self._mode == "cuda":
+            current = torch.device("cuda", torch.cuda.current_device())
+            if self._device is not None and current != self._device:
+                raise RuntimeError(
+                    f"this OffloadActivations serves {self._device} (the current device at its first block), but "
+                    f"{current} is current now; its copy streams live on one device: use one OffloadActivations "
+                    "per device (per rank)")
+            self._device = current
+        self._active = True
         if self._engine is None:
             from memkernels import _C
 
             self._engine = _C.offload.Engine(max_pinned_bytes=self.max_pinned_bytes)
+        with self._lock:
+            self._release_orphans()
+            self._trim_after_refusals()
         self._reset_block_state()
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_module_call)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -274,6 +292,7 @@ class OffloadActivations:
         self._module_hook.remove()
         self._hooks = self._module_hook = None
         with self._lock:
+            self._release_orphans()
             if exc_type is not None:
                 self._discard_block()
                 return False
@@ -287,12 +306,29 @@ class OffloadActivations:
         return False
 
     def wait_for_offloads(self):
-        """Block until every device-to-host copy issued so far completed, and free the device copies."""
+        """Block until every device-to-host copy issued so far completed, and free the device copies
+        (and the prefetched copies of graphs dropped unused)."""
         if self._engine is None:
             return
         with self._lock:
             self._engine.synchronize_all()
             self._drain()
+            self._release_orphans()
+
+    def empty_cache(self):
+        """Return the pinned host memory no saved tensor uses to the host (``cudaFreeHost``).
+
+        ``cudaFreeHost`` synchronizes the device, so the pool never does this by itself in the middle
+        of a step: it refuses what would cross ``max_pinned_bytes`` (the tensor stays on the device)
+        and trims at the next block's start. Call this outside the training step.
+        """
+        if self._active:
+            raise RuntimeError("empty_cache() inside the OffloadActivations block; leave the block first")
+        if self._engine is None or self._engine.closed:
+            return
+        with self._lock:
+            self._release_orphans()
+            self._engine.trim()
 
     def stats(self):
         """Counters since creation, as a dict.
@@ -338,11 +374,19 @@ class OffloadActivations:
         from memkernels import device
 
         if device.backend() == "sim":
-            return "sim", torch.device("cpu")
+            return "sim"
         if torch.cuda.is_available():
-            return "cuda", torch.device("cuda", torch.cuda.current_device())
+            return "cuda"
         _warn_disabled_once()
-        return None, None
+        return None
+
+    def _trim_after_refusals(self):
+        """At a block's start (outside the step): if the cap refused pinned memory since the last
+        trim, free the cached slabs nothing uses so that the right sizes fit this time."""
+        refusals = self._engine.stats()["pool"]["refusals"]
+        if refusals != self._refusals_seen:
+            self._refusals_seen = refusals
+            self._engine.trim()
 
     def _reset_block_state(self):
         self._by_storage = {}            # storage key -> weakref to its live stash (this block)
@@ -389,11 +433,12 @@ class OffloadActivations:
         """Why `tensor` stays on the device, or None; and its storage."""
         if getattr(_local, "no_offload", 0) > 0:
             return "no_offload", None
+        if tensor.device != self._device:
+            self._warn_other_device(tensor.device)
+            return "other_device", None
         if (type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided
                 or tensor.is_conj() or tensor.is_neg()):
             return "unsupported", None
-        if tensor.device != self._device:
-            return "other_device", None
         try:
             storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):  # e.g. functional or fake tensors
@@ -404,6 +449,18 @@ class OffloadActivations:
         if nbytes == 0 or nbytes < self.min_offload_bytes:
             return "small", storage
         return None, storage
+
+    def _warn_other_device(self, device):
+        if device.type != "cuda" or device in self._warned_devices:
+            return  # CPU tensors saved in a GPU model are not activations to offload
+        self._warned_devices.add(device)
+        warnings.warn(
+            f"memkernels.OffloadActivations handles {self._device} (the current device when the block was "
+            f"entered); tensors saved on {device} stay there. Call torch.cuda.set_device() for this process's GPU "
+            "before entering the block, or use one OffloadActivations per device.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _count_kept(self, reason, tensor, storage):
         key = (reason, _storage_key(storage) if storage is not None else id(tensor))
@@ -473,6 +530,7 @@ class OffloadActivations:
             self._drain_queued = False
             if self._engine is not None and not self._engine.closed:
                 self._drain()
+                self._release_orphans()
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -494,6 +552,7 @@ class OffloadActivations:
                     "OffloadActivations raised, or the manager was closed); run the forward pass again")
             if self._engine is not None and not self._engine.closed:
                 self._drain()
+                self._release_orphans()
                 self._drain_when_backward_ends()
             if stash.source is not None:  # deferred, kept, or its D2H copy still running
                 self._counts["restores_from_device"] += 1
@@ -502,7 +561,7 @@ class OffloadActivations:
             if storage is not None:
                 return storage
             if stash.prefetched is not None:
-                storage, stash.prefetched = stash.prefetched, None
+                (storage, _), stash.prefetched = stash.prefetched, None
                 self._prefetched_bytes -= stash.nbytes
                 self._counts["prefetch_hits"] += 1
             else:
@@ -514,9 +573,9 @@ class OffloadActivations:
             stash.restored = weakref.ref(storage)
             return storage
 
-    def _wait(self, handle):
+    def _wait(self, handle, stream=None):
         if self._mode == "cuda":
-            self._engine.wait(handle, self._stream())
+            self._engine.wait(handle, self._stream() if stream is None else stream)
         else:
             self._engine.synchronize(handle)  # CPU compute reads the bytes right after we return
 
@@ -534,22 +593,35 @@ class OffloadActivations:
             stream = self._stream() if stream is None else stream
             storage = self._new_device_storage(stash.nbytes)
             self._engine.prefetch(stash.handle, storage.data_ptr(), stream)
-            stash.prefetched = storage
+            stash.prefetched = (storage, stream)  # the stream the storage belongs to: its free waits there
             self._prefetched_bytes += stash.nbytes
 
     def _retire(self, stash):
-        """A stash nobody holds any more: give its pinned block back."""
+        """A stash nobody holds any more: give its pinned block back.
+
+        It runs from ``__del__``, in whichever thread collects garbage, so it makes no CUDA call for
+        a prefetch still in flight: that storage and its handle wait in ``_orphans`` for an explicit
+        point (an unpack, the end of backward, the next block, close()), which orders the free after
+        the copy on the stream the storage was allocated on."""
         with self._lock:
+            live = stash.state != _Stash.DISCARDED and not self._engine.closed
             if stash.prefetched is not None:
-                # Its copy may still be writing the storage: order the free after it.
-                if stash.state != _Stash.DISCARDED and not self._engine.closed:
-                    self._wait(stash.handle)
+                if live:
+                    storage, stream = stash.prefetched
+                    self._orphans.append((storage, stash.handle, stream))
                 stash.prefetched = None
                 self._prefetched_bytes -= stash.nbytes
-            if stash.handle and stash.state != _Stash.DISCARDED and not self._engine.closed:
+            elif stash.handle and live:
                 self._engine.release(stash.handle)
             stash.state = _Stash.DISCARDED
             stash.owner = None
+
+    def _release_orphans(self):
+        """Free retired prefetches: the storage's stream waits for the copy, then the handle goes."""
+        orphans, self._orphans = self._orphans, []  # holds the storages until every wait is issued
+        for _, handle, stream in orphans:
+            self._wait(handle, stream)
+            self._engine.release(handle)
 
     def _discard_block(self):
         """Drop everything this block offloaded (after an exception inside it)."""
@@ -557,6 +629,9 @@ class OffloadActivations:
 
     def _discard(self, stashes):
         self._engine.synchronize_all()  # no copy may still read a source or write a block
+        for _, handle, _ in self._orphans:
+            self._engine.release(handle)
+        self._orphans = []
         for stash in stashes:
             if stash is None or stash.state == _Stash.DISCARDED:
                 continue

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from memkernels import allocator
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.tools.sizes import format_size as format_bytes  # "1.50 KiB"; the name profile's callers use
 
@@ -387,16 +388,19 @@ class EvaluationResult:
 def _measure_step(step, batch, device_type):
     """(peak bytes above entry, seconds) of one call of ``step(batch)``; peak None on CUDA OOM."""
     if device_type == "cuda":
+        counters = allocator.CudaMemoryCounters()
         torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
+        base = counters.allocated()
+        counters.reset_peak()
         start = time.perf_counter()
         try:
             step(batch)
             torch.cuda.synchronize()
-        except torch.cuda.OutOfMemoryError:
+        except RuntimeError as error:
+            if not allocator.is_out_of_memory(error):
+                raise
             return None, time.perf_counter() - start
-        return torch.cuda.max_memory_allocated() - base, time.perf_counter() - start
+        return counters.peak_allocated() - base, time.perf_counter() - start
     with PeakBytesMeter() as meter:
         start = time.perf_counter()
         step(batch)
@@ -447,7 +451,8 @@ def evaluate(baseline_step, optimized_step, *, make_batch, budget_bytes, batch_s
     (forward, backward, optimizer) on ``batch = make_batch(n)`` (a tensor or a
     tuple of tensors of batch size ``n``). Peak bytes are the most memory the
     step allocates above what was live when it started (model and optimizer
-    state are not counted): ``torch.cuda.max_memory_allocated`` on CUDA, the
+    state are not counted): ``torch.cuda.max_memory_allocated`` on CUDA (the pool's own
+    statistics once :func:`memkernels.allocator.install` made it torch's allocator), the
     live-storage tracker :class:`~memkernels.meters.PeakBytesMeter` elsewhere.
     Step time is the best of ``repeats`` runs at ``batch_size`` (after one warm-up).
     ``max_batch``: upper limit of the search (the search doubles from 1, then bisects).

@@ -1,11 +1,12 @@
 """The pool over the device function table, driven by the simulated device: segments from
 cudaMalloc, ordering from cudaEvents on real (simulated) streams, the OOM / fail-Nth / cap
 paths through the device's own refusals, the extern "C" CUDAPluggableAllocator entry points
-called through ctypes as torch calls them, and replay on the simulated device."""
-import ctypes
+called through a stand-in for torch's call path (tests/pluggable_standin.cpp), and replay on
+the simulated device."""
 
 import pytest
 
+import pluggable_standin
 from memkernels import _C, allocator, device
 from memkernels.device import sim
 
@@ -116,17 +117,24 @@ def test_record_stream_on_the_simulated_device():
     pool.check_invariants()
 
 
-def _entry_points():
-    library = ctypes.CDLL(_C.__file__)  # what CUDAPluggableAllocator dlopens
-    alloc = getattr(library, _C.DEVICE_POOL_ALLOC_SYMBOL)
-    alloc.restype, alloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    free = getattr(library, _C.DEVICE_POOL_FREE_SYMBOL)
-    free.restype, free.argtypes = None, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
-    return alloc, free
+@pytest.fixture(scope="module")
+def standin(tmp_path_factory):
+    """PyTorch's call path into the entry points (tests/pluggable_standin.cpp), without torch."""
+    return pluggable_standin.load(str(tmp_path_factory.mktemp("standin")))
 
 
-def test_pluggable_allocator_entry_points(capfd):
-    alloc, free = _entry_points()
+def _entry_points(standin):
+    """alloc / free as CUDAPluggableAllocator calls them; alloc fails the test if anything was thrown."""
+    def alloc(size, device_index, stream):
+        pointer, error = standin.alloc(size, device_index, stream)
+        assert not error, error
+        return pointer
+
+    return alloc, standin.free
+
+
+def test_pluggable_allocator_entry_points(capfd, standin):
+    alloc, free = _entry_points(standin)
     pool = _C.install_device_pool(allocator._pool_config(trace_capacity=100))
     stream = device.stream_create()
     p = alloc(5 * MiB, 0, stream)
@@ -140,16 +148,16 @@ def test_pluggable_allocator_entry_points(capfd):
     free(p, 5 * MiB, 0, stream)  # double free: reported, ignored
     assert _C.device_pool_counters()["bad_frees"] == before + 2
     assert "not a live allocation" in capfd.readouterr().err
-    assert alloc(512 * GiB, 0, stream) is None  # out of memory: null, never an exception across C
-    assert "out of memory" in capfd.readouterr().err
-    assert pool.stats()["allocation"]["current"] == 0
+    pointer, error = standin.alloc(512 * GiB, 0, stream)  # torch does not check for null: it must throw
+    assert pointer is None and error.startswith("memkernels: out of memory on device 0: tried to allocate 512.00 GiB")
+    assert pool.stats()["allocation"]["current"] == 0 and _C.device_pool_counters()["failed_allocs"] >= 1
     actions = [e["action"] for e in pool.trace(0)]
     assert actions[:3] == ["segment_alloc", "alloc", "free_requested"] and "oom" in actions
     pool.check_invariants()
 
 
-def test_python_api_over_the_installed_pool():
-    alloc, free = _entry_points()
+def test_python_api_over_the_installed_pool(standin):
+    alloc, free = _entry_points(standin)
     _C.install_device_pool(allocator._pool_config())
     allocator.reserve(32 * MiB, device=0)
     p = alloc(10 * MiB, 0, None)
@@ -159,7 +167,13 @@ def test_python_api_over_the_installed_pool():
     snapshot = allocator.snapshot()
     assert snapshot["segments"][0]["is_reserved"] and snapshot["segments"][0]["blocks"][0]["state"] == "active_allocated"
     allocator.set_memory_cap(40 * MiB, device=0)
-    assert alloc(30 * MiB, 0, None) is None  # the 22 MiB left in the reservation is too small; 32 + 30 > 40
+    pointer, error = standin.alloc(30 * MiB, 0, None)  # the 22 MiB left in the reservation is too small; 32 + 30 > 40
+    assert pointer is None
+    for figure in ("tried to allocate 30.00 MiB", "memory cap 40.00 MiB", "reserved 32.00 MiB", "allocated 10.00 MiB",
+                   "largest free block 22.00 MiB"):
+        assert figure in error
+    q = alloc(20 * MiB, 0, None)  # still usable: what fits is served
+    free(q, 20 * MiB, 0, None)
     allocator.set_memory_cap(None, device=0)
     free(p, 10 * MiB, 0, None)
     allocator.reset_peak_stats(0)
@@ -205,8 +219,8 @@ def test_cli_replay_on_the_simulated_device(tmp_path, capsys):
     assert sim.counters()["cudaMalloc"] >= 2
 
 
-def test_pluggable_allocator_entry_points_with_expandable_segments():
-    alloc, free = _entry_points()
+def test_pluggable_allocator_entry_points_with_expandable_segments(standin):
+    alloc, free = _entry_points(standin)
     pool = _C.install_device_pool(allocator._pool_config(expandable_segments=True, trace_capacity=100))
     stream = device.stream_create()
     p = alloc(5 * MiB, 0, stream)

@@ -330,6 +330,42 @@ def test_pytorch_expandable_model_rule_by_rule():
     assert model.malloc(3 * MiB) == a  # mapped again at the lowest address
 
 
+def test_best_fit_keeps_the_block_at_the_mapped_frontier_free_to_grow():
+    """As PyTorch's get_free_block: a free block followed by unmapped space counts as what it can
+    grow to, so a request that fits an inner block takes that one (transformer_lm_step: 1.0020 ->
+    1.0001 with this rule, PyTorch's expandable policy 1.0012)."""
+    pool, _ = make_pool()
+    a, b, c, d = (pool.malloc(n * MiB) for n in (4, 6, 4, 4))  # 18 MiB, mapped exactly
+    pool.free(b)  # 6 MiB inside the run
+    pool.free(d)  # 4 MiB at the frontier, unmapped space after it
+    assert pool.malloc(3 * MiB) == b  # smallest-first would take d
+    assert pool.stats()["reserved_bytes"]["current"] == 18 * MiB
+    pool.check_invariants()
+
+
+def test_pytorch_expandable_model_splits_and_fits_as_pytorch():
+    """Two rules of CUDACachingAllocator.cpp that differ from the classic pool with expandable
+    segments on: should_split keeps no remainder attached, and get_free_block's best fit counts a
+    block as the size it can grow to."""
+    from memkernels._torch_policy import TorchExpandablePolicyModel, TorchPolicyModel
+
+    model = TorchExpandablePolicyModel()
+    model.malloc(19 * MiB + 512 * 1024)  # the 0.5 MiB left of the 20 MiB page is split off
+    assert model.allocated == 19 * MiB + 512 * 1024
+    classic = TorchPolicyModel()
+    classic.malloc(19 * MiB + 512 * 1024)  # classic: remainders up to 1 MiB stay attached
+    assert classic.allocated == 20 * MiB
+
+    model = TorchExpandablePolicyModel()
+    a, b, c = model.malloc(4 * MiB), model.malloc(6 * MiB), model.malloc(6 * MiB)  # 4 MiB free at the frontier
+    model.free(b)  # 6 MiB free inside the mapped run
+    assert model.malloc(3 * MiB) == b  # the frontier block (4 MiB + unmapped) stays free to grow
+    classic = TorchPolicyModel()
+    a, b, c = classic.malloc(4 * MiB), classic.malloc(6 * MiB), classic.malloc(6 * MiB)
+    classic.free(b)
+    assert classic.malloc(3 * MiB) == c + 6 * MiB  # classic best fit: the smaller block
+
+
 def test_pytorch_expandable_model_releases_and_retries_at_capacity():
     from memkernels._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel
 

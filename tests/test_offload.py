@@ -531,6 +531,48 @@ def test_prefetch_does_not_assume_reverse_order(offload):
     assert manager.stats()["live_handles"] == 0
 
 
+class _RecordingEngine:
+    """The engine, with its ordering calls recorded (which handle, which stream)."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, []
+
+    def __getattr__(self, name):
+        attribute = getattr(self.engine, name)
+        if name not in ("wait", "synchronize"):
+            return attribute
+
+        def recorded(*args):
+            self.calls.append((name, *args))
+            return attribute(*args)
+
+        return recorded
+
+
+def test_dropped_prefetch_is_freed_at_an_explicit_point_not_in_the_collector(offload):
+    """A stash collected with a prefetch in flight makes no CUDA call from __del__ (any thread, any
+    current stream): its storage waits for the copy on the stream recorded at prefetch time, at the
+    next explicit point."""
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    xa, xb = torch.randn(64, 64, requires_grad=True), torch.randn(64, 64, requires_grad=True)
+    with manager:
+        ya = (xa * 2).sin().exp().tanh().sum()
+        yb = (xb * 3).cos().exp().tanh().sum()
+    manager.wait_for_offloads()
+    yb.backward()  # prefetches a's tensors too
+    assert manager._prefetched_bytes > 0
+    in_flight = {(stash.handle, stash.prefetched[1]) for stash in manager._live if stash.prefetched is not None}
+    recorder = _RecordingEngine(manager._engine)
+    manager._engine = recorder
+    del ya  # the collector retires a's stashes
+    assert manager._prefetched_bytes == 0 and recorder.calls == []
+    assert {(handle, stream) for _, handle, stream in manager._orphans} == in_flight  # stream recorded at use
+    manager.wait_for_offloads()  # an explicit point
+    assert manager._orphans == [] and {call[1] for call in recorder.calls} >= {h for h, _ in in_flight}
+    manager._engine = recorder.engine
+    assert manager.stats()["live_handles"] == 0
+
+
 def test_prefetch_budget_zero_restores_on_demand(offload):
     model, batches = GPT(), [make_batch()]
     expected = train(model, batches)
@@ -616,3 +658,57 @@ def test_exports():
 
     assert memkernels.OffloadActivations is OffloadActivations and memkernels.no_offload is no_offload
     assert "OffloadActivations" in dir(memkernels)
+
+
+class _OnCuda0(torch.Tensor):
+    """A CPU tensor that reports cuda:0, as a tensor on the first GPU would."""
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)
+
+
+def test_cuda_device_is_taken_at_enter_not_at_construction(offload, monkeypatch):
+    """Built before torch.cuda.set_device(rank), the manager must serve the rank's GPU, not cuda:0.
+    CUDA mode on the simulated engine, with the current device a stand-in."""
+    monkeypatch.setattr(memkernels.OffloadActivations, "_resolve_mode", staticmethod(lambda: "cuda"))
+    current = {"index": 0}
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
+    manager = offload(min_offload_bytes=0)  # cuda:0 current here
+    current["index"] = 1  # torch.cuda.set_device(1)
+    with manager:
+        assert manager._device == torch.device("cuda", 1)
+        with pytest.warns(RuntimeWarning, match="handles cuda:1 .* tensors saved on cuda:0 stay there"):
+            reason, _ = manager._skip_reason(torch.zeros(4).as_subclass(_OnCuda0))
+        assert reason == "other_device"
+        assert manager._skip_reason(torch.zeros(4))[0] == "other_device"  # a CPU tensor: kept, no warning
+    current["index"] = 0
+    with pytest.raises(RuntimeError, match="one OffloadActivations per device"):
+        manager.__enter__()
+    assert not manager._active
+
+
+def test_pinned_cap_trims_at_the_next_block_not_inside_the_step(offload):
+    manager = offload(min_offload_bytes=0, max_pinned_bytes=1 << 20, offload_last_module=True)
+    x = torch.randn(512, 256, requires_grad=True)  # 512 KiB saved: a slab of its own
+    with manager:
+        y = (x * 2).sin().sum()
+    y.backward()
+    manager.wait_for_offloads()
+    del y
+    big = torch.randn(900, 256, requires_grad=True)  # 900 KiB: needs the first slab's room
+    with manager:
+        z = (big * 2).sin().sum()
+    frees_in_step = manager.stats()["engine"]["pool"]["slab_frees"]
+    assert frees_in_step == 0 and manager.stats()["kept_by_reason"]["cap"] > 0  # refused, not trimmed mid-step
+    z.backward()
+    with manager:  # the next block starts outside the step: the unused slab goes back now
+        w = (big * 2).sin().sum()
+    pool = manager.stats()["engine"]["pool"]
+    assert pool["slab_frees"] >= 1 and manager.stats()["storages_offloaded"] > 1
+    w.backward()
+    del z, w
+    manager.wait_for_offloads()
+    manager.empty_cache()  # outside the step: nothing in use, everything goes back
+    stats = manager.stats()
+    assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0

@@ -255,15 +255,19 @@ def test_cap_refuses_and_counts_without_error(engine):
     e.release(fits)
 
 
-def test_cap_trims_unused_slabs_of_other_classes(engine):
+def test_cap_refuses_instead_of_freeing_slabs_mid_step(engine):
+    """cudaFreeHost synchronizes the device: the pool never calls it from offload() (in forward);
+    the owner trims outside the step, after which the refused size fits."""
     e = engine(max_pinned_bytes=MiB)
     first = e.offload(device_buffer(random_bytes(600 * KiB)), 600 * KiB, 0)  # a 640 KiB slab
     e.synchronize(first)
     e.release(first)
-    second = e.offload(device_buffer(random_bytes(900 * KiB)), 900 * KiB, 0)  # needs the room back
-    assert second > 0
+    assert e.offload(device_buffer(random_bytes(900 * KiB)), 900 * KiB, 0) == 0  # would need the room back
     pool = e.stats()["pool"]
-    assert pool["slab_frees"] == 1 and pool["pinned_bytes"] == 1024 * KiB
+    assert pool["slab_frees"] == 0 and pool["refusals"] == 1
+    assert e.trim() == 640 * KiB
+    second = e.offload(device_buffer(random_bytes(900 * KiB)), 900 * KiB, 0)
+    assert second > 0 and e.stats()["pool"]["pinned_bytes"] == 1024 * KiB
     e.release(second)
 
 

@@ -6,6 +6,7 @@
 
 #include "core/allocator.hpp"
 #include "cuda/device_pool.hpp"
+#include "cuda/torch_error.hpp"
 
 namespace py = pybind11;
 
@@ -26,6 +27,12 @@ void bind_device_pool(py::module_& m) {
     d["failed_allocs"] = mk::cuda::failed_alloc_count();
     return d;
   });
+  m.def("use_torch_out_of_memory_error", &mk::cuda::use_torch_out_of_memory_error, py::arg("libc10_path"),
+        "Make mk_pool_alloc throw c10::OutOfMemoryError, resolved from the already loaded libc10 at this path; "
+        "returns '' on success, else why not (mk_pool_alloc then throws a plain C++ runtime error).");
+  m.def("forget_torch_out_of_memory_error", &mk::cuda::forget_torch_out_of_memory_error);
+  m.def("torch_out_of_memory_error_resolved", &mk::cuda::torch_out_of_memory_error_resolved);
+  m.attr("TORCH_ERROR_BYTES") = mk::cuda::kTorchErrorBytes;
   m.attr("DEVICE_POOL_ALLOC_SYMBOL") = "mk_pool_alloc";
   m.attr("DEVICE_POOL_FREE_SYMBOL") = "mk_pool_free";
 }

@@ -13,8 +13,13 @@
 //     releases its cache only when the device refuses; until then the peak
 //     includes idle segments. memkernels releases whole free segments before a
 //     new segment would raise reserved memory above its previous peak, when
-//     they amount to at least `release_before_growth` of reserved memory (the
-//     threshold keeps device allocations near PyTorch's count).
+//     they amount to at least `release_before_growth` of reserved memory, and
+//     only as many as cover the excess (times kReleaseHeadroom): the least
+//     recently used segment that covers it alone, else the largest first.
+//     Releasing every idle segment there (the rule until issue 18) kept the peak
+//     as low but cost 1.5-2.7x PyTorch's device allocations on training loops
+//     whose batch changes: the rest of the step needed most of those segments
+//     again, and each came back as a cudaMalloc.
 //  3. Large pristine segments carved up by much smaller requests, which pins
 //     them with a stranded tail. A free block at least `oversize_block` large
 //     serves only requests at least 1/`oversize_ratio` of its size.
@@ -33,15 +38,19 @@ constexpr std::size_t kMaxRequest = std::size_t(1) << 62;
 enum class PoolKind : int { small = 0, large = 1 };
 constexpr int kNumPools = 2;
 
+// Rule 2 releases idle segments worth this many times the growth's excess over
+// the high-water mark: exactly the excess leaves the next growth nothing.
+constexpr double kReleaseHeadroom = 1.5;
+
 struct Policy {
   std::size_t min_block = 512;             // every size is a multiple of this
   std::size_t small_request = 1 * kMiB;    // requests up to this come from the small pool
   std::size_t small_segment = 2 * kMiB;    // small-pool segment size
   std::size_t segment_granularity = 2 * kMiB;  // large segments are multiples of this
   std::size_t fitted_request_limit = 10 * kMiB;  // below: fitted multi-block segments
-  std::size_t fitted_segment_max = 20 * kMiB;    // ... of at most this size
+  std::size_t fitted_segment_max = 28 * kMiB;    // ... of at most this size (below oversize_block)
   std::size_t large_split_min = 1 * kMiB + 1;    // large-pool remainders below this stay attached
-  double release_before_growth = 0.03;     // <0 disables; see (2) above
+  double release_before_growth = 0.02;     // <0 disables; see (2) above
   std::size_t oversize_block = 32 * kMiB;  // 0 disables; see (3) above
   double oversize_ratio = 4.0;
 

@@ -167,8 +167,16 @@ Block* DevicePool::find_free(PoolKind pool, StreamId stream, std::size_t rounded
   std::size_t largest = pool == PoolKind::large && !config_.expandable_segments
                             ? config_.policy.largest_block_for(rounded)
                             : SIZE_MAX;
+  // Expandable: as PyTorch's get_free_block, a block counts as the size it can grow to (itself
+  // and the unmapped space after it); from the smallest that fits, move on while the next one
+  // can grow to less. Blocks at the mapped frontier stay free to extend.
+  auto growable = [](const Block* b) {
+    return b->size + (b->next != nullptr && b->next->state == BlockState::unmapped ? b->next->size : 0);
+  };
   auto consider = [&](FreeSet& set) {
     auto it = set.lower_bound(&key);
+    if (it != set.end() && config_.expandable_segments)
+      for (auto next = std::next(it); next != set.end() && growable(*next) < growable(*it); ++next) it = next;
     if (it != set.end() && (*it)->size <= largest && (best == nullptr || BySizeAddr{}(*it, best))) best = *it;
   };
   for (auto& entry : free_[int(pool)].by_stream)
@@ -260,6 +268,31 @@ std::size_t DevicePool::release_cached(std::size_t stop_below, bool oldest_first
   return released;
 }
 
+std::size_t DevicePool::release_idle(std::size_t bytes) {
+  std::vector<Segment*> candidates;
+  for (auto& entry : segments_)
+    if (releasable(entry.second->head)) candidates.push_back(entry.second.get());
+  // One segment if one is large enough: the least recently used of those.
+  Segment* single = nullptr;
+  for (Segment* segment : candidates)
+    if (segment->size >= bytes && (single == nullptr || segment->last_used < single->last_used)) single = segment;
+  if (single != nullptr) {
+    release_segment(single->head);
+    return 1;
+  }
+  // Else the largest first, until enough are gone: the fewest segments for the bytes.
+  std::stable_sort(candidates.begin(), candidates.end(),
+                   [](const Segment* a, const Segment* b) { return a->size > b->size; });
+  std::size_t released = 0, freed = 0;
+  for (Segment* segment : candidates) {
+    if (freed >= bytes) break;
+    freed += segment->size;
+    ++released;
+    release_segment(segment->head);
+  }
+  return released;
+}
+
 Block* DevicePool::new_segment_block(PoolKind pool, StreamId stream, std::size_t rounded, std::size_t requested) {
   if (config_.expandable_segments) return grow_block(pool, stream, rounded, requested);
   const Policy& policy = config_.policy;
@@ -273,8 +306,10 @@ Block* DevicePool::new_segment_block(PoolKind pool, StreamId stream, std::size_t
   // Release idle whole segments rather than raise the reserved high-water mark.
   if (policy.release_before_growth >= 0.0 && reserved + std::int64_t(preferred) > high_water_) {
     std::size_t idle = idle_bytes_;
-    if (idle > 0 && double(idle) >= policy.release_before_growth * double(reserved + std::int64_t(preferred)))
-      stats_.num_early_releases += std::int64_t(release_cached());
+    if (idle > 0 && double(idle) >= policy.release_before_growth * double(reserved + std::int64_t(preferred))) {
+      double excess = double(reserved + std::int64_t(preferred) - high_water_) * kReleaseHeadroom;
+      stats_.num_early_releases += std::int64_t(release_idle(std::size_t(excess)));
+    }
   }
   // Garbage collection: past the threshold, release the least recently used idle segments.
   if (config_.gc_threshold > 0.0) {

@@ -178,6 +178,9 @@ class DevicePool {
   bool releasable(const Block* block) const;
   void release_segment(Block* block);
   std::size_t release_cached(std::size_t stop_below = 0, bool oldest_first = false);
+  // Before growth past the high-water mark: whole free segments worth at least
+  // `bytes`, as few as possible (policy.hpp, rule 2). Returns how many.
+  std::size_t release_idle(std::size_t bytes);
   void free_block(Block* block);
   void retire(Block* block);  // no stream uses it any more: stats and trace
   Block* merge_and_insert(Block* block);  // returns the merged block

@@ -6,6 +6,7 @@
 
 #include "common/check.hpp"
 #include "cuda/api.hpp"
+#include "cuda/torch_error.hpp"
 
 namespace mk::cuda {
 
@@ -225,19 +226,18 @@ std::uint64_t failed_alloc_count() { return g_failed_allocs.load(); }
 extern "C" void* mk_pool_alloc(std::size_t size, int device, cudaStream_t stream) {
   mk::core::Allocator* pool = mk::cuda::g_pool_raw.load(std::memory_order_acquire);
   if (pool == nullptr) {
-    std::fprintf(stderr, "memkernels: mk_pool_alloc called before memkernels.allocator.install()\n");
     ++mk::cuda::g_failed_allocs;
-    return nullptr;
+    throw std::runtime_error("memkernels: mk_pool_alloc called before memkernels.allocator.install()");
   }
   try {
     return reinterpret_cast<void*>(pool->pool(device).malloc(size, reinterpret_cast<mk::core::StreamId>(stream)));
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "%s\n", e.what());
+  } catch (const mk::out_of_memory& e) {
+    ++mk::cuda::g_failed_allocs;
+    mk::cuda::throw_out_of_memory(e.what());  // torch.OutOfMemoryError once resolved (torch_error.hpp)
   } catch (...) {
-    std::fprintf(stderr, "memkernels: mk_pool_alloc: unknown error\n");
+    ++mk::cuda::g_failed_allocs;
+    throw;  // a CUDA error or a bad device index: torch turns it into a RuntimeError
   }
-  ++mk::cuda::g_failed_allocs;
-  return nullptr;
 }
 
 extern "C" void mk_pool_free(void* ptr, std::size_t size, int device, cudaStream_t) {

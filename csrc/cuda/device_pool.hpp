@@ -61,13 +61,18 @@ std::shared_ptr<core::Allocator> installed_pool();  // null before install_pool
 // Frees of pointers the pool does not own (unknown or already freed): counted
 // and logged by mk_pool_free, never acted on.
 std::uint64_t bad_free_count();
-// Allocations mk_pool_alloc could not satisfy (returned null).
+// Allocations mk_pool_alloc could not satisfy (it threw).
 std::uint64_t failed_alloc_count();
 
 }  // namespace mk::cuda
 
-// CUDAPluggableAllocator entry points. They never throw: failures are logged to
-// stderr; alloc returns null, free ignores what it cannot free.
+// CUDAPluggableAllocator entry points. torch neither checks the pointer alloc
+// returns nor catches around the call, so alloc never returns null: a request the
+// pool cannot serve (after release and retry) throws c10::OutOfMemoryError
+// (torch.OutOfMemoryError in Python) or, before that type is resolved,
+// mk::out_of_memory (a RuntimeError), see cuda/torch_error.hpp; other failures
+// throw as they are. free never throws: what it cannot free is counted, logged
+// to stderr and ignored.
 extern "C" {
 __attribute__((visibility("default"))) void* mk_pool_alloc(std::size_t size, int device, cudaStream_t stream);
 __attribute__((visibility("default"))) void mk_pool_free(void* ptr, std::size_t size, int device, cudaStream_t stream);

@@ -61,7 +61,8 @@ void PinnedPool::free(Block block) {
 
 bool PinnedPool::add_slab(std::size_t block_bytes) {
   const auto room = [&] { return max_pinned_bytes_ - std::min(max_pinned_bytes_, stats_.pinned_bytes); };
-  if (block_bytes > room()) trim();
+  // No trim() here: cudaFreeHost synchronizes the device, and this runs inside the step.
+  // The owner trims outside it (OffloadActivations: at the next block's start, empty_cache()).
   if (block_bytes > room()) return false;
   // Small classes share a slab, shrunk to what the cap leaves (at least one block).
   std::size_t slab_bytes = block_bytes;

@@ -13,9 +13,10 @@
 // splitting or coalescing.
 //
 // Cap: `max_pinned_bytes` bounds the pinned bytes held (in use or cached).
-// When a new slab would cross it, the pool first frees slabs that have no
-// block in use, then gives up: allocate() returns an empty Block and the
-// caller keeps its data where it is. A host that refuses to pin
+// When a new slab would cross it, allocate() returns an empty Block and the
+// caller keeps its data where it is. The pool never frees cached slabs on its
+// own: cudaFreeHost synchronizes the device, and allocate() runs in the middle
+// of a forward pass. The owner calls trim() outside the step. A host that refuses to pin
 // (cudaErrorMemoryAllocation) is handled the same way. Any other CUDA error
 // throws mk::cuda_error.
 //

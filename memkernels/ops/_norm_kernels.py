@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
+from memkernels.ops._device_guard import on_tensor_device
 
 # Widest row chunk held in registers, and elements per warp; wider rows loop.
 # Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
@@ -357,6 +358,7 @@ def _slots(unsafe_cols, hidden, device):
     return slot
 
 
+@on_tensor_device
 def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols):
     """Triton forward on [M, H] contiguous tensors; same contract as reference.norm_forward."""
     rows, hidden = x.shape
@@ -394,6 +396,7 @@ def _num_programs(rows, device):
     return min(rows, 4)
 
 
+@on_tensor_device
 def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
                   memory_efficient, unsafe_cols, fallback, needs_dx, needs_dw, needs_db, dx_out=None):
     """Triton backward on [M, H] contiguous tensors; same contract as reference.norm_backward.

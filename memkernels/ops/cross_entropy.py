@@ -41,6 +41,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
+from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
 from memkernels.reference import cross_entropy as reference
 
@@ -250,6 +251,7 @@ def _aot_variants():
     return variants
 
 
+@on_tensor_device
 def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col_offset, compute_loss):
     n_rows, n_cols = logits.shape
     if n_rows == 0:

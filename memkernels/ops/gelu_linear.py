@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
+from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve, triton_interpreted
 from memkernels.reference import gelu_linear as reference
 
@@ -352,6 +353,7 @@ def _jit_sees_aligned(pointers, strides, feature_sizes):
             and all(size % 16 == 0 for size in feature_sizes))
 
 
+@on_tensor_device
 def _gemm(a, b, out, *, bias=None, x=None, gelu_on_a=False, gelu_on_b=False, approximate="none"):
     """out [M, N] = act(a) [M, K] @ act(b) [K, N] (+ bias) (* gelu'(x)); all views, any strides."""
     M, K = a.shape

@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
+from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
 from memkernels.ops.cross_entropy import (
     apply_op,
@@ -94,6 +95,7 @@ def _add_to_split_float32_kernel(
 _SPLIT_BLOCK = 1024
 
 
+@on_tensor_device
 def _add_to_split_float32_triton(high, low, update):
     """(high, low) += update; high (R, H) bfloat16, low (R, H) int16, update (R, H) float32, all contiguous."""
     n_elements = update.numel()

@@ -1,0 +1,26 @@
+"""The device guard every Triton launcher in memkernels/ops wears.
+
+A Triton launch runs on the *current* CUDA device and its current stream, not on the device of
+its tensors: with ``cuda:0`` current, a kernel given tensors on ``cuda:1`` would launch on the
+wrong GPU (an illegal address, or silently wrong memory under UVA). ``on_tensor_device`` makes the
+first tensor argument's device current for the launcher, as ``torch.cuda.device(x.device)``; on
+another device type (the CPU under the Triton interpreter) it does nothing.
+"""
+import functools
+
+import torch
+
+
+def on_tensor_device(launcher):
+    """Decorate a launcher: its first tensor argument's CUDA device is current while it runs."""
+
+    @functools.wraps(launcher)
+    def guarded(*args, **kwargs):
+        tensor = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
+        if tensor is None or tensor.device.type != "cuda":
+            return launcher(*args, **kwargs)
+        with torch.cuda.device(tensor.device):
+            return launcher(*args, **kwargs)
+
+    guarded.device_guarded = True
+    return guarded
