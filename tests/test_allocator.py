@@ -572,7 +572,7 @@ def test_replay_results_hold_the_documented_keys_and_no_end_state_fragmentation(
     documented = {"peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "num_device_alloc",
                   "num_device_free", "num_alloc_retries", "num_ooms", "first_oom"}
     assert set(allocator.replay(_synthetic_trace())) == documented | {"ns_per_op", "ops"}
-    assert set(allocator.replay_pytorch_model(_synthetic_trace())) == documented | {"segment_sizes"}
+    assert set(allocator.replay_pytorch_model(_synthetic_trace())) == documented | {"segment_sizes", "final_segment_sizes"}
     for key in documented | {"ns_per_op", "ops"}:
         assert key in allocator.replay.__doc__
 
