@@ -24,6 +24,12 @@ _POLICIES = {}
 _LIBRARIES = []
 
 
+def _enabled(device_type):
+    """Whether an autocast region is active for ``device_type`` (meta and other devices have none)."""
+    return (device_type is not None and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type))
+
+
 def _target_dtype(policy, device_type):
     if policy == "fp32":
         return torch.float32
@@ -34,7 +40,7 @@ def cast(op_name, device_type, args):
     """``args`` cast as ``op_name``'s policy for ``device_type`` says; unchanged outside autocast."""
     policies, positions = _POLICIES[op_name]
     policy = policies.get(device_type)
-    if policy is None or not torch.is_autocast_enabled(device_type):
+    if policy is None or not _enabled(device_type):
         return tuple(args)
     dtype = _target_dtype(policy, device_type)
     return tuple(arg.to(dtype) if index in positions and isinstance(arg, torch.Tensor) and arg.is_floating_point()
@@ -82,7 +88,7 @@ def call(op_name, function, *args):
     Outside an autocast region ``function(*args)`` runs unchanged.
     """
     device_type = device_type_of(args)
-    if device_type is None or not torch.is_autocast_enabled(device_type):
+    if not _enabled(device_type):
         return function(*args)
     args = cast(op_name, device_type, args)
     with torch.autocast(device_type, enabled=False):
