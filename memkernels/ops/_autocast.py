@@ -43,8 +43,12 @@ def cast(op_name, device_type, args):
     if policy is None or not _enabled(device_type):
         return tuple(args)
     dtype = _target_dtype(policy, device_type)
-    return tuple(arg.to(dtype) if index in positions and isinstance(arg, torch.Tensor) and arg.is_floating_point()
-                 else arg for index, arg in enumerate(args))
+    return tuple(arg.to(dtype) if index in positions and _eligible(arg) else arg for index, arg in enumerate(args))
+
+
+def _eligible(arg):
+    """What PyTorch's autocast casts: floating tensors other than float64."""
+    return isinstance(arg, torch.Tensor) and arg.is_floating_point() and arg.dtype != torch.float64
 
 
 def register(op_name, policies, positions):
