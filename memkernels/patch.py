@@ -105,21 +105,24 @@ def _require(what):
             f"installation ({error}). Install a memkernels that ships it, or pass {what}=False.") from error
 
 
-def _why_not_plain(module, kinds, what):
+def _why_not_plain(module, classes, what):
     """Why the fused path may not read ``module``'s weights itself (None when it may).
 
-    Only exactly ``kinds`` with no hooks: a subclass (peft LoRA layer, quantized linear) or a
-    hook does something in its forward that reading the weights would skip.
+    Only exactly one of ``classes`` with no hooks: a subclass or wrapper (a peft LoRA layer, a
+    quantized linear) or a hook does something in its forward that reading the weights would skip.
     """
-    if type(module).__name__ not in kinds:
-        return (f"{what} is a {type(module).__name__}, not a plain {'/'.join(kinds)}: fusing would go around its "
-                "forward (a peft LoRA layer, a quantized or subclassed module)")
+    if type(module) not in classes:
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        return (f"{what} is a {kind}, not a plain {'/'.join(c.__name__ for c in classes)}: fusing would go around "
+                "its forward (e.g. a peft LoRA layer's adapter, a quantized linear)")
     if module._forward_hooks or module._forward_pre_hooks:
         return f"{what} has forward hooks, which fusing would skip"
     return None
 
 
-_PLAIN_LINEARS = ("Linear", "Conv1D")
+def _conv1d():
+    from transformers.pytorch_utils import Conv1D
+    return Conv1D
 
 
 def _gelu_approximation(act):
@@ -260,9 +263,10 @@ def _copy_function(fn):
 
 
 def _is_hf_causal_lm(module):
-    """A Hugging Face causal LM with a linear head (patched or not)."""
+    """A Hugging Face causal LM with an output head (patched or not; whether the head is a plain
+    nn.Linear memkernels can fuse is :func:`_loss_blocker`'s question)."""
     return (type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and hasattr(module, "base_model")
-            and hasattr(module, "get_output_embeddings") and isinstance(module.get_output_embeddings(), nn.Linear)
+            and hasattr(module, "get_output_embeddings") and isinstance(module.get_output_embeddings(), nn.Module)
             and module.base_model is not module)
 
 
@@ -357,11 +361,11 @@ def _norm_kind(module):
 def _mlp_blockers(kind, module):
     """Why the MLP ``module`` (action ``kind``) cannot be fused: the modules whose weights it would read."""
     if kind == "mlp":
-        reads = (("fc1", module.fc1, ("Linear",)), ("fc2", module.fc2, ("Linear",)))
+        reads = (("fc1", module.fc1, (nn.Linear,)), ("fc2", module.fc2, (nn.Linear,)))
     elif kind == "gpt2_mlp":
-        reads = (("c_proj", module.c_proj, _PLAIN_LINEARS),)
+        reads = (("c_proj", module.c_proj, (_conv1d(),)),)
     else:
-        reads = (("output.dense", module.output.dense, ("Linear",)),)
+        reads = (("output.dense", module.output.dense, (nn.Linear,)),)
     return next((why for why in (_why_not_plain(m, kinds, what) for what, m, kinds in reads) if why), None)
 
 
@@ -384,7 +388,7 @@ def _loss_blocker(module):
     if family not in CAUSAL_LM_HEADS:
         return (f"{family}'s head is not one memkernels knows (see memkernels.patch.CAUSAL_LM_HEADS): its forward "
                 "may scale, cap or add to the loss, which the fused loss would drop; its own loss is kept")
-    return _why_not_plain(module.get_output_embeddings(), ("Linear",), "lm_head")
+    return _why_not_plain(module.get_output_embeddings(), (nn.Linear,), "lm_head")
 
 
 def _plan(model, norms, mlp, loss, report):
@@ -395,7 +399,7 @@ def _plan(model, norms, mlp, loss, report):
         kind = None
         if norms and _norm_kind(module):
             kind = "norm"
-            why = _why_not_plain(module, (cls_name,), "the norm")
+            why = _why_not_plain(module, (type(module),), "the norm")
         elif mlp and isinstance(module, MLP):
             kind = "mlp"
             why = "activation is not GELU" if _gelu_approximation(module.act) is None else None
