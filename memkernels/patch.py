@@ -183,6 +183,19 @@ def _forward_signature(cls):
     return inspect.signature(cls.__bases__[-1].forward)
 
 
+def _keyword_arguments(cls, args, kwargs):
+    """``args`` and ``kwargs`` of a call to ``cls.forward`` as keyword arguments only."""
+    signature = _forward_signature(cls)
+    named = {}
+    for name, value in signature.bind(None, *args, **kwargs).arguments.items():
+        if signature.parameters[name].kind == inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    named.pop("self", None)
+    return named
+
+
 def _output_class(cls):
     """The ModelOutput class the original forward returns (CausalLMOutputWithPast when unannotated)."""
     annotation = _forward_signature(cls).return_annotation
@@ -201,23 +214,17 @@ class _FusedCausalLM:
 
     def forward(self, *args, **kwargs):
         skip_logits = kwargs.pop("skip_logits", None)
-        arguments = _forward_signature(type(self)).bind(self, *args, **kwargs).arguments
-        labels = arguments.get("labels")
+        if args:  # name positional arguments as the original forward does
+            kwargs = _keyword_arguments(type(self), args, kwargs)
+        labels = kwargs.get("labels")
         if skip_logits is None:
             skip_logits = self.training
         # A head wrapped after apply() (a peft adapter added later) has a forward of its own: run the model's.
         if labels is None or not skip_logits or type(self.get_output_embeddings()) is not nn.Linear:
-            return super().forward(*args, **kwargs)
-        return self._memkernels_fused_forward(arguments)
+            return super().forward(**kwargs)
+        return self._memkernels_fused_forward(dict(kwargs))
 
-    def _memkernels_fused_forward(self, arguments):
-        kwargs = {}
-        for name, value in arguments.items():
-            kind = _forward_signature(type(self)).parameters[name].kind
-            if kind == inspect.Parameter.VAR_KEYWORD:
-                kwargs.update(value)
-            elif name != "self":
-                kwargs[name] = value
+    def _memkernels_fused_forward(self, kwargs):
         labels = kwargs.pop("labels")
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)

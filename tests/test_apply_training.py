@@ -117,9 +117,16 @@ def test_a_head_memkernels_does_not_know_keeps_its_own_loss_and_says_why():
 def test_patched_forward_keeps_the_signature_and_docstring(family):
     model = FAMILIES[family]()
     before_signature, before_doc = inspect.signature(model.forward), model.forward.__doc__
+    unpatched = copy.deepcopy(model).train()
     apply(model, measure=False)
     assert inspect.signature(model.forward) == before_signature
     assert model.forward.__doc__ == before_doc and before_doc
+    ids, labels = _batch()
+    model.train()
+    with torch.no_grad():  # input_ids passed by position, as the original forward names it
+        out, expected = model(ids, labels=labels), unpatched(ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
 
 
 def test_output_uses_only_the_fields_the_installed_transformers_declares(caplog):
