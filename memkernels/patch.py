@@ -284,7 +284,8 @@ class PatchReport:
 
     ``replaced``: list of dicts ``name`` (qualified module name, ``''`` = the model),
     ``before``, ``after`` (type names); ``skipped``: dicts ``name``, ``type``,
-    ``reason``; ``notes``: sentences on when a replacement runs; ``bytes_per_token``: ``{"before": float, "after": float}`` saved
+    ``reason``; ``notes``: sentences on when a replacement takes effect;
+    ``bytes_per_token``: ``{"before": float, "after": float}`` saved
     for backward per token by a training forward (measured on a meta copy at
     ``measured_tokens``), or None with ``measure_note`` saying why.
     """
@@ -403,7 +404,7 @@ def _plan(model, norms, mlp, loss, report):
     actions = []
     for name, module in model.named_modules():
         cls_name = type(module).__name__
-        kind = None
+        kind, why = None, None
         if norms and _norm_kind(module):
             kind = "norm"
             why = _why_not_plain(module, (type(module),), "the norm")
@@ -411,13 +412,13 @@ def _plan(model, norms, mlp, loss, report):
             kind = "mlp"
             why = "activation is not GELU" if _gelu_approximation(module.act) is None else None
         elif mlp and cls_name == "GPT2MLP":
-            kind, why = "gpt2_mlp", None
+            kind = "gpt2_mlp"
         elif mlp and cls_name in ("BertLayer", "RobertaLayer") and hasattr(module, "intermediate"):
-            kind, why = "bert_ffn", None
+            kind = "bert_ffn"
         elif mlp and cls_name.endswith("MLP") and hasattr(module, "gate_proj"):
             report.skipped.append({"name": name, "type": cls_name, "reason": "gated MLP: no fused kernel"})
         elif loss and isinstance(module, LogitsLoss):
-            kind, why = "lm_loss", None
+            kind = "lm_loss"
         if kind in ("mlp", "gpt2_mlp", "bert_ffn") and why is None:
             why = _mlp_blockers(kind, module)
         if kind is not None and why is not None:

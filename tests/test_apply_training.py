@@ -236,7 +236,7 @@ def test_apply_under_bf16_autocast_matches_eager_under_autocast(factory):
     for step in range(3):
         with torch.no_grad():
             for model in (eager, patched):
-                for (name, param), (_, param64) in zip(model.named_parameters(), reference.named_parameters()):
+                for param, param64 in zip(model.parameters(), reference.parameters()):
                     param.copy_(param64)
         ids, labels = _batch()
         losses, grads = {}, {}
@@ -351,7 +351,8 @@ def test_sft_trainer_trains_and_the_report_says_it_does_not_use_the_fused_loss(t
             assert len(calls) == 1
         args = trl.SFTConfig(output_dir=str(tmp_path / str(patched)), max_steps=2, use_cpu=True, report_to="none",
                              logging_steps=1, disable_tqdm=True)
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=_word_level_tokenizer())
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset,
+                                 processing_class=_word_level_tokenizer())
         trainer.train()
         losses[patched] = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     assert len(calls) == 1  # none during SFTTrainer's steps

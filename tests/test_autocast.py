@@ -116,3 +116,21 @@ def test_the_custom_ops_carry_the_policy_at_their_autocast_dispatch_key():
     assert loss.dtype == expected.dtype == torch.float32
     torch.testing.assert_close(loss, expected)  # the same bf16 logits, the same float32 loss
     assert y.dtype == torch.bfloat16  # CPU: layer_norm/rms_norm are not autocast
+
+
+def test_compiled_ops_follow_the_same_policy():
+    """torch.compile(fullgraph=True) keeps the ops whole and they still run in the autocast dtype."""
+    torch._dynamo.reset()
+    x, weight = torch.randn(6, 16), torch.randn(10, 16)
+    target = torch.randint(0, 10, (6,))
+
+    def step(x, weight, target):
+        return gelu_linear(x, weight), linear_cross_entropy(x, weight, target)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, expected = compiled(x, weight, target), step(x, weight, target)
+    assert got[0].dtype == expected[0].dtype == torch.bfloat16
+    assert got[1].dtype == expected[1].dtype == torch.float32
+    for value, reference in zip(got, expected):
+        torch.testing.assert_close(value, reference)
