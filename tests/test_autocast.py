@@ -134,3 +134,12 @@ def test_compiled_ops_follow_the_same_policy():
     assert got[1].dtype == expected[1].dtype == torch.float32
     for value, reference in zip(got, expected):
         torch.testing.assert_close(value, reference)
+
+
+@pytest.mark.parametrize("op", ["memkernels::norm_fwd", "memkernels::gelu_linear", "memkernels::cross_entropy",
+                                "memkernels::linear_cross_entropy_chunked",
+                                "memkernels::linear_cross_entropy_recompute"])
+def test_every_forward_op_has_a_kernel_at_both_autocast_keys(op):
+    """The CUDA key cannot run here (no GPU); at least the registration that serves it must exist."""
+    for key in ("AutocastCPU", "AutocastCUDA"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
