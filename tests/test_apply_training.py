@@ -55,8 +55,11 @@ def _cohere():  # logits * 0.25
 FAMILIES = {"LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
             "Qwen3ForCausalLM": _qwen3, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma2,
             "GPT2LMHeadModel": _gpt2, "GraniteForCausalLM": _granite, "CohereForCausalLM": _cohere}
-# The Trainer matrix runs these in the default selection (LoRA through GPT-2 only) and the rest as slow tests.
-QUICK = {("LlamaForCausalLM", False), ("GPT2LMHeadModel", False), ("GPT2LMHeadModel", True)}
+# The Trainer matrix runs these in the default selection (LoRA through GPT-2 in fp32 only) and the rest as slow
+# tests; so do the head checks of the families whose head is plain Llama's.
+QUICK = {("LlamaForCausalLM", False, False), ("LlamaForCausalLM", True, False), ("GPT2LMHeadModel", False, False),
+         ("GPT2LMHeadModel", True, False), ("GPT2LMHeadModel", False, True)}
+PLAIN_LLAMA_HEADS = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 
 
 def test_every_family_apply_patches_is_tested_here():
@@ -80,7 +83,8 @@ def _parity(model, patched, ids, labels):
 # ----------------------------------------------------------------------------- heads
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in PLAIN_LLAMA_HEADS else f
+                                    for f in sorted(FAMILIES)])
 def test_every_head_gives_the_unpatched_loss_and_gradients(family):
     """Granite's logits_scaling, Cohere's logit_scale and Gemma2's softcap are part of the fused loss."""
     model = FAMILIES[family]().train()
@@ -302,7 +306,7 @@ def _trainer_case(family, bf16, lora, tmp_path):
                                    rtol=1e-5, atol=0.0)
 
 
-TRAINER_MATRIX = [pytest.param(family, bf16, lora, marks=() if (family, lora) in QUICK else pytest.mark.slow,
+TRAINER_MATRIX = [pytest.param(family, bf16, lora, marks=() if (family, bf16, lora) in QUICK else pytest.mark.slow,
                                id=f"{family}-{'bf16' if bf16 else 'fp32'}{'-lora' if lora else ''}")
                   for family in sorted(FAMILIES) for bf16 in (False, True) for lora in (False, True)]
 
