@@ -10,10 +10,25 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   Conv1D MLP and BERT's intermediate/output pair → the same MLP computed with
   ``gelu_linear`` (the activated tensor is never stored). Gated MLPs (SwiGLU,
   GeGLU) have no fused kernel and are left alone (listed as skipped).
-- loss: a causal LM given ``labels`` computes its loss with
-  ``linear_cross_entropy`` from the final hidden states; the logits are never
-  materialized (the output's ``logits`` is None then). Without labels the
-  forward is unchanged.
+- loss: a Hugging Face causal LM of a family in :data:`CAUSAL_LM_HEADS` (its head's
+  logit scaling and softcapping are part of the fused loss), called with ``labels``
+  in training mode, computes its loss with ``linear_cross_entropy`` from the final
+  hidden states; the logits are never materialized (the output's ``logits`` is None
+  then). In eval mode, without labels, or with ``skip_logits=False`` the model's own
+  forward runs and returns the logits. Other families keep their loss (listed as
+  skipped, with the reason). The patched ``forward`` keeps the original's signature
+  and docstring, so tools that inspect it (``Trainer``'s ``remove_unused_columns``)
+  keep working. A ``peft`` model is seen through: its base model's loss is patched.
+  TRL's ``SFTTrainer`` does not reach this loss: it replaces ``model.forward`` with
+  its own chunked LM-head loss (the report says so).
+
+apply() never goes around a module's own forward: a module whose weights the fused
+path would read directly (GPT-2's ``c_proj``, BERT's ``output.dense``, the LM head,
+the norms) is fused only when it is exactly the plain class (``nn.Linear``,
+``Conv1D``, ``nn.LayerNorm``, ...) with no hooks. A ``peft`` LoRA layer, a quantized
+or other subclassed linear, or a module with hooks is left alone and listed as
+skipped with the reason (a LoRA ``c_proj`` needs gelu(h) stored for its low-rank
+path, so fusing it would save nothing).
 
 The model keeps its parameters: the new modules share the old modules'
 ``nn.Parameter`` objects under the same names, so ``state_dict`` keys, values
@@ -23,6 +38,9 @@ patched by switching their class to a subclass with a fused ``forward``, so
 their submodules and keys stay where they were.
 """
 import copy
+import dataclasses
+import functools
+import inspect
 import itertools
 import sys
 
@@ -33,13 +51,40 @@ from torch import nn
 from memkernels.models import MLP, LogitsLoss, TransformerLM
 from memkernels.profile import _table, ledger_forward
 
-__all__ = ["apply", "PatchReport"]
+__all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 
 _LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
 _GEMMA_NORMS = ("GemmaRMSNorm",)
 # Hugging Face activation classes → nn.GELU(approximate=...) they compute.
 _HF_GELUS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh",
              "PytorchGELUTanh": "tanh", "FastGELUActivation": "tanh"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMHead:
+    """What a causal LM's head does to ``hidden @ lm_head.weight.T + bias`` before the loss.
+
+    ``logit_scale(config)``: the factor the logits are multiplied by (None: 1); the fused
+    loss multiplies the hidden states (and bias) instead, which is the same product.
+    ``softcap``: the config attribute holding ``c`` of ``c * tanh(logits / c)`` (None: none).
+    """
+    logit_scale: object = None
+    softcap: str = None
+
+
+# Hugging Face causal LMs whose forward is ``logits = head transform(lm_head(hidden))`` then
+# ``self.loss_function``, as read in transformers' modeling files. A family not listed keeps its own loss.
+CAUSAL_LM_HEADS = {
+    "LlamaForCausalLM": LMHead(),
+    "MistralForCausalLM": LMHead(),
+    "Qwen2ForCausalLM": LMHead(),
+    "Qwen3ForCausalLM": LMHead(),
+    "GemmaForCausalLM": LMHead(),
+    "Gemma2ForCausalLM": LMHead(softcap="final_logit_softcapping"),
+    "GPT2LMHeadModel": LMHead(),
+    "GraniteForCausalLM": LMHead(logit_scale=lambda config: 1.0 / config.logits_scaling),
+    "CohereForCausalLM": LMHead(logit_scale=lambda config: config.logit_scale),
+}
 
 
 def _require(what):
@@ -58,6 +103,26 @@ def _require(what):
         raise RuntimeError(
             f"memkernels.apply({what}=True): the fused op it needs is not available in this memkernels "
             f"installation ({error}). Install a memkernels that ships it, or pass {what}=False.") from error
+
+
+def _why_not_plain(module, classes, what):
+    """Why the fused path may not read ``module``'s weights itself (None when it may).
+
+    Only exactly one of ``classes`` with no hooks: a subclass or wrapper (a peft LoRA layer, a
+    quantized linear) or a hook does something in its forward that reading the weights would skip.
+    """
+    if type(module) not in classes:
+        kind = f"{type(module).__module__}.{type(module).__qualname__}"
+        return (f"{what} is a {kind}, not a plain {'/'.join(c.__name__ for c in classes)}: fusing would go around "
+                "its forward (e.g. a peft LoRA layer's adapter, a quantized linear)")
+    if module._forward_hooks or module._forward_pre_hooks:
+        return f"{what} has forward hooks, which fusing would skip"
+    return None
+
+
+def _conv1d():
+    from transformers.pytorch_utils import Conv1D
+    return Conv1D
 
 
 def _gelu_approximation(act):
@@ -112,27 +177,75 @@ class _CausalLMLoss(nn.Module):
         return loss / num_items_in_batch
 
 
-class _FusedCausalLM:
-    """A Hugging Face *ForCausalLM whose loss skips the logits when labels are given."""
+@functools.lru_cache(maxsize=None)
+def _forward_signature(cls):
+    """The signature of ``cls.forward`` before memkernels patched it (self included)."""
+    return inspect.signature(cls.__bases__[-1].forward)
 
-    def forward(self, *args, labels=None, **kwargs):
-        if labels is None:
-            return super().forward(*args, **kwargs)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+def _keyword_arguments(cls, args, kwargs):
+    """``args`` and ``kwargs`` of a call to ``cls.forward`` as keyword arguments only."""
+    signature = _forward_signature(cls)
+    named = {}
+    for name, value in signature.bind(None, *args, **kwargs).arguments.items():
+        if signature.parameters[name].kind == inspect.Parameter.VAR_KEYWORD:
+            named.update(value)
+        else:
+            named[name] = value
+    named.pop("self", None)
+    return named
+
+
+def _output_class(cls):
+    """The ModelOutput class the original forward returns (CausalLMOutputWithPast when unannotated)."""
+    annotation = _forward_signature(cls).return_annotation
+    if isinstance(annotation, type) and {"loss", "logits"} <= {f.name for f in dataclasses.fields(annotation)}:
+        return annotation
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return CausalLMOutputWithPast
+
+
+class _FusedCausalLM:
+    """A Hugging Face *ForCausalLM whose training loss skips the logits when labels are given.
+
+    ``skip_logits`` (not in the signature; popped from the keyword arguments): True forces the
+    fused loss, False the model's own forward; default: fused in training mode with labels.
+    """
+
+    def forward(self, *args, **kwargs):
+        skip_logits = kwargs.pop("skip_logits", None)
+        if args:  # name positional arguments as the original forward does
+            kwargs = _keyword_arguments(type(self), args, kwargs)
+        labels = kwargs.get("labels")
+        if skip_logits is None:
+            skip_logits = self.training
+        # A head wrapped after apply() (a peft adapter added later) has a forward of its own: run the model's.
+        if labels is None or not skip_logits or type(self.get_output_embeddings()) is not nn.Linear:
+            return super().forward(**kwargs)
+        return self._memkernels_fused_forward(dict(kwargs))
+
+    def _memkernels_fused_forward(self, kwargs):
+        labels = kwargs.pop("labels")
         num_items = kwargs.pop("num_items_in_batch", None)
         shift_labels = kwargs.pop("shift_labels", None)
-        kwargs.pop("logits_to_keep", None)
-        kwargs.pop("return_dict", None)
-        outputs = self.base_model(*args, **kwargs)
+        return_dict = kwargs.pop("return_dict", None)
+        kwargs.pop("logits_to_keep", None)  # every position is scored
+        outputs = self.base_model(**kwargs)
         hidden = outputs[0]
         if shift_labels is None:  # Hugging Face's shift: position t predicts labels[t + 1]
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        head = self.get_output_embeddings()
-        loss = self._memkernels_loss(hidden, head.weight, shift_labels.to(hidden.device), getattr(head, "bias", None),
-                                     getattr(self.config, "final_logit_softcapping", None), num_items)
-        return CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=getattr(outputs, "past_key_values", None),
-                                      hidden_states=getattr(outputs, "hidden_states", None),
-                                      attentions=getattr(outputs, "attentions", None))
+        head, spec = self.get_output_embeddings(), CAUSAL_LM_HEADS[type(self).__bases__[-1].__name__]
+        weight, bias = head.weight, head.bias
+        if spec.logit_scale is not None:
+            scale = spec.logit_scale(self.config)
+            hidden = hidden * scale
+            bias = None if bias is None else bias * scale
+        softcap = getattr(self.config, spec.softcap) if spec.softcap else None
+        loss = self._memkernels_loss(hidden, weight, shift_labels.to(hidden.device), bias, softcap, num_items)
+        output_class = _output_class(type(self))
+        fields = {f.name for f in dataclasses.fields(output_class)} - {"loss", "logits"}
+        output = output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in fields})
+        return output.to_tuple() if return_dict is False else output
 
 
 def _switch_class(module, mixin):
@@ -144,15 +257,23 @@ def _switch_class(module, mixin):
     name = f"Memkernels{base.__name__}"
     cls = getattr(sys.modules[__name__], name, None)
     if cls is None or cls.__bases__[-1] is not base:
-        cls = type(name, (mixin, base), {"__module__": __name__})
+        # Each overridden method shows the original's signature and docstring (tools inspect them).
+        methods = {attr: functools.wraps(getattr(base, attr))(_copy_function(fn)) for attr, fn in vars(mixin).items()
+                   if inspect.isfunction(fn) and hasattr(base, attr)}
+        cls = type(name, (mixin, base), {"__module__": __name__, **methods})
         setattr(sys.modules[__name__], name, cls)
     module.__class__ = cls
 
 
+def _copy_function(fn):
+    return type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
 def _is_hf_causal_lm(module):
-    """A Hugging Face causal LM with a linear head (patched or not)."""
+    """A Hugging Face causal LM with an output head (patched or not; whether the head is a plain
+    nn.Linear memkernels can fuse is :func:`_loss_blocker`'s question)."""
     return (type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and hasattr(module, "base_model")
-            and hasattr(module, "get_output_embeddings") and isinstance(module.get_output_embeddings(), nn.Linear)
+            and hasattr(module, "get_output_embeddings") and isinstance(module.get_output_embeddings(), nn.Module)
             and module.base_model is not module)
 
 
@@ -163,17 +284,18 @@ class PatchReport:
 
     ``replaced``: list of dicts ``name`` (qualified module name, ``''`` = the model),
     ``before``, ``after`` (type names); ``skipped``: dicts ``name``, ``type``,
-    ``reason``; ``bytes_per_token``: ``{"before": float, "after": float}`` saved
+    ``reason``; ``notes``: sentences on when a replacement takes effect;
+    ``bytes_per_token``: ``{"before": float, "after": float}`` saved
     for backward per token by a training forward (measured on a meta copy at
     ``measured_tokens``), or None with ``measure_note`` saying why.
     """
 
     def __init__(self):
-        self.replaced, self.skipped = [], []
+        self.replaced, self.skipped, self.notes = [], [], []
         self.bytes_per_token, self.measured_tokens, self.measure_note = None, None, ""
 
     def to_dict(self):
-        return {"replaced": list(self.replaced), "skipped": list(self.skipped),
+        return {"replaced": list(self.replaced), "skipped": list(self.skipped), "notes": list(self.notes),
                 "bytes_per_token": self.bytes_per_token, "measured_tokens": self.measured_tokens,
                 "measure_note": self.measure_note}
 
@@ -189,6 +311,7 @@ class PatchReport:
             skipped.setdefault((row["type"], row["reason"]), 0)
             skipped[(row["type"], row["reason"])] += 1
         lines += [f"  left alone: {n} x {t} ({reason})" for (t, reason), n in skipped.items()]
+        lines += [f"note: {note}" for note in self.notes]
         if self.bytes_per_token:
             before, after = self.bytes_per_token["before"], self.bytes_per_token["after"]
             lines.append(f"saved for backward per token: {before:,.0f} B -> {after:,.0f} B "
@@ -217,14 +340,14 @@ def _lm_forward_args(model, tokens):
     ids = torch.empty(1, tokens, dtype=torch.long, device="meta")
     if isinstance(model, TransformerLM):
         return (ids, ids), {}
-    if _is_hf_causal_lm(model):
+    if _causal_lm(model) is not None:
         return (), {"input_ids": ids, "labels": ids, "use_cache": False}
     return None
 
 
 def _saved_bytes_per_token(model, tokens):
     args, kwargs = _lm_forward_args(model, tokens)
-    ledger, _ = ledger_forward(_meta_copy(model), *args, **kwargs)
+    ledger, _ = ledger_forward(_meta_copy(model).train(), *args, **kwargs)
     return ledger.new_bytes / tokens
 
 
@@ -238,30 +361,85 @@ def _max_positions(model):
 
 # ----------------------------------------------------------------------------- apply
 
+def _norm_kind(module):
+    """Whether ``module`` is a norm apply() replaces (exactly one of the known classes)."""
+    return type(module) in (nn.LayerNorm, nn.RMSNorm) or type(module).__name__ in _LLAMA_STYLE_NORMS + _GEMMA_NORMS
+
+
+def _mlp_blockers(kind, module):
+    """Why the MLP ``module`` (action ``kind``) cannot be fused: the modules whose weights it would read."""
+    if kind == "mlp":
+        reads = (("fc1", module.fc1, (nn.Linear,)), ("fc2", module.fc2, (nn.Linear,)))
+    elif kind == "gpt2_mlp":
+        reads = (("c_proj", module.c_proj, (_conv1d(),)),)
+    else:
+        reads = (("output.dense", module.output.dense, (nn.Linear,)),)
+    return next((why for why in (_why_not_plain(m, kinds, what) for what, m, kinds in reads) if why), None)
+
+
+def _causal_lm(model):
+    """(qualified name, module) of the Hugging Face causal LM inside ``model`` (itself, or a peft
+    model's base model), or None."""
+    if _is_hf_causal_lm(model) and not hasattr(model, "get_base_model"):
+        return "", model
+    get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel
+    inner = get_base_model() if callable(get_base_model) else None
+    if inner is not None and inner is not model and _is_hf_causal_lm(inner):
+        name = next(n for n, m in model.named_modules() if m is inner)
+        return name, inner
+    return None
+
+
+def _loss_blocker(module):
+    """Why the causal LM ``module``'s loss stays its own (None when memkernels can compute it)."""
+    family = type(module).__name__
+    if family not in CAUSAL_LM_HEADS:
+        return (f"{family}'s head is not one memkernels knows (see memkernels.patch.CAUSAL_LM_HEADS): its forward "
+                "may scale, cap or add to the loss, which the fused loss would drop; its own loss is kept")
+    return _why_not_plain(module.get_output_embeddings(), (nn.Linear,), "lm_head")
+
+
 def _plan(model, norms, mlp, loss, report):
     """Collect (qualified name, action) pairs; nothing is changed yet."""
     actions = []
     for name, module in model.named_modules():
         cls_name = type(module).__name__
-        if norms and (isinstance(module, (nn.LayerNorm, nn.RMSNorm))
-                      or cls_name in _LLAMA_STYLE_NORMS + _GEMMA_NORMS):
-            actions.append((name, "norm", module))
+        kind, why = None, None
+        if norms and _norm_kind(module):
+            kind = "norm"
+            why = _why_not_plain(module, (type(module),), "the norm")
         elif mlp and isinstance(module, MLP):
-            if _gelu_approximation(module.act) is None:
-                report.skipped.append({"name": name, "type": cls_name, "reason": "activation is not GELU"})
-            else:
-                actions.append((name, "mlp", module))
+            kind = "mlp"
+            why = "activation is not GELU" if _gelu_approximation(module.act) is None else None
         elif mlp and cls_name == "GPT2MLP":
-            actions.append((name, "gpt2_mlp", module))
+            kind = "gpt2_mlp"
         elif mlp and cls_name in ("BertLayer", "RobertaLayer") and hasattr(module, "intermediate"):
-            actions.append((name, "bert_ffn", module))
+            kind = "bert_ffn"
         elif mlp and cls_name.endswith("MLP") and hasattr(module, "gate_proj"):
             report.skipped.append({"name": name, "type": cls_name, "reason": "gated MLP: no fused kernel"})
         elif loss and isinstance(module, LogitsLoss):
-            actions.append((name, "lm_loss", module))
-    if loss and _is_hf_causal_lm(model) and not isinstance(model, _FusedCausalLM):
-        actions.append(("", "hf_loss", model))
+            kind = "lm_loss"
+        if kind in ("mlp", "gpt2_mlp", "bert_ffn") and why is None:
+            why = _mlp_blockers(kind, module)
+        if kind is not None and why is not None:
+            report.skipped.append({"name": name, "type": cls_name, "reason": why})
+        elif kind is not None:
+            actions.append((name, kind, module))
+    found = _causal_lm(model) if loss else None
+    if found is not None and not isinstance(found[1], _FusedCausalLM):
+        name, module = found
+        why = _loss_blocker(module)
+        if why is None:
+            actions.append((name, "hf_loss", module))
+        else:
+            report.skipped.append({"name": name, "type": type(module).__name__, "reason": why})
     return actions
+
+
+_LOSS_NOTE = ("the fused loss runs when the model is called with labels in training mode (a plain training loop, "
+              "transformers.Trainer); eval mode or skip_logits=False runs the model's own forward and returns the "
+              "logits. TRL's SFTTrainer will NOT use it: it replaces model.forward with its own chunked LM-head "
+              "loss (fused_lm_head=True), so under SFTTrainer only the norm and MLP replacements take effect.")
 
 
 def _set_child(model, name, new):
@@ -344,6 +522,7 @@ def apply(model, *, norms=True, mlp=True, loss=True, measure=True):
         elif kind == "hf_loss":
             _switch_class(module, _FusedCausalLM)
             module._memkernels_loss = _CausalLMLoss()
+            report.notes.append(_LOSS_NOTE)
         after = model.get_submodule(name) if name else model
         report.replaced.append({"name": name, "before": before_type, "after": type(after).__name__})
     if before is not None:

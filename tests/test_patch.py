@@ -178,8 +178,15 @@ def test_without_labels_the_logits_are_unchanged(family):
         expected = model(input_ids=ids, use_cache=False).logits
         got = patched(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # eval mode with labels: the logits, as an eval loop scoring predictions needs
+        evaluated = patched(input_ids=ids, labels=ids, use_cache=False)
+    torch.testing.assert_close(evaluated.logits, expected, rtol=1e-5, atol=1e-5)
+    patched.train()
     with torch.no_grad():
-        assert patched(input_ids=ids, labels=ids, use_cache=False).logits is None  # logits never built
+        assert patched(input_ids=ids, labels=ids, use_cache=False).logits is None  # training: logits never built
+        asked = patched(input_ids=ids, labels=ids, use_cache=False, skip_logits=False)
+    torch.testing.assert_close(asked.logits, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(asked.loss, evaluated.loss)
 
 
 def test_num_items_in_batch_sums_then_divides_like_hugging_face():

@@ -22,6 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memkernels import _backend
+from memkernels.ops import _autocast
 from memkernels.reference import _norm as reference
 
 try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
@@ -249,6 +250,8 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
 
 
 torch.library.register_autograd("memkernels::norm_fwd", _backward, setup_context=_setup_context)
+# PyTorch's autocast policy for layer_norm and rms_norm: float32 on CUDA, the inputs' dtype on CPU.
+_autocast.register("memkernels::norm_fwd", {"cpu": None, "cuda": "fp32"}, positions=(0, 1, 2, 3))
 
 
 class _SeparateGradient(torch.autograd.Function):

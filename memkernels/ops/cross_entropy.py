@@ -43,6 +43,7 @@ import triton.language as tl
 from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
+from memkernels.ops import _autocast
 from memkernels.reference import cross_entropy as reference
 
 REDUCTIONS = ("none", "mean", "sum")
@@ -476,10 +477,14 @@ def autograd_pair(op, impl, setup_context, op_backward, eager_backward):
 
 
 def apply_op(op, function, *args):
-    """The custom op while torch.compile traces; its autograd.Function twin in eager mode."""
+    """The custom op while torch.compile traces; its autograd.Function twin in eager mode.
+
+    Both follow the op's autocast policy (see :mod:`memkernels.ops._autocast`): the op at its
+    autocast dispatch key, the Function through the same policy.
+    """
     if torch.compiler.is_compiling():
         return op(*args)
-    return function.apply(*args)
+    return _autocast.call(op._qualname, function.apply, *args)
 
 
 def _cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],
@@ -529,6 +534,9 @@ def _backward_with(backward):
 
 
 _cross_entropy_op = custom_op("memkernels::cross_entropy", _cross_entropy_forward, _cross_entropy_fake)
+# PyTorch's autocast casts a loss's logits to float32 (a copy of the N x V logits); this op already
+# computes in float32 from logits of any dtype, so it takes them as they are, with the same result.
+_autocast.register(_cross_entropy_op._qualname, {"cpu": None, "cuda": None}, positions=())
 _cross_entropy_backward_op = custom_op("memkernels::cross_entropy_backward", _cross_entropy_backward,
                                        _cross_entropy_backward_fake)
 _CrossEntropyFunction = autograd_pair(_cross_entropy_op, _cross_entropy_forward, _setup_context,

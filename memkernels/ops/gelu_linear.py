@@ -26,6 +26,7 @@ import triton.language as tl
 from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve, triton_interpreted
+from memkernels.ops import _autocast
 from memkernels.reference import gelu_linear as reference
 
 APPROXIMATIONS = ("none", "tanh")
@@ -417,6 +418,7 @@ class _Step:
 
         self.custom_op = torch.library.custom_op(f"memkernels::{name}", impl, mutates_args=(), schema=schema)
         self.custom_op.register_fake(lambda *args: fake_impl(*args[:-1]))
+        self.name = self.custom_op._qualname
 
 
 _STEPS = {
@@ -434,6 +436,9 @@ _STEPS = {
         _grad_weight_triton, reference.grad_weight,
         lambda grad_out2d, x2d, approximate: grad_out2d.new_empty(grad_out2d.shape[1], x2d.shape[1])),
 }
+# A GEMM: under autocast x, weight and bias are cast to the region's dtype, as F.linear's are.
+_autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"},
+                   positions=(0, 1, 2))
 
 
 # --------------------------------------------------------------------------------------------
@@ -518,7 +523,14 @@ def gelu_linear(x, weight, bias=None, *, approximate="none", backend=None):
 
     Returns:
         [..., out_features] in x's dtype. Only x (and weight) is saved for backward.
+        Under ``torch.autocast`` x, weight and bias are cast to the region's dtype first, as
+        ``F.linear`` casts them, and the result is in that dtype.
     """
+    return _autocast.call(_STEPS["forward"].name, functools.partial(_gelu_linear, approximate=approximate,
+                                                                    backend=backend), x, weight, bias)
+
+
+def _gelu_linear(x, weight, bias, *, approximate, backend):
     _check_inputs(x, weight, bias, approximate, backend)
     if backend is None:
         backend = resolve(x, "gelu_linear")

@@ -58,6 +58,7 @@ import triton.language as tl
 from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
+from memkernels.ops import _autocast
 from memkernels.ops.cross_entropy import (
     apply_op,
     autograd_pair,
@@ -370,6 +371,11 @@ def _recompute_grad_with(backward):
 
 
 _recompute_op = custom_op("memkernels::linear_cross_entropy_recompute", _recompute_forward, _recompute_fake)
+# Under autocast the LM-head matmuls run in the region's dtype, as F.linear's do (hidden, weight and
+# bias are cast); the loss is float32 either way, as PyTorch's policy keeps cross-entropy.
+_AUTOCAST = {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}
+_AUTOCAST_CAST = (0, 1, 3)  # hidden, weight, bias
+_autocast.register(_recompute_op._qualname, _AUTOCAST, _AUTOCAST_CAST)
 _recompute_backward_op = custom_op("memkernels::linear_cross_entropy_recompute_backward", _recompute_backward_impl,
                                    _recompute_backward_fake)
 _RecomputeFunction = autograd_pair(_recompute_op, _recompute_forward, _recompute_setup,
@@ -433,6 +439,7 @@ def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
 
 
 _chunked_op = custom_op("memkernels::linear_cross_entropy_chunked", _chunked_forward, _chunked_fake)
+_autocast.register(_chunked_op._qualname, _AUTOCAST, _AUTOCAST_CAST)
 _ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, _chunked_grad, _chunked_grad)
 
 
@@ -490,7 +497,12 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
     Returns:
         float32 loss (shape of ``target`` for reduction "none", else 0-d), or
         ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached).
+
+    Under ``torch.autocast`` hidden, weight and bias are cast to the region's dtype first (as
+    ``F.linear`` casts them) and the loss stays float32 (as PyTorch's policy keeps cross-entropy).
     """
+    hidden, weight, _, bias = _autocast.cast(_recompute_op._qualname, _autocast.device_type_of((hidden,)),
+                                             (hidden, weight, target, bias))
     _validate(hidden, weight, bias, strategy, chunk_size, reduction)
     hidden_size = hidden.shape[-1]
     n_tokens = hidden.numel() // max(hidden_size, 1)

@@ -1,0 +1,365 @@
+"""memkernels.apply() in the real training stack: transformers.Trainer at its default arguments
+(fp32 and bf16 autocast, with and without peft LoRA), TRL's SFTTrainer, torch.autocast, and every
+causal-LM head apply() patches. Tiny models built from configs (no downloads).
+
+Parity is test_patch.py's rule: against the unpatched model run in float64, the patched model's
+loss and gradients err at most 2x what the unpatched model itself errs in the same precision (plus
+a floor of a few fp32 roundings). Trainer runs compare the patched run with the unpatched run under
+the same settings: fp32 at torch.testing's float32 tolerance, bf16 autocast to one bfloat16 rounding
+of the loss (the logits are bf16 there; AdamW turns gradient roundings into update signs).
+"""
+import copy
+import inspect
+import logging
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+datasets = pytest.importorskip("datasets")
+
+from memkernels import patch  # noqa: E402
+from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
+from memkernels.patch import CAUSAL_LM_HEADS, apply  # noqa: E402
+from test_patch import (COMMON, VOCAB, _assert_parity, _batch, _gemma, _gpt2, _llama,  # noqa: E402
+                        _loss_and_grads, _qwen2)
+
+
+def _mistral():
+    return transformers.MistralForCausalLM(transformers.MistralConfig(num_key_value_heads=2, **COMMON))
+
+
+def _qwen3():
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **COMMON))
+
+
+def _gemma2():  # a softcap small enough to bend these logits
+    config = transformers.Gemma2Config(num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
+                                       **dict(COMMON, attn_implementation="eager"))
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def _granite():  # logits / 8
+    return transformers.GraniteForCausalLM(transformers.GraniteConfig(num_key_value_heads=2, logits_scaling=8.0,
+                                                                      **COMMON))
+
+
+def _cohere():  # logits * 0.25
+    return transformers.CohereForCausalLM(transformers.CohereConfig(num_key_value_heads=2, logit_scale=0.25, **COMMON))
+
+
+# Every causal-LM family apply() patches, by the class name CAUSAL_LM_HEADS lists.
+FAMILIES = {"LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
+            "Qwen3ForCausalLM": _qwen3, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma2,
+            "GPT2LMHeadModel": _gpt2, "GraniteForCausalLM": _granite, "CohereForCausalLM": _cohere}
+# The Trainer matrix runs these in the default selection (LoRA through GPT-2 in fp32 only) and the rest as slow
+# tests; so do the head checks of the families whose head is plain Llama's.
+QUICK = {("LlamaForCausalLM", False, False), ("LlamaForCausalLM", True, False), ("GPT2LMHeadModel", False, False),
+         ("GPT2LMHeadModel", True, False), ("GPT2LMHeadModel", False, True)}
+PLAIN_LLAMA_HEADS = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def test_every_family_apply_patches_is_tested_here():
+    assert set(FAMILIES) == set(CAUSAL_LM_HEADS)
+
+
+def _parity(model, patched, ids, labels):
+    """Loss and every gradient of ``patched`` against ``model`` in float64 and fp32 (test_patch.py's rule)."""
+    reference = copy.deepcopy(model).double()
+    loss64, grads64 = _loss_and_grads(reference, ids, labels)
+    loss32, grads32 = _loss_and_grads(model, ids, labels)
+    loss_p, grads_p = _loss_and_grads(patched, ids, labels)
+    _assert_parity(loss64.reshape(1), loss32.reshape(1), loss_p.reshape(1), "loss")
+    assert set(grads_p) == set(grads32)
+    global_scale = max(g.abs().max().item() for g in grads64.values())
+    for name, g64 in grads64.items():
+        _assert_parity(g64, grads32[name], grads_p[name], name, scale=max(g64.abs().max().item(), global_scale * 1e-3))
+    return grads_p
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in PLAIN_LLAMA_HEADS else f
+                                    for f in sorted(FAMILIES)])
+def test_every_head_gives_the_unpatched_loss_and_gradients(family):
+    """Granite's logits_scaling, Cohere's logit_scale and Gemma2's softcap are part of the fused loss."""
+    model = FAMILIES[family]().train()
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    assert ("", family, f"Memkernels{family}") in {(r["name"], r["before"], r["after"]) for r in report.replaced}
+    ids, labels = _batch()
+    _parity(model, patched, ids, labels)
+    with torch.no_grad():
+        assert patched(input_ids=ids, labels=labels).logits is None  # the fused path ran
+
+
+def test_a_head_memkernels_does_not_know_keeps_its_own_loss_and_says_why():
+    """Mixtral adds its router's load-balancing loss to the LM loss: a fused loss would drop it."""
+    config = transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+                                        output_router_logits=True, router_aux_loss_coef=0.5, **COMMON)
+    model = transformers.MixtralForCausalLM(config).train()
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    assert type(patched) is transformers.MixtralForCausalLM
+    [skip] = [s for s in report.skipped if s["type"] == "MixtralForCausalLM"]
+    assert "CAUSAL_LM_HEADS" in skip["reason"] and "own loss is kept" in skip["reason"]
+    assert "MixtralForCausalLM" in report.summary()
+    ids, labels = _batch()
+    got, expected = patched(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
+    assert got.aux_loss is not None and got.aux_loss > 0  # the router's loss is in
+    torch.testing.assert_close(got.loss, expected.loss)  # (Mixtral's grouped matmul has no float64 to judge by)
+
+
+# ----------------------------------------------------------------------------- the forward's face
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_patched_forward_keeps_the_signature_and_docstring(family):
+    model = FAMILIES[family]()
+    before_signature, before_doc = inspect.signature(model.forward), model.forward.__doc__
+    unpatched = copy.deepcopy(model).train()
+    apply(model, measure=False)
+    assert inspect.signature(model.forward) == before_signature
+    assert model.forward.__doc__ == before_doc and before_doc
+    ids, labels = _batch()
+    model.train()
+    with torch.no_grad():  # input_ids passed by position, as the original forward names it
+        out, expected = model(ids, labels=labels), unpatched(ids, labels=labels)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_output_uses_only_the_fields_the_installed_transformers_declares(caplog):
+    """No "`past_key_values`/`cache_params` are deprecated" on a patched forward."""
+    transformers.utils.logging.enable_propagation()
+    logging.Logger.warning_once.cache_clear()  # transformers' once-only warnings: let this one show again
+    try:
+        for factory in (_llama, _gpt2):
+            model = factory().train()
+            apply(model, measure=False)
+            ids, labels = _batch()
+            with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+                warnings.simplefilter("error", FutureWarning)
+                out = model(input_ids=ids, labels=labels, use_cache=True)
+            assert not [r for r in caplog.records if "deprecated" in r.getMessage()], caplog.text
+            assert out.logits is None and out.loss is not None and out.cache is not None
+    finally:
+        transformers.utils.logging.disable_propagation()
+
+
+# ----------------------------------------------------------------------------- peft LoRA
+
+
+def _lora(model, targets):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(1)
+    return peft.get_peft_model(model, peft.LoraConfig(target_modules=targets, init_lora_weights=False, r=4,
+                                                      lora_dropout=0.0))
+
+
+def _adapter_grads_are_nonzero(grads):
+    lora = {name: g for name, g in grads.items() if "lora_" in name}
+    assert lora and all(g.abs().sum() > 0 for g in lora.values())
+
+
+@pytest.mark.parametrize("factory, targets", [
+    (_gpt2, ["c_attn", "c_proj", "c_fc", "lm_head"]),
+    (_llama, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head"]),
+], ids=["gpt2", "llama"])
+def test_lora_on_every_linear_and_the_head_is_never_bypassed(factory, targets):
+    model = _lora(factory(), targets).train()
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    reasons = {s["type"]: s["reason"] for s in report.skipped}
+    assert "peft" in reasons[type(model.get_base_model()).__name__]  # lm_head has an adapter: its loss is kept
+    if factory is _gpt2:
+        assert "c_proj is a peft" in reasons["GPT2MLP"]  # fusing c_proj would skip its adapter
+    assert any(r["after"] in ("FusedLayerNorm", "FusedRMSNorm") for r in report.replaced)
+    ids, labels = _batch()
+    _adapter_grads_are_nonzero(_parity(model, patched, ids, labels))
+
+
+def test_lora_around_the_fused_mlp_and_loss_trains_the_adapters():
+    """Adapters on c_attn and c_fc (called through their own forward): the MLP and the loss stay fused,
+    through the PeftModel."""
+    model = _lora(_gpt2(), ["c_attn", "c_fc"]).train()
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    after = {r["after"] for r in report.replaced}
+    assert {"MemkernelsGPT2MLP", "MemkernelsGPT2LMHeadModel"} <= after, report.summary()
+    ids, labels = _batch()
+    _adapter_grads_are_nonzero(_parity(model, patched, ids, labels))
+
+
+def test_linear_subclasses_and_hooked_modules_are_left_alone():
+    class ScaledLinear(nn.Linear):  # a forward of its own, as a quantized linear has
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    config = ModelConfig(name="tiny", vocab_size=VOCAB, hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=2,
+                         intermediate_size=48, max_seq_len=32, norm="layernorm", mlp="gelu", position="learned")
+    lm = TransformerLM(config)
+    mlp = next(m for m in lm.modules() if type(m).__name__ == "MLP")
+    old = mlp.fc2
+    mlp.fc2 = ScaledLinear(old.in_features, old.out_features)
+    report = apply(lm, measure=False)
+    assert any("ScaledLinear" in s["reason"] and s["type"] == "MLP" for s in report.skipped)
+    assert any(type(m).__name__ == "MLP" for m in lm.modules())
+
+    gpt2 = _gpt2()
+    gpt2.transformer.h[0].mlp.c_proj.register_forward_hook(lambda module, args, out: out * 2)
+    gpt2.transformer.ln_f.register_forward_pre_hook(lambda module, args: None)
+    report = apply(gpt2, measure=False)
+    reasons = [s["reason"] for s in report.skipped]
+    assert "c_proj has forward hooks, which fusing would skip" in reasons
+    assert "the norm has forward hooks, which fusing would skip" in reasons
+    assert type(gpt2.transformer.h[0].mlp).__name__ == "GPT2MLP"
+    assert type(gpt2.transformer.h[1].mlp).__name__ == "MemkernelsGPT2MLP"
+
+
+# ----------------------------------------------------------------------------- torch.autocast
+
+
+@pytest.mark.parametrize("factory", [_llama, pytest.param(_qwen2, marks=pytest.mark.slow),
+                                     pytest.param(_gemma, marks=pytest.mark.slow), _gpt2],
+                         ids=["llama", "qwen2", "gemma", "gpt2"])
+def test_apply_under_bf16_autocast_matches_eager_under_autocast(factory):
+    """Three SGD steps under torch.autocast("cpu", bfloat16). At each step the eager and patched
+    fp32 models take the float64 model's current weights, and their loss and every gradient are
+    judged against it (the float64 model is never autocast): within 2x eager autocast's own error.
+    Copying the weights keeps one step's rounding from being amplified into the next step's."""
+    reference = factory().double().train()
+    eager = copy.deepcopy(reference).float()
+    patched = copy.deepcopy(eager)
+    apply(patched, measure=False)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for step in range(3):
+        with torch.no_grad():
+            for model in (eager, patched):
+                for param, param64 in zip(model.parameters(), reference.parameters()):
+                    param.copy_(param64)
+        ids, labels = _batch()
+        losses, grads = {}, {}
+        for who, model in (("reference", reference), ("eager", eager), ("patched", patched)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                losses[who], grads[who] = _loss_and_grads(model, ids, labels)
+        _assert_parity(*(losses[w].reshape(1) for w in ("reference", "eager", "patched")), f"step {step} loss")
+        global_scale = max(g.abs().max().item() for g in grads["reference"].values())
+        for name, g64 in grads["reference"].items():
+            _assert_parity(g64, grads["eager"][name], grads["patched"][name], f"step {step} {name}",
+                           scale=max(g64.abs().max().item(), global_scale * 1e-3))
+        optimizer.step()
+
+
+# ----------------------------------------------------------------------------- Trainer
+
+
+def _dataset(samples, seed, seq=16):
+    ids = torch.randint(0, VOCAB, (samples, seq), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[:, :2] = -100
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
+
+
+def _nll_from_logits(prediction):
+    """compute_metrics: the next-token NLL read from the logits Trainer.evaluate() collected."""
+    logits, labels = prediction.predictions.astype(np.float64)[:, :-1], prediction.label_ids[:, 1:]
+    keep = labels != -100
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    picked = np.take_along_axis(log_probs, np.where(keep, labels, 0)[..., None], -1)[..., 0]
+    return {"nll_from_logits": float(-picked[keep].mean())}
+
+
+def _train_and_evaluate(model, tmp_path, name, bf16):
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / name), max_steps=2, use_cpu=True,
+                                          report_to="none", bf16=bf16, logging_steps=1, disable_tqdm=True)
+    trainer = transformers.Trainer(model, args, train_dataset=_dataset(8, 0), eval_dataset=_dataset(4, 1),
+                                   compute_metrics=_nll_from_logits)
+    trainer.train()
+    metrics = trainer.evaluate()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(losses) == 2
+    return losses, metrics
+
+
+def _trainer_case(family, bf16, lora, tmp_path):
+    torch.manual_seed(0)
+    model = FAMILIES[family]()
+    if lora:
+        model = _lora(model, "all-linear")
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    assert any(r["before"] == family for r in report.replaced), report.summary()  # the fused loss is in
+    losses, metrics = _train_and_evaluate(model, tmp_path, "unpatched", bf16)
+    losses_p, metrics_p = _train_and_evaluate(patched, tmp_path, "patched", bf16)
+    tolerance = dict(rtol=2.0 ** -8, atol=0.0) if bf16 else {}
+    torch.testing.assert_close(torch.tensor(losses_p), torch.tensor(losses), **tolerance)
+    torch.testing.assert_close(torch.tensor(metrics_p["eval_loss"]), torch.tensor(metrics["eval_loss"]), **tolerance)
+    # compute_metrics got the logits, and they are the ones the loss came from
+    for got in (metrics, metrics_p):
+        torch.testing.assert_close(torch.tensor(got["eval_nll_from_logits"]), torch.tensor(got["eval_loss"]),
+                                   rtol=1e-5, atol=0.0)
+
+
+TRAINER_MATRIX = [pytest.param(family, bf16, lora, marks=() if (family, bf16, lora) in QUICK else pytest.mark.slow,
+                               id=f"{family}-{'bf16' if bf16 else 'fp32'}{'-lora' if lora else ''}")
+                  for family in sorted(FAMILIES) for bf16 in (False, True) for lora in (False, True)]
+
+
+@pytest.mark.parametrize("family, bf16, lora", TRAINER_MATRIX)
+def test_trainer_trains_and_evaluates_like_the_unpatched_model(family, bf16, lora, tmp_path):
+    """Trainer at its defaults (remove_unused_columns=True inspects forward's signature) for 2 steps,
+    then evaluate() with a compute_metrics that reads the logits."""
+    _trainer_case(family, bf16, lora, tmp_path)
+
+
+# ----------------------------------------------------------------------------- TRL
+
+
+def _word_level_tokenizer():
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t1"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="t0", eos_token="t2",
+                                                unk_token="t1")
+
+
+def test_sft_trainer_trains_and_the_report_says_it_does_not_use_the_fused_loss(tmp_path, monkeypatch):
+    """TRL's SFTTrainer swaps model.forward for its own chunked LM-head loss: memkernels' loss is
+    never called (counted), the run matches the unpatched one, and apply()'s report says so."""
+    trl = pytest.importorskip("trl")
+    calls = []
+    count_calls = patch._CausalLMLoss.forward
+
+    def counting(self, *args, **kwargs):
+        calls.append(1)
+        return count_calls(self, *args, **kwargs)
+
+    monkeypatch.setattr(patch._CausalLMLoss, "forward", counting)
+    ids = torch.randint(3, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))
+    dataset = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+    losses = {}
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = _llama()
+        if patched:
+            report = apply(model, measure=False)
+            model.train()
+            model(input_ids=ids[:1], labels=ids[:1])  # outside TRL the counter sees the fused loss
+            assert len(calls) == 1
+        args = trl.SFTConfig(output_dir=str(tmp_path / str(patched)), max_steps=2, use_cpu=True, report_to="none",
+                             logging_steps=1, disable_tqdm=True)
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=dataset,
+                                 processing_class=_word_level_tokenizer())
+        trainer.train()
+        losses[patched] = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    assert len(calls) == 1  # none during SFTTrainer's steps
+    assert "TRL's SFTTrainer will NOT use it" in report.summary()
+    assert len(losses[True]) == 2
+    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]))
