@@ -28,6 +28,7 @@ _LAZY = {
     "activation_ledger": "memkernels.profile",
     "memory_summary": "memkernels.profile",
     "evaluate": "memkernels.profile",
+    "plan": "memkernels.tools.plan",
 }
 
 

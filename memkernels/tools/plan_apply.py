@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["find_layers", "wrap", "remove", "apply_placement", "ApplyReport"]
+__all__ = ["find_layers", "wrap", "remove", "apply_plan", "apply_placement", "ApplyReport"]
 
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
@@ -151,7 +151,8 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
     kernel_report = None
     if kernels:
         from memkernels.patch import apply as apply_kernels
-        kernel_report = apply_kernels(model, measure=False)
+        from memkernels.tools.placement import KERNELS
+        kernel_report = apply_kernels(model, **KERNELS)
         prefix, layers = find_layers(model)
     offload = None
     if any("offload" in choice.actions.values() for choice in choices):
@@ -168,3 +169,18 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
             wrap(module, action, offload, recompute_context)
             wrapped.append((".".join(p for p in (prefix, str(index), child) if p), action))
     return ApplyReport(wrapped, kernel_report, offload)
+
+
+def apply_plan(model, plan, offload_options=None):
+    """``memkernels.apply(model, plan)``: carry out a :class:`~memkernels.tools.plan.Plan` (its kernels and
+    per-layer placement) or a :class:`~memkernels.tools.placement.Placement` on ``model``; returns an
+    :class:`ApplyReport`. Offloaded modules share one OffloadActivations (``offload_options``: its
+    keyword arguments; default: every saved tensor of the module, its last submodule's too)."""
+    choices = getattr(plan, "choices", None)
+    if not isinstance(model, nn.Module) or choices is None:
+        raise ValueError("memkernels.apply(model, plan): needs an nn.Module and a Plan or Placement from "
+                         f"memkernels.plan / memkernels.tools.plan.place, got {type(model).__name__} and "
+                         f"{type(plan).__name__}")
+    options = {"min_offload_bytes": 0, "offload_last_module": True}
+    options.update(offload_options or {})
+    return apply_placement(model, choices, kernels=bool(getattr(plan, "kernels", False)), offload_options=options)
