@@ -3,15 +3,17 @@
 Two parts:
 
 1. :func:`measure_profile` runs one training step (forward + backward, with labels) of a
-   2-layer copy of the model on the ``meta`` device, once keeping everything and once per
-   recompute option applied to the last layer, under
+   4-layer copy of the model on the ``meta`` device, once keeping everything and once per
+   recompute option applied to its third layer, under
    :class:`~memkernels.meters.PeakBytesMeter`. Hooks cut the step into segments (the
    embedding, each layer's forward, the head = final norm + LM head + loss forward and
    backward, each layer's backward, the embedding's backward) and record the live bytes at
    each boundary and the peak inside each segment. :class:`~torch.utils.flop_counter.FlopCounterMode`
-   counts each layer part's forward FLOPs. Layers are identical, so an L-layer model's
-   figures follow from the 2-layer ones: each further layer adds R bytes (the live bytes one
-   layer leaves behind after its forward) to every later segment.
+   counts the FLOPs each option replays (a separate run: its module tracker
+   keeps tensors alive). Layers are identical, so an L-layer model's
+   figures follow from the 4-layer ones: the first two and the last layers are measured as such,
+   each further middle layer adds R bytes (the live bytes a middle layer leaves behind after its
+   forward) to every later segment.
 
 2. :func:`solve` chooses one :data:`LAYER_OPTIONS` entry per layer by dynamic programming so
    that the predicted peak fits the budget at the least added step time.
@@ -26,8 +28,8 @@ where d(o) is what option o adds to its own layer's backward peak (recompute tra
 measured; prefetched offload copies, modeled). Savings of layers after i are already freed
 when layer i's backward runs, so only the prefix S_i matters.
 
-The cost model (seconds added to a step): recomputing a part costs its forward FLOPs / the
-GPU's throughput; offloading a part costs the PCIe time of its bytes not hidden behind
+The cost model (seconds added to a step): recomputing a part costs the FLOPs it replays
+(measured) / the GPU's throughput; offloading a part costs the PCIe time of its bytes not hidden behind
 compute: max(0, t - t_fwd) on the way out (during the next layer's forward) plus
 max(0, t - 2 t_fwd) on the way back (during backward), t = bytes / PCIe bandwidth, t_fwd
 the layer's forward time.
@@ -190,37 +192,13 @@ def _metered_step(model, ids):
     return timeline
 
 
-def _part_flops(model, ids):
-    """Forward FLOPs of the last layer's parts: {"layer", "attn", "mlp"}."""
+def _step_flops(model, ids):
+    """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, recompute included)."""
     from memkernels.profile import _meta_forward
-    _, layers = plan_apply.find_layers(model)
-    layer = layers[-1]
-    modules = {"layer": layer}
-    for part in ("attn", "mlp"):
-        name = plan_apply.submodule_name(layer, part)
-        if name:
-            modules[part] = layer.get_submodule(name)
-    flops, handles, stack = {}, [], []
-    for part, module in modules.items():
-        def pre(_module, _args, part=part):
-            counter = flop_counter()
-            counter.__enter__()
-            stack.append((part, counter))
-
-        def post(_module, _args, _output):
-            part, counter = stack.pop()
-            counter.__exit__(None, None, None)
-            flops[part] = counter.get_total_flops()
-        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
-    try:
-        with _meta_forward(), torch.no_grad():
-            args, kwargs = lm_inputs(model, ids)
-            kwargs = dict(kwargs)
-            model(*args, **kwargs)
-    finally:
-        for handle in handles:
-            handle.remove()
-    return flops
+    with _meta_forward(), torch.enable_grad(), flop_counter() as counter:
+        args, kwargs = lm_inputs(model, ids)
+        _loss_of(model(*args, **kwargs)).backward()
+    return counter.get_total_flops()
 
 
 @dataclasses.dataclass
@@ -239,7 +217,8 @@ class LayerProfile:
     resident: dict
     savings: dict
     extra: dict
-    flops: dict
+    recompute: dict
+    step_flops: int
     parts: tuple
 
     def _at(self, table, batch):
@@ -256,15 +235,39 @@ class LayerProfile:
         extra = self._at(self.extra, batch)
         return seg, resident, savings, extra
 
+    @property
+    def probe(self):
+        """The layer of the measured copy that options were applied to: a middle one when there is one."""
+        return _probe_layer(self.depth)
+
+    def measured_layer(self, index):
+        """(layer of the measured copy that stands for layer ``index``, layers of R between them)."""
+        if index < self.probe:
+            return index, 0
+        if index == self.num_layers - 1:
+            return self.depth - 1, self.num_layers - self.depth
+        return self.probe, index - self.probe
+
     def layer_peaks(self, batch):
         """(Pe, Pt, Ph, [Pf_i], [Pb_i]) of the keep-everything step of the full model at ``batch``."""
         seg, resident, _, _ = self.figures(batch)
-        last = self.depth - 1
-        grow = [max(0, i - last) for i in range(self.num_layers)]
-        forward = [seg[f"fwd{min(i, last)}"] + grow[i] * resident for i in range(self.num_layers)]
-        backward = [seg[f"bwd{min(i, last)}"] + grow[i] * resident for i in range(self.num_layers)]
+        forward, backward = [], []
+        for i in range(self.num_layers):
+            measured, grow = self.measured_layer(i)
+            forward.append(seg[f"fwd{measured}"] + grow * resident)
+            backward.append(seg[f"bwd{measured}"] + grow * resident)
         head = seg["head"] + (self.num_layers - self.depth) * resident
         return seg.get("embed", 0), seg.get("tail", 0), head, forward, backward
+
+
+# The copy measured has up to 4 layers; options are applied to its third. Layers are identical,
+# but what they leave resident is not always: in a bf16 Hugging Face Llama on the CPU the first
+# two layers each keep one more hidden-sized tensor alive than the rest.
+_DEPTH = 4
+
+
+def _probe_layer(depth):
+    return min(2, depth - 1)
 
 
 def _build(source, depth, dtype):
@@ -273,16 +276,28 @@ def _build(source, depth, dtype):
     return model
 
 
-def measure_profile(source, seq, dtype, *, kernels=False, options=LAYER_OPTIONS):
-    """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``_Source``) at ``seq``."""
-    depth = min(2, source.num_layers)
+_profiles = {}  # (model key, seq, dtype, kernels) -> LayerProfile
+
+
+def measure_profile(source, seq, dtype, *, kernels=False):
+    """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``_Source``) at ``seq``
+    (cached per model, sequence length, dtype and kernels)."""
+    key = (source.key(), seq, dtype, kernels)
+    if key not in _profiles:
+        _profiles[key] = _measure_profile(source, seq, dtype, kernels)
+    return _profiles[key]
+
+
+def _measure_profile(source, seq, dtype, kernels):
+    depth = min(_DEPTH, source.num_layers)
+    probe_layer = _probe_layer(depth)
     probe = _build(source, depth, dtype)
     if kernels:
         from memkernels.patch import apply
         apply(probe, **KERNELS)
     _, layers = plan_apply.find_layers(probe)
     parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
-    measured = [o for o in options if not o.offloaded and all(p in parts + ("layer",) for p in o.actions)]
+    measured = [o for o in LAYER_OPTIONS if not o.offloaded and all(p in parts + ("layer",) for p in o.actions)]
     segments, resident, savings, extra = {}, {}, {}, {}
     for batch in (1, 2):
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
@@ -292,19 +307,42 @@ def measure_profile(source, seq, dtype, *, kernels=False, options=LAYER_OPTIONS)
             if kernels:
                 from memkernels.patch import apply
                 apply(model, **KERNELS)
-            choices = [OPTION_BY_NAME["keep"]] * (depth - 1) + [option]
+            choices = [OPTION_BY_NAME["keep"]] * depth
+            choices[probe_layer] = option
             plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
             runs[option.name] = _metered_step(model, ids)
             del model
         keep = runs["keep"]
         segments[batch] = dict(keep.peaks)
-        resident[batch] = keep.live["head"] - keep.live[f"gap{depth - 2}"] if depth > 1 else 0
-        last_bwd = f"bwd{depth - 1}"
+        # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
+        after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
+        resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
+        last_bwd = f"bwd{probe_layer}"
         savings[batch] = {name: keep.live["head"] - run.live["head"] for name, run in runs.items()}
         extra[batch] = {name: run.peaks[last_bwd] - keep.peaks[last_bwd] for name, run in runs.items()}
-    flops = _part_flops(probe, torch.empty(1, seq, dtype=torch.long, device="meta"))
+    one = torch.empty(1, seq, dtype=torch.long, device="meta")
+    step_flops = {}
+    for option in measured:
+        model = _build(source, depth, dtype)
+        if kernels:
+            from memkernels.patch import apply
+            apply(model, **KERNELS)
+        choices = [OPTION_BY_NAME["keep"]] * depth
+        choices[probe_layer] = option
+        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
+        step_flops[option.name] = _step_flops(model, one)
+        if option.name == "keep" and depth > 1:  # one more layer's step FLOPs, to extrapolate to the full depth
+            shallow = _build(source, depth - 1, dtype)
+            if kernels:
+                from memkernels.patch import apply
+                apply(shallow, **KERNELS)
+            per_layer = step_flops["keep"] - _step_flops(shallow, one)
+        del model
+    recompute = {name: flops - step_flops["keep"] for name, flops in step_flops.items()}
+    per_layer = per_layer if depth > 1 else step_flops["keep"]
+    full_step = step_flops["keep"] + (source.num_layers - depth) * per_layer
     return LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments=segments, resident=resident,
-                        savings=savings, extra=extra, flops=flops, parts=parts)
+                        savings=savings, extra=extra, recompute=recompute, step_flops=full_step, parts=parts)
 
 
 @dataclasses.dataclass
@@ -360,18 +398,19 @@ def _option_costs(profile, batch, options, *, tflops, pcie_gbps, prefetch_bytes)
     """Per option: (savings, extra, seconds, recompute flops, offload bytes) at ``batch``."""
     _, _, savings, extra = profile.figures(batch)
     throughput = tflops * 1e12
-    layer_seconds = batch * profile.flops.get("layer", 0) / throughput
+    # A layer's forward: a third of its share of the step (backward does about twice the forward's work).
+    layer_seconds = batch * profile.step_flops / (3 * profile.num_layers) / throughput
     out = {}
     for option in options:
-        recompute_flops = batch * sum(profile.flops.get(part, 0) for part in option.recomputed)
+        kept = LayerOption("", {p: a for p, a in option.actions.items() if a == "recompute"})
+        kept_name = next(o.name for o in LAYER_OPTIONS if o.actions == kept.actions)
+        recompute_flops = batch * profile.recompute[kept_name]
         seconds = recompute_flops / throughput
         moved = 0
         if option.offloaded:
             # The bytes an offloaded part moves are those recomputing it would have freed.
             recompute_twin = LayerOption("", {part: "recompute" for part in option.actions})
             twin = next(o.name for o in LAYER_OPTIONS if o.actions == recompute_twin.actions)
-            kept = LayerOption("", {p: a for p, a in option.actions.items() if a == "recompute"})
-            kept_name = next(o.name for o in LAYER_OPTIONS if o.actions == kept.actions)
             moved = max(0, savings[twin] - savings[kept_name])
             saving = savings[twin]
             transfer = moved / (pcie_gbps * 1e9) if pcie_gbps else math.inf

@@ -401,7 +401,6 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                             f", activations {format_size(alt.placement.predicted_peak)} with "
                             f"{alt.placement.describe()})")
 
-    layer_flops = profile.flops.get("layer", 0)
     config = chosen if chosen is not None else nearest_fail
     micro, accumulation = 1, (per_rank or 1)
     best = config.placement
@@ -424,7 +423,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         steps.append(_placement_step(best, act_offload))
         steps.append(Step("micro-batch", True, "", "", f"largest that fits: {micro}"
                           + (f"; accumulation {accumulation} to reach the global batch" if per_rank else "")))
-    step_flops = 3 * micro * (profile.num_layers * layer_flops)
+    step_flops = micro * profile.step_flops
     missing = 0 if chosen is not None else max(0, config.placement.predicted_peak - config.budget)
     nearest = "" if chosen is not None else _nearest_fit(config, gpu_mem, gpus, host_mem, margin)
     return Plan(model=source.name, gpu_mem=gpu_mem, gpus=gpus, seq=seq, dtype=dtype, optimizer=optimizer,
