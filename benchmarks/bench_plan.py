@@ -5,8 +5,11 @@ of the eager step's activation peak, it prints side by side:
 
 - memkernels: ``place()`` at that budget in bytes, applied with ``memkernels.apply`` (eager);
 - PyTorch: ``torch._functorch.config.activation_memory_budget`` = the same fraction, under
-  ``torch.compile(backend="aot_eager")`` (AOTAutograd's min-cut partitioner picks what to
-  recompute; the budget is a ratio of saved activations, not a peak);
+  ``torch.compile`` with the ``aot_eager`` backend (AOTAutograd's min-cut partitioner picks
+  what to recompute; the budget is a ratio of saved activations, not a peak). The backend is
+  aot_eager's own definition with instrumented no-op compilers: the meters are opened when
+  the compiled forward starts and closed when the compiled backward ends, because an active
+  dispatch mode around the call makes Dynamo run the model eagerly instead;
 - checkpointing every layer (eager, non-reentrant).
 
 Peak bytes of one training step (PeakBytesMeter, gradients allocated beforehand) and the
@@ -19,6 +22,8 @@ import argparse
 import time
 
 import torch
+from functorch.compile import min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
 
 import memkernels
 from memkernels.meters import PeakBytesMeter
@@ -40,6 +45,47 @@ def measure(model, ids):
     with flop_counter() as counter:
         model(ids, ids).backward()
     return meter.peak_bytes, counter.get_total_flops()
+
+
+class _Probe:
+    """Meters (context managers) to open at the compiled forward's start and close at the backward's end."""
+
+    meters = None
+
+
+def _nop(kind):
+    def compiler(graph, _example_inputs):
+        def run(args):
+            if kind == "forward" and _Probe.meters:
+                for meter in _Probe.meters:
+                    meter.__enter__()
+            out = torch.fx.Interpreter(graph).boxed_run(args)
+            if kind == "backward" and _Probe.meters:
+                for meter in reversed(_Probe.meters):
+                    meter.__exit__(None, None, None)
+                _Probe.meters = None
+            return out
+        run._boxed_call = True
+        return run
+    return compiler
+
+
+# torch._dynamo.backends.debugging.aot_eager, with the no-op compilers above.
+AOT_EAGER = aot_autograd(fw_compiler=_nop("forward"), bw_compiler=_nop("backward"),
+                         partition_fn=min_cut_rematerialization_partition, keep_inference_input_mutations=True)
+
+
+def measure_compiled(model, ids):
+    """:func:`measure` for a torch.compile'd model: the meters run inside the compiled graphs."""
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    peak = PeakBytesMeter()
+    _Probe.meters = [peak]
+    model(ids, ids).backward()
+    counter = flop_counter()
+    _Probe.meters = [counter]
+    model(ids, ids).backward()
+    return peak.peak_bytes, counter.get_total_flops()
 
 
 def main():
@@ -73,9 +119,9 @@ def main():
 
         torch._dynamo.reset()
         torch._functorch.config.activation_memory_budget = fraction
-        compiled = torch.compile(build(), backend="aot_eager")
-        measure(compiled, ids)  # compile outside the meters
-        torch_peak, torch_flops = measure(compiled, ids)
+        compiled = torch.compile(build(), backend=AOT_EAGER)
+        compiled(ids, ids).backward()  # compile outside the meters
+        torch_peak, torch_flops = measure_compiled(compiled, ids)
         if compiled_flops_full is None:
             compiled_flops_full = torch_flops
         rows.append((fraction, budget, placement.predicted_peak, plan_peak, plan_flops - eager_flops,
