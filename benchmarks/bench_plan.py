@@ -19,6 +19,9 @@ recompute). Then the time ``plan()`` takes for Llama-3-70B's config (80 layers, 
     python benchmarks/bench_plan.py [--layers 8] [--hidden 128] [--seq 256] [--batch 2]
 """
 import argparse
+import json
+import subprocess
+import sys
 import time
 
 import torch
@@ -94,6 +97,8 @@ def main():
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--torch-budget", type=float, default=None,
+                        help="internal: measure the compiled model at this activation_memory_budget and print JSON")
     args = parser.parse_args()
     config = ModelConfig(name="bench", vocab_size=256, hidden_size=args.hidden, num_layers=args.layers, num_heads=4,
                          num_kv_heads=2, intermediate_size=4 * args.hidden, max_seq_len=args.seq)
@@ -103,6 +108,14 @@ def main():
         return TransformerLM(config)
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    if args.torch_budget is not None:
+        # One budget per process: after torch._dynamo.reset() a second compile in the same
+        # process did not call the backend's compilers again.
+        torch._functorch.config.activation_memory_budget = args.torch_budget
+        compiled = torch.compile(build(), backend=AOT_EAGER)
+        compiled(ids, ids).backward()  # compile outside the meters
+        print(json.dumps(measure_compiled(compiled, ids)))
+        return
     eager_peak, eager_flops = measure(build(), ids)
     every = build()
     plan_apply.apply_placement(every, [OPTION_BY_NAME["recompute layer"]] * config.num_layers)
@@ -117,16 +130,14 @@ def main():
         memkernels.apply(planned, placement)
         plan_peak, plan_flops = measure(planned, ids)
 
-        torch._dynamo.reset()
-        torch._functorch.config.activation_memory_budget = fraction
-        compiled = torch.compile(build(), backend=AOT_EAGER)
-        compiled(ids, ids).backward()  # compile outside the meters
-        torch_peak, torch_flops = measure_compiled(compiled, ids)
+        command = [sys.executable, __file__, "--layers", str(args.layers), "--hidden", str(args.hidden), "--seq",
+                   str(args.seq), "--batch", str(args.batch), "--torch-budget", str(fraction)]
+        output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        torch_peak, torch_flops = json.loads(output.strip().splitlines()[-1])
         if compiled_flops_full is None:
             compiled_flops_full = torch_flops
         rows.append((fraction, budget, placement.predicted_peak, plan_peak, plan_flops - eager_flops,
                      torch_peak, torch_flops - compiled_flops_full, placement.describe()))
-    torch._functorch.config.activation_memory_budget = 1.0
 
     kib = 1024
     print(f"tiny TransformerLM: {config.num_layers} layers, hidden {config.hidden_size}, batch {args.batch} x seq "

@@ -273,3 +273,11 @@ def test_offload_placement_on_simulated_device(option):
     predicted = placement.predict_peak(profile, BATCH, choices)
     assert peak < base_peak and peak <= predicted
     report.offload.close()
+
+
+def test_nothing_fits_says_what_is_missing_and_by_how_much():
+    result = plan("llama-2-7b", gpu_mem="8GB", seq=32768)
+    assert not result.fits and result.missing > 0
+    text = result.table()
+    assert "NOTHING FITS" in text and "more per GPU" in text and "It would fit on GPUs of" in text
+    assert result.to_dict()["missing"] == result.missing

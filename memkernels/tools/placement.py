@@ -440,7 +440,7 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     # Savings needed before layer i for option o, and at the end (the head).
     needs = [[max(forward[i], backward[i] + costs[o.name][1]) - budget for o in options] for i in range(num_layers)]
     end_need = head - budget
-    fits_anyway = max(embed, tail) <= budget
+    ends_fit = max(embed, tail) <= budget
     cap_bytes = max([end_need] + [n for row in needs for n in row] + [1])
     quantum = max(1, math.ceil(cap_bytes / _STATES))
     cap = math.ceil(cap_bytes / quantum)
@@ -471,7 +471,7 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
             origin[i, tgt[better]] = src[better]
         dp = new
     end = max(0, math.ceil(end_need / quantum))
-    feasible = fits_anyway and end <= cap and np.isfinite(dp[end:]).any()
+    feasible = ends_fit and end <= cap and np.isfinite(dp[end:]).any()
     if feasible:
         state = end + int(np.argmin(dp[end:]))
         indices = []

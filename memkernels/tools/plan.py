@@ -98,6 +98,7 @@ class Plan:
     fits: bool
     missing: int
     nearest: str
+    lora_rank: int = 16
 
     @property
     def choices(self):
@@ -139,8 +140,6 @@ class Plan:
         elif self.config.optimizer_offload:
             lines.append('DeepSpeed: "zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}')
         return lines
-
-    lora_rank: int = 16
 
     def table(self):
         out = [f"plan for {self.model}: {self.gpus} x {format_size(self.gpu_mem)}, seq {self.seq}, {self.dtype}, "
@@ -365,7 +364,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                     nearest_fail.budget - nearest_fail.placement.predicted_peak:
                 nearest_fail = c
         if gpus > 1:
-            steps.append(_sharding_step(mode, found, c, gpus))
+            steps.append(_sharding_step(mode, found, c, gpus, forced=zero_stage is not None))
         if found is None:
             # Optimizer-state CPU offload, at the highest stage tried.
             c = candidate(mode, stages[-1], True, act_offload)
@@ -434,7 +433,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                 missing=missing, nearest=nearest, lora_rank=lora_rank)
 
 
-def _sharding_step(mode, found, last, gpus):
+def _sharding_step(mode, found, last, gpus, forced):
     if found is None:
         return Step(f"sharding ({mode})", False, "", "", f"even ZeRO-3 over {gpus} GPUs leaves "
                     f"{format_size(max(last.budget, 0))} for activations, not enough")
@@ -442,7 +441,8 @@ def _sharding_step(mode, found, last, gpus):
         return Step(f"sharding ({mode})", False, "", "", "fits without sharding the model state")
     what = {1: "optimizer state", 2: "optimizer state + gradients", 3: "optimizer state + gradients + parameters"}
     return Step(f"sharding ({mode})", True, f"{what[found.zero_stage]} divided by {gpus}",
-                "reduce-scatter / all-gather traffic", f"ZeRO-{found.zero_stage} is the lowest stage that fits")
+                "reduce-scatter / all-gather traffic",
+                f"ZeRO-{found.zero_stage} " + ("(asked for) fits" if forced else "is the lowest stage that fits"))
 
 
 def _optimizer_offload_step(mode, c, host_mem):
