@@ -122,7 +122,7 @@ def main():
     every_peak, every_flops = measure(every, ids)
 
     compiled_flops_full = None
-    rows = []
+    rows, totals = [], []
     for fraction in (1.0, 0.75, 0.5, 0.25):
         budget = int(fraction * eager_peak)
         placement = place(build(), batch=args.batch, seq=args.seq, budget=budget)
@@ -138,6 +138,7 @@ def main():
             compiled_flops_full = torch_flops
         rows.append((fraction, budget, placement.predicted_peak, plan_peak, plan_flops - eager_flops,
                      torch_peak, torch_flops - compiled_flops_full, placement.describe()))
+        totals.append((fraction, plan_flops, torch_flops))
 
     kib = 1024
     print(f"tiny TransformerLM: {config.num_layers} layers, hidden {config.hidden_size}, batch {args.batch} x seq "
@@ -151,6 +152,8 @@ def main():
         print(f"{fraction:>8.0%} {budget / kib:>9,.0f}K | {predicted / kib:>9,.0f}K {peak / kib:>9,.0f}K "
               f"{flops / 1e6:>8,.1f}MF | {tpeak / kib:>9,.0f}K {tflops / 1e6:>8,.1f}MF | {described}")
     print("(torch's recompute: compiled step FLOPs minus the compiled step's at budget 1.0)")
+    print(f"step FLOPs, eager without recompute: {eager_flops / 1e6:,.1f} MFLOP; per budget (plan | compiled): "
+          + ", ".join(f"{f:.0%} {p / 1e6:,.1f} | {t / 1e6:,.1f}" for f, p, t in totals))
 
     start = time.perf_counter()
     result = plan(LLAMA_3_70B, gpu_mem="80GB", gpus=8, seq=8192, global_batch_tokens=8192 * 8 * 16)

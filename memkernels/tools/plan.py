@@ -216,7 +216,7 @@ def place(model, *, batch, seq, budget, offload=False, tflops=400.0, pcie_gbps=2
     predicted activation peak (one training step, on top of model state) fits ``budget`` bytes.
 
     ``model``: a memkernels TransformerLM or a Hugging Face causal LM (measured on a meta copy of
-    2 layers, in the model's dtype and train/eval mode); ``batch`` x ``seq``: the micro-batch.
+    4 layers, in the model's dtype, in train mode); ``batch`` x ``seq``: the micro-batch.
     Carry it out with ``memkernels.apply(model, placement)``.
     """
     _positive("batch", batch)
