@@ -270,9 +270,17 @@ def _probe_layer(depth):
     return min(2, depth - 1)
 
 
-def _build(source, depth, dtype):
+def _build(source, depth, dtype, kernels=False, option=None):
+    """A ``depth``-layer meta copy in train mode; with the kernels, and ``option`` on the probe layer."""
     model = source.build(depth).to(dtype)
     model.train()
+    if kernels:
+        from memkernels.patch import apply
+        apply(model, **KERNELS)
+    if option is not None:
+        choices = [OPTION_BY_NAME["keep"]] * depth
+        choices[_probe_layer(depth)] = option
+        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
     return model
 
 
@@ -291,10 +299,7 @@ def measure_profile(source, seq, dtype, *, kernels=False):
 def _measure_profile(source, seq, dtype, kernels):
     depth = min(_DEPTH, source.num_layers)
     probe_layer = _probe_layer(depth)
-    probe = _build(source, depth, dtype)
-    if kernels:
-        from memkernels.patch import apply
-        apply(probe, **KERNELS)
+    probe = _build(source, depth, dtype, kernels)
     _, layers = plan_apply.find_layers(probe)
     parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
     measured = [o for o in LAYER_OPTIONS if not o.offloaded and all(p in parts + ("layer",) for p in o.actions)]
@@ -303,15 +308,7 @@ def _measure_profile(source, seq, dtype, kernels):
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
         runs = {}
         for option in measured:
-            model = _build(source, depth, dtype)
-            if kernels:
-                from memkernels.patch import apply
-                apply(model, **KERNELS)
-            choices = [OPTION_BY_NAME["keep"]] * depth
-            choices[probe_layer] = option
-            plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
-            runs[option.name] = _metered_step(model, ids)
-            del model
+            runs[option.name] = _metered_step(_build(source, depth, dtype, kernels, option), ids)
         keep = runs["keep"]
         segments[batch] = dict(keep.peaks)
         # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
@@ -323,23 +320,11 @@ def _measure_profile(source, seq, dtype, kernels):
     one = torch.empty(1, seq, dtype=torch.long, device="meta")
     step_flops = {}
     for option in measured:
-        model = _build(source, depth, dtype)
-        if kernels:
-            from memkernels.patch import apply
-            apply(model, **KERNELS)
-        choices = [OPTION_BY_NAME["keep"]] * depth
-        choices[probe_layer] = option
-        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
-        step_flops[option.name] = _step_flops(model, one)
-        if option.name == "keep" and depth > 1:  # one more layer's step FLOPs, to extrapolate to the full depth
-            shallow = _build(source, depth - 1, dtype)
-            if kernels:
-                from memkernels.patch import apply
-                apply(shallow, **KERNELS)
-            per_layer = step_flops["keep"] - _step_flops(shallow, one)
-        del model
+        step_flops[option.name] = _step_flops(_build(source, depth, dtype, kernels, option), one)
     recompute = {name: flops - step_flops["keep"] for name, flops in step_flops.items()}
-    per_layer = per_layer if depth > 1 else step_flops["keep"]
+    # One more layer's step FLOPs, to extrapolate to the full depth.
+    per_layer = (step_flops["keep"] - _step_flops(_build(source, depth - 1, dtype, kernels), one)
+                 if depth > 1 else step_flops["keep"])
     full_step = step_flops["keep"] + (source.num_layers - depth) * per_layer
     return LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments=segments, resident=resident,
                         savings=savings, extra=extra, recompute=recompute, step_flops=full_step, parts=parts)
