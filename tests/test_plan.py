@@ -211,6 +211,8 @@ def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
     host = model_state_bytes(params, dtype="bf16", optimizer_offload=True)["host_optimizer"]
     assert host == 12 * params and host == pytest.approx(864e9, rel=0.02)
     assert result.fits and result.config.finetune != "full"
+    full = next(s for s in result.steps if s.name == "full fine-tuning")
+    assert "host memory" in full.reason and "512.00 GiB" in full.reason
     enough = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="2TB")
     step = next(s for s in enough.steps if s.name == "optimizer-state CPU offload (full)")
     assert "cannot hold" not in step.reason

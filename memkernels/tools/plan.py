@@ -207,7 +207,8 @@ _UNITS = {"seq": "tokens per sequence", "gpus": "GPUs", "batch": "sequences", "b
 
 def _positive(name, value):
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"plan({name}={value!r}): must be a positive int {_UNITS.get(name, '')}".rstrip())
+        unit = _UNITS.get(name)
+        raise ValueError(f"plan({name}={value!r}): must be a positive int" + (f" ({unit})" if unit else ""))
     return value
 
 
@@ -376,7 +377,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         if found is not None:
             chosen = found
             break
-        steps.append(Step(f"{mode} fine-tuning", False, "", "", _why_not(mode, c)))
+        steps.append(Step(f"{mode} fine-tuning", False, "", "", _why_not(c, host_mem)))
     if chosen is not None:
         if chosen.finetune != finetune:
             steps.append(Step(f"{chosen.finetune}", True, "", "",
@@ -461,7 +462,10 @@ def _optimizer_offload_step(mode, c, host_mem):
                 "optimizer step on the CPU, PCIe traffic of gradients and weights", reason)
 
 
-def _why_not(mode, c):
+def _why_not(c, host_mem):
+    if c.budget > 0 and c.placement.fits and host_mem is not None and c.host_needed > host_mem:
+        return (f"the GPU side fits only with optimizer-state offload, which needs {format_size(c.host_needed)} of "
+                f"host memory; the node has {format_size(host_mem)}")
     if c.budget <= 0:
         return (f"cannot fit at any micro-batch: model state alone is {format_size(c.per_gpu_state)} per GPU, "
                 f"more than the {format_size(c.per_gpu_state + c.budget)} left after the margin")
