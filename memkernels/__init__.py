@@ -30,6 +30,7 @@ _LAZY = {
     "evaluate": "memkernels.profile",
     "MemoryMonitor": "memkernels.tools.monitor",
     "explain": "memkernels.tools.explain",
+    "plan": "memkernels.tools.plan",
 }
 
 

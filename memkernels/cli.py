@@ -334,7 +334,52 @@ def _add_explain(subparsers):
     parser.set_defaults(run=run)
 
 
-_SUBCOMMANDS = [_add_report, _add_estimate, _add_replay, _add_explain]
+# ----------------------------------------------------------------------------- plan
+
+def _add_plan(subparsers):
+    """``memkernels plan``: the decision flow automated (logic in memkernels.tools.plan)."""
+    from memkernels.estimate import DTYPES, FINETUNE_MODES, OPTIMIZERS
+    from memkernels.tools.sizes import MEMORY_FORMS
+
+    parser = subparsers.add_parser(
+        "plan", help="what to turn on so that a training run fits, and its micro-batch / accumulation",
+        description="Walk the decision flow (mixed precision, kernels, ZeRO, selective checkpointing, offload, "
+        "LoRA/QLoRA), choose keep/recompute/offload per layer against the memory budget, and size the "
+        f"micro-batch. Sizes: {MEMORY_FORMS}.")
+    parser.add_argument("--model", required=True, help="built-in name or a Hugging Face config.json path")
+    parser.add_argument("--gpu-mem", required=True, help="memory of one GPU, e.g. 24GB or 80GiB")
+    parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks")
+    parser.add_argument("--global-tokens", default=None, help="tokens per optimizer step, e.g. 4M")
+    parser.add_argument("--host-mem", default=None, help="host memory of all the GPUs' machines, e.g. 512GB")
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
+    parser.add_argument("--finetune", default="full", help=f"first mode tried: {', '.join(FINETUNE_MODES)}")
+    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--zero-stage", type=int, default=None, help="force a ZeRO stage (default: lowest that fits)")
+    parser.add_argument("--no-kernels", action="store_true", help="plan without memkernels' fused kernels")
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+    def run(args):
+        import json
+
+        from memkernels.tools.plan import plan
+        from memkernels.tools.sizes import parse_count, parse_device_size, parse_size
+
+        gpu_mem = parse_device_size(args.gpu_mem, what="--gpu-mem")
+        host_mem = None if args.host_mem is None else parse_size(args.host_mem, what="--host-mem")
+        tokens = None if args.global_tokens is None else parse_count(args.global_tokens, what="--global-tokens")
+        result = plan(args.model, gpu_mem=gpu_mem, seq=args.seq, gpus=args.gpus,
+                      global_batch_tokens=tokens, host_mem=host_mem, dtype=args.dtype,
+                      optimizer=args.optimizer, finetune=args.finetune, lora_rank=args.lora_rank,
+                      kernels=not args.no_kernels, zero_stage=args.zero_stage)
+        print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
+        return 0
+
+    parser.set_defaults(run=run)
+
+
+_SUBCOMMANDS = [_add_report, _add_estimate, _add_plan, _add_replay, _add_explain]
 
 
 def main(argv=None):

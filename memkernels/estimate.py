@@ -50,7 +50,8 @@ from torch import nn
 from memkernels.models import TransformerLM, load_config
 from memkernels.profile import _table, format_bytes, ledger_forward
 
-__all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS"]
+__all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS", "FINETUNE_MODES", "model_state_bytes",
+           "lora_parameters", "QLORA_BYTES_PER_PARAM"]
 
 # dtype -> (bytes per weight, bytes per gradient, bytes per fp32 master weight, torch dtype of compute)
 DTYPES = {"fp32": (4, 4, 0, torch.float32), "bf16": (2, 2, 4, torch.bfloat16), "fp16": (2, 2, 4, torch.float16)}
@@ -58,10 +59,15 @@ DTYPES = {"fp32": (4, 4, 0, torch.float32), "bf16": (2, 2, 4, torch.bfloat16), "
 OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4}
 
 _PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "logits_loss",
-          "fsdp_buffers")
+          "fsdp_buffers", "grad_accum_buffer")
 _LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights": "fp32 master weights",
            "optimizer_state": "optimizer state", "activations": "activations", "logits_loss": "logits / loss",
-           "fsdp_buffers": "FSDP gather buffers"}
+           "fsdp_buffers": "FSDP gather buffers",
+           "grad_accum_buffer": "fp32 grad accumulation"}
+FINETUNE_MODES = ("full", "lora", "qlora")
+# QLoRA's NF4 base weights: 4 bits per weight, plus the double-quantized absmax constants
+# (one 8-bit constant per 64-weight block, one fp32 constant per 256 of those).
+QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 
 
 @dataclasses.dataclass
@@ -88,6 +94,11 @@ class MemoryEstimate:
     host_offload: int
     recompute_peak: int  # part of ``activations``: one layer recomputed during backward (checkpointing)
     notes: list
+    zero_stage: int = 0
+    finetune: str = "full"
+    trainable_parameters: int = None
+    grad_accum_buffer: int = 0
+    host_optimizer: int = 0  # optimizer-state CPU offload: fp32 master weights + moments of every rank, on the host
 
     @property
     def model_state(self):
@@ -109,7 +120,8 @@ class MemoryEstimate:
 
     def describe(self):
         flags = [f"{self.dtype}{' mixed' if self.dtype != 'fp32' else ''}", self.optimizer]
-        flags += [f"shard {self.shard_degree}"] if self.shard_degree > 1 else []
+        flags += [f"ZeRO-{self.zero_stage} x {self.shard_degree}"] if self.shard_degree > 1 else []
+        flags += [self.finetune] if self.finetune != "full" else []
         flags += [name for name, on in (("checkpointing", self.checkpointing), ("offload", self.offload),
                                         ("memkernels", self.use_memkernels)) if on]
         return ", ".join(flags)
@@ -119,6 +131,8 @@ class MemoryEstimate:
         rows.append(("total per GPU", format_bytes(self.total)))
         if self.host_offload:
             rows.append(("host (offloaded)", format_bytes(self.host_offload)))
+        if self.host_optimizer:
+            rows.append(("host (optimizer state, all ranks)", format_bytes(self.host_optimizer)))
         head = (f"{self.model}: {self.num_parameters / 1e9:.2f}B parameters, batch {self.batch} x seq {self.seq}, "
                 f"{self.describe()}")
         return "\n".join([head, _table(("per GPU", "bytes"), rows)] + [f"  note: {n}" for n in self.notes])
@@ -228,8 +242,74 @@ def _layer_numel(model):
     return max(sum(p.numel() for p in layer.parameters()) for layer in layers)
 
 
+def lora_parameters(model, rank):
+    """``(adapter parameters, adapted base parameters)`` of LoRA with ``rank`` on ``model``.
+
+    Adapters sit on every 2-D weight of the decoder layers' attention and MLP projections
+    (``nn.Linear``, and GPT-2's ``Conv1D``): a (out x in) weight gets A (rank x in) and
+    B (out x rank), ``rank * (in + out)`` parameters. Embeddings, norms and the LM head are not
+    adapted (PEFT's ``target_modules="all-linear"`` minus the head).
+    """
+    from memkernels.tools.plan_apply import find_layers, submodule_name
+
+    adapters = adapted = 0
+    for layer in find_layers(model)[1]:
+        for part in ("attn", "mlp"):
+            name = submodule_name(layer, part)
+            if name is None:
+                continue
+            for module in layer.get_submodule(name).modules():
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                    adapters += rank * sum(weight.shape)
+                    adapted += weight.numel()
+    return adapters, adapted
+
+
+def model_state_bytes(num_parameters, *, dtype="bf16", optimizer="adamw", zero_stage=0, ranks=1,
+                      trainable=None, quantized=0, optimizer_offload=False, grad_accumulation=False):
+    """Model state of one GPU, in bytes: a dict of ``parameters``, ``gradients``, ``master_weights``,
+    ``optimizer_state``, ``grad_accum_buffer`` (per GPU) and ``host_optimizer`` (all ranks, on the host).
+
+    With P = ``num_parameters``, T = ``trainable`` (default P; LoRA: the adapters), Q = ``quantized``
+    (QLoRA: frozen weights stored in NF4), N = ``ranks``, and w / g / m / o the bytes per weight,
+    gradient, fp32 master weight and optimizer state (:data:`DTYPES`, :data:`OPTIMIZERS`):
+
+    - parameters = (P - Q) * w + Q * 0.516 (NF4 + double-quantized constants); divided by N under ZeRO-3
+    - gradients = T * g; divided by N under ZeRO-2 and ZeRO-3
+    - master weights = T * m, optimizer state = T * o; divided by N under ZeRO-1, 2 and 3;
+      0 on the GPU with ``optimizer_offload`` (then host_optimizer = T * (m + o), all ranks together)
+    - grad_accum_buffer = T * 4 when accumulating low-precision gradients (``grad_accumulation`` and
+      w < 4): an fp32 buffer the micro-batches' gradients are summed into; sharded like gradients.
+
+    Full fine-tuning under mixed precision with AdamW: 2 + 2 + 4 + 8 = 16 bytes per parameter;
+    fp32 with AdamW: 4 + 4 + 8 = 16 as well (112 GB for 7B parameters: 28 + 28 + 56).
+    """
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"model_state_bytes(zero_stage={zero_stage!r}): use 0, 1, 2 or 3")
+    weight_bytes, grad_bytes, master_bytes, _ = DTYPES[dtype]
+    trainable = num_parameters if trainable is None else trainable
+
+    def shard(nbytes, from_stage):
+        return math.ceil(nbytes / ranks) if zero_stage >= from_stage else int(nbytes)
+
+    optimizer_bytes = trainable * (master_bytes + OPTIMIZERS[optimizer])
+    accum = trainable * 4 if grad_accumulation and grad_bytes < 4 else 0
+    state = {
+        "parameters": shard((num_parameters - quantized) * weight_bytes + math.ceil(quantized * QLORA_BYTES_PER_PARAM),
+                            3),
+        "gradients": shard(trainable * grad_bytes, 2),
+        "master_weights": 0 if optimizer_offload else shard(trainable * master_bytes, 1),
+        "optimizer_state": 0 if optimizer_offload else shard(trainable * OPTIMIZERS[optimizer], 1),
+        "grad_accum_buffer": shard(accum, 2),
+        "host_optimizer": optimizer_bytes if optimizer_offload else 0,
+    }
+    return state
+
+
 def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", shard_degree=1,
-             checkpointing=False, offload=False, use_memkernels=False):
+             checkpointing=False, offload=False, use_memkernels=False, zero_stage=None, finetune="full",
+             lora_rank=16, optimizer_offload=False, grad_accumulation=False):
     """Per-GPU memory of a training step: a :class:`MemoryEstimate` (``.table()``, ``.to_dict()``).
 
     ``model_or_config``: a built-in name (``gpt2``, ``gpt2-medium``,
@@ -240,7 +320,15 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
     ``seq``: tokens per sequence. ``dtype``: ``fp32``, or ``bf16`` / ``fp16``
     mixed precision (low-precision weights and gradients, fp32 master weights).
     ``optimizer``: ``adamw``/``adam`` (8 bytes of fp32 state per parameter),
-    ``sgd`` (momentum) or ``lion`` (4). ``shard_degree``: FSDP / ZeRO-3 ranks.
+    ``sgd`` (momentum) or ``lion`` (4). ``shard_degree``: data-parallel ranks the
+    model state is sharded over; ``zero_stage``: 1 (optimizer state), 2 (+ gradients)
+    or 3 (+ parameters, FSDP); default 3 when ``shard_degree`` > 1.
+    ``finetune``: ``full``, ``lora`` (frozen base in ``dtype``, rank-``lora_rank``
+    adapters on the attention/MLP projections are the only trainable parameters) or
+    ``qlora`` (the same with the adapted base weights in NF4, bf16 compute).
+    ``optimizer_offload``: fp32 master weights and optimizer state live in host memory.
+    ``grad_accumulation``: count the fp32 buffer that low-precision gradients are
+    accumulated into over micro-batches. Formulas: :func:`model_state_bytes`.
     """
     _positive_int("batch", batch)
     _positive_int("seq", seq)
@@ -249,6 +337,14 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
         raise ValueError(f"estimate(dtype={dtype!r}): use one of {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"estimate(optimizer={optimizer!r}): use one of {', '.join(OPTIMIZERS)}")
+    if finetune not in FINETUNE_MODES:
+        raise ValueError(f"estimate(finetune={finetune!r}): use one of {', '.join(FINETUNE_MODES)}")
+    if zero_stage is None:
+        zero_stage = 3 if shard_degree > 1 else 0
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"estimate(zero_stage={zero_stage!r}): use 0, 1, 2 or 3 (or None)")
+    if finetune != "full":
+        _positive_int("lora_rank", lora_rank)
     source = _Source(model_or_config)
     if source.config is not None and source.config.position == "learned" and seq > source.config.max_seq_len:
         raise ValueError(f"estimate(seq={seq}): {source.name} has learned positions up to "
@@ -284,22 +380,39 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
         activations -= host
         notes.append(f"offload: {offloaded_layers} layers' saved tensors live on the host; 2 in flight on the GPU")
 
-    def sharded(nbytes):
-        return math.ceil(nbytes / shard_degree)
-
+    trainable, quantized = None, 0
+    if finetune != "full":
+        trainable, adapted = lora_parameters(full, lora_rank)
+        quantized = adapted if finetune == "qlora" else 0
+        num_parameters += trainable
+        notes.append(f"{finetune}: {trainable / 1e6:.1f}M trainable adapter parameters (rank {lora_rank}); the "
+                     f"frozen base has no gradients or optimizer state"
+                     + (f"; {adapted / 1e9:.2f}B adapted weights in NF4" if quantized else "")
+                     + "; activations measured without the adapters' rank-sized intermediates")
+    state = model_state_bytes(num_parameters, dtype=dtype, optimizer=optimizer, zero_stage=zero_stage,
+                              ranks=shard_degree, trainable=trainable, quantized=quantized,
+                              optimizer_offload=optimizer_offload, grad_accumulation=grad_accumulation)
     fsdp = 0
-    if shard_degree > 1:
-        fsdp = layer_numel * (2 * weight_bytes + grad_bytes)
+    if shard_degree > 1 and zero_stage == 3:
+        layer_grads = layer_numel if finetune == "full" else 0
+        fsdp = layer_numel * 2 * weight_bytes + layer_grads * grad_bytes
         notes.append("FSDP/ZeRO-3: all model state divided by the shard degree; + one layer's gathered weights, "
                      "the next one prefetched, and one layer's unsharded gradients")
+    elif shard_degree > 1 and zero_stage:
+        sharded = ("optimizer state", "+ gradients")[: zero_stage]
+        notes.append(f"ZeRO-{zero_stage}: {' '.join(sharded)} divided by {shard_degree} ranks")
+    if optimizer_offload:
+        notes.append(f"optimizer-state CPU offload: fp32 master weights and optimizer state of all ranks, "
+                     f"{format_bytes(state['host_optimizer'])}, live in host memory")
     return MemoryEstimate(
         model=source.name, num_parameters=num_parameters, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer,
         shard_degree=shard_degree, checkpointing=checkpointing, offload=offload, use_memkernels=use_memkernels,
-        parameters=sharded(num_parameters * weight_bytes), gradients=sharded(num_parameters * grad_bytes),
-        master_weights=sharded(num_parameters * master_bytes),
-        optimizer_state=sharded(num_parameters * OPTIMIZERS[optimizer]),
+        parameters=state["parameters"], gradients=state["gradients"], master_weights=state["master_weights"],
+        optimizer_state=state["optimizer_state"],
         activations=activations, logits_loss=one_loss, fsdp_buffers=fsdp, host_offload=host,
-        recompute_peak=recompute, notes=notes)
+        recompute_peak=recompute, notes=notes, zero_stage=zero_stage, finetune=finetune,
+        trainable_parameters=num_parameters if trainable is None else trainable,
+        grad_accum_buffer=state["grad_accum_buffer"], host_optimizer=state["host_optimizer"])
 
 
 # Optimizations in order of what they cost (cheapest first): memkernels' kernels add no

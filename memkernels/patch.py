@@ -469,8 +469,12 @@ def _check_flag(name, value):
         raise ValueError(f"memkernels.apply({name}={value!r}): must be True or False")
 
 
-def apply(model, *, norms=True, mlp=True, loss=True, measure=True):
+def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
     """Swap the fused memkernels kernels into ``model`` in place; returns a :class:`PatchReport`.
+
+    ``plan``: a :class:`memkernels.tools.plan.Plan` (or a per-layer ``Placement``): carry it out
+    instead (its kernels, then checkpointing / offload on exactly the modules it chose); returns
+    the :class:`memkernels.tools.plan_apply.ApplyReport`.
 
     ``model``: any nn.Module (a memkernels :class:`~memkernels.models.TransformerLM`,
     a Hugging Face model, or your own module containing nn.LayerNorm/nn.RMSNorm).
@@ -482,6 +486,9 @@ def apply(model, *, norms=True, mlp=True, loss=True, measure=True):
     Raises RuntimeError naming the missing op when a fused op needed by the
     model is not available.
     """
+    if plan is not None:
+        from memkernels.tools.plan_apply import apply_plan
+        return apply_plan(model, plan)
     if not isinstance(model, nn.Module):
         raise ValueError(f"memkernels.apply(model=...) needs an nn.Module, got {type(model).__name__}")
     for name, value in (("norms", norms), ("mlp", mlp), ("loss", loss), ("measure", measure)):

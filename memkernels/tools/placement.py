@@ -1,0 +1,490 @@
+"""Per-layer keep / recompute / offload placement against a peak-memory budget.
+
+Two parts:
+
+1. :func:`measure_profile` runs one training step (forward + backward, with labels) of a
+   4-layer copy of the model on the ``meta`` device, once keeping everything and once per
+   recompute option applied to its third layer, under
+   :class:`~memkernels.meters.PeakBytesMeter`. Hooks cut the step into segments (the
+   embedding, each layer's forward, the head = final norm + LM head + loss forward and
+   backward, each layer's backward, the embedding's backward) and record the live bytes at
+   each boundary and the peak inside each segment. :class:`~torch.utils.flop_counter.FlopCounterMode`
+   counts the FLOPs each option replays (a separate run: its module tracker
+   keeps tensors alive). Layers are identical, so an L-layer model's
+   figures follow from the 4-layer ones: the first two and the last layers are measured as such,
+   each further middle layer adds R bytes (the live bytes a middle layer leaves behind after its
+   forward) to every later segment.
+
+2. :func:`solve` chooses one :data:`LAYER_OPTIONS` entry per layer by dynamic programming so
+   that the predicted peak fits the budget at the least added step time.
+
+The peak model. With layer i's option o_i saving s(o_i) bytes of what stays resident after
+its forward, S_i = s(o_0) + ... + s(o_{i-1}), and Pf_i, Pb_i, Ph the keep-everything peaks of
+layer i's forward, layer i's backward and the head:
+
+    peak = max( Pe, Pt, Ph - S_L, max_i (Pf_i - S_i), max_i (Pb_i - S_i + d(o_i)) )
+
+where d(o) is what option o adds to its own layer's backward peak (recompute transients,
+measured; prefetched offload copies, modeled). Savings of layers after i are already freed
+when layer i's backward runs, so only the prefix S_i matters.
+
+The cost model (seconds added to a step): recomputing a part costs the FLOPs it replays
+(measured) / the GPU's throughput; offloading a part costs the PCIe time of its bytes not hidden behind
+compute: max(0, t - t_fwd) on the way out (during the next layer's forward) plus
+max(0, t - 2 t_fwd) on the way back (during backward), t = bytes / PCIe bandwidth, t_fwd
+the layer's forward time.
+
+The DP walks the layers in forward order with the prefix savings S_i as its state,
+discretized in units of q = max(savings needed) / 4096, savings rounded down and needs
+rounded up (so a placement the DP accepts fits under the model). It is exact for that
+discretization: the minimum added time over all 10^L placements, with ties going to the
+option listed first (keep before recompute before offload, smaller parts first).
+"""
+import dataclasses
+import math
+
+import numpy as np
+import torch
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
+
+from memkernels.meters import PeakBytesMeter
+from memkernels.profile import _FlashAttentionOnMeta
+from memkernels.tools import plan_apply
+
+__all__ = ["LayerOption", "LAYER_OPTIONS", "LayerProfile", "Placement", "measure_profile", "solve",
+           "flop_counter"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerOption:
+    """What to do with one decoder layer: ``actions`` maps ``"layer"`` / ``"attn"`` / ``"mlp"`` to
+    ``"recompute"`` or ``"offload"``; parts not named are kept."""
+
+    name: str
+    actions: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def recomputed(self):
+        return tuple(part for part, action in self.actions.items() if action == "recompute")
+
+    @property
+    def offloaded(self):
+        return tuple(part for part, action in self.actions.items() if action == "offload")
+
+
+LAYER_OPTIONS = (
+    LayerOption("keep", {}),
+    LayerOption("recompute attn", {"attn": "recompute"}),
+    LayerOption("recompute mlp", {"mlp": "recompute"}),
+    LayerOption("recompute attn+mlp", {"attn": "recompute", "mlp": "recompute"}),
+    LayerOption("recompute layer", {"layer": "recompute"}),
+    LayerOption("offload attn", {"attn": "offload"}),
+    LayerOption("offload mlp", {"mlp": "offload"}),
+    LayerOption("offload attn+mlp", {"attn": "offload", "mlp": "offload"}),
+    LayerOption("offload attn, recompute mlp", {"attn": "offload", "mlp": "recompute"}),
+    LayerOption("recompute attn, offload mlp", {"attn": "recompute", "mlp": "offload"}),
+    LayerOption("offload layer", {"layer": "offload"}),
+)
+OPTION_BY_NAME = {option.name: option for option in LAYER_OPTIONS}
+_RECOMPUTE_ONLY = tuple(o for o in LAYER_OPTIONS if not o.offloaded)
+_STATES = 4096
+# The kernels a plan measures and applies: fused norms and GELU MLPs. The fused linear
+# cross-entropy is left out: its chunked meta backward at a 128k vocabulary takes minutes.
+KERNELS = {"norms": True, "mlp": True, "loss": False, "measure": False}
+
+
+def flop_counter():
+    """A FlopCounterMode that also counts the CPU flash-attention op (what runs on CPU and on meta)."""
+    aten = torch.ops.aten
+    return FlopCounterMode(display=False, custom_mapping={
+        aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward:
+            flop_registry[aten._scaled_dot_product_flash_attention_backward].__wrapped__})
+
+
+def _first_tensor(value):
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    if hasattr(value, "values") and callable(value.values):
+        return _first_tensor(list(value.values()))
+    return None
+
+
+class _Timeline:
+    """Live bytes at segment boundaries and the peak inside each segment of a metered step."""
+
+    def __init__(self, meter):
+        self.meter, self.current = meter, None
+        self.peaks, self.live = {}, {}
+
+    def mark(self, name):
+        watch = self.meter._watch
+        if self.current is not None:
+            self.peaks[self.current] = max(self.peaks.get(self.current, 0), watch.peak_bytes)
+        self.current = name
+        if name is not None:
+            self.live[name] = watch.live_bytes
+            watch.peak_bytes = watch.live_bytes
+
+
+def _loss_of(output):
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None:
+        raise ValueError("plan: the model's forward with labels returned no loss")
+    return loss
+
+
+def lm_inputs(model, ids):
+    """(args, kwargs) of a training forward with labels for a memkernels TransformerLM or a HF causal LM."""
+    from memkernels.models import TransformerLM
+    if isinstance(model, TransformerLM):
+        return (ids, ids), {}
+    return (), {"input_ids": ids, "labels": ids, "use_cache": False}
+
+
+def _metered_step(model, ids):
+    """One forward + backward of ``model`` on meta ids, segmented by layer; returns the :class:`_Timeline`."""
+    from memkernels.profile import _meta_forward
+    _, layers = plan_apply.find_layers(model)
+    for param in model.parameters():
+        if param.requires_grad:  # gradients are model state: present before the step, as after the first one
+            param.grad = torch.zeros_like(param)
+    meter = PeakBytesMeter()
+    handles = []
+    with meter, _meta_forward(), torch.enable_grad():
+        timeline = _Timeline(meter)
+        last = len(layers) - 1
+
+        def pre(index):
+            def hook(_module, args, kwargs):
+                timeline.mark(f"fwd{index}")
+                if index == 0:
+                    hidden = _first_tensor(args) if args else _first_tensor(kwargs.get("hidden_states"))
+                    if hidden is not None and hidden.requires_grad:
+                        hidden.register_hook(lambda _grad: timeline.mark("tail"))
+            return hook
+
+        def post(index):
+            def hook(_module, _args, output):
+                timeline.mark("head" if index == last else f"gap{index}")
+                out = _first_tensor(output)
+                out.register_hook(lambda _grad: timeline.mark(f"bwd{index}"))
+            return hook
+
+        for index, layer in enumerate(layers):
+            handles.append(layer.register_forward_pre_hook(pre(index), with_kwargs=True))
+            handles.append(layer.register_forward_hook(post(index)))
+        try:
+            timeline.mark("embed")
+            args, kwargs = lm_inputs(model, ids)
+            _loss_of(model(*args, **kwargs)).backward()
+            timeline.mark(None)
+        finally:
+            for handle in handles:
+                handle.remove()
+    return timeline
+
+
+def _step_flops(model, ids):
+    """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, recompute included)."""
+    from memkernels.profile import _meta_forward
+    with _meta_forward(), torch.enable_grad(), flop_counter() as counter:
+        args, kwargs = lm_inputs(model, ids)
+        _loss_of(model(*args, **kwargs)).backward()
+    return counter.get_total_flops()
+
+
+@dataclasses.dataclass
+class LayerProfile:
+    """What :func:`measure_profile` measured, per micro-batch of 1 and 2 (affine in between and beyond).
+
+    Bytes are ints; ``segments``: {batch: {segment: peak}} of the keep-everything step of a
+    ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra``: {batch: {option: bytes}};
+    ``flops``: forward FLOPs per sequence of ``layer`` / ``attn`` / ``mlp``.
+    """
+
+    num_layers: int
+    depth: int
+    seq: int
+    segments: dict
+    resident: dict
+    savings: dict
+    extra: dict
+    recompute: dict
+    step_flops: int
+    parts: tuple
+
+    def _at(self, table, batch):
+        one, two = table[1], table[2]
+        if isinstance(one, dict):
+            return {key: one[key] + (batch - 1) * (two[key] - one[key]) for key in one}
+        return one + (batch - 1) * (two - one)
+
+    def figures(self, batch):
+        """(segments, R, savings, extra) at micro-batch ``batch`` for the full depth."""
+        seg = self._at(self.segments, batch)
+        resident = self._at(self.resident, batch)
+        savings = self._at(self.savings, batch)
+        extra = self._at(self.extra, batch)
+        return seg, resident, savings, extra
+
+    @property
+    def probe(self):
+        """The layer of the measured copy that options were applied to: a middle one when there is one."""
+        return _probe_layer(self.depth)
+
+    def measured_layer(self, index):
+        """(layer of the measured copy that stands for layer ``index``, layers of R between them)."""
+        if index < self.probe:
+            return index, 0
+        if index == self.num_layers - 1:
+            return self.depth - 1, self.num_layers - self.depth
+        return self.probe, index - self.probe
+
+    def layer_peaks(self, batch):
+        """(Pe, Pt, Ph, [Pf_i], [Pb_i]) of the keep-everything step of the full model at ``batch``."""
+        seg, resident, _, _ = self.figures(batch)
+        forward, backward = [], []
+        for i in range(self.num_layers):
+            measured, grow = self.measured_layer(i)
+            forward.append(seg[f"fwd{measured}"] + grow * resident)
+            backward.append(seg[f"bwd{measured}"] + grow * resident)
+        head = seg["head"] + (self.num_layers - self.depth) * resident
+        return seg.get("embed", 0), seg.get("tail", 0), head, forward, backward
+
+
+# The copy measured has up to 4 layers; options are applied to its third. Layers are identical,
+# but what they leave resident is not always: in a bf16 Hugging Face Llama on the CPU the first
+# two layers each keep one more hidden-sized tensor alive than the rest.
+_DEPTH = 4
+
+
+def _probe_layer(depth):
+    return min(2, depth - 1)
+
+
+def _build(source, depth, dtype, kernels=False, option=None):
+    """A ``depth``-layer meta copy in train mode; with the kernels, and ``option`` on the probe layer."""
+    model = source.build(depth).to(dtype)
+    model.train()
+    if kernels:
+        from memkernels.patch import apply
+        apply(model, **KERNELS)
+    if option is not None:
+        choices = [OPTION_BY_NAME["keep"]] * depth
+        choices[_probe_layer(depth)] = option
+        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
+    return model
+
+
+_profiles = {}  # (model key, seq, dtype, kernels) -> LayerProfile
+
+
+def measure_profile(source, seq, dtype, *, kernels=False):
+    """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``_Source``) at ``seq``
+    (cached per model, sequence length, dtype and kernels)."""
+    key = (source.key(), seq, dtype, kernels)
+    if key not in _profiles:
+        _profiles[key] = _measure_profile(source, seq, dtype, kernels)
+    return _profiles[key]
+
+
+def _measure_profile(source, seq, dtype, kernels):
+    depth = min(_DEPTH, source.num_layers)
+    probe_layer = _probe_layer(depth)
+    probe = _build(source, depth, dtype, kernels)
+    _, layers = plan_apply.find_layers(probe)
+    parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
+    measured = [o for o in LAYER_OPTIONS if not o.offloaded and all(p in parts + ("layer",) for p in o.actions)]
+    segments, resident, savings, extra = {}, {}, {}, {}
+    for batch in (1, 2):
+        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        runs = {}
+        for option in measured:
+            runs[option.name] = _metered_step(_build(source, depth, dtype, kernels, option), ids)
+        keep = runs["keep"]
+        segments[batch] = dict(keep.peaks)
+        # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
+        after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
+        resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
+        last_bwd = f"bwd{probe_layer}"
+        savings[batch] = {name: keep.live["head"] - run.live["head"] for name, run in runs.items()}
+        extra[batch] = {name: run.peaks[last_bwd] - keep.peaks[last_bwd] for name, run in runs.items()}
+    one = torch.empty(1, seq, dtype=torch.long, device="meta")
+    step_flops = {}
+    for option in measured:
+        step_flops[option.name] = _step_flops(_build(source, depth, dtype, kernels, option), one)
+    recompute = {name: flops - step_flops["keep"] for name, flops in step_flops.items()}
+    # One more layer's step FLOPs, to extrapolate to the full depth.
+    per_layer = (step_flops["keep"] - _step_flops(_build(source, depth - 1, dtype, kernels), one)
+                 if depth > 1 else step_flops["keep"])
+    full_step = step_flops["keep"] + (source.num_layers - depth) * per_layer
+    return LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments=segments, resident=resident,
+                        savings=savings, extra=extra, recompute=recompute, step_flops=full_step, parts=parts)
+
+
+@dataclasses.dataclass
+class Placement:
+    """A per-layer choice and what it predicts at one micro-batch.
+
+    ``choices``: one :class:`LayerOption` per layer; ``predicted_peak``: activation peak of a
+    training step on top of model state (bytes); ``keep_peak``: the same with every layer kept;
+    ``recompute_flops``: forward FLOPs replayed in backward per step; ``offload_bytes``: bytes
+    moved to the host per step; ``added_seconds``: the cost model's added step time.
+    """
+
+    batch: int
+    budget: int
+    choices: list
+    predicted_peak: int
+    keep_peak: int
+    recompute_flops: int
+    offload_bytes: int
+    added_seconds: float
+    fits: bool
+
+    def counts(self):
+        counts = {}
+        for choice in self.choices:
+            counts[choice.name] = counts.get(choice.name, 0) + 1
+        return counts
+
+    def describe(self):
+        """``'recompute layer: 0-11, 14; keep: 12-13, 15'``."""
+        runs = {}
+        for index, choice in enumerate(self.choices):
+            runs.setdefault(choice.name, []).append(index)
+        return "; ".join(f"{name}: {_ranges(indices)}" for name, indices in runs.items())
+
+    def to_dict(self):
+        return {"batch": self.batch, "budget": self.budget, "choices": [c.name for c in self.choices],
+                "predicted_peak": self.predicted_peak, "keep_peak": self.keep_peak,
+                "recompute_flops": self.recompute_flops, "offload_bytes": self.offload_bytes,
+                "added_seconds": self.added_seconds, "fits": self.fits}
+
+
+def _ranges(indices):
+    out, start = [], indices[0]
+    for prev, cur in zip(indices, indices[1:] + [None]):
+        if cur != prev + 1:
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(out)
+
+
+def _option_costs(profile, batch, options, *, tflops, pcie_gbps, prefetch_bytes):
+    """Per option: (savings, extra, seconds, recompute flops, offload bytes) at ``batch``."""
+    _, _, savings, extra = profile.figures(batch)
+    throughput = tflops * 1e12
+    # A layer's forward: a third of its share of the step (backward does about twice the forward's work).
+    layer_seconds = batch * profile.step_flops / (3 * profile.num_layers) / throughput
+    out = {}
+    for option in options:
+        kept = LayerOption("", {p: a for p, a in option.actions.items() if a == "recompute"})
+        kept_name = next(o.name for o in LAYER_OPTIONS if o.actions == kept.actions)
+        recompute_flops = batch * profile.recompute[kept_name]
+        seconds = recompute_flops / throughput
+        moved = 0
+        if option.offloaded:
+            # The bytes an offloaded part moves are those recomputing it would have freed.
+            recompute_twin = LayerOption("", {part: "recompute" for part in option.actions})
+            twin = next(o.name for o in LAYER_OPTIONS if o.actions == recompute_twin.actions)
+            moved = max(0, savings[twin] - savings[kept_name])
+            saving = savings[twin]
+            transfer = moved / (pcie_gbps * 1e9) if pcie_gbps else math.inf
+            seconds += max(0.0, transfer - layer_seconds) + max(0.0, transfer - 2 * layer_seconds)
+            added = extra[kept_name] + min(prefetch_bytes, moved)
+        else:
+            saving, added = savings[option.name], extra[option.name]
+        out[option.name] = (max(0, saving), added, seconds, recompute_flops, moved)
+    return out
+
+
+def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0, prefetch_bytes=128 << 20):
+    """The cheapest :class:`Placement` whose predicted peak fits ``budget`` bytes at micro-batch ``batch``.
+
+    ``offload``: also consider activation offload (needs a CUDA device or the simulated one).
+    ``tflops``: sustained throughput of a GPU (TFLOP/s) for the recompute cost; ``pcie_gbps``:
+    host link bandwidth (GB/s). When nothing fits, returns the placement with the lowest
+    predicted peak, ``fits=False``.
+    """
+    options = [o for o in (LAYER_OPTIONS if offload else _RECOMPUTE_ONLY)
+               if all(part in profile.parts + ("layer",) for part in o.actions)]
+    costs = _option_costs(profile, batch, options, tflops=tflops, pcie_gbps=pcie_gbps,
+                          prefetch_bytes=prefetch_bytes)
+    embed, tail, head, forward, backward = profile.layer_peaks(batch)
+    keep_peak = max(embed, tail, head, max(forward), max(backward))
+    num_layers = profile.num_layers
+    # Savings needed before layer i for option o, and at the end (the head).
+    needs = [[max(forward[i], backward[i] + costs[o.name][1]) - budget for o in options] for i in range(num_layers)]
+    end_need = head - budget
+    ends_fit = max(embed, tail) <= budget
+    cap_bytes = max([end_need] + [n for row in needs for n in row] + [1])
+    quantum = max(1, math.ceil(cap_bytes / _STATES))
+    cap = math.ceil(cap_bytes / quantum)
+    step = [costs[o.name][0] // quantum for o in options]
+    seconds = np.array([costs[o.name][2] for o in options])
+    dp = np.full(cap + 1, np.inf)
+    dp[0] = 0.0
+    back = np.zeros((num_layers, cap + 1), dtype=np.int16)
+    origin = np.zeros((num_layers, cap + 1), dtype=np.int32)
+    states = np.arange(cap + 1)
+    for i in range(num_layers):
+        new = np.full(cap + 1, np.inf)
+        for k, option in enumerate(options):
+            need = max(0, math.ceil(needs[i][k] / quantum))
+            if need > cap:
+                continue
+            candidate = np.where(states >= need, dp + seconds[k], np.inf)
+            target = np.minimum(states + step[k], cap)
+            # Later options win only when strictly cheaper: ties keep the earlier option.
+            order = np.lexsort((-states, candidate, target))
+            tgt, cand, src = target[order], candidate[order], states[order]
+            first = np.ones(len(tgt), dtype=bool)
+            first[1:] = tgt[1:] != tgt[:-1]
+            tgt, cand, src = tgt[first], cand[first], src[first]
+            better = cand < new[tgt]
+            new[tgt[better]] = cand[better]
+            back[i, tgt[better]] = k
+            origin[i, tgt[better]] = src[better]
+        dp = new
+    end = max(0, math.ceil(end_need / quantum))
+    feasible = ends_fit and end <= cap and np.isfinite(dp[end:]).any()
+    if feasible:
+        state = end + int(np.argmin(dp[end:]))
+        indices = []
+        for i in range(num_layers - 1, -1, -1):
+            indices.append(int(back[i, state]))
+            state = int(origin[i, state])
+        choices = [options[k] for k in reversed(indices)]
+    else:
+        choices = [max(options, key=lambda o: costs[o.name][0])] * num_layers
+    peak = predict_peak(profile, batch, choices, costs)
+    return Placement(batch=batch, budget=budget, choices=choices, predicted_peak=peak, keep_peak=keep_peak,
+                     recompute_flops=sum(costs[c.name][3] for c in choices),
+                     offload_bytes=sum(costs[c.name][4] for c in choices),
+                     added_seconds=float(sum(costs[c.name][2] for c in choices)),
+                     fits=bool(feasible and peak <= budget))
+
+
+def predict_peak(profile, batch, choices, costs=None, **cost_args):
+    """The peak model of the module docstring for ``choices`` at ``batch`` (bytes)."""
+    if costs is None:
+        costs = _option_costs(profile, batch, {c for c in choices}, tflops=cost_args.get("tflops", 400.0),
+                              pcie_gbps=cost_args.get("pcie_gbps", 25.0),
+                              prefetch_bytes=cost_args.get("prefetch_bytes", 128 << 20))
+    embed, tail, head, forward, backward = profile.layer_peaks(batch)
+    peak, saved = max(embed, tail), 0
+    for i, choice in enumerate(choices):
+        saving, extra = costs[choice.name][:2]
+        peak = max(peak, forward[i] - saved, backward[i] - saved + extra)
+        saved += saving
+    return int(max(peak, head - saved))
+

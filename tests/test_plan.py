@@ -1,0 +1,285 @@
+"""memkernels.plan: per-layer placement carried out on real tiny models, the flow's published figures, bad input.
+
+The real runs build tiny Hugging Face Llama and GPT-2 models from configs (no downloads) and
+run one training step on the CPU under PeakBytesMeter, with gradients already allocated
+(they are model state, not activations). Budgets are fractions of the measured peak of the
+same step without any checkpointing.
+"""
+import copy
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import memkernels
+from memkernels.estimate import QLORA_BYTES_PER_PARAM, estimate, lora_parameters, model_state_bytes
+from memkernels.meters import PeakBytesMeter
+from memkernels.tools import plan_apply
+from memkernels.tools.placement import OPTION_BY_NAME, flop_counter
+from memkernels.tools.plan import place, plan
+
+transformers = pytest.importorskip("transformers")
+
+BATCH, SEQ, VOCAB = 2, 128, 96
+FRACTIONS = (1.0, 0.75, 0.5, 0.25)
+
+
+def _llama(dtype):
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).to(dtype).train()
+
+
+def _gpt2(dtype):
+    # Dropout on the embeddings and residual branches (attention dropout would take SDPA off its flash path).
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=6, n_head=4, n_positions=256,
+                                     resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config).to(dtype).train()
+
+
+def _step(model, ids):
+    """(peak bytes, flops, {name: grad}) of one training step; same RNG stream each call.
+
+    FLOPs are counted in a second step: FlopCounterMode's module tracker holds tensors alive
+    and would change the peak.
+    """
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    torch.manual_seed(1234)
+    with PeakBytesMeter() as meter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with flop_counter() as counter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    return meter.peak_bytes, counter.get_total_flops(), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_placement_real_runs(build, dtype):
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    reference = build(dtype)
+    base_peak, base_flops, base_grads = _step(reference, ids)
+
+    every_layer = build(dtype)
+    plan_apply.apply_placement(every_layer, [OPTION_BY_NAME["recompute layer"]] * 6)
+    _, every_flops, _ = _step(every_layer, ids)
+    every_recompute = every_flops - base_flops
+    assert every_recompute > 0
+
+    peaks = []
+    for fraction in FRACTIONS:
+        budget = int(fraction * base_peak)
+        placement = place(reference, batch=BATCH, seq=SEQ, budget=budget)
+        assert placement.fits, (fraction, placement.describe())
+        model = build(dtype)
+        report = memkernels.apply(model, placement)
+        assert len(report.wrapped) == sum(len(c.actions) for c in placement.choices)
+        peak, flops, grads = _step(model, ids)
+        where = f"{fraction:.0%} budget: {placement.describe()}"
+        assert peak <= budget, where
+        assert abs(peak - placement.predicted_peak) <= 0.10 * placement.predicted_peak, (where, peak,
+                                                                                         placement.predicted_peak)
+        recompute = flops - base_flops
+        assert recompute == placement.recompute_flops, where
+        assert recompute <= every_recompute, where
+        if fraction in (0.5, 0.75):
+            assert recompute < every_recompute, where
+        for name, grad in grads.items():  # recompute replays the same dropout masks: bitwise-equal gradients
+            assert torch.equal(grad, base_grads[name]), (where, name)
+        peaks.append(peak)
+    assert peaks == sorted(peaks, reverse=True), peaks  # lower budget, never a higher peak
+
+
+def test_apply_plan_undo_and_no_grad():
+    model = _llama(torch.float32)
+    ids = torch.randint(0, VOCAB, (1, 16))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    memkernels.apply(model, place(model, batch=1, seq=16, budget=1))
+    assert any(type(m).__module__ == plan_apply.__name__ for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
+    keys = set(model.state_dict())
+    assert plan_apply.remove(model) > 0
+    assert set(model.state_dict()) == keys
+    assert not any(type(m).__module__ == plan_apply.__name__ for m in model.modules())
+
+
+def test_place_impossible_budget_says_it_does_not_fit():
+    placement = place(_llama(torch.float32), batch=1, seq=32, budget=1)
+    assert not placement.fits and placement.predicted_peak > 1
+
+
+# ----------------------------------------------------------------------------- model-state formulas
+
+def test_published_fp32_7b_model_state_and_zero3():
+    state = model_state_bytes(7 * 10**9, dtype="fp32", optimizer="adamw")
+    assert (state["parameters"], state["gradients"], state["optimizer_state"]) == (28e9, 28e9, 56e9)
+    assert sum(state.values()) == 112e9
+    sharded = model_state_bytes(7 * 10**9, dtype="fp32", optimizer="adamw", zero_stage=3, ranks=8)
+    assert sum(sharded.values()) == 14e9
+
+
+def test_mixed_precision_adamw_is_16_bytes_per_parameter():
+    result = estimate("llama-2-7b", batch=1, seq=128)
+    assert result.model_state == 16 * result.num_parameters
+    state = model_state_bytes(1000, dtype="bf16")
+    assert (state["parameters"], state["gradients"], state["master_weights"], state["optimizer_state"]) == \
+        (2000, 2000, 4000, 8000)
+
+
+def test_zero_stages_shard_what_they_say():
+    n, ranks = 8000, 8
+    full = model_state_bytes(n, dtype="bf16")
+    by_stage = {stage: model_state_bytes(n, dtype="bf16", zero_stage=stage, ranks=ranks) for stage in (1, 2, 3)}
+    sharded = {1: ("master_weights", "optimizer_state"), 2: ("master_weights", "optimizer_state", "gradients"),
+               3: ("master_weights", "optimizer_state", "gradients", "parameters")}
+    for stage, state in by_stage.items():
+        for part in ("parameters", "gradients", "master_weights", "optimizer_state"):
+            assert state[part] == (full[part] // ranks if part in sharded[stage] else full[part]), (stage, part)
+
+
+def test_optimizer_offload_and_accumulation_buffer():
+    state = model_state_bytes(1000, dtype="bf16", optimizer_offload=True, grad_accumulation=True)
+    assert state["master_weights"] == state["optimizer_state"] == 0
+    assert state["host_optimizer"] == 12 * 1000
+    assert state["grad_accum_buffer"] == 4 * 1000
+    assert model_state_bytes(1000, dtype="fp32", grad_accumulation=True)["grad_accum_buffer"] == 0
+
+
+def test_lora_parameter_count_matches_peft():
+    peft = pytest.importorskip("peft")
+    model = _llama(torch.float32)
+    adapters, adapted = lora_parameters(model, 8)
+    config = peft.LoraConfig(r=8, target_modules="all-linear", task_type="CAUSAL_LM")
+    trainable, _ = peft.get_peft_model(copy.deepcopy(model), config).get_nb_trainable_parameters()
+    assert adapters == trainable
+    assert adapted == sum(m.weight.numel() for n, m in model.named_modules()
+                          if isinstance(m, torch.nn.Linear) and n != "lm_head")
+
+
+def test_lora_and_qlora_estimates():
+    full = estimate("llama-2-7b", batch=1, seq=128)
+    lora = estimate("llama-2-7b", batch=1, seq=128, finetune="lora", lora_rank=16)
+    qlora = estimate("llama-2-7b", batch=1, seq=128, finetune="qlora", lora_rank=16)
+    adapters = lora.trainable_parameters
+    assert lora.gradients == 2 * adapters and lora.optimizer_state == 8 * adapters
+    base = full.num_parameters
+    assert lora.parameters == 2 * (base + adapters)
+    _, adapted = lora_parameters(__import__("memkernels.estimate").estimate._Source("llama-2-7b").build(), 16)
+    assert qlora.parameters == 2 * (base + adapters - adapted) + math.ceil(adapted * QLORA_BYTES_PER_PARAM)
+    assert QLORA_BYTES_PER_PARAM == pytest.approx(0.516, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- the flow, published cases
+
+def test_llama2_7b_on_one_24gb_gpu_full_cannot_fit_qlora_with_checkpointing_does():
+    result = plan("llama-2-7b", gpu_mem="24GB", seq=4096)
+    full = next(s for s in result.steps if s.name == "full fine-tuning")
+    assert not full.taken and "cannot fit at any micro-batch" in full.reason
+    assert result.fits and result.config.finetune in ("lora", "qlora")
+    qlora = next(a for a in result.alternatives if a["finetune"] == "qlora")
+    assert qlora["fits"] and qlora["recomputed_layers"] > 0
+    assert qlora["per_gpu"] <= 24 * 2**30
+    forced = plan("llama-2-7b", gpu_mem="24GB", seq=4096, finetune="qlora")
+    assert forced.config.finetune == "qlora" and any(c.recomputed for c in forced.choices)
+    assert "BitsAndBytesConfig" in forced.table() and "LoraConfig" in forced.table()
+
+
+def test_llama2_7b_on_8x80gb_zero3_fits_with_micro_batch_and_accumulation():
+    result = plan("llama-2-7b", gpu_mem="80GB", gpus=8, seq=4000, global_batch_tokens="4M", zero_stage=3)
+    assert result.fits and result.config.finetune == "full" and result.config.zero_stage == 3
+    assert result.micro_batch * 8 * result.accumulation * 4000 == 4_000_000
+    assert result.micro_batch > 1
+    assert sum(result.breakdown().values()) <= 80 * 2**30
+    assert '"stage": 3' in result.table()
+
+
+def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
+    result = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="512GB")
+    step = next(s for s in result.steps if s.name == "optimizer-state CPU offload (full)")
+    assert not step.taken and "cannot hold" in step.reason
+    params = sum(p.numel() for p in __import__("memkernels.estimate").estimate._Source("qwen2-72b").build()
+                 .parameters())
+    host = model_state_bytes(params, dtype="bf16", optimizer_offload=True)["host_optimizer"]
+    assert host == 12 * params and host == pytest.approx(864e9, rel=0.02)
+    assert result.fits and result.config.finetune != "full"
+    full = next(s for s in result.steps if s.name == "full fine-tuning")
+    assert "host memory" in full.reason and "512.00 GiB" in full.reason
+    enough = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="2TB")
+    step = next(s for s in enough.steps if s.name == "optimizer-state CPU offload (full)")
+    assert "cannot hold" not in step.reason
+
+
+# ----------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, argument", [
+    ({"seq": 0}, "seq"),
+    ({"seq": -5}, "seq"),
+    ({"finetune": "lorra"}, "finetune"),
+    ({"global_batch_tokens": "4M"}, "global_batch_tokens"),
+    ({"gpu_mem": "2GB"}, "gpu_mem"),
+    ({"gpu_mem": "24"}, "gpu_mem"),
+])
+def test_bad_input_one_line_error_naming_the_argument(kwargs, argument):
+    args = dict(gpu_mem="24GB", seq=4096)
+    args.update(kwargs)
+    with pytest.raises(ValueError) as info:
+        plan("llama-3-8b", **args)
+    message = str(info.value)
+    assert "\n" not in message and argument in message
+
+
+def test_cli_plan_json_and_error():
+    ok = subprocess.run([sys.executable, "-m", "memkernels.cli", "plan", "--model", "llama-2-7b", "--gpu-mem", "80GB",
+                         "--gpus", "8", "--seq", "4000", "--global-tokens", "4M", "--json"],
+                        capture_output=True, text=True, check=True)
+    data = json.loads(ok.stdout)
+    assert data["fits"] and data["micro_batch"] * 8 * data["accumulation"] * 4000 == 4_000_000
+    bad = subprocess.run([sys.executable, "-m", "memkernels.cli", "plan", "--model", "llama-2-7b", "--gpu-mem", "80",
+                          "--seq", "4096"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "--gpu-mem" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("option", ["offload layer", "offload attn, recompute mlp", "offload attn+mlp"])
+def test_offload_placement_on_simulated_device(option):
+    """Offload choices carried out through OffloadActivations on the simulated device: gradients are
+    bitwise equal and the measured peak stays under the plan's prediction (the offload figures are
+    modelled, conservatively: what recomputing the same parts frees, plus the prefetch allowance)."""
+    from memkernels import device
+    from memkernels.device import sim
+    from memkernels.estimate import _Source
+    from memkernels.tools import placement
+    device.use_sim()
+    sim.configure(device_count=1, capacity=1 << 30, host_capacity=None, granularity=64 << 10, memory="backed",
+                  address_space=1 << 36, sync_timeout_s=20.0)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    reference = _llama(torch.float32)
+    base_peak, _, base_grads = _step(reference, ids)
+    choices = [OPTION_BY_NAME[option]] * 5 + [OPTION_BY_NAME["keep"]]
+    model = _llama(torch.float32)
+    report = plan_apply.apply_placement(model, choices, offload_options={"min_offload_bytes": 0,
+                                                                         "offload_last_module": True})
+    peak, _, grads = _step(model, ids)
+    assert report.offload.stats()["bytes_offloaded"] > 0
+    for name, grad in grads.items():
+        assert torch.equal(grad, base_grads[name]), name
+    profile = placement.measure_profile(_Source(reference), SEQ, torch.float32)
+    predicted = placement.predict_peak(profile, BATCH, choices)
+    assert peak < base_peak and peak <= predicted
+    report.offload.close()
+
+
+def test_nothing_fits_says_what_is_missing_and_by_how_much():
+    result = plan("llama-2-7b", gpu_mem="8GB", seq=32768)
+    assert not result.fits and result.missing > 0
+    text = result.table()
+    assert "NOTHING FITS" in text and "more per GPU" in text and "It would fit on GPUs of" in text
+    assert result.to_dict()["missing"] == result.missing
