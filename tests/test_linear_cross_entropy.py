@@ -99,6 +99,31 @@ def test_vocab_not_a_block_multiple(backend, dtype, strategy):
     run_check(dtype, 8, 16, 32003, "mean", strategy, "combined", chunk_size=3, unit_grad=strategy == "chunked")
 
 
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 8])
+def test_chunked_float32_hidden_grad_error_grows_with_the_block_not_the_vocabulary(n_rows):
+    """A chunk's float32 dX sums V = 32003 products per element. MKL's GEMM for a few rows sums them in
+    one running total (error ~ sqrt(V) roundings: ~100 ulps of max|dX| measured at 1-5 rows, ~10 at 8);
+    _hidden_grad sums blocks of HIDDEN_GRAD_VOCAB_BLOCK classes in float64, so its error is that of a
+    block's sum, ~sqrt(block) roundings in any order: bound 4 * sqrt(block) half-ulps (45)."""
+    n_classes = 32003
+    grad_logits = torch.randn(n_rows, n_classes) / n_classes
+    weight = torch.randn(n_classes, 16) / 4
+    out = torch.empty(n_rows, 16)
+    lce._hidden_grad(grad_logits, weight, out)
+    exact = grad_logits.double() @ weight.double()
+    half_ulp = torch.finfo(torch.float32).eps / 2 * exact.abs().max().item()
+    error_half_ulps = (out.double() - exact).abs().max().item() / half_ulp
+    assert error_half_ulps <= 4 * lce.HIDDEN_GRAD_VOCAB_BLOCK**0.5, error_half_ulps
+
+
+def test_hidden_grad_blocks_only_float32_on_the_cpu():
+    grad_logits = torch.empty(2, 1000)
+    assert lce._hidden_grad_block(grad_logits) == lce.HIDDEN_GRAD_VOCAB_BLOCK
+    assert lce._hidden_grad_block(grad_logits.bfloat16()) == 1000  # its rounding dwarfs the sum's error
+    assert lce._hidden_grad_block(torch.empty(2, 1000, device="meta")) == 1000  # not the CPU: one GEMM
+    assert lce._hidden_grad_block(torch.empty(2, 7)) == 7
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chunked_backward_only_scales(backend, dtype):
     """Chunked's gradients at incoming gradient g are those at 1 scaled by g in float32: dX (held in
