@@ -94,6 +94,26 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     _patch_interpreter_builder("cast_impl", _bf16_rounding_shim)
 
 
+@pytest.fixture
+def cuda_nans(monkeypatch):
+    """Make the interpreter's float32 arithmetic return CUDA's canonical NaN (0x7FFFFFFF) instead of
+    numpy's 0x7FC00000/0xFFC00000, which _cast_rne's old bit rounding happened to keep a NaN."""
+    from triton.runtime import interpreter
+
+    def canonical(handle):
+        data = handle.data
+        if isinstance(data, np.ndarray) and data.dtype == np.float32 and np.isnan(data).any():
+            data = data.copy()
+            data.view(np.uint32)[np.isnan(data)] = 0x7FFFFFFF
+            return interpreter.TensorHandle(data, handle.dtype)
+        return handle
+
+    builder = interpreter.InterpreterBuilder
+    binary_op, unary_op = builder.binary_op, builder.unary_op
+    monkeypatch.setattr(builder, "binary_op", lambda self, *args: canonical(binary_op(self, *args)))
+    monkeypatch.setattr(builder, "unary_op", lambda self, *args: canonical(unary_op(self, *args)))
+
+
 @contextlib.contextmanager
 def simulated_device(*, capacity, granularity, memory="backed", address_space=1 << 36, sync_timeout_s=5.0,
                      device_count=1):

@@ -386,3 +386,20 @@ def test_split_float32_kernel_matches_float32_addition_bitwise(n_rows, n_cols):
     expected = accumulator + update
     assert torch.equal(total.view(torch.int32)[~expected.isnan()], expected.view(torch.int32)[~expected.isnan()])
     assert torch.equal(total.isnan(), expected.isnan())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy on NaN
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_hidden_gives_nan_gradients(backend, cuda_nans, dtype, strategy):
+    """A NaN activation (every class of NaN arrives as some NaN logit) makes its token's dX and every dW/dB
+    entry NaN, the bfloat16 split dW accumulator included: nothing rounds a NaN into a number."""
+    hidden = torch.randn(6, 16).to(dtype)
+    hidden[2, 3] = float("nan")
+    hidden.requires_grad_()
+    weight = (torch.randn(50, 16) / 4).to(dtype).requires_grad_()
+    bias = torch.randn(50).to(dtype).requires_grad_()
+    target = torch.tensor([1, 4, 9, 16, 25, 36])
+    linear_cross_entropy(hidden, weight, target, bias=bias, strategy=strategy, chunk_size=2).backward()
+    assert torch.isnan(hidden.grad[2]).all() and torch.isfinite(hidden.grad[[0, 1, 3, 4, 5]]).all()
+    assert torch.isnan(weight.grad).all() and torch.isnan(bias.grad).all()
