@@ -15,6 +15,16 @@ import zlib
 
 NO_TORCH = os.environ.get("MEMKERNELS_TEST_NO_TORCH") == "1"
 
+# Inductor's on-disk cache does not key its C++ kernels on ATEN_CPU_CAPABILITY: after a native run,
+# ATEN_CPU_CAPABILITY=default reused AVX-512 code and failed to compile it ("'at::vec' has not been
+# declared"). A run under another capability gets its own cache directory.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
+
 if not NO_TORCH:
     import torch
 

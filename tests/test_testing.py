@@ -229,3 +229,54 @@ def test_bad_arguments_are_named():
         check_against_reference(torch.exp, torch.exp, (x,), grad_outputs=torch.ones(4))
     with pytest.raises(TypeError, match="kwargs"):
         check_against_reference(torch.exp, torch.exp, (x,), kwargs=[1])
+
+
+def _running_total(x):
+    """Row sums of x (R, K) in float32 as one running total: the least accurate order a BLAS uses."""
+    total = torch.zeros(x.shape[0], dtype=x.dtype)
+    for column in x.unbind(1):
+        total = total + column
+    return total
+
+
+def test_sum_length_floor_admits_any_summation_order():
+    """A correct sum in one running total (error ~ sqrt(K) roundings) against eager's blocked torch.sum
+    (a few roundings): the verdict must not hinge on which order this machine's eager happens to use."""
+    x = torch.randn(64, 4096, requires_grad=True)
+    with pytest.raises(AssertionError, match=r"output\[0\].*FAIL"):
+        check_against_reference(_running_total, lambda t: t.sum(1), (x,), grad=False)
+    report = check_against_reference(_running_total, lambda t: t.sum(1), (x,), grad=False, sum_length=4096)
+    row = report.rows[0]
+    assert row.sum_length == 4096 and row.floor == torch.finfo(torch.float32).eps / 2 * 64 * row.scale
+    assert "K (longest sum): output[0] 4096" in str(report)
+
+
+@pytest.mark.parametrize("sum_length", [256, {"output[0]": 256}])
+def test_sixteen_ulps_wrong_still_fails_with_the_sum_length_floor(sum_length):
+    """At K = 256 the floor is 8 ulps of max|reference|: an op 16 ulps off fails."""
+    x = torch.randn(64, 256, requires_grad=True)
+
+    def sixteen_ulps_off(t):
+        return (t.double().sum(1) * (1 + 16 * torch.finfo(torch.float32).eps)).float()
+
+    with pytest.raises(AssertionError, match=r"output\[0\].*FAIL"):
+        check_against_reference(sixteen_ulps_off, lambda t: t.sum(1), (x,), grad=False, sum_length=sum_length)
+    check_against_reference(lambda t: t.double().sum(1).float(), lambda t: t.sum(1), (x,), grad=False,
+                            sum_length=sum_length)  # the same op without the error passes
+
+
+def test_sum_length_applies_only_to_the_named_quantities():
+    x = torch.randn(37, 129, requires_grad=True)
+    weight = torch.randn(129, requires_grad=True)
+    report = check_against_reference(rms_norm_fp32_accumulate, rms_norm_eager, (x, weight, 1e-6),
+                                     sum_length={"grad inputs[1]": 37})
+    assert [row.sum_length for row in report.rows] == [1, 1, 37]
+
+
+@pytest.mark.parametrize("sum_length,match", [(0, "positive int"), (2.5, "positive int"), (True, "positive int"),
+                                              ({"output[0]": -1}, "positive int"),
+                                              ({"grad inputs[7]": 4}, r"no quantity named \['grad inputs\[7\]'\]")])
+def test_bad_sum_length_is_named(sum_length, match):
+    x = torch.randn(5, requires_grad=True)
+    with pytest.raises(ValueError, match=match):
+        check_against_reference(torch.exp, torch.exp, (x,), sum_length=sum_length)
