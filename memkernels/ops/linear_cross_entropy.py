@@ -8,7 +8,8 @@ in place, so a chunk costs one buffer.
 Strategies:
 
 - ``"chunked"``: the forward walks the tokens in chunks and computes the
-  gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)``,
+  gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)`` (float32 on the
+  CPU: by blocks of classes summed in float64, see :func:`_hidden_grad`),
   ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype, with
   ``addmm_`` (no V x H temporary per chunk). What is held until backward —
   ``dX`` (N x H, input dtype), the float32 ``dW`` accumulator (V x H, 4 bytes per
