@@ -15,6 +15,16 @@ import zlib
 
 NO_TORCH = os.environ.get("MEMKERNELS_TEST_NO_TORCH") == "1"
 
+# Inductor's on-disk cache does not key its C++ kernels on ATEN_CPU_CAPABILITY: after a native run,
+# ATEN_CPU_CAPABILITY=default reused AVX-512 code and failed to compile it ("'at::vec' has not been
+# declared"). A run under another capability gets its own cache directory.
+if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    import getpass
+    import tempfile
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
+        tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
+
 if not NO_TORCH:
     import torch
 
@@ -121,6 +131,26 @@ def pytest_configure(config):
 if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_triton_problem(_installed_triton_version() or ""):
     _patch_interpreter_builder("create_dot", _bf16_dot_shim)
     _patch_interpreter_builder("cast_impl", _bf16_rounding_shim)
+
+
+@pytest.fixture
+def cuda_nans(monkeypatch):
+    """Make the interpreter's float32 arithmetic return CUDA's canonical NaN (0x7FFFFFFF) instead of
+    numpy's 0x7FC00000/0xFFC00000, which _cast_rne's old bit rounding happened to keep a NaN."""
+    from triton.runtime import interpreter
+
+    def canonical(handle):
+        data = handle.data
+        if isinstance(data, np.ndarray) and data.dtype == np.float32 and np.isnan(data).any():
+            data = data.copy()
+            data.view(np.uint32)[np.isnan(data)] = 0x7FFFFFFF
+            return interpreter.TensorHandle(data, handle.dtype)
+        return handle
+
+    builder = interpreter.InterpreterBuilder
+    binary_op, unary_op = builder.binary_op, builder.unary_op
+    monkeypatch.setattr(builder, "binary_op", lambda self, *args: canonical(binary_op(self, *args)))
+    monkeypatch.setattr(builder, "unary_op", lambda self, *args: canonical(unary_op(self, *args)))
 
 
 @contextlib.contextmanager

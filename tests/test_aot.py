@@ -1,4 +1,8 @@
-"""The AOT compile check on small kernels with known properties (tests/aot_example_kernels.py)."""
+"""The AOT compile check on small kernels with known properties (tests/aot_example_kernels.py).
+
+The tests that compile (the module fixture runs aot.check(): ~400 s on a loaded 2-core machine) are
+marked slow, like tests/test_aot_ops.py; the argument checks stay in the quick loop.
+"""
 import os
 import subprocess
 import sys
@@ -17,6 +21,7 @@ def reports():
     return {(r.kernel, r.variant, r.arch): r for r in aot.check()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_simple_kernel_compiles_cleanly(reports, arch):
     report = reports["example_scale", "block1024", arch]
@@ -27,6 +32,7 @@ def test_simple_kernel_compiles_cleanly(reports, arch):
     assert report.compile_seconds > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_alignment_hints_reach_the_compiler(reports, arch):
     # Without 16-divisibility the masked loads cannot be vectorized; with it, as the
@@ -38,6 +44,7 @@ def test_alignment_hints_reach_the_compiler(reports, arch):
     assert aligned.vector_loads > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_cross_warp_reduction_uses_one_float_per_warp(reports, arch):
     report = reports["example_normalize_row", "8warps", arch]
@@ -45,6 +52,7 @@ def test_cross_warp_reduction_uses_one_float_per_warp(reports, arch):
     assert report.shared_bytes == 8 * 4  # 8 warps each leave one fp32 partial sum
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_register_starved_kernel_reports_spills(reports, arch):
     report = reports["example_normalize_row", "1warp-maxnreg32", arch]
@@ -55,6 +63,7 @@ def test_register_starved_kernel_reports_spills(reports, arch):
     assert not report.ok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_pipelined_matmul_shared_memory_is_sane(reports, arch):
     report = reports["example_tile_matmul", "64x64x32-3stages", arch]
@@ -63,6 +72,7 @@ def test_pipelined_matmul_shared_memory_is_sane(reports, arch):
     assert one_stage <= report.shared_bytes <= 3 * one_stage
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", aot.ARCHS)
 def test_compile_error_is_reported_not_raised(reports, arch):
     report = reports["example_broken_block", "block1000", arch]
@@ -70,6 +80,7 @@ def test_compile_error_is_reported_not_raised(reports, arch):
     assert not report.ok
 
 
+@pytest.mark.slow
 def test_command_line_table_and_exit_code():
     def run(*names):
         command = [sys.executable, "-m", "memkernels.aot", "--module", "aot_example_kernels"]

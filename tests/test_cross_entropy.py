@@ -1,11 +1,13 @@
 """memkernels cross_entropy: Triton kernel (interpreter) and PyTorch reference vs float64 eager."""
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import memkernels
 from memkernels.meters import SavedBytesMeter
 from memkernels.nn.cross_entropy import ChunkedCrossEntropyLoss
-from memkernels.ops.cross_entropy import cross_entropy
+from memkernels.ops.cross_entropy import _cast_rne, cross_entropy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
 
@@ -315,3 +317,67 @@ def test_cpu_path_works_in_row_blocks(monkeypatch, option_name):
         assert one_block[2] >= full_fp32_bytes  # at this N one block is all rows: the figure pins a change
     finally:
         memkernels.set_backend("auto")
+
+
+# float32 NaNs of every payload class and the infinities, as bits: _cast_rne's bit rounding must keep
+# each NaN a NaN (0x7FFFFFFF is CUDA's canonical NaN; 0x7F800001 has its payload in the low half only).
+NAN_BITS = {
+    "+quiet": 0x7FC00000, "-quiet": 0xFFC00000,
+    "+signalling": 0x7F800001, "-signalling": 0xFF800001,
+    "+max payload (CUDA's NaN)": 0x7FFFFFFF, "-max payload": 0xFFFFFFFF,
+    "+signalling max payload": 0x7FBFFFFF, "-signalling max payload": 0xFFBFFFFF,
+    "+quiet, low half 0x8000": 0x7FC08000,
+}
+
+
+def _float32_from_bits(bits):
+    return torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+@triton.jit
+def _cast_rne_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # x_ptr: (n,) float32; out_ptr: (n,) bfloat16
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, _cast_rne(tl.load(x_ptr + offsets, mask=mask), tl.bfloat16), mask=mask)
+
+
+def _cast_rne_bfloat16(x):
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    _cast_rne_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return out
+
+
+@pytest.mark.parametrize("name", list(NAN_BITS))
+def test_bfloat16_rounding_keeps_every_nan_a_nan(name):
+    out = _cast_rne_bfloat16(_float32_from_bits([NAN_BITS[name]]))
+    assert torch.isnan(out).all(), f"{name} NaN became {out.item()} (bits {out.view(torch.int16).item() & 0xFFFF:#06x})"
+    assert (out.view(torch.int16) < 0).item() == name.startswith("-")  # the sign is kept
+
+
+def test_bfloat16_rounding_of_infinities_and_finite_values_is_round_to_nearest_even():
+    specials = _float32_from_bits([0x7F800000, 0xFF800000, 0x7F7FFFFF, 0xFF7FFFFF, 0x3F808000, 0x3F818000,
+                                   0x00000001, 0x80000000])  # +-inf, +-max (to +-inf), two ties, denormal, -0
+    values = torch.cat([specials, torch.randn(1000) * 10.0 ** torch.randint(-30, 30, (1000,))])
+    out = _cast_rne_bfloat16(values)
+    assert torch.equal(out.view(torch.int16), values.to(torch.bfloat16).view(torch.int16))
+
+
+# bfloat16 NaN logits of every payload class (the high halves of NAN_BITS) and +inf: the row's loss and
+# its gradient are NaN, so a diverging run cannot look healthy. -inf is a legal logit (a masked class).
+BAD_LOGITS = {"+quiet": 0x7FC0, "-quiet": 0xFFC0, "+signalling": 0x7F81, "-signalling": 0xFF81,
+              "+max payload": 0x7FFF, "-max payload": 0xFFFF, "+inf": 0x7F80}
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy on NaN/inf
+@pytest.mark.parametrize("name", list(BAD_LOGITS))
+@pytest.mark.parametrize("options", [{}, {"label_smoothing": 0.1, "z_loss": 1e-2}])
+def test_nan_logits_give_nan_gradients(backend, cuda_nans, name, options):
+    logits = torch.randn(4, 37).bfloat16()
+    logits.view(torch.int16)[2, 5] = torch.tensor(BAD_LOGITS[name]).to(torch.int16)
+    logits.requires_grad_()
+    target = torch.tensor([3, 0, 9, 36])
+    loss = cross_entropy(logits, target, reduction="none", **options)
+    loss.sum().backward()
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[[0, 1, 3]]).all()
+    assert torch.isnan(logits.grad[2]).all() and torch.isfinite(logits.grad[[0, 1, 3]]).all()

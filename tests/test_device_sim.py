@@ -145,7 +145,9 @@ def test_blocking_call_on_held_work_times_out_instead_of_hanging():
     with pytest.raises(CudaError) as excinfo:
         device.event_synchronize(event)
     assert code_and_call(excinfo.value) == (device.CUDA_ERROR_LAUNCH_TIMEOUT, "cudaEventSynchronize")
-    assert 0.15 < time.monotonic() - start < 3.0
+    # It waited for the timeout (0.2 s) before giving up: load can only lengthen that, so only the lower
+    # bound is asserted. That it returned at all is the point (a hang would stop the run, not pass).
+    assert time.monotonic() - start > 0.15
 
 
 def test_destroyed_stream_still_runs_its_queued_work():

@@ -63,9 +63,12 @@ def run_check(dtype, n_tokens, hidden_size, n_classes, reduction, strategy, opti
                                        **options).to(logits.dtype)
         return eager_cross_entropy(logits, target, class_weight, reduction=reduction, **options)
 
+    # dX sums over the V classes and dW over the tokens in GEMMs of other shapes than eager's (chunks of
+    # tokens, tiles of classes), whose summation order, and so accuracy, differs by BLAS and CPU.
     check_against_reference(fn, reference, (hidden, weight, target, bias, class_weight),
                             name=f"linear_cross_entropy[{strategy}, {option_name}]",
-                            grad_outputs=torch.ones(()) if unit_grad else None)
+                            grad_outputs=torch.ones(()) if unit_grad else None,
+                            sum_length={"grad inputs[0]": n_classes, "grad inputs[1]": n_tokens})
 
 
 CASES = [("chunked", r) for r in ("mean", "sum")] + [("recompute", r) for r in ("none", "mean", "sum")]
@@ -97,6 +100,31 @@ def test_vocab_not_a_block_multiple(backend, dtype, strategy):
     # incoming gradient eager with smoothing + class weights + z-loss is often ~2x more accurate than
     # at 1, and chunked's float32 dX missed "2x eager" in 19 of 400 runs.)
     run_check(dtype, 8, 16, 32003, "mean", strategy, "combined", chunk_size=3, unit_grad=strategy == "chunked")
+
+
+@pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 8])
+def test_chunked_float32_hidden_grad_error_grows_with_the_block_not_the_vocabulary(n_rows):
+    """A chunk's float32 dX sums V = 32003 products per element. MKL's GEMM for a few rows sums them in
+    one running total (error ~ sqrt(V) roundings: ~100 ulps of max|dX| measured at 1-5 rows, ~10 at 8);
+    _hidden_grad sums blocks of HIDDEN_GRAD_VOCAB_BLOCK classes in float64, so its error is that of a
+    block's sum, ~sqrt(block) roundings in any order: bound 4 * sqrt(block) half-ulps (45)."""
+    n_classes = 32003
+    grad_logits = torch.randn(n_rows, n_classes) / n_classes
+    weight = torch.randn(n_classes, 16) / 4
+    out = torch.empty(n_rows, 16)
+    lce._hidden_grad(grad_logits, weight, out)
+    exact = grad_logits.double() @ weight.double()
+    half_ulp = torch.finfo(torch.float32).eps / 2 * exact.abs().max().item()
+    error_half_ulps = (out.double() - exact).abs().max().item() / half_ulp
+    assert error_half_ulps <= 4 * lce.HIDDEN_GRAD_VOCAB_BLOCK**0.5, error_half_ulps
+
+
+def test_hidden_grad_blocks_only_float32_on_the_cpu():
+    grad_logits = torch.empty(2, 1000)
+    assert lce._hidden_grad_block(grad_logits) == lce.HIDDEN_GRAD_VOCAB_BLOCK
+    assert lce._hidden_grad_block(grad_logits.bfloat16()) == 1000  # its rounding dwarfs the sum's error
+    assert lce._hidden_grad_block(torch.empty(2, 1000, device="meta")) == 1000  # not the CPU: one GEMM
+    assert lce._hidden_grad_block(torch.empty(2, 7)) == 7
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -361,3 +389,20 @@ def test_split_float32_kernel_matches_float32_addition_bitwise(n_rows, n_cols):
     expected = accumulator + update
     assert torch.equal(total.view(torch.int32)[~expected.isnan()], expected.view(torch.int32)[~expected.isnan()])
     assert torch.equal(total.isnan(), expected.isnan())
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # numpy on NaN
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_hidden_gives_nan_gradients(backend, cuda_nans, dtype, strategy):
+    """A NaN activation (every class of NaN arrives as some NaN logit) makes its token's dX and every dW/dB
+    entry NaN, the bfloat16 split dW accumulator included: nothing rounds a NaN into a number."""
+    hidden = torch.randn(6, 16).to(dtype)
+    hidden[2, 3] = float("nan")
+    hidden.requires_grad_()
+    weight = (torch.randn(50, 16) / 4).to(dtype).requires_grad_()
+    bias = torch.randn(50).to(dtype).requires_grad_()
+    target = torch.tensor([1, 4, 9, 16, 25, 36])
+    linear_cross_entropy(hidden, weight, target, bias=bias, strategy=strategy, chunk_size=2).backward()
+    assert torch.isnan(hidden.grad[2]).all() and torch.isfinite(hidden.grad[[0, 1, 3, 4, 5]]).all()
+    assert torch.isnan(weight.grad).all() and torch.isnan(bias.grad).all()

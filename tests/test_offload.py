@@ -222,8 +222,8 @@ def test_backward_waits_for_held_prefetch_copies(offload):
     hold_s = 0.3
     sim.hold_events(True)
     releaser = threading.Timer(hold_s, sim.hold_events, args=(False,))
+    start = time.perf_counter()  # before the timer starts: a descheduled thread cannot shorten "waited"
     releaser.start()
-    start = time.perf_counter()
     loss.backward()
     waited = time.perf_counter() - start
     releaser.join()

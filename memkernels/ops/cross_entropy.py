@@ -77,9 +77,13 @@ def _tanh(u):
 def _cast_rne(x, dtype: tl.constexpr):
     # fp32 -> dtype, rounding to nearest even. For bf16 the rounding is done on the bits: the
     # interpreter's bf16 cast truncates, and this gives the same bits as the GPU's cvt.rn there.
+    # A NaN keeps its sign and high payload, made quiet: the rounding carry would turn a NaN whose low
+    # bits are set into -0.0 (0x7FFFFFFF, CUDA's canonical NaN) or +inf (0x7F800001). Infinities and
+    # overflow to infinity come out of the rounding itself.
     if dtype == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
+        rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+        bits = tl.where(x != x, bits | 0x00400000, rounded)
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)

@@ -8,7 +8,8 @@ in place, so a chunk costs one buffer.
 Strategies:
 
 - ``"chunked"``: the forward walks the tokens in chunks and computes the
-  gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)``,
+  gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)`` (float32 on the
+  CPU: by blocks of classes summed in float64, see :func:`_hidden_grad`),
   ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype, with
   ``addmm_`` (no V x H temporary per chunk). What is held until backward —
   ``dX`` (N x H, input dtype), the float32 ``dW`` accumulator (V x H, 4 bytes per
@@ -224,6 +225,41 @@ def _finish_weight_grad(high, low, scale, dtype, scratch_bytes):
     return high
 
 
+# float32 dX of a chunk on the CPU: one GEMM per this many classes, summed in float64 (_hidden_grad).
+HIDDEN_GRAD_VOCAB_BLOCK = 128
+
+
+def _hidden_grad_block(grad_logits):
+    """Classes per GEMM of :func:`_hidden_grad`: HIDDEN_GRAD_VOCAB_BLOCK for float32 on the CPU, else all."""
+    n_classes = max(grad_logits.shape[1], 1)
+    if grad_logits.dtype == torch.float32 and grad_logits.device.type == "cpu":
+        return min(HIDDEN_GRAD_VOCAB_BLOCK, n_classes)
+    return n_classes
+
+
+def _hidden_grad(grad_logits, weight, out):
+    """out (R, H) = grad_logits (R, V) @ weight (V, H); float32 on the CPU: by blocks of classes.
+
+    Why: a chunk has few rows, and MKL's float32 GEMM for a few rows (measured: 1-3 and 5, not 4
+    or 8) sums each length-V dot product in one running total (``addmm_`` too: it starts from the
+    output), while eager's GEMM over all tokens sums short blocks: at V = 32003 the chunk's dX was
+    ~10x less accurate than eager's (~100 vs ~10 float32 ulps of max|dX|). Here each block of
+    HIDDEN_GRAD_VOCAB_BLOCK classes is one GEMM into a float32 scratch, and the blocks add up in
+    float64 (as dB does), rounded once: ~4 ulps whatever the rows and the BLAS, for ~20% more
+    time in this GEMM (one thread, V = 32003, H = 1024). Half dtypes keep one GEMM: their rounding
+    dwarfs the float32 sum's error. On a GPU also one GEMM: extra passes over dX would cost (with
+    TF32 more than the GEMM), and cuBLAS on a short last chunk is not measured here (no GPU).
+    """
+    n_classes, block = grad_logits.shape[1], _hidden_grad_block(grad_logits)
+    if block >= n_classes:
+        torch.mm(grad_logits, weight, out=out)
+        return
+    total = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
+    for start in range(0, n_classes, block):
+        total += torch.mm(grad_logits[:, start:start + block], weight[start:start + block], out=out)
+    out.copy_(total)
+
+
 def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None):
     """Loss over token chunks; with ``grads`` = (dX or None, (dW high, dW low) or None, dB64 or None) also
     the gradients (see :func:`_weight_grad_accumulator` for dW).
@@ -260,7 +296,7 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             if grad_bias64 is not None:
                 grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
-                torch.mm(logits.copy_(grad_chunk), weight, out=grad_hidden[start:end])
+                _hidden_grad(logits.copy_(grad_chunk), weight, grad_hidden[start:end])
             del grad_chunk
         if z is not None:
             z[start:end] = z_rows
