@@ -185,8 +185,9 @@ def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment():
             kept = {aligned: {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
                                c.num_stages)
                               for c in op._prune_configs(configs, {"a_ptr": torch.empty(0, dtype=dtype)},
-                                                         aligned=aligned, GELU_ON_B=flags[0],
-                                                         GELU_GRAD_EPILOGUE=flags[1], INPUT_PRECISION=precision)}
+                                                         aligned=aligned, ACT_ON_B=flags[0],
+                                                         ACT_GRAD_EPILOGUE=flags[1], GATED=False,
+                                                         INPUT_PRECISION=precision)}
                     for aligned in (True, False)}
             expected_aligned = op._IEEE_CONFIGS[role] if precision == "ieee" else op._CONFIGS
             assert kept[True] == set(expected_aligned), (role, operand)
