@@ -334,6 +334,8 @@ def _plan_gated_mlp(name, module, actions, report):
     from memkernels.nn.mlp import gated_activation, gated_mlp_parts
 
     cls_name = type(module).__name__
+    if isinstance(module, _FusedGatedMLPForward):  # patched by an earlier apply()
+        return
     if cls_name.endswith("Experts"):
         reason = "mixture-of-experts: routed experts have no fused kernel"
     else:
