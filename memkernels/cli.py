@@ -86,7 +86,8 @@ def run_report(args):
                  synthetic_batch(name, REPORT_BATCH, REPORT_SEQ, generator=generator).to(device))
                 for name, style in REPORT_MODELS]
     path = resolve(embedded[0][3], "report")
-    print(f"memkernels runs its {'Triton kernels' if path == 'triton' else 'PyTorch reference path (same memory contract)'}"
+    kernels = "Triton kernels" if path == "triton" else "PyTorch reference path (same memory contract)"
+    print(f"memkernels runs its {kernels}"
           f" (backend {get_backend()!r}); each embedded model: one training step of {REPORT_BATCH} x {REPORT_SEQ} "
           f"random tokens in fp32 on {device}\n")
 

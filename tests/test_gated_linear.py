@@ -13,6 +13,10 @@ from memkernels.nn.mlp import FusedGatedMLP
 from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
 from memkernels.testing import check_against_reference
 
+from act_gemm_cases import KernelChoiceLog
+
+triton = pytest.importorskip("triton")
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
@@ -95,7 +99,8 @@ SHAPES = [
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[0] + s[1:])))
-@pytest.mark.parametrize("dtype, activation, packed", [(torch.float32, "silu", False), (torch.bfloat16, "gelu_tanh", True),
+@pytest.mark.parametrize("dtype, activation, packed", [(torch.float32, "silu", False),
+                                                       (torch.bfloat16, "gelu_tanh", True),
                                                        (torch.float16, "gelu", False)], ids=str)
 def test_shapes_match_float64(backend, dtype, activation, packed, shape):
     fn, eager = _functions(packed)
@@ -157,6 +162,45 @@ def test_recompute_matches_float64(backend, dtype, activation, has_bias, packed)
     check_against_reference(recompute_mlp, eager_mlp,
                             [x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias],
                             kwargs={"activation": activation})
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="drives the kernels through the interpreter on CPU tensors")
+@pytest.mark.parametrize("width, column_offset, packed, aligned", [
+    (64, 0, False, True),  # contiguous, 16-multiple sizes
+    (64, 0, True, True),  # packed: up starts 64 elements into each row, still 16-byte aligned
+    (40, 0, False, False),  # odd intermediate size
+    (64, 1, False, False),  # gate and up slices one element in
+    (56, 0, True, False),  # packed with I = 56: up starts 112 bytes in (aligned) but rows are 2 * 56 apart
+])
+def test_misaligned_launches_use_the_spill_free_configs(monkeypatch, width, column_offset, packed, aligned):
+    from memkernels.ops import gelu_linear as op
+
+    log = []
+    monkeypatch.setattr(op, "_AUTOTUNED", {a: KernelChoiceLog(a, k, log) for a, k in op._AUTOTUNED.items()})
+    source = torch.randn(24, 2 * width + column_offset)[:, column_offset:].requires_grad_()
+    weight = torch.randn(32, width, requires_grad=True)
+    if packed:
+        y = gated_linear(gate_up=source, weight=weight, backend="triton")
+    else:  # views of one buffer: the same strides, so the kernel reads them in place
+        y = gated_linear(source[:, :width], source[:, width:], weight, backend="triton")
+    y.backward(torch.randn_like(y))
+    assert log == [aligned] * 3  # forward, d_gate/d_up and dW launches
+
+
+def test_prune_keeps_the_gated_configs():
+    from memkernels.ops import gelu_linear as op
+
+    shapes = dict.fromkeys(sum(op.GATED_CONFIGS.values(), ()) + op._CONFIGS)
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+               for bm, bn, bk, w, s in shapes]
+    for dtype, precision, operand in [(torch.bfloat16, "tf32", "bf16"), (torch.float32, "ieee", "fp32-ieee")]:
+        for role, flags in [("fwd", (False, False)), ("dx", (False, True)), ("dw", (True, False))]:
+            for aligned in (True, False):
+                kept = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+                        for c in op._prune_configs(configs, {"a_ptr": torch.empty(0, dtype=dtype)}, aligned=aligned,
+                                                   ACT_ON_B=flags[0], ACT_GRAD_EPILOGUE=flags[1], GATED=True,
+                                                   INPUT_PRECISION=precision)}
+                assert kept == set(op.GATED_CONFIGS[role, operand, aligned]) != set(), (role, operand, aligned)
 
 
 class _OpLog(TorchDispatchMode):

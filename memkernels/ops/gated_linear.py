@@ -70,7 +70,8 @@ def _grad_weight_triton(grad_out2d, gate2d, up2d, activation):
 
 _STEPS = {
     "forward": _Step(
-        "gated_linear", "(Tensor gate2d, Tensor up2d, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor",
+        "gated_linear",
+        "(Tensor gate2d, Tensor up2d, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor",
         _forward_triton, reference.forward,
         lambda gate2d, up2d, weight, bias, activation: gate2d.new_empty(gate2d.shape[0], weight.shape[0])),
     "grad_inputs": _Step(
