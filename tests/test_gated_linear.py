@@ -409,7 +409,9 @@ def test_custom_ops_pass_opcheck(backend):
     ops = torch.ops.memkernels
     torch.library.opcheck(ops.gated_linear.default, (gate, up, weight, bias, "silu", backend))
     torch.library.opcheck(ops.gated_linear.default, (gate, up, weight, None, "gelu", backend))
-    torch.library.opcheck(ops.gated_linear_grad_inputs.default, (grad_out, gate, up, weight, "gelu_tanh", backend))
+    torch.library.opcheck(ops.gated_linear_grad_inputs.default,
+                          (grad_out, gate, up, weight, False, "gelu_tanh", backend))
+    torch.library.opcheck(ops.gated_linear_grad_inputs.default, (grad_out, gate, up, weight, True, "silu", backend))
     torch.library.opcheck(ops.gated_linear_grad_weight.default, (grad_out, gate, up, "silu", backend))
 
 

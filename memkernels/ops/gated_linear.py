@@ -46,14 +46,13 @@ def _forward_triton(gate2d, up2d, weight, bias, activation):
     return act_gemm(gate2d, weight.t(), out, bias=bias, up=up2d, act_on_a=True, activation=activation)
 
 
-def _grad_inputs_triton(grad_out2d, gate2d, up2d, weight, activation):
+def _grad_inputs_triton(grad_out2d, gate2d, up2d, weight, packed, activation):
     if _empty_problem(grad_out2d, gate2d, weight):
-        return reference.grad_inputs(grad_out2d, gate2d, up2d, weight, activation)
+        return reference.grad_inputs(grad_out2d, gate2d, up2d, weight, packed, activation)
     gate2d, up2d = _same_layout(gate2d, up2d)
-    width = gate2d.shape[1]
-    grads = gate2d.new_empty(gate2d.shape[0], 2 * width)
-    act_gemm(grad_out2d, weight, grads[:, :width], x=gate2d, up=up2d, out_up=grads[:, width:], activation=activation)
-    return grads
+    result, grad_gate, grad_up = reference.grad_input_buffers(gate2d, packed)
+    act_gemm(grad_out2d, weight, grad_gate, x=gate2d, up=up2d, out_up=grad_up, activation=activation)
+    return result
 
 
 def _grad_weight_triton(grad_out2d, gate2d, up2d, activation):
@@ -76,9 +75,10 @@ _STEPS = {
         lambda gate2d, up2d, weight, bias, activation: gate2d.new_empty(gate2d.shape[0], weight.shape[0])),
     "grad_inputs": _Step(
         "gated_linear_grad_inputs",
-        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, str activation, str backend) -> Tensor",
+        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, str backend)"
+        " -> Tensor[]",
         _grad_inputs_triton, reference.grad_inputs,
-        lambda grad_out2d, gate2d, up2d, weight, activation: gate2d.new_empty(gate2d.shape[0], 2 * gate2d.shape[1])),
+        lambda grad_out2d, gate2d, up2d, weight, packed, activation: reference.grad_input_buffers(gate2d, packed)[0]),
     "grad_weight": _Step(
         "gated_linear_grad_weight",
         "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, str activation, str backend) -> Tensor",
@@ -115,11 +115,12 @@ def _bias_grad(grad_out2d):
     return grad_out2d.sum(0, dtype=torch.promote_types(grad_out2d.dtype, torch.float32)).to(grad_out2d.dtype)
 
 
-def _down_backward(ctx, grad_out2d, gate2d, up2d, weight, needs_inputs, needs_weight, needs_bias):
-    """(grad [M, 2*I] of gate then up, dW, db) of the gated down projection, each only when needed."""
+def _down_backward(ctx, grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, needs_bias):
+    """(gradients of gate and up: [one [M, 2*I] tensor] if packed else [d_gate, d_up]; dW; db) of the gated
+    down projection, each only when needed."""
     grads = grad_weight = grad_bias = None
     if needs_inputs:
-        grads = _run("grad_inputs", ctx.backend, grad_out2d, gate2d, up2d, weight, ctx.activation)
+        grads = _run("grad_inputs", ctx.backend, grad_out2d, gate2d, up2d, weight, packed, ctx.activation)
     if needs_weight:
         grad_weight = _run("grad_weight", ctx.backend, grad_out2d, gate2d, up2d, ctx.activation)
     if needs_bias:
@@ -149,15 +150,12 @@ class GatedLinearFunction(torch.autograd.Function):
         gate2d, up2d = _operands(gate, up)
         needs = ctx.needs_input_grad
         grads, grad_weight, grad_bias = _down_backward(
-            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight,
+            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight, up is None,
             needs[0] or needs[1], needs[2], ctx.has_bias and needs[3])
         grad_gate = grad_up = None
-        if grads is not None and up is None:
-            grad_gate = grads.view(gate.shape)
-        elif grads is not None:
-            width = gate.shape[-1]
-            grad_gate = grads[:, :width].view(gate.shape) if needs[0] else None
-            grad_up = grads[:, width:].view(up.shape) if needs[1] else None
+        if grads is not None:
+            grad_gate = grads[0].view(gate.shape) if needs[0] else None
+            grad_up = grads[1].view(up.shape) if up is not None and needs[1] else None
         return grad_gate, grad_up, grad_weight, grad_bias, None, None
 
 
@@ -187,26 +185,33 @@ class GatedMLPRecomputeFunction(torch.autograd.Function):
         projections_need = any(needs[:5])
         gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
         grads, grad_down_weight, grad_down_bias = _down_backward(
-            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, down_weight, projections_need, needs[5],
-            ctx.has_down_bias and needs[6])
+            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, down_weight, up_weight is None,
+            projections_need, needs[5], ctx.has_down_bias and needs[6])
         del gate2d, up2d  # the recomputed activations go before the projections' gradients come
-        grad_x = None
-        grad_params = [None] * 4  # gate weight, gate bias, up weight, up bias
+        grad_x = grad_gate_weight = grad_gate_bias = grad_up_weight = grad_up_bias = None
         if projections_need:
-            width = gate_weight.shape[0] // 2 if up_weight is None else gate_weight.shape[0]
-            # (gradient of the projection's output, its weight, its bias, index of its weight in grad_params)
-            parts = [(grads, gate_weight, gate_bias, 0)] if up_weight is None else [
-                (grads[:, :width], gate_weight, gate_bias, 0), (grads[:, width:], up_weight, up_bias, 2)]
-            for grad, weight, bias, index in parts:
-                if needs[0]:
-                    grad_x = grad @ weight if grad_x is None else grad_x.addmm_(grad, weight)
-                if needs[1 + index]:
-                    grad_params[index] = grad.t() @ x2d
-                if bias is not None and needs[2 + index]:
-                    grad_params[index + 1] = _bias_grad(grad)
+            # each projection's output gradient is dropped as soon as it is used, as eager's autograd does
+            grad_gate, *grad_up = grads
+            del grads
+            grad_x, grad_gate_weight, grad_gate_bias = _projection_backward(
+                grad_gate, x2d, gate_weight, gate_bias, needs[0], needs[1], needs[2], None)
+            del grad_gate
+            if grad_up:
+                grad_x, grad_up_weight, grad_up_bias = _projection_backward(
+                    grad_up[0], x2d, up_weight, up_bias, needs[0], needs[3], needs[4], grad_x)
         if grad_x is not None:
             grad_x = grad_x.view(x.shape)
-        return (grad_x, *grad_params, grad_down_weight, grad_down_bias, None, None)
+        return (grad_x, grad_gate_weight, grad_gate_bias, grad_up_weight, grad_up_bias, grad_down_weight,
+                grad_down_bias, None, None)
+
+
+def _projection_backward(grad, x2d, weight, bias, needs_x, needs_weight, needs_bias, grad_x):
+    """(grad_x plus this projection's dx, dW, db) of ``F.linear(x2d, weight, bias)`` from its output's gradient."""
+    if needs_x:
+        grad_x = grad @ weight if grad_x is None else grad_x.addmm_(grad, weight)
+    grad_weight = grad.t() @ x2d if needs_weight else None
+    grad_bias = _bias_grad(grad) if bias is not None and needs_bias else None
+    return grad_x, grad_weight, grad_bias
 
 
 def _project(x2d, gate_weight, gate_bias, up_weight, up_bias):

@@ -9,8 +9,9 @@ size: each step works on a slab of rows (forward, d_gate/d_up) or columns (dW) o
 ``_SLAB_ELEMENTS`` elements, and each slab's result is final. The product is formed in
 float32 and cast once to the operands' dtype, as the kernel does.
 
-Gradients of one [M, 2*I] tensor, gate's first (Phi-3's packed ``gate_up_proj`` layout),
-so the packed form needs no copy; the separate form takes its two halves as views.
+The gradients of gate and up come as one [M, 2*I] tensor, gate's half first, for the packed
+form (the gradient of Phi-3's ``gate_up_proj`` output, no copy), and as two [M, I] tensors for the
+separate form, so that each is freed as soon as its projection's backward has used it.
 """
 import torch
 import torch.nn.functional as F
@@ -55,18 +56,28 @@ def forward(gate2d, up2d, weight, bias, name):
     return out
 
 
-def grad_inputs(grad_out2d, gate2d, up2d, weight, name):
-    """[M, 2*I]: d_gate = d * up * act'(gate) then d_up = d * act(gate), d = dy [M, N] @ weight [N, I]."""
-    width = gate2d.shape[1]
-    grads = gate2d.new_empty(gate2d.shape[0], 2 * width)
-    rows = _slab(width)
+def grad_input_buffers(gate2d, packed):
+    """(list returned, d_gate [M, I] view, d_up [M, I] view): one [M, 2*I] buffer when ``packed``."""
+    rows, width = gate2d.shape
+    if packed:
+        grads = gate2d.new_empty(rows, 2 * width)
+        return [grads], grads[:, :width], grads[:, width:]
+    grad_gate, grad_up = gate2d.new_empty(rows, width), gate2d.new_empty(rows, width)
+    return [grad_gate, grad_up], grad_gate, grad_up
+
+
+def grad_inputs(grad_out2d, gate2d, up2d, weight, packed, name):
+    """d_gate = d * up * act'(gate) and d_up = d * act(gate), d = dy [M, N] @ weight [N, I]: [one [M, 2*I]
+    tensor] when ``packed``, else [d_gate, d_up]."""
+    result, grad_gate, grad_up = grad_input_buffers(gate2d, packed)
+    rows = _slab(gate2d.shape[1])
     for start in range(0, gate2d.shape[0], rows):
         stop = start + rows
         grad_product = _compute(grad_out2d[start:stop] @ weight)
         gate = gate2d[start:stop]
-        grads[start:stop, width:] = activation(_compute(gate), name).mul_(grad_product)
-        grads[start:stop, :width] = activation_grad(gate, name).mul_(_compute(up2d[start:stop])).mul_(grad_product)
-    return grads
+        grad_up[start:stop] = activation(_compute(gate), name).mul_(grad_product)
+        grad_gate[start:stop] = activation_grad(gate, name).mul_(_compute(up2d[start:stop])).mul_(grad_product)
+    return result
 
 
 def grad_weight(grad_out2d, gate2d, up2d, name):
