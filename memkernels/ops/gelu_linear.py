@@ -141,12 +141,28 @@ MISALIGNED_CONFIGS = {
     **{(role, "fp32-ieee"): _IEEE_CONFIGS["dw"] for role in ("fwd", "dx", "dw")},
 }
 
-# gated_linear's launches (GATED=True) load an up tile beside each activated one: (role, operand kind,
-# aligned) -> tile shapes. Measured with memkernels.aot (tests/test_aot_ops.py keeps them honest).
-GATED_CONFIGS = {(role, operand, aligned): (_IEEE_CONFIGS[role] if operand == "fp32-ieee" else _CONFIGS) if aligned
-                 else MISALIGNED_CONFIGS[role, operand]
-                 for role in ("fwd", "dx", "dw") for operand in ("bf16", "fp16", "fp32", "fp32-ieee")
-                 for aligned in (True, False)}
+# gated_linear's launches (GATED=True) load an up tile beside each activated one, and the dx epilogue
+# reads gate and up and writes two outputs: more registers than GeLU alone. (role, operand kind,
+# aligned) -> the tile shapes that compile without spills on sm_80 and sm_90 (measured with
+# memkernels.aot; tests/test_aot_ops.py keeps them honest). No 128-wide dx tile survives the epilogue;
+# misaligned launches need 8 warps for 64x64 tiles, or narrower ones.
+_GATED_DX_ALIGNED = ((64, 64, 64, 4, 3), (64, 64, 32, 4, 4), (32, 64, 64, 2, 4), (32, 64, 32, 2, 5))
+_GATED_MISALIGNED = ((64, 64, 32, 8, 3), (64, 32, 32, 4, 4), (32, 32, 16, 2, 4))
+_GATED_MISALIGNED_IEEE = ((64, 64, 16, 8, 3), (64, 32, 16, 4, 3), (32, 32, 16, 2, 4))
+GATED_CONFIGS = {
+    ("fwd", "bf16", True): _CONFIGS, ("fwd", "fp16", True): _CONFIGS[1:], ("fwd", "fp32", True): _CONFIGS,
+    ("fwd", "fp32-ieee", True): _IEEE_CONFIGS["fwd"],
+    **{("dx", operand, True): _GATED_DX_ALIGNED for operand in ("bf16", "fp16", "fp32")},
+    ("dx", "fp32-ieee", True): ((64, 64, 32, 4, 4), (32, 64, 32, 2, 5)),
+    ("dw", "bf16", True): _CONFIGS, ("dw", "fp16", True): _CONFIGS[:-1],
+    ("dw", "fp32", True): _CONFIGS[:5] + _CONFIGS[6:], ("dw", "fp32-ieee", True): _IEEE_CONFIGS["dw"],
+    **{(role, operand, False): _GATED_MISALIGNED for role in ("fwd", "dx") for operand in ("bf16", "fp16", "fp32")},
+    **{("dw", operand, False): ((128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4), (32, 32, 16, 2, 4))
+       for operand in ("bf16", "fp16")},
+    ("dw", "fp32", False): _GATED_MISALIGNED,
+    **{(role, "fp32-ieee", False): _GATED_MISALIGNED_IEEE for role in ("fwd", "dx", "dw")},
+}
+
 
 def _role(act_on_b, act_grad_epilogue):
     return "dw" if act_on_b else "dx" if act_grad_epilogue else "fwd"
