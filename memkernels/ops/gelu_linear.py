@@ -156,7 +156,10 @@ GATED_CONFIGS = {
     ("dx", "fp32-ieee", True): ((64, 64, 32, 4, 4), (32, 64, 32, 2, 5)),
     ("dw", "bf16", True): _CONFIGS, ("dw", "fp16", True): _CONFIGS[:-1],
     ("dw", "fp32", True): _CONFIGS[:5] + _CONFIGS[6:], ("dw", "fp32-ieee", True): _IEEE_CONFIGS["dw"],
-    **{(role, operand, False): _GATED_MISALIGNED for role in ("fwd", "dx") for operand in ("bf16", "fp16", "fp32")},
+    # 64x64 with 8 warps spills in a sliced 16-bit forward on sm_80 (capped at 128 registers)
+    **{("fwd", operand, False): _GATED_MISALIGNED[1:] for operand in ("bf16", "fp16")},
+    ("fwd", "fp32", False): _GATED_MISALIGNED,
+    **{("dx", operand, False): _GATED_MISALIGNED for operand in ("bf16", "fp16", "fp32")},
     **{("dw", operand, False): ((128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4), (32, 32, 16, 2, 4))
        for operand in ("bf16", "fp16")},
     ("dw", "fp32", False): _GATED_MISALIGNED,
