@@ -170,7 +170,8 @@ class PatchReport:
     """What :func:`apply` did.
 
     ``replaced``: list of dicts ``name`` (qualified module name, ``''`` = the model),
-    ``before``, ``after`` (type names); ``skipped``: dicts ``name``, ``type``,
+    ``before``, ``after`` (type names; a gated MLP's adds its mode, "(saves gate, up)" or
+    "(recompute)"); ``skipped``: dicts ``name``, ``type``,
     ``reason``; ``bytes_per_token``: ``{"before": float, "after": float}`` saved
     for backward per token by a training forward (measured on a meta copy at
     ``measured_tokens``), or None with ``measure_note`` saying why.
