@@ -441,3 +441,13 @@ def test_torch_compile_fullgraph(backend, recompute):
     assert {"memkernels.gated_linear_grad_inputs.default", "memkernels.gated_linear_grad_weight.default"} <= set(
         graph_ops["backward"])
     assert not any("silu" in op for ops in graph_ops.values() for op in ops)
+
+
+def test_aot_check_imports_the_module_that_registered_the_gated_variants():
+    # gated_linear registers gelu_linear's kernel: the compile subprocess must import gated_linear, or
+    # aot.check() finds no "gated_linear" there (it failed so before the registry kept the importer)
+    from memkernels import aot
+
+    entry = aot._REGISTRY["gated_linear"]
+    assert entry.module == "memkernels.ops.gelu_linear" and entry.importer == "memkernels.ops.gated_linear"
+    assert aot._REGISTRY["gelu_linear"].importer == "memkernels.ops.gelu_linear"
