@@ -22,6 +22,7 @@ _LAZY = {
     "FusedAddLayerNorm": "memkernels.nn",
     "GeLULinear": "memkernels.nn",
     "FusedMLP": "memkernels.nn",
+    "FusedGatedMLP": "memkernels.nn",
     "ChunkedCrossEntropyLoss": "memkernels.nn",
     "LinearCrossEntropyLoss": "memkernels.nn",
     "apply": "memkernels.patch",

@@ -64,6 +64,7 @@ class _Entry:
     module: str
     qualname: str
     variants: list
+    importer: str  # the module whose import registers this entry (the compile subprocess imports it)
 
 
 _REGISTRY = {}
@@ -146,7 +147,11 @@ def register(kernel, *, name, variants):
     if previous is not None and (previous.module, previous.qualname) != (module, qualname):
         raise ValueError(f"memkernels.aot.register(name={name!r}): already registered for "
                          f"{previous.module}.{previous.qualname}; pick another name")
-    _REGISTRY[name] = _Entry(name, kernel, module, qualname, [dict(v) for v in variants])
+    # One kernel may be registered by several modules (gated_linear registers gelu_linear's kernel with
+    # its own variants): the subprocess must import the registering module, not only the kernel's.
+    importer = sys._getframe(1).f_globals.get("__name__", module)
+    _REGISTRY[name] = _Entry(name, kernel, module, qualname, [dict(v) for v in variants],
+                             module if importer == "__main__" else importer)
     return kernel
 
 
@@ -338,7 +343,7 @@ def check(names=None, archs=ARCHS, *, timeout=900):
     with tempfile.TemporaryDirectory() as scratch:
         out_path = os.path.join(scratch, "reports.json")
         command = [sys.executable, "-m", "memkernels.aot", "--json", out_path]
-        for module in sorted({e.module for e in entries}):
+        for module in sorted({e.importer for e in entries}):
             command += ["--module", module]
         for entry in entries:
             command += ["--name", entry.name]

@@ -1,7 +1,8 @@
 """The ``memkernels`` command.
 
-- ``memkernels report``: one training step of a small built-in GPT model, as
-  eager PyTorch and with memkernels' kernels, on whatever device is present;
+- ``memkernels report``: one training step of two small built-in models (GPT-2
+  style and Llama style), as eager PyTorch and with memkernels' kernels, on
+  whatever device is present;
   saved bytes by category, peak bytes, loss/gradient parity; then a per-GPU
   estimate of a large model across configurations, with a stacked-bar PNG.
 - ``memkernels estimate``: per-GPU breakdown of one configuration and the
@@ -63,7 +64,10 @@ def _progress(step, total, message):
 
 # ----------------------------------------------------------------------------- report
 
-REPORT_BATCH, REPORT_SEQ = 4, 256  # the embedded training step: tiny-gpt, 4 x 256 tokens
+REPORT_BATCH, REPORT_SEQ = 4, 256  # the embedded training steps: 4 x 256 tokens
+# The embedded models, each one training step eager vs memkernels.
+REPORT_MODELS = (("tiny-gpt", "GPT-2 style: LayerNorm, GELU MLP, tied head"),
+                 ("tiny-llama", "Llama style: RMSNorm, SwiGLU MLP, grouped-query attention, untied head"))
 ESTIMATE_BATCH, ESTIMATE_SEQ = 1, 8192  # the large-model estimate of report and estimate
 
 
@@ -99,29 +103,33 @@ def run_report(args):
         print(_size_used("--gpu-mem", args.gpu_mem))
     total = 4
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    _progress(1, total, f"building the embedded model (tiny-gpt) on {device}")
+    _progress(1, total, f"building the embedded models ({', '.join(n for n, _ in REPORT_MODELS)}) on {device}")
     generator = torch.Generator().manual_seed(0)
     torch.manual_seed(0)
-    baseline = TransformerLM("tiny-gpt").to(device)
-    ids = synthetic_batch("tiny-gpt", REPORT_BATCH, REPORT_SEQ, generator=generator).to(device)
-    n_params = sum(p.numel() for p in baseline.parameters())
-    path = resolve(ids, "report")
-    print(f"embedded model: tiny-gpt ({n_params / 1e6:.1f}M parameters, GPT-2 style), one training step of "
-          f"{REPORT_BATCH} x {REPORT_SEQ} random tokens in fp32 on {device}; memkernels runs its "
-          f"{'Triton kernels' if path == 'triton' else 'PyTorch reference path (same memory contract)'} "
-          f"(backend {get_backend()!r})\n")
+    embedded = [(name, style, TransformerLM(name).to(device),
+                 synthetic_batch(name, REPORT_BATCH, REPORT_SEQ, generator=generator).to(device))
+                for name, style in REPORT_MODELS]
+    path = resolve(embedded[0][3], "report")
+    kernels = "Triton kernels" if path == "triton" else "PyTorch reference path (same memory contract)"
+    print(f"memkernels runs its {kernels}"
+          f" (backend {get_backend()!r}); each embedded model: one training step of {REPORT_BATCH} x {REPORT_SEQ} "
+          f"random tokens in fp32 on {device}\n")
 
-    _progress(2, total, "one training step: eager PyTorch vs memkernels")
+    _progress(2, total, "one training step per embedded model: eager PyTorch vs memkernels")
     failure = None
-    try:
-        from memkernels.patch import apply
-        optimized = copy.deepcopy(baseline)
-        # measure=False: the step below measures the saved bytes of this very step; apply()'s own
-        # figure (a meta forward of another token count) would be a second, different percentage.
-        patch_report = apply(optimized, measure=False)
-    except (ImportError, RuntimeError) as error:
-        failure = f"memkernels kernels unavailable: {error}"
-    if failure is None:
+    for name, style, baseline, ids in embedded:
+        n_params = sum(p.numel() for p in baseline.parameters())
+        print(f"== {name} ({n_params / 1e6:.1f}M parameters, {style})")
+        try:
+            from memkernels.patch import apply
+            optimized = copy.deepcopy(baseline)
+            # measure=False: the step below measures the saved bytes of this very step; apply()'s own
+            # figure (a meta forward of another token count) would be a second, different percentage.
+            patch_report = apply(optimized, measure=False)
+        except (ImportError, RuntimeError) as error:
+            failure = f"memkernels kernels unavailable: {error}"
+            print(f"ERROR: {failure}\n")
+            continue
         comparison = compare_steps(baseline, optimized, ids, ids)
         print(patch_report.summary())
         print()
@@ -129,9 +137,7 @@ def run_report(args):
         print()
         print(f"bytes saved for backward by this training step ({REPORT_BATCH} x {REPORT_SEQ} tokens), by category:")
         print(comparison.category_table())
-    else:
-        print(f"ERROR: {failure}")
-    print()
+        print()
 
     _progress(3, total, f"estimating {args.model} at batch {args.batch} x seq {args.seq} (meta device)")
     ladder, common = _report_configurations(args.batch, args.seq, args.dtype, args.shard)
@@ -205,10 +211,11 @@ def _add_report(subparsers):
     from memkernels.estimate import DTYPES
     from memkernels.models import BUILTIN_CONFIGS
 
-    models = ", ".join(name for name in BUILTIN_CONFIGS if name != "tiny-gpt")
+    models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
     report = subparsers.add_parser(
         "report", help="baseline vs memkernels training step, and a large-model estimate",
-        description="One training step of the embedded tiny-gpt model, eager vs memkernels, then a per-GPU "
+        description="One training step of the embedded tiny-gpt and tiny-llama models, eager vs memkernels, then a "
+        "per-GPU "
         "estimate of --model across configurations (fp32, mixed precision, checkpointing, offload, memkernels).")
     report.add_argument("--model", default="llama-3-8b", help=f"model to estimate: {models} or a config.json path")
     report.add_argument("--batch", type=_positive, default=ESTIMATE_BATCH, help="per-GPU micro-batch of the estimate")
@@ -226,7 +233,7 @@ def _add_estimate(subparsers):
     from memkernels.estimate import DTYPES, OPTIMIZERS
     from memkernels.models import BUILTIN_CONFIGS
 
-    models = ", ".join(name for name in BUILTIN_CONFIGS if name != "tiny-gpt")
+    models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
     est = subparsers.add_parser("estimate", help="per-GPU memory of a training run, and what makes it fit")
     est.add_argument("--model", required=True, 
                      help=f"{models} (any case), a Hugging Face config.json path or a model directory holding one")

@@ -1,9 +1,10 @@
 """Functional API: thin dispatch to memkernels.ops (Triton on CUDA, PyTorch reference elsewhere)."""
 from memkernels.ops.cross_entropy import cross_entropy
+from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
 from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.ops.layer_norm import add_layer_norm, layer_norm
 from memkernels.ops.linear_cross_entropy import linear_cross_entropy
 from memkernels.ops.rms_norm import add_rms_norm, rms_norm
 
-__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "gelu_linear", "cross_entropy",
-           "linear_cross_entropy"]
+__all__ = ["rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "gelu_linear", "gated_linear",
+           "gated_mlp_recompute", "cross_entropy", "linear_cross_entropy"]

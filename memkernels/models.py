@@ -5,7 +5,7 @@
   embeddings).
 - :data:`BUILTIN_CONFIGS`: ``gpt2``, ``gpt2-medium``, ``llama-2-7b``,
   ``llama-3-8b``, ``qwen2-72b`` with their published hyperparameters, and
-  ``tiny-gpt``, the embedded default of ``memkernels report``.
+  ``tiny-gpt`` and ``tiny-llama``, the embedded models of ``memkernels report``.
 - :func:`load_config`: a built-in name, a Hugging Face config object, a dict
   or the path of a ``config.json`` (read as plain JSON: no network, no
   ``transformers`` import).
@@ -115,6 +115,11 @@ BUILTIN_CONFIGS = {
     "tiny-gpt": ModelConfig(name="tiny-gpt", vocab_size=16384, hidden_size=384, num_layers=6, num_heads=6,
                             num_kv_heads=6, intermediate_size=1536, max_seq_len=1024, norm="layernorm",
                             mlp="gelu_tanh", position="learned", tie_embeddings=True, bias=True),
+    # Its Llama-style companion in `memkernels report`: RMSNorm, SwiGLU, grouped-query attention,
+    # rotary positions, an untied head; about as costly per step.
+    "tiny-llama": ModelConfig(name="tiny-llama", vocab_size=16384, hidden_size=384, num_layers=6, num_heads=6,
+                              num_kv_heads=2, intermediate_size=1024, max_seq_len=1024, norm="rmsnorm",
+                              mlp="swiglu", position="rope", tie_embeddings=False),
 }
 
 _GELU_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}

@@ -8,8 +8,16 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   ``FusedRMSNorm(offset=1, casting_mode="gemma")`` (scale by 1 + weight in fp32).
 - GELU MLPs: memkernels' own ``MLP`` → ``FusedMLP``; Hugging Face GPT-2's
   Conv1D MLP and BERT's intermediate/output pair → the same MLP computed with
-  ``gelu_linear`` (the activated tensor is never stored). Gated MLPs (SwiGLU,
-  GeGLU) have no fused kernel and are left alone (listed as skipped).
+  ``gelu_linear`` (the activated tensor is never stored).
+- gated MLPs (SwiGLU / GeGLU: Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3's packed
+  ``gate_up_proj``, memkernels' own ``GatedMLP``) → ``gated_linear`` for the down
+  projection: gate and up are saved, act(gate) * up never is. ``mlp="recompute"``
+  saves only the MLP's input and recomputes gate and up in backward (plain Linear
+  projections; LoRA MLPs keep the saving variant). ``peft`` LoRA projections are
+  fused too: adapters on gate/up are called as they are, the adapter on down_proj
+  gets one more ``gated_linear`` with lora_A as its weight. Left alone, with the
+  reason: mixture-of-experts experts, quantized (bitsandbytes) or DoRA down
+  projections, and LoRA dropout on down_proj (it needs the product materialized).
 - loss: a Hugging Face causal LM of a family in :data:`CAUSAL_LM_HEADS` (its head's
   logit scaling and softcapping are part of the fused loss), called with ``labels``
   in training mode, computes its loss with ``linear_cross_entropy`` from the final
@@ -283,9 +291,9 @@ class PatchReport:
     """What :func:`apply` did.
 
     ``replaced``: list of dicts ``name`` (qualified module name, ``''`` = the model),
-    ``before``, ``after`` (type names); ``skipped``: dicts ``name``, ``type``,
-    ``reason``; ``notes``: sentences on when a replacement takes effect;
-    ``bytes_per_token``: ``{"before": float, "after": float}`` saved
+    ``before``, ``after`` (type names; a gated MLP's adds its mode, "(saves gate, up)" or
+    "(recompute)"); ``skipped``: dicts ``name``, ``type``, ``reason``; ``notes``: sentences on
+    when a replacement takes effect; ``bytes_per_token``: ``{"before": float, "after": float}`` saved
     for backward per token by a training forward (measured on a meta copy at
     ``measured_tokens``), or None with ``measure_note`` saying why.
     """
@@ -415,8 +423,8 @@ def _plan(model, norms, mlp, loss, report):
             kind = "gpt2_mlp"
         elif mlp and cls_name in ("BertLayer", "RobertaLayer") and hasattr(module, "intermediate"):
             kind = "bert_ffn"
-        elif mlp and cls_name.endswith("MLP") and hasattr(module, "gate_proj"):
-            report.skipped.append({"name": name, "type": cls_name, "reason": "gated MLP: no fused kernel"})
+        elif mlp and _is_gated_mlp(module):
+            _plan_gated_mlp(name, module, actions, report)
         elif loss and isinstance(module, LogitsLoss):
             kind = "lm_loss"
         if kind in ("mlp", "gpt2_mlp", "bert_ffn") and why is None:
@@ -464,6 +472,110 @@ def _fused_norm(module, fused_layer_norm, fused_rms_norm):
     return new
 
 
+# ----------------------------------------------------------------------------- gated MLPs (SwiGLU / GeGLU)
+
+def _is_gated_mlp(module):
+    """A gated MLP (gate_proj + up_proj, or gate_up_proj, + down_proj) or a mixture-of-experts' experts."""
+    cls_name = type(module).__name__
+    return cls_name.endswith("Experts") or (cls_name.endswith("MLP") and hasattr(module, "down_proj")
+                                            and (hasattr(module, "gate_proj") or hasattr(module, "gate_up_proj")))
+
+
+def _lora_down(down):
+    """(base nn.Linear, [(lora_A weight, lora_B module, scaling)] of the active adapters) of a down
+    projection, or a string saying why it cannot be fused. A peft LoRA layer is recognized by its
+    attributes (peft need not be importable)."""
+    if type(down) is nn.Linear:
+        return _why_not_plain(down, (nn.Linear,), "down_proj") or (down, [])
+    base = getattr(down, "base_layer", down)
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (down, base)):
+        return "down_proj has forward hooks, which fusing would skip"
+    if type(base).__module__.startswith("bitsandbytes"):
+        return f"bitsandbytes-quantized down_proj ({type(base).__name__}): the fused GEMM needs a dense weight"
+    if type(base) is not nn.Linear or not hasattr(down, "lora_A"):
+        return f"down_proj is {type(down).__name__}, not nn.Linear or a LoRA layer over one"
+    if down.disable_adapters and down.merged:
+        return "down_proj's merged LoRA adapter is disabled (peft unmerges it in its forward)"
+    if down.disable_adapters or down.merged:  # the base weight alone is the layer
+        return base, []
+    adapters = []
+    for adapter in down.active_adapters:
+        if adapter not in down.lora_A.keys():
+            continue
+        if adapter in getattr(down, "lora_variant", {}) or getattr(down, "use_dora", {}).get(adapter):
+            return f"LoRA variant (e.g. DoRA) {adapter!r} on down_proj"
+        if not isinstance(down.lora_dropout[adapter], nn.Identity):
+            return f"LoRA dropout on down_proj (adapter {adapter!r}) needs act(gate) * up materialized"
+        adapters.append((down.lora_A[adapter].weight, down.lora_B[adapter], down.scaling[adapter]))
+    return base, adapters
+
+
+def _plan_gated_mlp(name, module, actions, report):
+    from memkernels.nn.mlp import gated_activation, gated_mlp_parts
+
+    cls_name = type(module).__name__
+    if isinstance(module, _FusedGatedMLPForward):  # patched by an earlier apply()
+        return
+    if cls_name.endswith("Experts"):
+        reason = "mixture-of-experts: routed experts have no fused kernel"
+    else:
+        _, _, down, act = gated_mlp_parts(module)
+        down_parts = _lora_down(down)
+        reason = (f"gated MLP activation {type(act).__name__} is not SiLU or GELU" if gated_activation(act) is None
+                  else down_parts if isinstance(down_parts, str) else None)
+    if reason:
+        report.skipped.append({"name": name, "type": cls_name, "reason": reason})
+    else:
+        actions.append((name, "gated_mlp", module))
+
+
+class _FusedGatedMLPForward:
+    """A gated MLP whose down projection is gated_linear (its forward; see _gated_mlp_forward)."""
+
+    def forward(self, x):
+        return _gated_mlp_forward(self, x)
+
+
+def _gated_mlp_forward(mlp, x):
+    from memkernels.nn.mlp import gated_mlp_parts
+    from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
+
+    gate_proj, up_proj, down_proj, _ = gated_mlp_parts(mlp)
+    activation = mlp._memkernels_gated_activation
+    if mlp._memkernels_recompute and _all_plain(gate_proj, up_proj, down_proj):
+        up_weight, up_bias = (None, None) if up_proj is None else (up_proj.weight, up_proj.bias)
+        return gated_mlp_recompute(x, gate_proj.weight, gate_proj.bias, up_weight, up_bias, down_proj.weight,
+                                   down_proj.bias, activation=activation)
+    down = _lora_down(down_proj)
+    if isinstance(down, str):  # a LoRA state changed after apply(): run the module's own forward
+        return super(_FusedGatedMLPForward, mlp).forward(x)
+    base, adapters = down
+    gate = gate_proj(x)
+    operands = {"gate_up": gate} if up_proj is None else {"gate": gate, "up": up_proj(x)}
+    out = gated_linear(**operands, weight=base.weight, bias=base.bias, activation=activation)
+    for lora_a_weight, lora_b, scaling in adapters:
+        cast = {key: value.to(lora_a_weight.dtype) for key, value in operands.items()}
+        out = out + lora_b(gated_linear(**cast, weight=lora_a_weight, activation=activation)) * scaling
+    return out
+
+
+def _patch_gated_mlp(module, recompute):
+    """Switch ``module`` to its fused subclass; returns the mode shown in the report."""
+    from memkernels.nn.mlp import gated_activation, gated_mlp_parts
+
+    gate, up, down, act = gated_mlp_parts(module)
+    _switch_class(module, _FusedGatedMLPForward)
+    module._memkernels_gated_activation = gated_activation(act)
+    # recompute needs the projections' plain weights; LoRA projections keep the saving variant
+    module._memkernels_recompute = recompute
+    return "recompute" if recompute and _all_plain(gate, up, down) else "saves gate, up"
+
+
+def _all_plain(*projections):
+    """Recompute reads every projection's weights itself: only plain hook-free nn.Linear (or absent)."""
+    return all(p is None or _why_not_plain(p, (nn.Linear,), "projection") is None for p in projections)
+
+
 def _check_flag(name, value):
     if not isinstance(value, bool):
         raise ValueError(f"memkernels.apply({name}={value!r}): must be True or False")
@@ -478,7 +590,8 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
 
     ``model``: any nn.Module (a memkernels :class:`~memkernels.models.TransformerLM`,
     a Hugging Face model, or your own module containing nn.LayerNorm/nn.RMSNorm).
-    ``norms`` / ``mlp`` / ``loss``: which kinds to replace (see the module doc).
+    ``norms`` / ``mlp`` / ``loss``: which kinds to replace (see the module doc); ``mlp="recompute"``
+    also recomputes gated MLPs' gate and up in backward instead of saving them.
     ``measure``: for a causal LM, also measure saved bytes per token before and
     after on a meta copy (no real memory, a fraction of a second). Call it
     before wrapping the model in DDP/FSDP or ``torch.compile``.
@@ -491,8 +604,10 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
         return apply_plan(model, plan)
     if not isinstance(model, nn.Module):
         raise ValueError(f"memkernels.apply(model=...) needs an nn.Module, got {type(model).__name__}")
-    for name, value in (("norms", norms), ("mlp", mlp), ("loss", loss), ("measure", measure)):
+    for name, value in (("norms", norms), ("loss", loss), ("measure", measure)):
         _check_flag(name, value)
+    if mlp not in (True, False, "recompute"):
+        raise ValueError(f"memkernels.apply(mlp={mlp!r}): must be True, False or 'recompute'")
     report = PatchReport()
     before = None
     if measure and _lm_forward_args(model, 1) is not None:
@@ -530,8 +645,11 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
             _switch_class(module, _FusedCausalLM)
             module._memkernels_loss = _CausalLMLoss()
             report.notes.append(_LOSS_NOTE)
+        elif kind == "gated_mlp":
+            mode = _patch_gated_mlp(module, mlp == "recompute")
         after = model.get_submodule(name) if name else model
-        report.replaced.append({"name": name, "before": before_type, "after": type(after).__name__})
+        after_type = f"{type(after).__name__} ({mode})" if kind == "gated_mlp" else type(after).__name__
+        report.replaced.append({"name": name, "before": before_type, "after": after_type})
     if before is not None:
         after = _measure_or_note(model, report)
         if after is not None:

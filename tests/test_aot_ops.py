@@ -58,11 +58,12 @@ def _alignment(report):
     return report.variant.split()[-1]
 
 
-def test_gelu_linear_alignment_decides_vectorized_loads(reports):
+@pytest.mark.parametrize("kernel", ["gelu_linear", "gated_linear"])
+def test_act_gemm_alignment_decides_vectorized_loads(reports, kernel):
     # "aligned" variants are what the JIT builds for 16-byte aligned operands with 16-divisible
     # strides: their tile loads must vectorize (16-byte cp.async / ld.global.v4), else the hints
     # did not reach ptxas. Without either fact ("sliced", "misaligned") nothing can vectorize.
-    gelu = [r for r in reports if r.kernel == "gelu_linear"]
+    gelu = [r for r in reports if r.kernel == kernel]
     assert {_alignment(r) for r in gelu} == {"aligned", "sliced", "misaligned"}
     scalar_aligned = [r for r in gelu if _alignment(r) == "aligned" and r.vector_loads <= 0]
     assert not scalar_aligned, "aligned variants without vector loads:\n" + aot.format_table(scalar_aligned)

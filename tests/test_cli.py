@@ -66,7 +66,8 @@ def test_report_runs_and_writes_a_png(tmp_path):
     result = subprocess.run([sys.executable, "-m", "memkernels.cli", "report", "--out", str(out)], cwd=ROOT,
                             capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, result.stdout + result.stderr
-    for expected in ("loss", "max rel err", "saved for backward", "norm", "mlp", "attention", "logits/loss",
+    for expected in ("loss", "max rel err", "saved for backward", "norm", "mlp", "attention", "logits/loss", "tiny-gpt",
+                     "tiny-llama", "MemkernelsGatedMLP",
                      "peak bytes", "llama-3-8b", "+ memkernels", f"wrote {out}"):
         assert expected in result.stdout, expected
     assert "[4/4]" in result.stderr  # progress

@@ -5,7 +5,9 @@ all-reduce average, FSDP2's reduce-scatter, gathered back with full_tensor())
 must equal single-process training on the whole batch. "Equal" is judged as
 everywhere in this project: against the unpatched model run in float64 on the
 whole batch, within 2x the error of the unpatched fp32 model (single process),
-plus a floor of a few fp32 roundings of the largest gradient.
+plus a floor of a few fp32 roundings of the largest gradient. Models: GPT-style (GELU MLP) and
+Llama-style (SwiGLU through gated_linear, saving or recompute), and the latter with peft LoRA on every
+projection (only the adapters train).
 """
 import copy
 
@@ -21,41 +23,58 @@ WORLD = 2
 CONFIG = ModelConfig(name="dist-tiny", vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
                      intermediate_size=64, max_seq_len=32, norm="layernorm", mlp="gelu", position="learned",
                      tie_embeddings=False, bias=True)
+# Llama style: RMSNorm, SwiGLU (gated_linear), rotary positions; "recompute" applies with mlp="recompute"
+LLAMA_CONFIG = CONFIG.replace(name="dist-tiny-llama", norm="rmsnorm", mlp="swiglu", position="rope", bias=False,
+                              num_kv_heads=2)
+MODELS = {"gelu": (CONFIG, True), "swiglu": (LLAMA_CONFIG, True), "swiglu-recompute": (LLAMA_CONFIG, "recompute"),
+          "swiglu-lora": (LLAMA_CONFIG, True)}  # peft LoRA (non-zero adapters) on every projection
+
+
+def _build(model_name):
+    config, _ = MODELS[model_name]
+    model = TransformerLM(config)
+    if model_name.endswith("-lora"):
+        import peft
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                           init_lora_weights=False))
+    return model
 
 
 def _grads(model, ids):
     model.zero_grad(set_to_none=True)
     model(ids, ids).backward()
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _worker(rank, mode, store_path, result_path):
+def _worker(rank, mode, model_name, store_path, result_path):
     torch.set_num_threads(1)  # two ranks on a 2-core machine: more threads only contend
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     try:
         torch.manual_seed(1234)  # same weights and batch on every rank
-        model = TransformerLM(CONFIG)
-        ids = torch.randint(0, CONFIG.vocab_size, (4, 24))
+        config, mlp = MODELS[model_name]
+        model = _build(model_name)
+        ids = torch.randint(0, config.vocab_size, (4, 24))
         reference = _grads(copy.deepcopy(model).double(), ids)
         eager = _grads(copy.deepcopy(model), ids)
         patched = copy.deepcopy(model)
-        report = apply(patched, measure=False)
+        report = apply(patched, mlp=mlp, measure=False)
         # Each rank gets two whole rows: every row has seq - 1 targets, so the mean of
         # the two ranks' mean losses is the whole batch's mean loss.
         local = ids.chunk(WORLD)[rank]
         if mode == "ddp":
             wrapped = torch.nn.parallel.DistributedDataParallel(patched)
             wrapped(local, local).backward()
-            grads = {n: p.grad for n, p in wrapped.module.named_parameters()}
+            grads = {n: p.grad for n, p in wrapped.module.named_parameters() if p.requires_grad}
         else:
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
             mesh = init_device_mesh("cpu", (WORLD,))
-            for block in patched.blocks:
+            for block in patched.get_submodule("base_model.model.blocks" if model_name.endswith("-lora") else "blocks"):
                 fully_shard(block, mesh=mesh)
             fully_shard(patched, mesh=mesh)
             patched(local, local).backward()
-            grads = {n: p.grad.full_tensor() for n, p in patched.named_parameters()}
+            grads = {n: p.grad.full_tensor() for n, p in patched.named_parameters() if p.requires_grad}
             assert all(type(p).__name__ == "DTensor" for p in patched.parameters())
         failures = []
         scale = max(g.abs().max().item() for g in reference.values())
@@ -71,15 +90,16 @@ def _worker(rank, mode, store_path, result_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("model_name", sorted(MODELS))
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
-def test_gradients_equal_single_process_training(mode, tmp_path):
+def test_gradients_equal_single_process_training(mode, model_name, tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.fail("torch.distributed with gloo is required for this test")
     result_path = str(tmp_path / "result")
-    mp.spawn(_worker, args=(mode, str(tmp_path / "store"), result_path), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(mode, model_name, str(tmp_path / "store"), result_path), nprocs=WORLD, join=True)
     for rank in range(WORLD):
         with open(f"{result_path}.{rank}") as handle:
             lines = handle.read().splitlines()
-        assert lines[0] == "replaced 8", lines[0]  # 5 LayerNorms, 2 MLPs, the loss
+        assert lines[0] == "replaced 8", lines[0]  # 5 norms, 2 MLPs (GELU or gated), the loss
         assert lines[1:] == [], f"rank {rank}: " + "; ".join(lines[1:])
 

@@ -13,6 +13,8 @@ from memkernels.nn.mlp import FusedMLP, GeLULinear
 from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.testing import check_against_reference
 
+from act_gemm_cases import KernelChoiceLog
+
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
@@ -141,17 +143,6 @@ def test_strided_weight_and_input(backend, dtype):
     check_against_reference(fused_gelu_linear, eager_gelu_linear, [x, weight, bias])
 
 
-class _KernelChoiceLog:
-    """Stands in for one of gelu_linear's autotuned kernel entries and records that it ran."""
-
-    def __init__(self, aligned, kernel, log):
-        self.aligned, self.kernel, self.log = aligned, kernel, log
-
-    def __getitem__(self, grid):
-        self.log.append(self.aligned)
-        return self.kernel[grid]
-
-
 @pytest.mark.skipif(not INTERPRETED, reason="drives the kernels through the interpreter on CPU tensors")
 @pytest.mark.parametrize("tokens, in_features, out_features, column_offset, aligned", [
     (32, 64, 48, 0, True),  # contiguous, 16-multiple features
@@ -165,7 +156,7 @@ def test_misaligned_launches_use_the_spill_free_configs(monkeypatch, tokens, in_
     from memkernels.ops import gelu_linear as op
 
     log = []
-    monkeypatch.setattr(op, "_AUTOTUNED", {a: _KernelChoiceLog(a, k, log) for a, k in op._AUTOTUNED.items()})
+    monkeypatch.setattr(op, "_AUTOTUNED", {a: KernelChoiceLog(a, k, log) for a, k in op._AUTOTUNED.items()})
     x = torch.randn(tokens, in_features + column_offset)[:, column_offset:].requires_grad_()
     weight = torch.randn(out_features, in_features, requires_grad=True)
     y = gelu_linear(x, weight, backend="triton")
@@ -185,8 +176,9 @@ def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment():
             kept = {aligned: {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
                                c.num_stages)
                               for c in op._prune_configs(configs, {"a_ptr": torch.empty(0, dtype=dtype)},
-                                                         aligned=aligned, GELU_ON_B=flags[0],
-                                                         GELU_GRAD_EPILOGUE=flags[1], INPUT_PRECISION=precision)}
+                                                         aligned=aligned, ACT_ON_B=flags[0],
+                                                         ACT_GRAD_EPILOGUE=flags[1], GATED=False,
+                                                         INPUT_PRECISION=precision)}
                     for aligned in (True, False)}
             expected_aligned = op._IEEE_CONFIGS[role] if precision == "ieee" else op._CONFIGS
             assert kept[True] == set(expected_aligned), (role, operand)

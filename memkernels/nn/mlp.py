@@ -1,4 +1,5 @@
-"""Drop-in modules for GeLU→Linear and the GPT/BERT MLP that never store gelu(h)."""
+"""Drop-in modules for GeLU→Linear, the GPT/BERT MLP and gated (SwiGLU / GeGLU) MLPs that never store
+the activated tensor."""
 import torch
 from torch import nn
 
@@ -99,3 +100,108 @@ class FusedMLP(nn.Module):
 
     def forward(self, x):
         return self.fc2(self.fc1(x))
+
+
+# Activation modules of gated MLPs -> gated_linear's activation name (Hugging Face's ACT2FN classes
+# by name, so transformers need not be imported).
+_HF_GATED_ACTIVATIONS = {"SiLU": "silu", "SiLUActivation": "silu", "GELUActivation": "gelu",
+                         "GELUTanh": "gelu_tanh", "PytorchGELUTanh": "gelu_tanh", "NewGELUActivation": "gelu_tanh",
+                         "FastGELUActivation": "gelu_tanh"}
+
+
+def gated_activation(act):
+    """"silu" / "gelu" / "gelu_tanh" for a gated MLP's activation module, None if it is none of them."""
+    if isinstance(act, nn.GELU):
+        return "gelu_tanh" if act.approximate == "tanh" else "gelu"
+    return _HF_GATED_ACTIVATIONS.get(type(act).__name__)
+
+
+def gated_mlp_parts(mlp):
+    """(gate_proj, up_proj, down_proj, activation module) of a gated MLP; up_proj is None for a packed
+    ``gate_up_proj`` (Phi-3). Raises TypeError naming what is missing."""
+    act = next((getattr(mlp, name) for name in ("act_fn", "activation_fn", "act") if hasattr(mlp, name)), None)
+    if hasattr(mlp, "gate_up_proj"):
+        gate, up = mlp.gate_up_proj, None
+    else:
+        gate, up = getattr(mlp, "gate_proj", None), getattr(mlp, "up_proj", None)
+    down = getattr(mlp, "down_proj", None)
+    if gate is None or down is None or (up is None and not hasattr(mlp, "gate_up_proj")) or act is None:
+        raise TypeError(f"{type(mlp).__name__} is not a gated MLP: expected gate_proj + up_proj (or gate_up_proj), "
+                        "down_proj and an activation (act_fn / activation_fn / act)")
+    return gate, up, down, act
+
+
+class FusedGatedMLP(nn.Module):
+    """``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU / GeGLU) that never stores the product.
+
+    Saves gate and up (2*I elements per token; eager PyTorch keeps gate, act(gate), up and the
+    product, 4*I). With ``recompute=True`` it saves only x, which the caller keeps anyway (the
+    norm's output), and recomputes gate and up in backward: 0 new bytes, two more GEMMs.
+
+    Parameters are Hugging Face's: ``gate_proj``, ``up_proj``, ``down_proj`` nn.Linear modules
+    (``packed=True``: one ``gate_up_proj`` [2*I, H] whose first half is gate, Phi-3's layout), so
+    checkpoints load unchanged.
+
+    Shapes: [..., hidden_size] -> [..., hidden_size]; float32, float16 or bfloat16.
+    ``activation``: "silu", "gelu" or "gelu_tanh".
+    """
+
+    def __init__(self, hidden_size, intermediate_size, *, activation="silu", bias=False, recompute=False,
+                 packed=False, device=None, dtype=None):
+        super().__init__()
+        from memkernels.ops.gated_linear import check_activation
+        check_activation(activation, "FusedGatedMLP")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.activation, self.recompute = activation, bool(recompute)
+        linear = dict(bias=bias, device=device, dtype=dtype)
+        if packed:
+            self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **linear)
+        else:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, **linear)
+            self.up_proj = nn.Linear(hidden_size, intermediate_size, **linear)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, **linear)
+
+    @property
+    def packed(self):
+        return hasattr(self, "gate_up_proj")
+
+    @classmethod
+    def from_module(cls, mlp, *, recompute=False):
+        """A FusedGatedMLP sharing the projections (the nn.Linear modules themselves) of a gated MLP.
+
+        ``mlp``: a Hugging Face LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP / GemmaMLP / Phi3MLP
+        (packed ``gate_up_proj``), memkernels.models.GatedMLP, or anything with those attributes
+        whose projections are nn.Linear and whose activation is SiLU or a GELU.
+        """
+        gate, up, down, act = gated_mlp_parts(mlp)
+        activation = gated_activation(act)
+        if activation is None:
+            raise TypeError(f"FusedGatedMLP.from_module: activation {type(act).__name__} is not SiLU or GELU")
+        for name, module in (("gate projection", gate), ("up_proj", up), ("down_proj", down)):
+            if module is not None and type(module) is not nn.Linear:
+                raise TypeError(f"FusedGatedMLP.from_module: {name} must be an nn.Linear, got "
+                                f"{type(module).__name__}")
+        fused = cls(down.out_features, down.in_features, activation=activation, bias=down.bias is not None,
+                    recompute=recompute, packed=up is None, device="meta")
+        if up is None:
+            fused.gate_up_proj = gate
+        else:
+            fused.gate_proj, fused.up_proj = gate, up
+        fused.down_proj = down
+        return fused
+
+    def forward(self, x):
+        from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
+        down = self.down_proj
+        if self.recompute:
+            gate, up = (self.gate_up_proj, None) if self.packed else (self.gate_proj, self.up_proj)
+            return gated_mlp_recompute(x, gate.weight, gate.bias, None if up is None else up.weight,
+                                       None if up is None else up.bias, down.weight, down.bias,
+                                       activation=self.activation)
+        if self.packed:
+            return gated_linear(gate_up=self.gate_up_proj(x), weight=down.weight, bias=down.bias,
+                                activation=self.activation)
+        return gated_linear(self.gate_proj(x), self.up_proj(x), down.weight, down.bias, activation=self.activation)
+
+    def extra_repr(self):
+        return f"activation={self.activation!r}, recompute={self.recompute}"

@@ -9,9 +9,11 @@ never reaches memory, and only x is saved. Backward recomputes it the same way:
 - dW:      dW = dy.T @ gelu(x)            GeLU on load of B
 - db:      db = dy.sum(0)                 a deterministic torch reduction
 
-All three GEMMs are one kernel, ``_gelu_gemm_kernel``, specialized by constexpr
+All three GEMMs are one kernel, ``_act_gemm_kernel``, specialized by constexpr
 flags. Each computes C [M, N] = A [M, K] @ B [K, N] with strides, so transposed
-operands (dy.T, W.T, a non-contiguous weight) are read in place.
+operands (dy.T, W.T, a non-contiguous weight) are read in place. The same kernel
+serves memkernels/ops/gated_linear.py (SwiGLU / GeGLU, flag GATED): the activated
+operand is then act(gate) * up, and the dx epilogue writes both halves' gradients.
 
 File order: jit helpers → kernel → launchers → custom ops → autograd.Function →
 public function.
@@ -34,8 +36,8 @@ _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------------------------
-# GeLU math in fp32. The interpreter's libdevice is a stub, so erf and tanh are built from
-# tl.exp and polynomials.
+# Activation math in fp32 (GeLU, and SiLU for gated_linear). The interpreter's libdevice is a
+# stub, so erf and tanh are built from tl.exp and polynomials.
 
 
 @triton.jit
@@ -73,9 +75,11 @@ def _tanh_sech2(x):
 
 
 @triton.jit
-def _gelu(x, APPROX_TANH: tl.constexpr):
-    """gelu(x) for fp32 x; tanh approximation when APPROX_TANH."""
-    if APPROX_TANH:
+def _act(x, ACTIVATION: tl.constexpr):
+    """act(x) for fp32 x: ACTIVATION is "gelu" (erf), "gelu_tanh" or "silu" (x * sigmoid(x))."""
+    if ACTIVATION == "silu":
+        return x / (1.0 + tl.exp(-x))  # exp overflows to inf for x < -88: x / inf = -0, silu's limit
+    elif ACTIVATION == "gelu_tanh":
         t, _ = _tanh_sech2(0.7978845608028654 * (x + 0.044715 * x * x * x))
         return 0.5 * x * (1.0 + t)
     else:
@@ -83,9 +87,12 @@ def _gelu(x, APPROX_TANH: tl.constexpr):
 
 
 @triton.jit
-def _gelu_grad(x, APPROX_TANH: tl.constexpr):
-    """d gelu(x) / dx for fp32 x."""
-    if APPROX_TANH:
+def _act_grad(x, ACTIVATION: tl.constexpr):
+    """d act(x) / dx for fp32 x (see _act)."""
+    if ACTIVATION == "silu":
+        sigmoid = 1.0 / (1.0 + tl.exp(-x))
+        return sigmoid * (1.0 + x * (1.0 - sigmoid))
+    elif ACTIVATION == "gelu_tanh":
         t, sech2 = _tanh_sech2(0.7978845608028654 * (x + 0.044715 * x * x * x))
         dinner = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
         return 0.5 * (1.0 + t) + 0.5 * x * sech2 * dinner
@@ -136,9 +143,34 @@ MISALIGNED_CONFIGS = {
     **{(role, "fp32-ieee"): _IEEE_CONFIGS["dw"] for role in ("fwd", "dx", "dw")},
 }
 
+# gated_linear's launches (GATED=True) load an up tile beside each activated one, and the dx epilogue
+# reads gate and up and writes two outputs: more registers than GeLU alone. (role, operand kind,
+# aligned) -> the tile shapes that compile without spills on sm_80 and sm_90 (measured with
+# memkernels.aot; tests/test_aot_ops.py keeps them honest). No 128-wide dx tile survives the epilogue;
+# misaligned launches need 8 warps for 64x64 tiles, or narrower ones.
+_GATED_DX_ALIGNED = ((64, 64, 64, 4, 3), (64, 64, 32, 4, 4), (32, 64, 64, 2, 4), (32, 64, 32, 2, 5))
+_GATED_MISALIGNED = ((64, 64, 32, 8, 3), (64, 32, 32, 4, 4), (32, 32, 16, 2, 4))
+_GATED_MISALIGNED_IEEE = ((64, 64, 16, 8, 3), (64, 32, 16, 4, 3), (32, 32, 16, 2, 4))
+GATED_CONFIGS = {
+    ("fwd", "bf16", True): _CONFIGS, ("fwd", "fp16", True): _CONFIGS[1:], ("fwd", "fp32", True): _CONFIGS,
+    ("fwd", "fp32-ieee", True): _IEEE_CONFIGS["fwd"],
+    **{("dx", operand, True): _GATED_DX_ALIGNED for operand in ("bf16", "fp16", "fp32")},
+    ("dx", "fp32-ieee", True): ((64, 64, 32, 4, 4), (32, 64, 32, 2, 5)),
+    ("dw", "bf16", True): _CONFIGS, ("dw", "fp16", True): _CONFIGS[:-1],
+    ("dw", "fp32", True): _CONFIGS[:5] + _CONFIGS[6:], ("dw", "fp32-ieee", True): _IEEE_CONFIGS["dw"],
+    # 64x64 with 8 warps spills in a sliced 16-bit forward on sm_80 (capped at 128 registers)
+    **{("fwd", operand, False): _GATED_MISALIGNED[1:] for operand in ("bf16", "fp16")},
+    ("fwd", "fp32", False): _GATED_MISALIGNED,
+    **{("dx", operand, False): _GATED_MISALIGNED for operand in ("bf16", "fp16", "fp32")},
+    **{("dw", operand, False): ((128, 128, 32, 8, 3), (128, 64, 32, 4, 4), (64, 64, 32, 4, 4), (32, 32, 16, 2, 4))
+       for operand in ("bf16", "fp16")},
+    ("dw", "fp32", False): _GATED_MISALIGNED,
+    **{(role, "fp32-ieee", False): _GATED_MISALIGNED_IEEE for role in ("fwd", "dx", "dw")},
+}
 
-def _role(gelu_on_b, gelu_grad_epilogue):
-    return "dw" if gelu_on_b else "dx" if gelu_grad_epilogue else "fwd"
+
+def _role(act_on_b, act_grad_epilogue):
+    return "dw" if act_on_b else "dx" if act_grad_epilogue else "fwd"
 
 
 # The number of tokens: M of the forward and dx GEMMs, K of dW. It changes from batch to batch
@@ -153,11 +185,14 @@ def _operand_name(dtype_name, input_precision):
     return "fp32-ieee" if input_precision == "ieee" else dtype_name
 
 
-def _configs_for(role, operand, aligned=True):
+def _configs_for(role, operand, aligned=True, gated=False):
     """Tile shapes for one GEMM role ("fwd", "dx", "dw") and operand kind (see _operand_name).
 
     ``aligned=False``: those that compile without spills when the JIT cannot assume 16-divisible
-    pointers, strides and sizes (see _jit_sees_aligned)."""
+    pointers, strides and sizes (see _jit_sees_aligned). ``gated``: the gated_linear launches,
+    which load a second (up) tile with each activated one (GATED_CONFIGS)."""
+    if gated:
+        return GATED_CONFIGS[role, operand, aligned]
     if not aligned:
         return MISALIGNED_CONFIGS[role, operand]
     return _IEEE_CONFIGS[role] if operand == "fp32-ieee" else _CONFIGS
@@ -177,7 +212,8 @@ def _autotune_configs():
     if triton_interpreted():
         shapes = [_INTERPRETER_CONFIG]
     else:
-        shapes = dict.fromkeys(_CONFIGS + sum(_IEEE_CONFIGS.values(), ()) + sum(MISALIGNED_CONFIGS.values(), ()))
+        shapes = dict.fromkeys(_CONFIGS + sum(_IEEE_CONFIGS.values(), ()) + sum(MISALIGNED_CONFIGS.values(), ())
+                               + sum(GATED_CONFIGS.values(), ()))
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
                       num_warps=warps, num_stages=stages)
@@ -187,9 +223,9 @@ def _autotune_configs():
 
 def _prune_configs(configs, named_args, *, aligned, **kwargs):
     """Keep the tile shapes of this launch's role, operands and alignment (see _configs_for)."""
-    role = _role(kwargs["GELU_ON_B"], kwargs["GELU_GRAD_EPILOGUE"])
+    role = _role(kwargs["ACT_ON_B"], kwargs["ACT_GRAD_EPILOGUE"])
     operand = _operand_name(_DTYPE_NAMES[named_args["a_ptr"].dtype], kwargs["INPUT_PRECISION"])
-    wanted = set(_configs_for(role, operand, aligned))
+    wanted = set(_configs_for(role, operand, aligned, kwargs["GATED"]))
     return [c for c in configs
             if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in wanted]
 
@@ -199,22 +235,25 @@ def _prune_configs(configs, named_args, *, aligned, **kwargs):
 
 
 @triton.jit
-def _gelu_gemm_kernel(
-    a_ptr,  # [M, K] operand A (x in the forward, dy for dx, dy.T for dW)
-    b_ptr,  # [K, N] operand B (W.T in the forward, W for dx, x for dW)
-    c_ptr,  # [M, N] output (y, dx or dW), contiguous or strided
+def _act_gemm_kernel(
+    a_ptr,  # [M, K] operand A (x or gate in the forward, dy for dx, dy.T for dW)
+    b_ptr,  # [K, N] operand B (W.T in the forward, W for dx, x or gate for dW)
+    c_ptr,  # [M, N] output (y, dx or d_gate, dW), contiguous or strided
     bias_ptr,  # [N] bias, read only when HAS_BIAS
-    x_ptr,  # [M, N] pre-activation x, read only when GELU_GRAD_EPILOGUE (the dx GEMM)
+    x_ptr,  # [M, N] pre-activation x (or gate), read only when ACT_GRAD_EPILOGUE (the dx GEMM)
+    up_ptr,  # up, read only when GATED: strides of A (ACT_ON_A), of B (ACT_ON_B) or of x (epilogue)
+    c_up_ptr,  # [M, N] d_up, strides of c, written only when GATED and ACT_GRAD_EPILOGUE
     M, N, K,
     stride_am, stride_ak,
     stride_bk, stride_bn,
     stride_cm, stride_cn,
     stride_xm, stride_xn,
-    GELU_ON_A: tl.constexpr,  # apply gelu to A tiles on load (forward)
-    GELU_ON_B: tl.constexpr,  # apply gelu to B tiles on load (dW)
-    GELU_GRAD_EPILOGUE: tl.constexpr,  # multiply C by gelu'(x) (dx)
+    ACT_ON_A: tl.constexpr,  # apply act to A tiles on load (forward)
+    ACT_ON_B: tl.constexpr,  # apply act to B tiles on load (dW)
+    ACT_GRAD_EPILOGUE: tl.constexpr,  # multiply C by act'(x) (dx)
+    GATED: tl.constexpr,  # the activated operand is act(x) * up (gated_linear)
     HAS_BIAS: tl.constexpr,
-    APPROX_TANH: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # "gelu", "gelu_tanh" or "silu" (see _act)
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" for fp32 operands, as torch's matmul
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -236,17 +275,32 @@ def _gelu_gemm_kernel(
     # int64 row offsets: M * stride can pass 2**31 for long sequences.
     a_ptrs = a_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + offs_k[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
+    if GATED:  # the up tile sits where the activated operand's tile does, in up's memory
+        if ACT_ON_A:
+            up_ptrs = up_ptr + offs_m.to(tl.int64)[:, None] * stride_am + offs_k[None, :] * stride_ak
+        if ACT_ON_B:
+            up_ptrs = up_ptr + offs_k[:, None] * stride_bk + offs_n.to(tl.int64)[None, :] * stride_bn
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k_start in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k_start
-        # masked elements load as 0 and gelu(0) = 0, so the padding adds nothing
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if GELU_ON_A:
-            a = _gelu(a.to(tl.float32), APPROX_TANH).to(a_ptr.dtype.element_ty)
-        if GELU_ON_B:
-            b = _gelu(b.to(tl.float32), APPROX_TANH).to(b_ptr.dtype.element_ty)
+        mask_a = mask_m[:, None] & mask_k[None, :]
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        # masked elements load as 0 and act(0) = 0, so the padding adds nothing
+        a = tl.load(a_ptrs, mask=mask_a, other=0.0)
+        b = tl.load(b_ptrs, mask=mask_b, other=0.0)
+        if ACT_ON_A:
+            activated = _act(a.to(tl.float32), ACTIVATION)
+            if GATED:  # the gated product act(gate) * up is formed in fp32, cast once like eager's
+                activated *= tl.load(up_ptrs, mask=mask_a, other=0.0).to(tl.float32)
+                up_ptrs += BLOCK_K * stride_ak
+            a = activated.to(a_ptr.dtype.element_ty)
+        if ACT_ON_B:
+            activated = _act(b.to(tl.float32), ACTIVATION)
+            if GATED:
+                activated *= tl.load(up_ptrs, mask=mask_b, other=0.0).to(tl.float32)
+                up_ptrs += BLOCK_K * stride_bk
+            b = activated.to(b_ptr.dtype.element_ty)
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
@@ -254,12 +308,15 @@ def _gelu_gemm_kernel(
     mask_c = mask_m[:, None] & mask_n[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    if GELU_GRAD_EPILOGUE:
-        x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :] * stride_xn
-        x = tl.load(x_ptrs, mask=mask_c, other=0.0).to(tl.float32)
-        acc *= _gelu_grad(x, APPROX_TANH)
-    c_ptrs = c_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
+    c_offsets = offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    if ACT_GRAD_EPILOGUE:
+        x_offsets = offs_m.to(tl.int64)[:, None] * stride_xm + offs_n[None, :] * stride_xn
+        x = tl.load(x_ptr + x_offsets, mask=mask_c, other=0.0).to(tl.float32)
+        if GATED:  # acc is d(product): d_up = acc * act(gate), d_gate = acc * up * act'(gate)
+            tl.store(c_up_ptr + c_offsets, (acc * _act(x, ACTIVATION)).to(c_up_ptr.dtype.element_ty), mask=mask_c)
+            acc *= tl.load(up_ptr + x_offsets, mask=mask_c, other=0.0).to(tl.float32)
+        acc *= _act_grad(x, ACTIVATION)
+    tl.store(c_ptr + c_offsets, acc.to(c_ptr.dtype.element_ty), mask=mask_c)
 
 
 def _autotuned(aligned):
@@ -268,9 +325,10 @@ def _autotuned(aligned):
     never reuses a config chosen for an aligned one of the same sizes."""
     return triton.autotune(
         configs=_autotune_configs(),
-        key=["M", "N", "K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS", "INPUT_PRECISION"],
+        key=["M", "N", "K", "ACT_ON_A", "ACT_ON_B", "ACT_GRAD_EPILOGUE", "GATED", "HAS_BIAS", "ACTIVATION",
+             "INPUT_PRECISION"],
         prune_configs_by={"early_config_prune": functools.partial(_prune_configs, aligned=aligned)},
-    )(_gelu_gemm_kernel)
+    )(_act_gemm_kernel)
 
 
 _AUTOTUNED = {True: _autotuned(aligned=True), False: _autotuned(aligned=False)}
@@ -278,25 +336,26 @@ _AUTOTUNED = {True: _autotuned(aligned=True), False: _autotuned(aligned=False)}
 
 # --------------------------------------------------------------------------------------------
 # Ahead-of-time compile check (memkernels.aot): every tile shape of each GEMM role, for each
-# operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heavier of the two), in
+# operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heaviest activation), in
 # the specializations the JIT makes of a contiguous launch (unit inner strides become the constant
 # 1): "aligned", what _jit_sees_aligned launches run with every config, and "sliced" and
-# "misaligned", what the others run with the MISALIGNED_CONFIGS only.
+# "misaligned", what the others run with the MISALIGNED_CONFIGS only. gated_linear registers the
+# same kernel with GATED=True (aot_variants(gated=True)).
 _AOT_ROLES = {
     # role: (flags, unit-stride arguments of contiguous x, W and outputs)
-    "fwd": (dict(GELU_ON_A=True, GELU_ON_B=False, GELU_GRAD_EPILOGUE=False, HAS_BIAS=True),
+    "fwd": (dict(ACT_ON_A=True, ACT_ON_B=False, ACT_GRAD_EPILOGUE=False, HAS_BIAS=True),
             ("stride_ak", "stride_bk", "stride_cn")),
-    "dx": (dict(GELU_ON_A=False, GELU_ON_B=False, GELU_GRAD_EPILOGUE=True, HAS_BIAS=False),
+    "dx": (dict(ACT_ON_A=False, ACT_ON_B=False, ACT_GRAD_EPILOGUE=True, HAS_BIAS=False),
            ("stride_ak", "stride_bn", "stride_cn", "stride_xn")),
-    "dw": (dict(GELU_ON_A=False, GELU_ON_B=True, GELU_GRAD_EPILOGUE=False, HAS_BIAS=False),
+    "dw": (dict(ACT_ON_A=False, ACT_ON_B=True, ACT_GRAD_EPILOGUE=False, HAS_BIAS=False),
            ("stride_am", "stride_bn", "stride_cn")),
 }
 _AOT_DTYPES = (("bf16", "tf32"), ("fp16", "tf32"), ("fp32", "tf32"), ("fp32", "ieee"))
 
 
-def _aot_variants():
+def aot_variants(gated=False):
     """Variant dicts for memkernels.aot.register: roles x dtypes x alignments x the tile shapes."""
-    pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "x_ptr")
+    pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "x_ptr", "up_ptr", "c_up_ptr")
     integers = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
                 "stride_cm", "stride_cn", "stride_xm", "stride_xn")
     variants = []
@@ -313,10 +372,10 @@ def _aot_variants():
             specializations = {"aligned": divisible, "sliced": [name for name in divisible if name not in pointers],
                                "misaligned": []}
             for alignment, assumed in specializations.items():
-                tiles = _configs_for(role, operand, aligned=alignment == "aligned")
+                tiles = _configs_for(role, operand, aligned=alignment == "aligned", gated=gated)
                 for block_m, block_n, block_k, warps, stages in tiles:
-                    constexprs = dict(flags, APPROX_TANH=False, INPUT_PRECISION=precision, BLOCK_M=block_m,
-                                      BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
+                    constexprs = dict(flags, GATED=gated, ACTIVATION="gelu", INPUT_PRECISION=precision,
+                                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
                     constexprs.update({name: 1 for name in unit_strides})
                     variants.append({
                         "signature": {**signature, **{name: "constexpr" for name in constexprs}},
@@ -327,7 +386,7 @@ def _aot_variants():
     return variants
 
 
-aot.register(_gelu_gemm_kernel, name="gelu_linear", variants=_aot_variants())
+aot.register(_act_gemm_kernel, name="gelu_linear", variants=aot_variants())
 
 
 # --------------------------------------------------------------------------------------------
@@ -355,25 +414,36 @@ def _jit_sees_aligned(pointers, strides, feature_sizes):
 
 
 @on_tensor_device
-def _gemm(a, b, out, *, bias=None, x=None, gelu_on_a=False, gelu_on_b=False, approximate="none"):
-    """out [M, N] = act(a) [M, K] @ act(b) [K, N] (+ bias) (* gelu'(x)); all views, any strides."""
+def act_gemm(a, b, out, *, bias=None, x=None, up=None, out_up=None, act_on_a=False, act_on_b=False,
+         activation="gelu"):
+    """out [M, N] = act(a) [M, K] @ act(b) [K, N] (+ bias) (* act'(x)); all views, any strides.
+
+    With ``up`` (gated_linear): the activated operand is act(.) * up, where up has the strides of
+    a (act_on_a), of b (act_on_b) or of x; with x, out gets d_gate and ``out_up`` (strides of out)
+    d_up.
+    """
     M, K = a.shape
     N = b.shape[1]
     pointers = (a, b, out,
                 bias if bias is not None else out,  # never read without HAS_BIAS
-                x if x is not None else out)  # never read without GELU_GRAD_EPILOGUE
+                x if x is not None else out,  # never read without ACT_GRAD_EPILOGUE
+                up if up is not None else out,  # never read without GATED
+                out_up if out_up is not None else out)  # never written without GATED and x
     strides = (*a.stride(), *b.stride(), *out.stride(), *(x.stride() if x is not None else (0, 0)))
-    token_size = _TOKEN_SIZE[_role(gelu_on_b, x is not None)]
+    token_size = _TOKEN_SIZE[_role(act_on_b, x is not None)]
     feature_sizes = [size for name, size in (("M", M), ("N", N), ("K", K)) if name != token_size]
     kernel = _AUTOTUNED[_jit_sees_aligned(pointers, strides, feature_sizes)]
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
         *pointers, M, N, K, *strides,
-        GELU_ON_A=gelu_on_a, GELU_ON_B=gelu_on_b, GELU_GRAD_EPILOGUE=x is not None,
-        HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh",
-        INPUT_PRECISION=_input_precision(a.dtype),
+        ACT_ON_A=act_on_a, ACT_ON_B=act_on_b, ACT_GRAD_EPILOGUE=x is not None, GATED=up is not None,
+        HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=_input_precision(a.dtype),
     )
     return out
+
+
+# gelu_linear's approximate -> the kernel's ACTIVATION
+_GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
 def _empty_problem(*tensors):
@@ -385,21 +455,21 @@ def _forward_triton(x2d, weight, bias, approximate):
     if _empty_problem(x2d, weight):
         return reference.forward(x2d, weight, bias, approximate)
     out = x2d.new_empty(x2d.shape[0], weight.shape[0])
-    return _gemm(x2d, weight.t(), out, bias=bias, gelu_on_a=True, approximate=approximate)
+    return act_gemm(x2d, weight.t(), out, bias=bias, act_on_a=True, activation=_GELU_ACTIVATIONS[approximate])
 
 
 def _grad_input_triton(grad_out2d, x2d, weight, approximate):
     if _empty_problem(grad_out2d, x2d, weight):
         return reference.grad_input(grad_out2d, x2d, weight, approximate)
     grad_x = torch.empty_like(x2d, memory_format=torch.contiguous_format)
-    return _gemm(grad_out2d, weight, grad_x, x=x2d, approximate=approximate)
+    return act_gemm(grad_out2d, weight, grad_x, x=x2d, activation=_GELU_ACTIVATIONS[approximate])
 
 
 def _grad_weight_triton(grad_out2d, x2d, approximate):
     if _empty_problem(grad_out2d, x2d):
         return reference.grad_weight(grad_out2d, x2d, approximate)
     grad_w = grad_out2d.new_empty(grad_out2d.shape[1], x2d.shape[1])
-    return _gemm(grad_out2d.t(), x2d, grad_w, gelu_on_b=True, approximate=approximate)
+    return act_gemm(grad_out2d.t(), x2d, grad_w, act_on_b=True, activation=_GELU_ACTIVATIONS[approximate])
 
 
 # --------------------------------------------------------------------------------------------

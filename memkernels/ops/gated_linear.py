@@ -1,0 +1,346 @@
+"""Gated Linear (the down projection of SwiGLU / GeGLU MLPs): ``y = (act(gate) * up) @ weight.T + bias``.
+
+Eager PyTorch keeps four I-wide tensors per token for a gated MLP's backward: gate,
+act(gate), up and the product. Here the product is formed on the GEMM's A tiles as they are
+loaded and never reaches memory: only gate and up are saved, and backward recomputes it:
+
+- forward: y = (act(gate) * up) @ W.T (+ b)       gate and up tiles loaded, product in fp32 registers
+- d_gate, d_up from d = dy @ W in the epilogue:   d_gate = d * up * act'(gate), d_up = d * act(gate)
+- dW:      dW = dy.T @ (act(gate) * up)           product on load of B
+- db:      db = dy.sum(0)                         a deterministic torch reduction
+
+The GEMMs are gelu_linear's kernel (memkernels/ops/gelu_linear.py: one kernel, specialized by
+constexpr flags) with GATED=True; this file adds the launchers, custom ops, autograd and the public
+function. :class:`GatedMLPRecomputeFunction` is the whole MLP saving only its input x.
+
+File order: launchers → custom ops → autograd.Functions → public function.
+"""
+import torch
+import torch.nn.functional as F
+
+from memkernels import aot
+from memkernels._backend import resolve, triton_interpreted
+from memkernels.ops.gelu_linear import _TRITON_DTYPES, _Step, _act_gemm_kernel, _empty_problem, act_gemm, aot_variants
+from memkernels.reference import gated_linear as reference
+from memkernels.reference.gated_linear import ACTIVATIONS
+
+aot.register(_act_gemm_kernel, name="gated_linear", variants=aot_variants(gated=True))
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: 2-D operands in, output allocated here. gate and up are views with one layout (the
+# kernel reads up with gate's strides); _same_layout makes them so.
+
+
+def _same_layout(gate2d, up2d):
+    if gate2d.stride() == up2d.stride():
+        return gate2d, up2d
+    return gate2d.contiguous(), up2d.contiguous()
+
+
+def _forward_triton(gate2d, up2d, weight, bias, activation):
+    if _empty_problem(gate2d, weight):
+        return reference.forward(gate2d, up2d, weight, bias, activation)
+    gate2d, up2d = _same_layout(gate2d, up2d)
+    out = gate2d.new_empty(gate2d.shape[0], weight.shape[0])
+    return act_gemm(gate2d, weight.t(), out, bias=bias, up=up2d, act_on_a=True, activation=activation)
+
+
+def _grad_inputs_triton(grad_out2d, gate2d, up2d, weight, packed, activation):
+    if _empty_problem(grad_out2d, gate2d, weight):
+        return reference.grad_inputs(grad_out2d, gate2d, up2d, weight, packed, activation)
+    gate2d, up2d = _same_layout(gate2d, up2d)
+    result, grad_gate, grad_up = reference.grad_input_buffers(gate2d, packed)
+    act_gemm(grad_out2d, weight, grad_gate, x=gate2d, up=up2d, out_up=grad_up, activation=activation)
+    return result
+
+
+def _grad_weight_triton(grad_out2d, gate2d, up2d, activation):
+    if _empty_problem(grad_out2d, gate2d):
+        return reference.grad_weight(grad_out2d, gate2d, up2d, activation)
+    gate2d, up2d = _same_layout(gate2d, up2d)
+    grad_w = grad_out2d.new_empty(grad_out2d.shape[1], gate2d.shape[1])
+    return act_gemm(grad_out2d.t(), gate2d, grad_w, up=up2d, act_on_b=True, activation=activation)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops: opaque to torch.compile, with fake (meta) implementations; the last argument,
+# ``backend``, picks the Triton launcher or the PyTorch reference (see gelu_linear._Step).
+
+_STEPS = {
+    "forward": _Step(
+        "gated_linear",
+        "(Tensor gate2d, Tensor up2d, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor",
+        _forward_triton, reference.forward,
+        lambda gate2d, up2d, weight, bias, activation: gate2d.new_empty(gate2d.shape[0], weight.shape[0])),
+    "grad_inputs": _Step(
+        "gated_linear_grad_inputs",
+        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, str backend)"
+        " -> Tensor[]",
+        _grad_inputs_triton, reference.grad_inputs,
+        lambda grad_out2d, gate2d, up2d, weight, packed, activation: reference.grad_input_buffers(gate2d, packed)[0]),
+    "grad_weight": _Step(
+        "gated_linear_grad_weight",
+        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, str activation, str backend) -> Tensor",
+        _grad_weight_triton, reference.grad_weight,
+        lambda grad_out2d, gate2d, up2d, activation: grad_out2d.new_empty(grad_out2d.shape[1], gate2d.shape[1])),
+}
+
+
+def _run(step, backend, *args):
+    """One GEMM step, through its custom op on both backends, in eager mode as under torch.compile."""
+    return _STEPS[step].custom_op(*args, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _halves(gate_up):
+    """(gate, up) 2-D views of a packed [..., 2*I] tensor: first half gate."""
+    gate_up2d = gate_up.reshape(-1, gate_up.shape[-1])
+    width = gate_up2d.shape[1] // 2
+    return gate_up2d[:, :width], gate_up2d[:, width:]
+
+
+def _operands(gate, up):
+    """2-D gate and up; ``up`` None means ``gate`` is the packed gate_up."""
+    if up is None:
+        return _halves(gate)
+    return gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+
+
+def _bias_grad(grad_out2d):
+    # one fp32 (float64 stays float64) reduction over tokens, cast once: deterministic, no atomics
+    return grad_out2d.sum(0, dtype=torch.promote_types(grad_out2d.dtype, torch.float32)).to(grad_out2d.dtype)
+
+
+def _down_backward(ctx, grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, needs_bias):
+    """(gradients of gate and up: [one [M, 2*I] tensor] if packed else [d_gate, d_up]; dW; db) of the gated
+    down projection, each only when needed."""
+    grads = grad_weight = grad_bias = None
+    if needs_inputs:
+        grads = _run("grad_inputs", ctx.backend, grad_out2d, gate2d, up2d, weight, packed, ctx.activation)
+    if needs_weight:
+        grad_weight = _run("grad_weight", ctx.backend, grad_out2d, gate2d, up2d, ctx.activation)
+    if needs_bias:
+        grad_bias = _bias_grad(grad_out2d)
+    return grads, grad_weight, grad_bias
+
+
+class GatedLinearFunction(torch.autograd.Function):
+    """y = (act(gate) * up) @ weight.T + bias, saving only gate and up (and the weight parameter).
+
+    ``up`` None: ``gate`` is the packed [..., 2*I] gate_up, saved as one tensor.
+    """
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, activation, backend):
+        gate2d, up2d = _operands(gate, up)
+        out = _run("forward", backend, gate2d, up2d, weight, bias, activation)
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        ctx.activation = activation
+        ctx.backend = backend
+        return out.view(*gate.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        gate2d, up2d = _operands(gate, up)
+        needs = ctx.needs_input_grad
+        grads, grad_weight, grad_bias = _down_backward(
+            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight, up is None,
+            needs[0] or needs[1], needs[2], ctx.has_bias and needs[3])
+        grad_gate = grad_up = None
+        if grads is not None:
+            grad_gate = grads[0].view(gate.shape) if needs[0] else None
+            grad_up = grads[1].view(up.shape) if up is not None and needs[1] else None
+        return grad_gate, grad_up, grad_weight, grad_bias, None, None
+
+
+class GatedMLPRecomputeFunction(torch.autograd.Function):
+    """down(act(gate(x)) * up(x)) saving only x (and the parameters): gate and up are recomputed in
+    backward, two GEMMs of the MLP's nine.
+
+    ``up_weight`` None: ``gate_weight`` [2*I, H] (and ``gate_bias``) is the packed gate_up projection.
+    """
+
+    @staticmethod
+    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, backend):
+        x2d = x.reshape(-1, x.shape[-1])
+        gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
+        out = _run("forward", backend, gate2d, up2d, down_weight, down_bias, activation)
+        ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
+        ctx.has_down_bias = down_bias is not None
+        ctx.activation = activation
+        ctx.backend = backend
+        return out.view(*x.shape[:-1], down_weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, gate_weight, gate_bias, up_weight, up_bias, down_weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        x2d = x.reshape(-1, x.shape[-1])
+        projections_need = any(needs[:5])
+        gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
+        grads, grad_down_weight, grad_down_bias = _down_backward(
+            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, down_weight, up_weight is None,
+            projections_need, needs[5], ctx.has_down_bias and needs[6])
+        del gate2d, up2d  # the recomputed activations go before the projections' gradients come
+        grad_x = grad_gate_weight = grad_gate_bias = grad_up_weight = grad_up_bias = None
+        if projections_need:
+            # each projection's output gradient is dropped as soon as it is used, as eager's autograd does
+            grad_gate, *grad_up = grads
+            del grads
+            grad_x, grad_gate_weight, grad_gate_bias = _projection_backward(
+                grad_gate, x2d, gate_weight, gate_bias, needs[0], needs[1], needs[2], None)
+            del grad_gate
+            if grad_up:
+                grad_x, grad_up_weight, grad_up_bias = _projection_backward(
+                    grad_up[0], x2d, up_weight, up_bias, needs[0], needs[3], needs[4], grad_x)
+        if grad_x is not None:
+            grad_x = grad_x.view(x.shape)
+        return (grad_x, grad_gate_weight, grad_gate_bias, grad_up_weight, grad_up_bias, grad_down_weight,
+                grad_down_bias, None, None)
+
+
+def _projection_backward(grad, x2d, weight, bias, needs_x, needs_weight, needs_bias, grad_x):
+    """(grad_x plus this projection's dx, dW, db) of ``F.linear(x2d, weight, bias)`` from its output's gradient."""
+    if needs_x:
+        grad_x = grad @ weight if grad_x is None else grad_x.addmm_(grad, weight)
+    grad_weight = grad.t() @ x2d if needs_weight else None
+    grad_bias = _bias_grad(grad) if bias is not None and needs_bias else None
+    return grad_x, grad_weight, grad_bias
+
+
+def _project(x2d, gate_weight, gate_bias, up_weight, up_bias):
+    """(gate, up) [M, I] each from x2d [M, H]; ``up_weight`` None: one packed gate_up projection."""
+    if up_weight is None:
+        return _halves(F.linear(x2d, gate_weight, gate_bias))
+    return F.linear(x2d, gate_weight, gate_bias), F.linear(x2d, up_weight, up_bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+
+
+def _check_tensor(name, tensor, like, owner):
+    if tensor.device != like.device:
+        raise ValueError(f"{owner}: {name} is on {tensor.device} but the input is on {like.device}; "
+                         "move them to the same device")
+    if tensor.dtype != like.dtype:
+        raise ValueError(f"{owner}: {name} is {tensor.dtype} but the input is {like.dtype}; cast them to one dtype")
+
+
+def _resolve_backend(backend, like, owner):
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"{owner}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
+    if backend is None:
+        backend = resolve(like, owner)
+    if backend == "triton" and not (like.is_cuda or (like.device.type == "cpu" and triton_interpreted())):
+        raise ValueError(f"{owner}: backend='triton' cannot run on {like.device} tensors; Triton needs CUDA "
+                         "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported); "
+                         "use backend='torch' or None")
+    if backend == "triton" and like.dtype not in _TRITON_DTYPES:
+        raise ValueError(f"{owner}: the input is {like.dtype}; the Triton backend takes float32, float16 or "
+                         "bfloat16 (use backend='torch' for other dtypes)")
+    return backend
+
+
+def check_activation(activation, owner):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{owner}: activation={activation!r} is not supported; use one of {', '.join(ACTIVATIONS)} "
+                         "(Hugging Face's 'gelu_pytorch_tanh' is 'gelu_tanh')")
+
+
+def _check_weight(weight, bias, width, like, owner):
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"{owner}: weight must be a 2-D tensor of shape [out_features, intermediate_size]")
+    if weight.shape[1] != width:
+        raise ValueError(f"{owner}: intermediate size mismatch: gate and up have {width} features (last dim) but "
+                         f"weight {tuple(weight.shape)} expects {weight.shape[1]}; weight must be "
+                         "[out_features, intermediate_size]")
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"{owner}: bias has shape {tuple(bias.shape)}; expected ({weight.shape[0]},) (out_features)")
+    for name, tensor in (("weight", weight), ("bias", bias)):
+        if tensor is not None:
+            _check_tensor(name, tensor, like, owner)
+
+
+def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, activation="silu", backend=None):
+    """``F.linear(act(gate) * up, weight, bias)`` without storing act(gate) or the product.
+
+    Two forms: ``gated_linear(gate, up, weight, bias)`` and ``gated_linear(gate_up=..., weight=...)``
+    for a packed [..., 2*I] tensor whose first half is gate and second half up (the layout of
+    Phi-3's ``gate_up_proj`` and of vLLM-style merged checkpoints: ``gate, up = gate_up.chunk(2, -1)``).
+
+    Args:
+        gate, up: [..., I] each, float32 / float16 / bfloat16 (the torch backend takes any
+            floating dtype), same shape, dtype and device.
+        weight: [out_features, I], same dtype and device; any strides.
+        bias: optional [out_features].
+        gate_up: [..., 2*I] instead of gate and up.
+        activation: "silu" (SwiGLU: Llama, Mistral, Qwen, Phi-3), "gelu" (erf) or "gelu_tanh"
+            (GeGLU: Gemma's ``gelu_pytorch_tanh``).
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
+
+    Returns:
+        [..., out_features] in the inputs' dtype. Only gate and up (or gate_up), and weight, are saved
+        for backward: 2*I elements per token, against eager's 4*I.
+    """
+    owner = "gated_linear"
+    check_activation(activation, owner)
+    if gate_up is not None:
+        if gate is not None or up is not None:
+            raise ValueError(f"{owner}: pass either gate and up, or gate_up=, not both")
+        if not isinstance(gate_up, torch.Tensor) or gate_up.dim() < 1 or gate_up.shape[-1] % 2:
+            raise ValueError(f"{owner}: gate_up must be a tensor of shape [..., 2 * intermediate_size] (an even "
+                             f"last dim), got {tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else gate_up}")
+        _check_weight(weight, bias, gate_up.shape[-1] // 2, gate_up, owner)
+        return GatedLinearFunction.apply(gate_up, None, weight, bias, activation,
+                                         _resolve_backend(backend, gate_up, owner))
+    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor) or gate.dim() < 1:
+        raise ValueError(f"{owner}: gate and up must be tensors of shape [..., intermediate_size] "
+                         "(or pass gate_up= for the packed form)")
+    if gate.shape != up.shape:
+        raise ValueError(f"{owner}: gate has shape {tuple(gate.shape)} but up {tuple(up.shape)}; they must match")
+    _check_tensor("up", up, gate, owner)
+    _check_weight(weight, bias, gate.shape[-1], gate, owner)
+    return GatedLinearFunction.apply(gate, up, weight, bias, activation, _resolve_backend(backend, gate, owner))
+
+
+def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *,
+                        activation="silu", backend=None):
+    """``down(act(gate(x)) * up(x))`` saving only x: gate and up are recomputed in backward.
+
+    x: [..., H]; gate_weight / up_weight: [I, H] (or ``up_weight`` None and ``gate_weight`` the packed
+    [2*I, H] gate_up projection, first half gate); down_weight: [N, I]; biases optional. All one dtype
+    and device. Returns [..., N]. Used by ``FusedGatedMLP(recompute=True)``.
+    """
+    owner = "gated_mlp_recompute"
+    check_activation(activation, owner)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"{owner}: x must be a tensor of shape [..., hidden_size]")
+    projections = [("gate_weight", gate_weight, gate_bias)] + ([] if up_weight is None else
+                                                               [("up_weight", up_weight, up_bias)])
+    rows = set()
+    for name, weight, bias in projections:
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
+            raise ValueError(f"{owner}: {name} must be [intermediate_size, hidden_size={x.shape[-1]}], got "
+                             f"{tuple(weight.shape) if isinstance(weight, torch.Tensor) else weight}")
+        if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(f"{owner}: the bias of {name} has shape {tuple(bias.shape)}; expected "
+                             f"({weight.shape[0]},)")
+        for label, tensor in ((name, weight), (f"bias of {name}", bias)):
+            if tensor is not None:
+                _check_tensor(label, tensor, x, owner)
+        rows.add(weight.shape[0])
+    if len(rows) != 1 or (up_weight is None and gate_weight.shape[0] % 2):
+        raise ValueError(f"{owner}: gate and up projections must have the same number of rows (a packed gate_up "
+                         f"an even number), got {sorted(rows)}")
+    width = gate_weight.shape[0] // 2 if up_weight is None else gate_weight.shape[0]
+    _check_weight(down_weight, down_bias, width, x, owner)
+    return GatedMLPRecomputeFunction.apply(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
+                                           activation, _resolve_backend(backend, x, owner))

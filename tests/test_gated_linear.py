@@ -1,0 +1,453 @@
+"""gated_linear, gated_mlp_recompute and FusedGatedMLP against eager PyTorch in float64, and their memory contract."""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import memkernels
+from memkernels.meters import SavedBytesMeter
+from memkernels.nn.mlp import FusedGatedMLP
+from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
+from memkernels.testing import check_against_reference
+
+from act_gemm_cases import KernelChoiceLog
+
+triton = pytest.importorskip("triton")
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request):
+    """Run a test once per backend, selected globally with memkernels.set_backend."""
+    if request.param == "triton" and not (INTERPRETED or torch.cuda.is_available()):
+        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
+    memkernels.set_backend(request.param)
+    yield request.param
+    memkernels.set_backend("auto")
+
+
+def act(x, activation):
+    if activation == "silu":
+        return F.silu(x)
+    return F.gelu(x, approximate="tanh" if activation == "gelu_tanh" else "none")
+
+
+def eager_gated_linear(gate, up, weight, bias, activation="silu"):
+    """What a Hugging Face LlamaMLP's down projection computes."""
+    return F.linear(act(gate, activation) * up, weight, bias)
+
+
+def eager_packed(gate_up, weight, bias, activation="silu"):
+    gate, up = gate_up.chunk(2, dim=-1)  # Phi-3's split: first half gate
+    return F.linear(act(gate, activation) * up, weight, bias)
+
+
+def fused_gated_linear(gate, up, weight, bias, activation="silu"):
+    return gated_linear(gate, up, weight, bias, activation=activation)
+
+
+def fused_packed(gate_up, weight, bias, activation="silu"):
+    return gated_linear(gate_up=gate_up, weight=weight, bias=bias, activation=activation)
+
+
+def make_inputs(leading, width, out_features, dtype, bias=True, packed=False, requires_grad=True):
+    """[gate, up, weight, bias] (or [gate_up, weight, bias]); gate spans silu's and gelu's curved range."""
+    gate = torch.randn(*leading, width) * 2
+    up = torch.randn(*leading, width)
+    weight = torch.randn(out_features, width) * width ** -0.5
+    b = torch.randn(out_features) if bias else None
+    operands = [torch.cat([gate, up], -1)] if packed else [gate, up]
+    tensors = [t if t is None else t.to(dtype).requires_grad_(requires_grad) for t in operands + [weight, b]]
+    return tensors
+
+
+def _functions(packed):
+    return (fused_packed, eager_packed) if packed else (fused_gated_linear, eager_gated_linear)
+
+
+# --------------------------------------------------------------------------------------------
+# Output and gradients vs float64
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_float64(backend, dtype, activation, has_bias, packed):
+    fn, eager = _functions(packed)
+    inputs = make_inputs((3, 7), 53, 61, dtype, bias=has_bias, packed=packed)
+    check_against_reference(fn, eager, inputs, kwargs={"activation": activation})
+
+
+# (leading dims, I, out features): every compared tensor has ~30+ elements (see test_gelu_linear.py)
+SHAPES = [
+    ((1,), 131, 67),  # one token
+    ((40,), 1, 31),  # I = 1
+    ((2, 31), 127, 129),  # just under and over a power of two
+    ((3, 43), 130, 70),  # M = 129: several row blocks
+    ((37,), 33, 1),  # N = 1
+    ((33,), 56, 16),  # Llama-3's I / H = 14336 / 4096 = 3.5
+    ((33,), 128, 16),  # Gemma's I / H = 24576 / 3072 = 8
+    ((33,), 87, 16),  # Qwen2-0.5B's I / H = 4864 / 896 = 5.43
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[0] + s[1:])))
+@pytest.mark.parametrize("dtype, activation, packed", [(torch.float32, "silu", False),
+                                                       (torch.bfloat16, "gelu_tanh", True),
+                                                       (torch.float16, "gelu", False)], ids=str)
+def test_shapes_match_float64(backend, dtype, activation, packed, shape):
+    fn, eager = _functions(packed)
+    check_against_reference(fn, eager, make_inputs(*shape, dtype, packed=packed), kwargs={"activation": activation})
+
+
+# The down projection of real models (H out, I = ratio * H in), a few tokens: the interpreter is slow.
+MODEL_WIDTH_CASES = [(torch.bfloat16, "silu", 512, 1792), (torch.float16, "gelu_tanh", 256, 2048),
+                     (torch.float32, "silu", 384, 2072)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype, activation, hidden, width", MODEL_WIDTH_CASES, ids=str)
+def test_matches_float64_model_widths(backend, dtype, activation, hidden, width):
+    check_against_reference(fused_gated_linear, eager_gated_linear, make_inputs((3,), width, hidden, dtype),
+                            kwargs={"activation": activation})
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_strided_operands(backend, dtype):
+    # gate and up with different layouts (a slice and a transposed view), the weight transposed
+    gate = (torch.randn(6, 80) * 2).to(dtype)[:, 3:50].requires_grad_()
+    up = torch.randn(47, 6).to(dtype).t().requires_grad_()
+    weight = (torch.randn(47, 29) * 47 ** -0.5).to(dtype).t().requires_grad_()
+    bias = torch.randn(29).to(dtype).requires_grad_()
+    assert not gate.is_contiguous() and not up.is_contiguous() and not weight.is_contiguous()
+    check_against_reference(fused_gated_linear, eager_gated_linear, [gate, up, weight, bias])
+
+
+def eager_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation="silu"):
+    if up_weight is None:
+        gate, up = F.linear(x, gate_weight, gate_bias).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(x, gate_weight, gate_bias), F.linear(x, up_weight, up_bias)
+    return F.linear(act(gate, activation) * up, down_weight, down_bias)
+
+
+def recompute_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation="silu"):
+    return gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
+                               activation=activation)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
+@pytest.mark.parametrize("dtype, activation", [(torch.float32, "silu"), (torch.float16, "gelu"),
+                                               (torch.bfloat16, "gelu_tanh")], ids=str)
+def test_recompute_matches_float64(backend, dtype, activation, has_bias, packed):
+    hidden, width = 24, 61
+
+    def param(*shape, scale=1.0):
+        return (torch.randn(*shape) * scale).to(dtype).requires_grad_()
+
+    x = param(2, 17, hidden)
+    gate_weight = param(2 * width if packed else width, hidden, scale=hidden ** -0.5)
+    up_weight = None if packed else param(width, hidden, scale=hidden ** -0.5)
+    gate_bias = param(gate_weight.shape[0]) if has_bias else None
+    up_bias = param(width) if has_bias and not packed else None
+    down_weight, down_bias = param(hidden, width, scale=width ** -0.5), param(hidden) if has_bias else None
+    check_against_reference(recompute_mlp, eager_mlp,
+                            [x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias],
+                            kwargs={"activation": activation})
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="drives the kernels through the interpreter on CPU tensors")
+@pytest.mark.parametrize("width, column_offset, packed, aligned", [
+    (64, 0, False, True),  # contiguous, 16-multiple sizes
+    (64, 0, True, True),  # packed: up starts 64 elements into each row, still 16-byte aligned
+    (40, 0, False, False),  # odd intermediate size
+    (64, 1, False, False),  # gate and up slices one element in
+    (56, 0, True, False),  # packed with I = 56: up starts 112 bytes in (aligned) but rows are 2 * 56 apart
+])
+def test_misaligned_launches_use_the_spill_free_configs(monkeypatch, width, column_offset, packed, aligned):
+    from memkernels.ops import gelu_linear as op
+
+    log = []
+    monkeypatch.setattr(op, "_AUTOTUNED", {a: KernelChoiceLog(a, k, log) for a, k in op._AUTOTUNED.items()})
+    source = torch.randn(24, 2 * width + column_offset)[:, column_offset:].requires_grad_()
+    weight = torch.randn(32, width, requires_grad=True)
+    if packed:
+        y = gated_linear(gate_up=source, weight=weight, backend="triton")
+    else:  # views of one buffer: the same strides, so the kernel reads them in place
+        y = gated_linear(source[:, :width], source[:, width:], weight, backend="triton")
+    y.backward(torch.randn_like(y))
+    assert log == [aligned] * 3  # forward, d_gate/d_up and dW launches
+
+
+def test_prune_keeps_the_gated_configs():
+    from memkernels.ops import gelu_linear as op
+
+    shapes = dict.fromkeys(sum(op.GATED_CONFIGS.values(), ()) + op._CONFIGS)
+    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+               for bm, bn, bk, w, s in shapes]
+    for dtype, precision, operand in [(torch.bfloat16, "tf32", "bf16"), (torch.float32, "ieee", "fp32-ieee")]:
+        for role, flags in [("fwd", (False, False)), ("dx", (False, True)), ("dw", (True, False))]:
+            for aligned in (True, False):
+                kept = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages)
+                        for c in op._prune_configs(configs, {"a_ptr": torch.empty(0, dtype=dtype)}, aligned=aligned,
+                                                   ACT_ON_B=flags[0], ACT_GRAD_EPILOGUE=flags[1], GATED=True,
+                                                   INPUT_PRECISION=precision)}
+                assert kept == set(op.GATED_CONFIGS[role, operand, aligned]) != set(), (role, operand, aligned)
+
+
+class _OpLog(TorchDispatchMode):
+    """Names of the memkernels custom ops and aten matmuls dispatched inside the block."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "memkernels" or func.__name__.split(".")[0] in ("mm", "addmm", "addmm_"):
+            self.calls.append(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("needed", [(True, False, False, False), (False, True, False, False),
+                                    (False, False, True, False), (False, False, False, True)],
+                         ids=["gate", "up", "weight", "bias"])
+def test_backward_computes_only_needed_grads(backend, needed):
+    gate, up, weight, bias = make_inputs((9,), 24, 40, torch.float32)
+    for tensor, needs in zip((gate, up, weight, bias), needed):
+        tensor.requires_grad_(needs)
+    y = gated_linear(gate, up, weight, bias)
+    with _OpLog() as log:
+        y.backward(torch.ones_like(y))
+    expected = (["gated_linear_grad_inputs"] if needed[0] or needed[1] else []) + (
+        ["gated_linear_grad_weight"] if needed[2] else [])
+    assert log.calls == expected
+    assert (gate.grad is not None, up.grad is not None, weight.grad is not None, bias.grad is not None) == needed
+
+
+def test_recompute_runs_two_extra_gemms_not_three(backend):
+    # backward recomputes gate and up (two GEMMs), never the down projection's forward
+    module = FusedGatedMLP(16, 40, recompute=True)
+    x = torch.randn(5, 16, requires_grad=True)
+    y = module(x)
+    with _OpLog() as log:
+        y.backward(torch.ones_like(y))
+    assert log.calls == ["mm", "mm",  # gate and up recomputed
+                         "gated_linear_grad_inputs", "gated_linear_grad_weight",  # no "gated_linear" forward
+                         "mm", "mm", "addmm_", "mm"]  # dx and dW of gate, dx accumulated and dW of up
+
+
+def test_empty_batch(backend):
+    gate, up, weight, bias = make_inputs((0,), 16, 8, torch.float32)
+    y = gated_linear(gate, up, weight, bias)
+    y.sum().backward()
+    assert y.shape == (0, 8)
+    assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
+
+
+# --------------------------------------------------------------------------------------------
+# Memory contract, measured
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gated_linear_saves_only_gate_and_up(backend, dtype, packed):
+    tokens, width = 100, 96
+    inputs = make_inputs((4, 25), width, 40, dtype, packed=packed)
+    fn, eager = _functions(packed)
+    # gate and up are made inside the metered region, as an MLP's projections make them
+    operands = [t.detach().requires_grad_() for t in inputs]
+    with SavedBytesMeter() as saved:
+        activations = [t * 1 for t in operands[:-2]]
+        y = fn(*activations, *operands[-2:])
+    element = torch.finfo(dtype).bits // 8
+    assert saved.bytes_per_token(tokens) == 2 * width * element  # gate and up
+    y.sum().backward()
+    with SavedBytesMeter() as saved_eager:
+        eager(*[t * 1 for t in operands[:-2]], *operands[-2:])
+    # eager: gate (saved by act), up and act(gate) (by the mul), the product (by the Linear);
+    # the packed form's chunk views gate and up in one storage, the same bytes
+    assert saved_eager.bytes_per_token(tokens) == 4 * width * element
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_gated_mlp_saved_bytes(backend, dtype, packed):
+    tokens, hidden, width = 30, 16, 64
+    element = torch.finfo(dtype).bits // 8
+    x = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+    for recompute, expected in ((False, 2 * width * element), (True, 0)):
+        mlp = FusedGatedMLP(hidden, width, recompute=recompute, packed=packed, dtype=dtype)
+        with SavedBytesMeter() as saved:
+            mlp(x)
+        assert saved.bytes_per_token(tokens) == expected, recompute
+        # what it holds beyond that is the caller's x and the parameters
+        held = sorted(r["nbytes"] for r in saved.records if not r["new"])
+        assert held == sorted([x.nbytes] + [p.nbytes for p in mlp.parameters() if p.dim() == 2]), recompute
+
+
+# --------------------------------------------------------------------------------------------
+# Modules
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+def test_fused_gated_mlp_matches_float64(backend, packed, recompute):
+    mlp = FusedGatedMLP(24, 70, activation="gelu_tanh", bias=True, recompute=recompute, packed=packed)
+    names = [name for name, _ in mlp.named_parameters()]
+
+    def fused(x, *params):
+        return torch.func.functional_call(mlp, dict(zip(names, params)), (x,))
+
+    def eager(x, *params):
+        p = dict(zip(names, params))
+        if packed:
+            gate, up = F.linear(x, p["gate_up_proj.weight"], p["gate_up_proj.bias"]).chunk(2, dim=-1)
+        else:
+            gate = F.linear(x, p["gate_proj.weight"], p["gate_proj.bias"])
+            up = F.linear(x, p["up_proj.weight"], p["up_proj.bias"])
+        return F.linear(F.gelu(gate, approximate="tanh") * up, p["down_proj.weight"], p["down_proj.bias"])
+
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    params = [p.detach().clone().requires_grad_() for p in mlp.parameters()]
+    check_against_reference(fused, eager, [x, *params], name="FusedGatedMLP")
+
+
+def _hf_mlp(kind):
+    transformers = pytest.importorskip("transformers")
+    common = dict(hidden_size=16, intermediate_size=40, num_attention_heads=2, num_key_value_heads=2)
+    if kind == "llama":
+        from transformers.models.llama.modeling_llama import LlamaMLP
+        return LlamaMLP(transformers.LlamaConfig(**common))
+    if kind == "gemma":
+        from transformers.models.gemma.modeling_gemma import GemmaMLP
+        return GemmaMLP(transformers.GemmaConfig(**common))
+    from transformers.models.phi3.modeling_phi3 import Phi3MLP
+    return Phi3MLP(transformers.Phi3Config(**common))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+@pytest.mark.parametrize("kind, activation", [("llama", "silu"), ("gemma", "gelu_tanh"), ("phi3", "silu")])
+def test_from_module_shares_parameters_and_matches(kind, activation, recompute):
+    # float64 runs on the torch backend (the default on CPU); both backends' numerics are checked above
+    hf = _hf_mlp(kind)
+    fused = FusedGatedMLP.from_module(hf, recompute=recompute)
+    assert fused.activation == activation and fused.packed == (kind == "phi3")
+    assert list(fused.state_dict()) == [k for k in hf.state_dict()]
+    assert all(a is b for a, b in zip(fused.parameters(), hf.parameters()))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    torch.testing.assert_close(fused.double()(x), hf.double()(x))
+
+
+def test_from_module_rejects_what_it_cannot_fuse():
+    mlp = FusedGatedMLP(8, 16)
+    mlp.act_fn = nn.ReLU()
+    with pytest.raises(TypeError, match="activation ReLU is not SiLU or GELU"):
+        FusedGatedMLP.from_module(mlp)
+    with pytest.raises(TypeError, match="is not a gated MLP"):
+        FusedGatedMLP.from_module(nn.Linear(4, 4))
+    mlp.act_fn = nn.SiLU()
+    mlp.down_proj = nn.Identity()
+    with pytest.raises(TypeError, match="down_proj must be an nn.Linear, got Identity"):
+        FusedGatedMLP.from_module(mlp)
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input
+
+
+def test_bad_input_names_the_argument():
+    gate, up, weight, bias = make_inputs((3,), 8, 5, torch.float32)
+    with pytest.raises(ValueError, match="intermediate size mismatch: gate and up have 8"):
+        gated_linear(gate, up, weight[:, :7], bias)
+    with pytest.raises(ValueError, match="gate has shape \\(3, 8\\) but up \\(3, 7\\)"):
+        gated_linear(gate, up[:, :7], weight, bias)
+    with pytest.raises(ValueError, match="weight is on meta"):
+        gated_linear(gate, up, weight.to("meta"), bias)
+    with pytest.raises(ValueError, match="up is torch.float16"):
+        gated_linear(gate, up.half(), weight, bias)
+    with pytest.raises(ValueError, match="bias has shape"):
+        gated_linear(gate, up, weight, bias[:4])
+    with pytest.raises(ValueError, match="activation='relu'"):
+        gated_linear(gate, up, weight, bias, activation="relu")
+    with pytest.raises(ValueError, match="not both"):
+        gated_linear(gate, up, weight, gate_up=torch.cat([gate, up], -1))
+    with pytest.raises(ValueError, match="an even last dim"):
+        gated_linear(gate_up=gate[:, :7], weight=weight)
+    with pytest.raises(ValueError, match="intermediate size mismatch: gate and up have 4"):
+        gated_linear(gate_up=gate, weight=weight)
+    with pytest.raises(ValueError, match="backend='cuda'"):
+        gated_linear(gate, up, weight, backend="cuda")
+    with pytest.raises(ValueError, match="gate and up must be tensors"):
+        gated_linear(gate, None, weight)
+    with pytest.raises(ValueError, match="up_weight must be \\[intermediate_size, hidden_size=8\\]"):
+        gated_mlp_recompute(gate, weight.t(), None, weight, None, weight, None)
+    with pytest.raises(ValueError, match="activation='swish'"):
+        FusedGatedMLP(4, 8, activation="swish")
+
+
+def test_triton_backend_rejects_a_device_it_cannot_run_on():
+    gate, up, weight, bias = (t.detach().to("meta") for t in make_inputs((3,), 8, 5, torch.float32))
+    with pytest.raises(ValueError, match="backend='triton' cannot run on meta"):
+        gated_linear(gate, up, weight, bias, backend="triton")
+
+
+# --------------------------------------------------------------------------------------------
+# torch.library registration
+
+
+def test_custom_ops_pass_opcheck(backend):
+    gate, up, weight, bias = make_inputs((6,), 20, 12, torch.float32, requires_grad=False)
+    grad_out = torch.randn(6, 12)
+    ops = torch.ops.memkernels
+    torch.library.opcheck(ops.gated_linear.default, (gate, up, weight, bias, "silu", backend))
+    torch.library.opcheck(ops.gated_linear.default, (gate, up, weight, None, "gelu", backend))
+    torch.library.opcheck(ops.gated_linear_grad_inputs.default,
+                          (grad_out, gate, up, weight, False, "gelu_tanh", backend))
+    torch.library.opcheck(ops.gated_linear_grad_inputs.default, (grad_out, gate, up, weight, True, "silu", backend))
+    torch.library.opcheck(ops.gated_linear_grad_weight.default, (grad_out, gate, up, "silu", backend))
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
+def test_torch_compile_fullgraph(backend, recompute):
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graph_ops = {"forward": [], "backward": []}
+
+    def recorder(which):
+        def compile_graph(gm, example_inputs):
+            graph_ops[which].extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    mlp = FusedGatedMLP(24, 40, recompute=recompute, packed=recompute)
+    compiled = torch.compile(mlp, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")))
+    x = torch.randn(2, 5, 24, requires_grad=True)
+    y = compiled(x)
+    y.backward(torch.ones_like(y))
+    expected_grad = torch.autograd.grad(mlp(x).sum(), x)[0]
+    torch.testing.assert_close(x.grad, expected_grad)
+    assert "memkernels.gated_linear.default" in graph_ops["forward"]
+    assert {"memkernels.gated_linear_grad_inputs.default", "memkernels.gated_linear_grad_weight.default"} <= set(
+        graph_ops["backward"])
+    assert not any("silu" in op for ops in graph_ops.values() for op in ops)
+
+
+def test_aot_check_imports_the_module_that_registered_the_gated_variants():
+    # gated_linear registers gelu_linear's kernel: the compile subprocess must import gated_linear, or
+    # aot.check() finds no "gated_linear" there (it failed so before the registry kept the importer)
+    from memkernels import aot
+
+    entry = aot._REGISTRY["gated_linear"]
+    assert entry.module == "memkernels.ops.gelu_linear" and entry.importer == "memkernels.ops.gated_linear"
+    assert aot._REGISTRY["gelu_linear"].importer == "memkernels.ops.gelu_linear"
