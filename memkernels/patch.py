@@ -486,10 +486,8 @@ def _lora_down(down):
     projection, or a string saying why it cannot be fused. A peft LoRA layer is recognized by its
     attributes (peft need not be importable)."""
     if type(down) is nn.Linear:
-        return _why_not_plain(down, (nn.Linear,), "down_proj") or (down, [])
+        return down, []
     base = getattr(down, "base_layer", down)
-    if any(m._forward_hooks or m._forward_pre_hooks for m in (down, base)):
-        return "down_proj has forward hooks, which fusing would skip"
     if type(base).__module__.startswith("bitsandbytes"):
         return f"bitsandbytes-quantized down_proj ({type(base).__name__}): the fused GEMM needs a dense weight"
     if type(base) is not nn.Linear or not hasattr(down, "lora_A"):
@@ -521,8 +519,12 @@ def _plan_gated_mlp(name, module, actions, report):
     else:
         _, _, down, act = gated_mlp_parts(module)
         down_parts = _lora_down(down)
+        # Checked here, not per call: a measuring tool's own hooks (activation_ledger) must not
+        # switch the fused path off.
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (down, getattr(down, "base_layer", down)))
         reason = (f"gated MLP activation {type(act).__name__} is not SiLU or GELU" if gated_activation(act) is None
-                  else down_parts if isinstance(down_parts, str) else None)
+                  else down_parts if isinstance(down_parts, str)
+                  else "down_proj has forward hooks, which fusing would skip" if hooked else None)
     if reason:
         report.skipped.append({"name": name, "type": cls_name, "reason": reason})
     else:
@@ -542,7 +544,7 @@ def _gated_mlp_forward(mlp, x):
 
     gate_proj, up_proj, down_proj, _ = gated_mlp_parts(mlp)
     activation = mlp._memkernels_gated_activation
-    if mlp._memkernels_recompute and _all_plain(gate_proj, up_proj, down_proj):
+    if mlp._memkernels_recompute and all(p is None or type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
         up_weight, up_bias = (None, None) if up_proj is None else (up_proj.weight, up_proj.bias)
         return gated_mlp_recompute(x, gate_proj.weight, gate_proj.bias, up_weight, up_bias, down_proj.weight,
                                    down_proj.bias, activation=activation)
@@ -566,14 +568,11 @@ def _patch_gated_mlp(module, recompute):
     gate, up, down, act = gated_mlp_parts(module)
     _switch_class(module, _FusedGatedMLPForward)
     module._memkernels_gated_activation = gated_activation(act)
-    # recompute needs the projections' plain weights; LoRA projections keep the saving variant
-    module._memkernels_recompute = recompute
-    return "recompute" if recompute and _all_plain(gate, up, down) else "saves gate, up"
-
-
-def _all_plain(*projections):
-    """Recompute reads every projection's weights itself: only plain hook-free nn.Linear (or absent)."""
-    return all(p is None or _why_not_plain(p, (nn.Linear,), "projection") is None for p in projections)
+    # recompute reads every projection's weights itself: only plain hook-free nn.Linear projections
+    # (LoRA or hooked ones keep the saving variant, which calls gate_proj and up_proj as modules)
+    module._memkernels_recompute = recompute and all(
+        p is None or _why_not_plain(p, (nn.Linear,), "projection") is None for p in (gate, up, down))
+    return "recompute" if module._memkernels_recompute else "saves gate, up"
 
 
 def _check_flag(name, value):

@@ -228,31 +228,60 @@ def test_linear_subclasses_and_hooked_modules_are_left_alone():
                                      pytest.param(_gemma, marks=pytest.mark.slow), _gpt2],
                          ids=["llama", "qwen2", "gemma", "gpt2"])
 def test_apply_under_bf16_autocast_matches_eager_under_autocast(factory):
-    """Three SGD steps under torch.autocast("cpu", bfloat16). At each step the eager and patched
-    fp32 models take the float64 model's current weights, and their loss and every gradient are
-    judged against it (the float64 model is never autocast): within 2x eager autocast's own error.
-    Copying the weights keeps one step's rounding from being amplified into the next step's."""
-    reference = factory().double().train()
-    eager = copy.deepcopy(reference).float()
-    patched = copy.deepcopy(eager)
-    apply(patched, measure=False)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for step in range(3):
-        with torch.no_grad():
-            for model in (eager, patched):
-                for param, param64 in zip(model.parameters(), reference.parameters()):
-                    param.copy_(param64)
-        ids, labels = _batch()
-        losses, grads = {}, {}
-        for who, model in (("reference", reference), ("eager", eager), ("patched", patched)):
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                losses[who], grads[who] = _loss_and_grads(model, ids, labels)
-        _assert_parity(*(losses[w].reshape(1) for w in ("reference", "eager", "patched")), f"step {step} loss")
-        global_scale = max(g.abs().max().item() for g in grads["reference"].values())
-        for name, g64 in grads["reference"].items():
-            _assert_parity(g64, grads["eager"][name], grads["patched"][name], f"step {step} {name}",
-                           scale=max(g64.abs().max().item(), global_scale * 1e-3))
-        optimizer.step()
+    """Two SGD steps under torch.autocast("cpu", bfloat16), on each of three freshly initialized
+    models. At each step the eager and patched fp32 models take the float64 model's current
+    weights, and their loss and every gradient are judged against it (the float64 model is never
+    autocast). Copying the weights keeps one step's rounding from being amplified into the next.
+
+    The verdict: each quantity's worst error over the six steps, patched against 2x eager's worst
+    (memkernels.testing's rule for few-element quantities). Under bf16 one model's error is set by
+    how its weights happen to round: over seeds 0-7 the Llama loss error of eager and of the fused
+    gated MLP each ranged 6e-6..1.6e-4, their ratio 0.5..2.7 with a median near 1, the same ratio
+    for all steps of one model. So one model says nothing; the worst over three does. Gradients
+    are compared by RMS error, which separates a correct patch from a wrong one where the max
+    error over a few bf16 roundings does not (figures below)."""
+    errors, floors = {}, {}
+
+    def record(quantity, who, error, floor):
+        errors[quantity, who] = max(errors.get((quantity, who), 0.0), error)
+        floors[quantity] = max(floors.get(quantity, 0.0), floor)
+
+    eps = torch.finfo(torch.float32).eps
+    for _model in range(3):
+        reference = factory().double().train()
+        eager = copy.deepcopy(reference).float()
+        patched = copy.deepcopy(eager)
+        apply(patched, measure=False)
+        optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+        for _step in range(2):
+            with torch.no_grad():
+                for model in (eager, patched):
+                    for param, param64 in zip(model.parameters(), reference.parameters()):
+                        param.copy_(param64)
+            ids, labels = _batch()
+            losses, grads = {}, {}
+            for who, model in (("reference", reference), ("eager", eager), ("patched", patched)):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    losses[who], grads[who] = _loss_and_grads(model, ids, labels)
+            global_scale = max(g.abs().max().item() for g in grads["reference"].values())
+            for who in ("eager", "patched"):
+                record("loss", who, (losses[who].double() - losses["reference"]).abs().item(),
+                       4 * eps * losses["reference"].abs().item())
+                for name, g64 in grads["reference"].items():
+                    record(name, who, (grads[who][name].double() - g64).pow(2).mean().sqrt().item(),
+                           4 * eps * max(g64.abs().max().item(), global_scale * 1e-3))
+            optimizer.step()
+    for quantity, floor in floors.items():
+        eager_error, patched_error = errors[quantity, "eager"], errors[quantity, "patched"]
+        # Measured on Llama over seeds 1-8, the worst RMS ratio of a correct patch was 1.00-1.32 (1.58
+        # once in 12 test seeds), of one whose gated MLP output is 1% off 1.73-1.97, 3% off above 2: this
+        # bf16 test catches errors of a few percent and wrong dtypes; the fp32 parity tests
+        # (tests/test_patch.py, test_patch_gated_mlp.py) catch finer ones. By max error the correct and
+        # the 1%-off patch overlap (1.21-1.67 against 2.01-3.33).
+        bound = 2
+        assert patched_error <= bound * eager_error + floor, (
+            f"{quantity}: worst patched error {patched_error:.3e} > {bound} x worst eager error {eager_error:.3e} "
+            f"+ {floor:.1e}")
 
 
 # ----------------------------------------------------------------------------- Trainer

@@ -86,5 +86,5 @@ def test_the_real_launchers_carry_the_guard():
     from memkernels.ops import _norm_kernels, cross_entropy, gelu_linear, linear_cross_entropy
 
     for launcher in (_norm_kernels.norm_forward, _norm_kernels.norm_backward, cross_entropy._launch,
-                     gelu_linear._gemm, linear_cross_entropy._add_to_split_float32_triton):
+                     gelu_linear.act_gemm, linear_cross_entropy._add_to_split_float32_triton):
         assert getattr(launcher, "device_guarded", False), launcher.__name__

@@ -388,7 +388,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="gate and up must be tensors"):
         gated_linear(gate, None, weight)
     with pytest.raises(ValueError, match="up_weight must be \\[intermediate_size, hidden_size=8\\]"):
-        gated_mlp_recompute(gate, weight.t(), None, weight, None, weight, None)
+        gated_mlp_recompute(gate, weight, None, weight.t(), None, weight, None)
     with pytest.raises(ValueError, match="activation='swish'"):
         FusedGatedMLP(4, 8, activation="swish")
 

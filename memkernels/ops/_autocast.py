@@ -36,9 +36,13 @@ def _target_dtype(policy, device_type):
     return torch.get_autocast_dtype(device_type)
 
 
-def cast(op_name, device_type, args):
-    """``args`` cast as ``op_name``'s policy for ``device_type`` says; unchanged outside autocast."""
-    policies, positions = _POLICIES[op_name]
+def cast(op_name, device_type, args, positions=None):
+    """``args`` cast as ``op_name``'s policy for ``device_type`` says; unchanged outside autocast.
+
+    ``positions``: which of ``args`` the policy casts (default: those registered for the op).
+    """
+    policies, registered = _POLICIES[op_name]
+    positions = registered if positions is None else frozenset(positions)
     policy = policies.get(device_type)
     if policy is None or not _enabled(device_type):
         return tuple(args)
@@ -86,14 +90,16 @@ def device_type_of(args):
     return next((arg.device.type for arg in args if isinstance(arg, torch.Tensor)), None)
 
 
-def call(op_name, function, *args):
+def call(op_name, function, *args, positions=None):
     """``function(*args)`` as ``op_name`` runs under autocast: args cast by its policy, autocast off inside.
 
-    Outside an autocast region ``function(*args)`` runs unchanged.
+    ``positions``: which of ``args`` to cast, when ``function`` takes other arguments than the op
+    (default: the op's registered positions). Outside an autocast region ``function(*args)`` runs
+    unchanged.
     """
     device_type = device_type_of(args)
     if not _enabled(device_type):
         return function(*args)
-    args = cast(op_name, device_type, args)
+    args = cast(op_name, device_type, args, positions)
     with torch.autocast(device_type, enabled=False):
         return function(*args)

@@ -15,10 +15,13 @@ function. :class:`GatedMLPRecomputeFunction` is the whole MLP saving only its in
 
 File order: launchers → custom ops → autograd.Functions → public function.
 """
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from memkernels import aot
+from memkernels.ops import _autocast
 from memkernels._backend import resolve, triton_interpreted
 from memkernels.ops.gelu_linear import _TRITON_DTYPES, _Step, _act_gemm_kernel, _empty_problem, act_gemm, aot_variants
 from memkernels.reference import gated_linear as reference
@@ -85,6 +88,11 @@ _STEPS = {
         _grad_weight_triton, reference.grad_weight,
         lambda grad_out2d, gate2d, up2d, activation: grad_out2d.new_empty(grad_out2d.shape[1], gate2d.shape[1])),
 }
+
+
+# A GEMM: under autocast gate, up, weight and bias are cast to the region's dtype, as F.linear's are.
+_autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"},
+                   positions=(0, 1, 2, 3))
 
 
 def _run(step, backend, *args):
@@ -288,8 +296,15 @@ def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, ac
 
     Returns:
         [..., out_features] in the inputs' dtype. Only gate and up (or gate_up), and weight, are saved
-        for backward: 2*I elements per token, against eager's 4*I.
+        for backward: 2*I elements per token, against eager's 4*I. Under ``torch.autocast`` every
+        tensor argument is cast to the region's dtype first, as ``F.linear`` casts its own.
     """
+    return _autocast.call(_STEPS["forward"].name,
+                          functools.partial(_gated_linear, activation=activation, backend=backend),
+                          gate, up, weight, bias, gate_up, positions=range(5))
+
+
+def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
     owner = "gated_linear"
     check_activation(activation, owner)
     if gate_up is not None:
@@ -317,8 +332,16 @@ def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weig
 
     x: [..., H]; gate_weight / up_weight: [I, H] (or ``up_weight`` None and ``gate_weight`` the packed
     [2*I, H] gate_up projection, first half gate); down_weight: [N, I]; biases optional. All one dtype
-    and device. Returns [..., N]. Used by ``FusedGatedMLP(recompute=True)``.
+    and device. Returns [..., N]. Used by ``FusedGatedMLP(recompute=True)``. Under ``torch.autocast``
+    every tensor argument is cast to the region's dtype first, as the three ``F.linear`` calls would be.
     """
+    return _autocast.call(_STEPS["forward"].name,
+                          functools.partial(_gated_mlp_recompute, activation=activation, backend=backend),
+                          x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, positions=range(7))
+
+
+def _gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *, activation,
+                         backend):
     owner = "gated_mlp_recompute"
     check_activation(activation, owner)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
