@@ -13,7 +13,8 @@ shapes of real models, in bf16 and fp32:
   ``fill_`` and ``zero_`` do not read their destination). Both against the op's minimum:
   every input of the pass read once, every output written once.
 - **FLOPs**: aten by ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode``
-  uses); Triton as 2*M*N*K per ``tl.dot``. Float64 arithmetic in kernels is counted apart.
+  uses); Triton as 2*M*N*K per ``tl.dot``. Float64 work in kernels (each element widened to
+  float64, each float64 arithmetic op) is counted apart as "fp64" FLOPs.
 - **Tensor-core eligibility**: each matmul's operand dtypes (aten and ``tl.dot``); a float32
   operand on half inputs is flagged.
 - **Host syncs**: aten ops that read device memory back to the host (:data:`SYNC_OPS`).
@@ -270,7 +271,7 @@ def _patched_interpreter():
     builder = interpreter.InterpreterBuilder
     executor = interpreter.GridExecutor
     originals = {name: getattr(builder, name) for name in ("create_masked_load", "create_masked_store",
-                                                          "create_dot", "binary_op")}
+                                                          "create_dot", "binary_op", "cast_impl")}
     original_call, original_init_args = executor.__call__, executor._init_args_hst
 
     def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
@@ -306,6 +307,12 @@ def _patched_interpreter():
             kernel.fp64_ops += int(np.broadcast(lhs.data, rhs.data).size)
         return originals["binary_op"](self, lhs, rhs, op)
 
+    def cast_impl(self, src, dst_type):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None and dst_type.scalar == tl.float64 and src.dtype.scalar != tl.float64:
+            kernel.fp64_ops += int(np.size(src.data))  # each widened element feeds an fp64 sum or product
+        return originals["cast_impl"](self, src, dst_type)
+
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = original_init_args(self, args_dev, kwargs)
         if _ACTIVE is not None and _ACTIVE.in_kernel:
@@ -331,6 +338,7 @@ def _patched_interpreter():
     setattr(builder, "create_masked_store", masked_store)
     setattr(builder, "create_dot", dot)
     setattr(builder, "binary_op", binary_op)
+    setattr(builder, "cast_impl", cast_impl)
     executor.__call__, executor._init_args_hst = call, init_args
     try:
         yield
