@@ -146,6 +146,15 @@ _TOKEN_SIZE = {"fwd": "M", "dx": "M", "dw": "K"}
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def _tuning_sizes(role, M, K):
+    """(TUNE_M, TUNE_K): the autotune key's M and K, the token count rounded up to a power of two
+    (at least 64). The best tile shape depends on the feature sizes, the dtype, the alignment and
+    the flags, and on the token count only through its magnitude: a run with dynamic padding then
+    tunes once per power of two instead of once per sequence length."""
+    bucket = lambda tokens: max(64, triton.next_power_of_2(tokens))  # noqa: E731
+    return (bucket(M), K) if _TOKEN_SIZE[role] == "M" else (M, bucket(K))
+
+
 def _operand_name(dtype_name, input_precision):
     """"bf16", "fp16", "fp32" (TF32 dots) or "fp32-ieee": what decides the register budget."""
     return "fp32-ieee" if input_precision == "ieee" else dtype_name
@@ -208,6 +217,7 @@ def _gelu_gemm_kernel(
     stride_bk, stride_bn,
     stride_cm, stride_cn,
     stride_xm, stride_xn,
+    TUNE_M, TUNE_K,  # M and K with the token count bucketed (see _tuning_sizes): autotune key only
     GELU_ON_A: tl.constexpr,  # apply gelu to A tiles on load (forward)
     GELU_ON_B: tl.constexpr,  # apply gelu to B tiles on load (dW)
     GELU_GRAD_EPILOGUE: tl.constexpr,  # multiply C by gelu'(x) (dx)
@@ -266,7 +276,7 @@ def _autotuned(aligned):
     never reuses a config chosen for an aligned one of the same sizes."""
     return triton.autotune(
         configs=_autotune_configs(),
-        key=["M", "N", "K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS", "INPUT_PRECISION"],
+        key=["TUNE_M", "N", "TUNE_K", "GELU_ON_A", "GELU_ON_B", "GELU_GRAD_EPILOGUE", "HAS_BIAS", "INPUT_PRECISION"],
         prune_configs_by={"early_config_prune": functools.partial(_prune_configs, aligned=aligned)},
     )(_gelu_gemm_kernel)
 
@@ -296,7 +306,7 @@ def _aot_variants():
     """Variant dicts for memkernels.aot.register: roles x dtypes x alignments x the tile shapes."""
     pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "x_ptr")
     integers = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
-                "stride_cm", "stride_cn", "stride_xm", "stride_xn")
+                "stride_cm", "stride_cn", "stride_xm", "stride_xn", "TUNE_M", "TUNE_K")
     variants = []
     for dtype, precision in _AOT_DTYPES:
         operand = _operand_name(dtype, precision)
@@ -360,12 +370,13 @@ def _gemm(a, b, out, *, bias=None, x=None, gelu_on_a=False, gelu_on_b=False, app
                 bias if bias is not None else out,  # never read without HAS_BIAS
                 x if x is not None else out)  # never read without GELU_GRAD_EPILOGUE
     strides = (*a.stride(), *b.stride(), *out.stride(), *(x.stride() if x is not None else (0, 0)))
-    token_size = _TOKEN_SIZE[_role(gelu_on_b, x is not None)]
+    role = _role(gelu_on_b, x is not None)
+    token_size = _TOKEN_SIZE[role]
     feature_sizes = [size for name, size in (("M", M), ("N", N), ("K", K)) if name != token_size]
     kernel = _AUTOTUNED[_jit_sees_aligned(pointers, strides, feature_sizes)]
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
-        *pointers, M, N, K, *strides,
+        *pointers, M, N, K, *strides, *_tuning_sizes(role, M, K),
         GELU_ON_A=gelu_on_a, GELU_ON_B=gelu_on_b, GELU_GRAD_EPILOGUE=x is not None,
         HAS_BIAS=bias is not None, APPROX_TANH=approximate == "tanh",
         INPUT_PRECISION=_input_precision(a.dtype),
