@@ -174,3 +174,26 @@ def test_eager_counts_on_fake_tensors_at_the_real_shape():
 ])
 def test_blocks_per_sm(arch, registers, warps, shared, blocks):
     assert gpu_audit.blocks_per_sm(arch, registers, warps, shared) == blocks
+
+
+def test_half_gemm_float32_result_matches_widened_operands():
+    from memkernels.ops._half_gemm import addmm_float32_, mm_float32
+    a, b = torch.randn(5, 7, dtype=torch.bfloat16), torch.randn(7, 3, dtype=torch.bfloat16)
+    out = torch.empty(5, 3)
+    with gpu_audit.count() as counts:
+        mm_float32(a, b, out=out)
+    torch.testing.assert_close(out, a.float() @ b.float(), rtol=0, atol=0)
+    assert counts.matmul_dtypes == [("mm", ("bf16", "bf16"))]  # what a GPU runs: half operands
+    accumulator = torch.ones(5, 3)
+    addmm_float32_(accumulator, a, b)
+    torch.testing.assert_close(accumulator, 1 + a.float() @ b.float(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_gpu_check_says_so_and_exits_0_without_a_gpu():
+    import os
+    import subprocess
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.sh")
+    run = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0
+    assert "no CUDA GPU" in run.stdout
