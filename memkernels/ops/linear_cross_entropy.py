@@ -253,16 +253,16 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
                                                               loss_scale=loss_scale, z_scale=z_scale)
             grad_hidden, grad_weight_halves, grad_bias64 = grads
-            if grad_bias64 is not None:
-                grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             # The GEMMs take the gradient rounded once to the input dtype (as eager's do), back in the
-            # logits buffer: half operands, float32 accumulation.
+            # logits buffer: half operands, float32 accumulation. dB sums the unrounded float32 chunk.
             rounded = logits if grad_chunk is logits else logits.copy_(grad_chunk)
             if grad_weight_halves is not None:
                 _accumulate_weight_grad(*grad_weight_halves, rounded, hidden_rows, backend, scratch_bytes)
+            if grad_bias64 is not None:
+                grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
                 torch.mm(rounded, weight, out=grad_hidden[start:end])
-            del grad_chunk
+            del grad_chunk, rounded
         if z is not None:
             z[start:end] = z_rows
         del logits
