@@ -495,7 +495,7 @@ class Case:
     check_values: tuple  # held-out small shapes (dicts) the fit must reproduce exactly
     build: object  # build(shape, dtype, impl) -> Problem; impl "memkernels" | "eager" | "liger"
     minimum: object  # minimum(shape, element_bytes) -> {"forward": (bytes, flops), "backward": (bytes, flops)}
-    extra_launches: object = None  # extra_launches(shape, dtype) -> {(kind, name): n} the small shapes miss
+    extra_launches: object = None  # extra_launches(shape, dtype) -> {(kind, name): (launches, bytes)} not at small shapes
     setup: object = None  # setup(shape) -> context manager that makes the op take a fit variable's value
 
 
@@ -626,15 +626,16 @@ def _linear_ce_chunks(shape, dtype):
 
 @contextlib.contextmanager
 def _wide_split_blocks(shape):
-    """Run the split accumulator's elementwise kernel in blocks of 64 Ki elements instead of 1 Ki: the
-    same loads and stores (masks honoured), in 64 times fewer interpreted programs."""
+    """Small shapes: the split accumulator's elementwise kernel in blocks of 64 Ki elements instead of
+    1 Ki (the same loads and stores, masks honoured, in 64 times fewer interpreted programs), and dW
+    in one row block per chunk (the real shape's extra blocks are added by _linear_ce_extra_launches)."""
     from memkernels.ops import linear_cross_entropy as lce
-    original = lce._SPLIT_BLOCK
-    lce._SPLIT_BLOCK = 1 << 16
+    original = lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE
+    lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = 1 << 16, 1 << 20
     try:
         yield
     finally:
-        lce._SPLIT_BLOCK = original
+        lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = original
 
 
 def _linear_ce_real_shape(shape, dtype):
@@ -643,11 +644,16 @@ def _linear_ce_real_shape(shape, dtype):
 
 
 def _linear_ce_extra_launches(shape, dtype):
-    # The small shapes accumulate dW in one block per chunk; the real one in `blocks` (the same
-    # bytes and FLOPs, more launches): one mm and one split add per extra block (bf16 only).
+    """{(kind, name): (launches, bytes)} the small shapes do not have. They accumulate dW in one row
+    block per chunk; the real shape in `blocks` (bf16): one more mm and split add per extra block,
+    and each extra mm reads the chunk's hidden rows again."""
+    torch = _torch()
     _, blocks = _linear_ce_chunks(shape, dtype)
     extra = (blocks - 1) * shape["C"]
-    return {("aten", "mm"): extra, ("triton", "_add_to_split_float32_kernel"): extra} if extra else {}
+    if not extra:
+        return {}
+    reread = (blocks - 1) * shape["N"] * shape["H"] * (torch.finfo(dtype).bits // 8)
+    return {("aten", "mm"): (extra, reread), ("triton", "_add_to_split_float32_kernel"): (extra, 0)}
 
 
 def _gelu_linear_problem(shape, dtype, impl):
@@ -880,9 +886,11 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
                 entry.pop("programs", None)
                 entry["hbm"] = _hbm_bytes(per_argument, entry.pop("dot", 0) > 0, max(entry["launches"], 1))
         if case.extra_launches is not None:
-            for key, extra in case.extra_launches(real, dtype).items():
+            for key, (launches, extra_bytes) in case.extra_launches(real, dtype).items():
                 if key in kernels and phase == "forward":
-                    kernels[key]["launches"] += extra
+                    kernels[key]["launches"] += launches
+                    kernels[key]["hbm"] += extra_bytes
+                    kernels[key]["requested"] += extra_bytes
         last = runs[-1][phase]
         results[phase] = PassResult(kernels, sorted(set(last.matmul_dtypes)), last.syncs)
     return results
@@ -920,7 +928,7 @@ class Row:
         return [(name, dtypes) for name, dtypes in self.result.matmul_dtypes if "fp32" in dtypes]
 
 
-def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=None):
+def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=None, on_rows=None):
     """Count every op in ``ops`` (default: all of :func:`cases`) at its real shapes; a list of :class:`Row`.
 
     Needs ``TRITON_INTERPRET=1`` (the CLI re-runs itself with it).
@@ -945,10 +953,12 @@ def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=N
                         progress(f"  Liger's {case.op} not counted: {type(error).__name__}: {str(error)[:200]}")
             real = _linear_ce_real_shape(case.shape, dtype) if "C" in case.variables else case.shape
             minimum = case.minimum(real, torch.finfo(dtype).bits // 8)
-            for phase in ("forward", "backward"):
-                rows.append(Row(case.op, case.label, dtype_name, phase, ours[phase], *minimum[phase],
-                                theirs[phase] if theirs else None,
-                                liger_result[phase] if liger_result else None))
+            new_rows = [Row(case.op, case.label, dtype_name, phase, ours[phase], *minimum[phase],
+                            theirs[phase] if theirs else None, liger_result[phase] if liger_result else None)
+                        for phase in ("forward", "backward")]
+            rows += new_rows
+            if on_rows:
+                on_rows(new_rows)
     return rows
 
 
@@ -967,13 +977,13 @@ def _mib(n):
     return f"{n / 2**20:,.1f}"
 
 
-def format_table(rows):
+def format_table(rows, header=True, footer=True):
     """The audit as a fixed-width table; times are the model's, labelled so."""
     h100, a100 = GPUS["H100-SXM"], GPUS["A100-80GB"]
     head = (f"{'op':<22}{'shape':<34}{'dtype':<6}{'pass':<9}{'HBM MiB':>10}{'min MiB':>10}{'x min':>6}"
             f"{'GFLOP':>9}{'fp32 mm':>8}{'syncs':>6}{'launch':>7}{'model H100 us':>14}{'eager':>9}"
             f"{'liger':>9}{'model A100 us':>14}{'eager':>9}")
-    lines = [head]
+    lines = [head] if header else []
     for r in rows:
         eager_h = f"{r.eager.seconds(h100) * 1e6:9.0f}" if r.eager else f"{'-':>9}"
         eager_a = f"{r.eager.seconds(a100) * 1e6:9.0f}" if r.eager else f"{'-':>9}"
@@ -983,6 +993,8 @@ def format_table(rows):
             f"{r.byte_ratio:6.2f}{r.result.flops() / 1e9:9.1f}{len(r.float32_matmuls()):>8}{len(r.result.syncs):>6}"
             f"{r.result.launches:>7}{r.result.seconds(h100) * 1e6:14.0f}{eager_h}{liger_h}"
             f"{r.result.seconds(a100) * 1e6:14.0f}{eager_a}")
+    if not footer:
+        return "\n".join(lines)
     lines.append("")
     lines.append(f"Times are a MODEL, not measurements: per launch max(bytes / HBM bandwidth, FLOPs / peak) + "
                  f"{LAUNCH_OVERHEAD_S * 1e6:.0f} us;")
@@ -1027,9 +1039,11 @@ def main(argv=None):
     unknown = sorted(set(args.op or ()) - known)
     if unknown:
         parser.error(f"--op {unknown[0]!r} is not audited; choose from {', '.join(sorted(known))}")
-    rows = audit(args.op, tuple(args.dtype or ("bf16", "fp32")), liger=args.liger,
-                 progress=lambda what: print(f"counting {what} ...", file=sys.stderr, flush=True))
-    print(format_table(rows))
+    print(format_table([], footer=False), flush=True)
+    audit(args.op, tuple(args.dtype or ("bf16", "fp32")), liger=args.liger,
+          progress=lambda what: print(f"counting {what} ...", file=sys.stderr, flush=True),
+          on_rows=lambda rows: print(format_table(rows, header=False, footer=False), flush=True))
+    print(format_table([], header=False))
     if args.occupancy:
         print()
         print(f"{'kernel':<30}{'variant':<34}{'arch':<7}{'regs':>6}{'smem B':>9}{'warps':>6}{'blocks/SM':>10}")
