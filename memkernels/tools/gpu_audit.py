@@ -795,7 +795,8 @@ def _summaries(counts):
     out = {}
     for (kind, name), (launches, hbm, requested, flops) in counts.by_kernel().items():
         out[(kind, name, "launches")] = launches
-        out[(kind, name, "hbm")] = hbm
+        if kind == "aten":  # a Triton kernel's HBM bytes follow from its per-argument counts at the real shape
+            out[(kind, name, "hbm")] = hbm
         out[(kind, name, "requested")] = requested
         for precision, f in flops.items():
             out[(kind, name, "flops:" + precision)] = f
