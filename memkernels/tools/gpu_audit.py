@@ -981,7 +981,7 @@ def _mib(n):
 def format_table(rows, header=True, footer=True):
     """The audit as a fixed-width table; times are the model's, labelled so."""
     h100, a100 = GPUS["H100-SXM"], GPUS["A100-80GB"]
-    head = (f"{'op':<22}{'shape':<34}{'dtype':<6}{'pass':<9}{'HBM MiB':>10}{'min MiB':>10}{'x min':>6}"
+    head = (f"{'op':<22}{'shape':<34}{'dtype':<6}{'pass':<9}{'HBM MiB':>10}{'min MiB':>10}{'x min':>7}"
             f"{'GFLOP':>9}{'fp32 mm':>8}{'syncs':>6}{'launch':>7}{'model H100 us':>14}{'eager':>9}"
             f"{'liger':>9}{'model A100 us':>14}{'eager':>9}")
     lines = [head] if header else []
@@ -991,7 +991,7 @@ def format_table(rows, header=True, footer=True):
         liger_h = f"{r.liger.seconds(h100) * 1e6:9.0f}" if r.liger else f"{'-':>9}"
         lines.append(
             f"{r.op:<22}{r.label:<34}{r.dtype:<6}{r.phase:<9}{_mib(r.result.hbm_bytes):>10}{_mib(r.minimum_bytes):>10}"
-            f"{r.byte_ratio:6.2f}{r.result.flops() / 1e9:9.1f}{len(r.float32_matmuls()):>8}{len(r.result.syncs):>6}"
+            f"{r.byte_ratio:7.2f}{r.result.flops() / 1e9:9.1f}{len(r.float32_matmuls()):>8}{len(r.result.syncs):>6}"
             f"{r.result.launches:>7}{r.result.seconds(h100) * 1e6:14.0f}{eager_h}{liger_h}"
             f"{r.result.seconds(a100) * 1e6:14.0f}{eager_a}")
     if not footer:
