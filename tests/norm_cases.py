@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import memkernels
+from backends import use_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (hidden, rows): one row and prime row counts; few rows where the interpreter is slow.
@@ -19,10 +20,9 @@ SHAPES = [(1, 1), (1, 2), (127, 7), (128, 1), (129, 13), (1000, 7), (4096, 3), (
 
 @pytest.fixture(params=["triton", "torch"])
 def backend(request):
-    """Run the Triton kernels (interpreter on CPU) and the PyTorch reference path."""
-    memkernels.set_backend(request.param)
-    yield request.param
-    memkernels.set_backend("auto")
+    """Run the Triton kernels (on CUDA tensors with a GPU, else through the interpreter) and the PyTorch reference."""
+    with use_backend(request.param):
+        yield request.param
 
 
 def leaf(*shape, dtype, scale=1.0, shift=0.0):

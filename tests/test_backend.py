@@ -48,3 +48,18 @@ def test_environment_variable_is_read_and_validated():
     bad = subprocess.run([sys.executable, "-c", code], env={"MEMKERNELS_BACKEND": "gpu", "PATH": ""},
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "MEMKERNELS_BACKEND='gpu'" in bad.stderr
+
+
+def test_triton_fixture_puts_tensors_where_the_kernels_run():
+    """The op tests' "triton" backend makes its tensors on CUDA with a GPU, on the CPU under the
+    interpreter: either way the forced backend accepts them (a CPU tensor on a GPU machine would
+    make every kernel test raise instead of running on the GPU)."""
+    import torch
+
+    from backends import triton_device, use_backend
+    from memkernels._backend import resolve
+    with use_backend("triton"):
+        tensor = torch.empty(1)
+        assert tensor.device.type == triton_device()
+        assert resolve(tensor, "test") == "triton"
+    assert torch.empty(1).device.type == "cpu"

@@ -10,6 +10,7 @@ from memkernels.nn.cross_entropy import ChunkedCrossEntropyLoss
 from memkernels.ops.cross_entropy import _cast_rne, cross_entropy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
+from backends import use_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["none", "mean", "sum"]
@@ -26,9 +27,9 @@ OPTIONS = {
 
 @pytest.fixture(params=["torch", "triton"])
 def backend(request):
-    memkernels.set_backend(request.param)
-    yield request.param
-    memkernels.set_backend("auto")
+    """Run the Triton kernels (on CUDA tensors with a GPU, else through the interpreter) and the PyTorch reference."""
+    with use_backend(request.param):
+        yield request.param
 
 
 def make_target(n_rows, n_classes, ignore_index=-100):

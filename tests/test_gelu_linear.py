@@ -413,3 +413,13 @@ def test_torch_compile_inductor_default_backend():
     compiled = torch.compile(fused_gelu_linear, fullgraph=True)
     check_against_reference(compiled, eager_gelu_linear, make_inputs((3, 4), 24, 16, torch.float32),
                             kwargs={"approximate": "none"}, name="inductor gelu_linear")
+
+
+def test_autotune_key_buckets_the_token_count():
+    """Sequence lengths of one power of two share a tuned config; feature sizes never do."""
+    from memkernels.ops import gelu_linear as module
+    assert "M" not in module._AUTOTUNED[True].keys and "K" not in module._AUTOTUNED[True].keys
+    assert module._tuning_sizes("fwd", 1000, 768) == module._tuning_sizes("fwd", 1017, 768) == (1024, 768)
+    assert module._tuning_sizes("dx", 5, 3072) == (64, 3072)
+    assert module._tuning_sizes("dw", 768, 1000) == (768, 1024)  # dW: the tokens are K
+    assert module._tuning_sizes("fwd", 1025, 768) != module._tuning_sizes("fwd", 1000, 768)

@@ -9,6 +9,7 @@ from memkernels.ops import linear_cross_entropy as lce
 from memkernels.ops.linear_cross_entropy import linear_cross_entropy, pick_strategy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
+from backends import use_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPTIONS = {
@@ -27,9 +28,9 @@ SINGLE_OPTIONS = {
 
 @pytest.fixture(params=["torch", "triton"])
 def backend(request):
-    memkernels.set_backend(request.param)
-    yield request.param
-    memkernels.set_backend("auto")
+    """Run the Triton kernels (on CUDA tensors with a GPU, else through the interpreter) and the PyTorch reference."""
+    with use_backend(request.param):
+        yield request.param
 
 
 def make_target(n_tokens, n_classes):

@@ -482,11 +482,14 @@ def test_reference_temporaries_stay_within_budget(dtype):
 
 @pytest.fixture
 def counted_readbacks(monkeypatch):
-    """Counts calls of the function whose result (K) is read back from the device."""
+    """Counts the device-to-host reads of the decision: a forward's (K of one layer) and an
+    optimizer step hook's (every stepped layer's mask at once)."""
+    from memkernels.ops import _norm_ops
     from memkernels.reference import _norm
     calls = []
-    compute = _norm.unrecoverable_columns
+    compute, read = _norm.unrecoverable_columns, _norm_ops._read_masks
     monkeypatch.setattr(_norm, "unrecoverable_columns", lambda *args: calls.append(len(args)) or compute(*args))
+    monkeypatch.setattr(_norm_ops, "_read_masks", lambda masks: calls.append(len(masks)) or read(masks))
     return calls
 
 
@@ -525,12 +528,31 @@ def test_unrecoverable_columns_cached_until_the_weight_changes(backend, counted_
             module.weight.data[7] = 0.0
     assert module.weight[7] == 0.0
     grads = _memory_efficient_gradients(module, x)
-    assert len(counted_readbacks) == 2  # recomputed once after the update
+    assert len(counted_readbacks) == 2  # recomputed once after the update (by the step's hook for optimizers)
     _memory_efficient_gradients(module, x)
     assert len(counted_readbacks) == 2  # and cached again
     for got, want in zip(grads, _expected_gradients(module, x)):
         assert torch.isfinite(got).all()
         torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_memory_efficient_norms_read_back_once_per_optimizer_step_for_the_whole_model(backend, counted_readbacks):
+    """No per-layer host sync: after an optimizer step the first norm layer refreshes every
+    layer's decision with one readback; the other layers and the backward read nothing back."""
+    from memkernels.tools.gpu_audit import count
+    layers = torch.nn.Sequential(*(memkernels.FusedRMSNorm(64, memory_efficient=True) for _ in range(3)))
+    optimizer = torch.optim.SGD(layers.parameters(), lr=0.1)
+    x = torch.randn(5, 64)
+    for step in range(2):
+        layers(x).square().sum().backward()
+        optimizer.step()
+        del counted_readbacks[:]
+        with count() as forward:
+            y = layers(x)
+        with count() as backward:
+            y.square().sum().backward()
+        assert counted_readbacks == [3]  # one read of the three layers' masks
+        assert forward.syncs == backward.syncs == []  # on the CPU path that read is no aten op
 
 
 def test_unrecoverable_columns_cache_keeps_no_weight_alive():

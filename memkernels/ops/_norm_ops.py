@@ -47,13 +47,29 @@ def _empty(like, dtype=None):
 class _CachedColumns:
     """One memory_efficient decision: the unrecoverable columns for one weight/bias state."""
 
-    __slots__ = ("versions", "bias_storage", "columns", "valid")
+    __slots__ = ("versions", "weight_storage", "bias_storage", "key", "columns", "valid")
 
-    def __init__(self, versions, bias_storage, columns):
-        self.versions = versions          # (weight._version, bias._version) when computed
-        self.bias_storage = bias_storage  # weakref to the bias storage (None without one)
-        self.columns = columns            # int64 [K] on the parameters' device
-        self.valid = True                 # cleared by an optimizer step over either parameter
+    def __init__(self, versions, weight_storage, bias_storage, key, columns):
+        self.versions = versions              # (weight._version, bias._version) when computed
+        self.weight_storage = weight_storage  # weakref to the weight storage (None without one)
+        self.bias_storage = bias_storage      # weakref to the bias storage (None without one)
+        self.key = key                        # (weight geometry, bias geometry, offset, casting, dtype)
+        self.columns = columns                # int64 [K] on the parameters' device
+        self.valid = True                     # cleared by an optimizer step it could not refresh
+
+    def parameters(self):
+        """(weight, bias) as views of their live storages, or None once either is gone."""
+        views = []
+        for storage_ref, geometry in ((self.weight_storage, self.key[0]), (self.bias_storage, self.key[1])):
+            if storage_ref is None:
+                views.append(None)
+                continue
+            storage = storage_ref()
+            if storage is None:
+                return None
+            offset, shape, stride, dtype = geometry
+            views.append(torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, shape, stride))
+        return tuple(views)
 
 
 # parameter storage -> {view geometry and options -> _CachedColumns}. Keyed weakly by
@@ -91,9 +107,12 @@ def unrecoverable_columns(weight, bias, offset, casting, dtype):
     versions = (weight._version if weight is not None else None, bias._version if bias is not None else None)
     bias_storage = bias.untyped_storage() if bias is not None and weight is not None else None
     entry = entries.get(key)
+    if entry is not None and id(entry) in _PENDING:
+        _refresh_pending()
     if (entry is None or not entry.valid or entry.versions != versions
             or (bias_storage is not None and entry.bias_storage() is not bias_storage)):
-        entry = _CachedColumns(versions, None if bias_storage is None else weakref.ref(bias_storage),
+        entry = _CachedColumns(versions, None if weight is None else weakref.ref(weight.untyped_storage()),
+                               None if bias is None else weakref.ref(bias.untyped_storage()), key,
                                reference.unrecoverable_columns(weight, bias, offset, casting, dtype))
         entries[key] = entry
         if bias_storage is not None:  # an optimizer step over the bias alone must find it too
@@ -102,17 +121,60 @@ def unrecoverable_columns(weight, bias, offset, casting, dtype):
     return entry.columns.clone()
 
 
-def _forget_stepped_parameters(optimizer, args, kwargs):
-    """Optimizer step post-hook: the columns of every parameter it stepped are stale."""
+def _read_masks(masks):
+    """The masks, concatenated, as one numpy bool array: the one device-to-host read of a step."""
+    return torch.cat(masks).cpu().numpy()
+
+
+# Decisions an optimizer step made stale, refreshed together by the next forward that needs one.
+_PENDING = {}
+
+
+def _mark_stepped_parameters(optimizer, args, kwargs):
+    """Optimizer step post-hook: the decisions of every parameter the step touched are stale.
+
+    The step may change a parameter without bumping its version counter (fused AdamW). The
+    decisions are not recomputed one layer at a time in the next forward (a readback per
+    norm layer): the first layer that needs one refreshes all of them with one readback.
+    """
     if not _UNRECOVERABLE:
         return
+    stepped = {}  # storage address -> the stepped parameter's version after the step
     for group in optimizer.param_groups:
         for param in group["params"]:
-            for entry in _UNRECOVERABLE.get(param.untyped_storage(), {}).values():
-                entry.valid = False
+            found = _UNRECOVERABLE.get(param.untyped_storage())
+            if found:
+                stepped[param.untyped_storage().data_ptr()] = param._version
+                _PENDING.update((id(entry), entry) for entry in found.values())
+    for entry in _PENDING.values():
+        entry.valid = False
+        params = entry.parameters()
+        if params is not None:
+            entry.versions = tuple(None if p is None else stepped.get(p.untyped_storage().data_ptr(), version)
+                                   for p, version in zip(params, entry.versions))
 
 
-register_optimizer_step_post_hook(_forget_stepped_parameters)
+def _refresh_pending():
+    """Recompute every stale decision with a single device-to-host read (the concatenated masks)."""
+    jobs = []
+    for entry in _PENDING.values():
+        params = entry.parameters()
+        if params is not None:
+            _, _, offset, casting, dtype = entry.key
+            jobs.append((entry, reference.unrecoverable_mask(*params, offset, casting, dtype)))
+    _PENDING.clear()
+    if not jobs:
+        return
+    flags = _read_masks([mask for _, mask in jobs])
+    start = 0
+    for entry, mask in jobs:
+        columns = torch.from_numpy(flags[start:start + mask.numel()].nonzero()[0].astype("int64"))
+        start += mask.numel()
+        entry.columns = columns.to(mask.device, non_blocking=True)
+        entry.valid = True
+
+
+register_optimizer_step_post_hook(_mark_stepped_parameters)
 
 
 @torch.library.custom_op("memkernels::norm_fwd", mutates_args=())

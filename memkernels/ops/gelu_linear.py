@@ -180,6 +180,15 @@ _TOKEN_SIZE = {"fwd": "M", "dx": "M", "dw": "K"}
 _DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
+def _tuning_sizes(role, M, K):
+    """(TUNE_M, TUNE_K): the autotune key's M and K, the token count rounded up to a power of two
+    (at least 64). The best tile shape depends on the feature sizes, the dtype, the alignment and
+    the flags, and on the token count only through its magnitude: a run with dynamic padding then
+    tunes once per power of two instead of once per sequence length."""
+    bucket = lambda tokens: max(64, triton.next_power_of_2(tokens))  # noqa: E731
+    return (bucket(M), K) if _TOKEN_SIZE[role] == "M" else (M, bucket(K))
+
+
 def _operand_name(dtype_name, input_precision):
     """"bf16", "fp16", "fp32" (TF32 dots) or "fp32-ieee": what decides the register budget."""
     return "fp32-ieee" if input_precision == "ieee" else dtype_name
@@ -248,6 +257,7 @@ def _act_gemm_kernel(
     stride_bk, stride_bn,
     stride_cm, stride_cn,
     stride_xm, stride_xn,
+    TUNE_M, TUNE_K,  # M and K with the token count bucketed (see _tuning_sizes): autotune key only
     ACT_ON_A: tl.constexpr,  # apply act to A tiles on load (forward)
     ACT_ON_B: tl.constexpr,  # apply act to B tiles on load (dW)
     ACT_GRAD_EPILOGUE: tl.constexpr,  # multiply C by act'(x) (dx)
@@ -325,7 +335,7 @@ def _autotuned(aligned):
     never reuses a config chosen for an aligned one of the same sizes."""
     return triton.autotune(
         configs=_autotune_configs(),
-        key=["M", "N", "K", "ACT_ON_A", "ACT_ON_B", "ACT_GRAD_EPILOGUE", "GATED", "HAS_BIAS", "ACTIVATION",
+        key=["TUNE_M", "N", "TUNE_K", "ACT_ON_A", "ACT_ON_B", "ACT_GRAD_EPILOGUE", "GATED", "HAS_BIAS", "ACTIVATION",
              "INPUT_PRECISION"],
         prune_configs_by={"early_config_prune": functools.partial(_prune_configs, aligned=aligned)},
     )(_act_gemm_kernel)
@@ -357,7 +367,7 @@ def aot_variants(gated=False):
     """Variant dicts for memkernels.aot.register: roles x dtypes x alignments x the tile shapes."""
     pointers = ("a_ptr", "b_ptr", "c_ptr", "bias_ptr", "x_ptr", "up_ptr", "c_up_ptr")
     integers = ("M", "N", "K", "stride_am", "stride_ak", "stride_bk", "stride_bn",
-                "stride_cm", "stride_cn", "stride_xm", "stride_xn")
+                "stride_cm", "stride_cn", "stride_xm", "stride_xn", "TUNE_M", "TUNE_K")
     variants = []
     for dtype, precision in _AOT_DTYPES:
         operand = _operand_name(dtype, precision)
@@ -430,12 +440,13 @@ def act_gemm(a, b, out, *, bias=None, x=None, up=None, out_up=None, act_on_a=Fal
                 up if up is not None else out,  # never read without GATED
                 out_up if out_up is not None else out)  # never written without GATED and x
     strides = (*a.stride(), *b.stride(), *out.stride(), *(x.stride() if x is not None else (0, 0)))
-    token_size = _TOKEN_SIZE[_role(act_on_b, x is not None)]
+    role = _role(act_on_b, x is not None)
+    token_size = _TOKEN_SIZE[role]
     feature_sizes = [size for name, size in (("M", M), ("N", N), ("K", K)) if name != token_size]
     kernel = _AUTOTUNED[_jit_sees_aligned(pointers, strides, feature_sizes)]
     grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, meta["BLOCK_N"]),)  # noqa: E731
     kernel[grid](
-        *pointers, M, N, K, *strides,
+        *pointers, M, N, K, *strides, *_tuning_sizes(role, M, K),
         ACT_ON_A=act_on_a, ACT_ON_B=act_on_b, ACT_GRAD_EPILOGUE=x is not None, GATED=up is not None,
         HAS_BIAS=bias is not None, ACTIVATION=activation, INPUT_PRECISION=_input_precision(a.dtype),
     )

@@ -60,6 +60,7 @@ from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
 from memkernels.ops import _autocast
+from memkernels.ops._half_gemm import addmm_float32_, mm_float32
 from memkernels.ops.cross_entropy import (
     apply_op,
     autograd_pair,
@@ -196,23 +197,24 @@ def _split(value, high, low):
     high.view(torch.int16).copy_(halves[:, 1::2])
 
 
-def _accumulate_weight_grad(high, low, grad_chunk, hidden32, backend, scratch_bytes):
-    """(high, low) += grad_chunk.T @ hidden32, in float32. grad_chunk (R, V), hidden32 (R, H) float32.
+def _accumulate_weight_grad(high, low, grad_chunk, hidden_rows, backend, scratch_bytes):
+    """(high, low) += grad_chunk.T @ hidden_rows, accumulated in float32. grad_chunk (R, V) and
+    hidden_rows (R, H) in the input dtype: half operands run on the tensor cores (_half_gemm).
 
     Split accumulator, per block of dW rows: Triton: the GEMM writes a float32 scratch block and one
     kernel adds it to the halves; torch: the halves are joined into the scratch block, ``addmm_``
     adds to it, and it is split back (the same float32 sums, in more passes).
     """
     if low.numel() == 0:
-        high.addmm_(grad_chunk.t(), hidden32)
+        addmm_float32_(high, grad_chunk.t(), hidden_rows)
         return
     for start, end, scratch in _split_blocks(high, scratch_bytes):
         if backend == "triton":
-            torch.mm(grad_chunk[:, start:end].t(), hidden32, out=scratch)
+            mm_float32(grad_chunk[:, start:end].t(), hidden_rows, out=scratch)
             _add_to_split_float32_triton(high[start:end], low[start:end], scratch)
         else:
             accumulator = _join(high[start:end], low[start:end], scratch)
-            accumulator.addmm_(grad_chunk[:, start:end].t(), hidden32)
+            addmm_float32_(accumulator, grad_chunk[:, start:end].t(), hidden_rows)
             _split(accumulator, high[start:end], low[start:end])
 
 
@@ -290,14 +292,16 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
                                                               loss_scale=loss_scale, z_scale=z_scale)
             grad_hidden, grad_weight_halves, grad_bias64 = grads
+            # The GEMMs take the gradient rounded once to the input dtype (as eager's do), back in the
+            # logits buffer: half operands, float32 accumulation. dB sums the unrounded float32 chunk.
+            rounded = logits if grad_chunk is logits else logits.copy_(grad_chunk)
             if grad_weight_halves is not None:
-                _accumulate_weight_grad(*grad_weight_halves, grad_chunk, _float32(hidden_rows), backend,
-                                        scratch_bytes)
+                _accumulate_weight_grad(*grad_weight_halves, rounded, hidden_rows, backend, scratch_bytes)
             if grad_bias64 is not None:
                 grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             if grad_hidden is not None:
-                _hidden_grad(logits.copy_(grad_chunk), weight, grad_hidden[start:end])
-            del grad_chunk
+                _hidden_grad(rounded, weight, grad_hidden[start:end])
+            del grad_chunk, rounded
         if z is not None:
             z[start:end] = z_rows
         del logits

@@ -73,21 +73,34 @@ def effective_weight(weight, offset, casting, dtype):
     return scale
 
 
-def unrecoverable_columns(weight, bias, offset, casting, dtype):
-    """int64 [K]: columns where x̂ cannot be recovered from y (memory_efficient mode).
+def unrecoverable_mask(weight, bias, offset, casting, dtype):
+    """bool [H] (or None with neither weight nor bias): True where x̂ cannot be recovered from y.
 
-    On a CUDA weight this reads K back to the host (a device sync); the custom op
-    caches the result per weight state (memkernels.ops._norm_ops.unrecoverable_columns).
+    Computed on the parameters' device without reading anything back.
     """
     scale = effective_weight(weight, offset, casting, dtype)
     if scale is None:
         if bias is None:
-            return torch.empty(0, dtype=torch.int64, device="cpu" if weight is None else weight.device)
+            return None
         scale = torch.ones_like(bias, dtype=torch.float32)
     magnitude = scale.abs()
     unsafe = magnitude < recovery_threshold(dtype)
     if bias is not None:
         unsafe |= magnitude < bias.to(magnitude.dtype).abs()
+    return unsafe
+
+
+def unrecoverable_columns(weight, bias, offset, casting, dtype):
+    """int64 [K]: columns where x̂ cannot be recovered from y (memory_efficient mode).
+
+    On a CUDA weight this reads K back to the host (a device sync); the custom op
+    caches the result per weight state and refreshes the cache of every parameter an
+    optimizer step touched with one readback for all of them
+    (memkernels.ops._norm_ops.unrecoverable_columns).
+    """
+    unsafe = unrecoverable_mask(weight, bias, offset, casting, dtype)
+    if unsafe is None:
+        return torch.empty(0, dtype=torch.int64, device="cpu" if weight is None else weight.device)
     return unsafe.nonzero().flatten()
 
 

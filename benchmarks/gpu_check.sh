@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Every GPU check of memkernels in one command, for the first machine that has a GPU.
+#
+#   benchmarks/gpu_check.sh [RESULTS_FILE]        (default: gpu_check_results.txt)
+#
+# Needs a CUDA build of PyTorch and Triton already installed; no package index is used. The
+# build requirements (setuptools, wheel, pybind11, ninja) come from wheels in
+# $MEMKERNELS_WHEELS (default benchmarks/wheels; fill it elsewhere with
+# `pip download -d benchmarks/wheels setuptools wheel pybind11 ninja`) unless already installed.
+# Steps, all written to one results file:
+#   1. build and install this working tree: pip install --no-build-isolation --no-deps
+#   2. the test suite without the Triton interpreter: the kernels run on the GPU
+#      (tests/backends.py puts the "triton" tests' tensors on CUDA)
+#   3. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
+#      test does not select the simulated device itself)
+#   4. every benchmark (each prints its GPU timing section), then the audit's model prediction
+#      (python -m memkernels.tools.gpu_audit) to compare the measured times with
+# Without a GPU it says so and exits 0. Exit status: the number of failed steps.
+set -u
+cd "$(dirname "$0")/.."
+RESULTS=${1:-gpu_check_results.txt}
+if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check: no CUDA GPU is visible to PyTorch on this machine, so there is nothing to check; exiting 0."
+    echo "gpu_check: run benchmarks/gpu_check.sh on a machine with a GPU and put its figures in docs/kernels.md."
+    exit 0
+fi
+unset TRITON_INTERPRET
+failed=0
+step() {  # step LABEL COMMAND...: run it, log it, count a failure
+    echo
+    echo "== $1: ${*:2}"
+    "${@:2}" || { echo "== FAILED: $1"; failed=$((failed + 1)); }
+}
+{
+    echo "memkernels gpu_check, $(date -u)"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+    python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, torch.cuda.get_device_name())"
+    WHEELS=${MEMKERNELS_WHEELS:-benchmarks/wheels}
+    if [ -d "$WHEELS" ]; then
+        step "build requirements" pip install --no-index --find-links "$WHEELS" setuptools wheel pybind11 ninja
+    fi
+    step "install" pip install --no-build-isolation --no-deps -e .
+    step "tests on the GPU" python -m pytest tests -q -p no:randomly -n 0
+    step "allocator and offload on CUDA" env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly -n 0 \
+        tests/test_allocator.py tests/test_allocator_install.py tests/test_offload.py tests/test_offload_engine.py
+    for bench in benchmarks/bench_*.py; do
+        step "$(basename "$bench")" python "$bench"
+    done
+    step "model prediction" python -m memkernels.tools.gpu_audit
+    echo
+    echo "gpu_check: $failed step(s) failed"
+} 2>&1 | tee "$RESULTS"
+echo "gpu_check: results in $RESULTS"
+exit "$(grep -c '^== FAILED' "$RESULTS")"

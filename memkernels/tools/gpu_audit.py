@@ -1,0 +1,1057 @@
+"""GPU cost audit without a GPU: what each op moves, computes and waits for, and a time model.
+
+``python -m memkernels.tools.gpu_audit`` prints, for every public op, forward and backward, at
+shapes of real models, in bf16 and fp32:
+
+- **HBM bytes.** Triton kernels: every ``tl.load`` / ``tl.store`` is counted through the Triton
+  interpreter with its mask honoured (lanes that are off move nothing). The *requested* bytes
+  count every lane; the *HBM* figure counts a re-read of a tensor once when a GPU keeps it in
+  L2: a tensor whose touched footprint in the launch is at most :data:`L2_REUSE_BYTES` (a
+  norm's weight, read by every row), and the operand tiles of a ``tl.dot`` kernel (grouped
+  tile order, as cuBLAS is assumed to reach). PyTorch-side code: every aten op's tensor inputs
+  and outputs, through a ``TorchDispatchMode`` (views and ``empty`` move nothing; ``copy_``,
+  ``fill_`` and ``zero_`` do not read their destination). Both against the op's minimum:
+  every input of the pass read once, every output written once.
+- **FLOPs**: aten by ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode``
+  uses); Triton as 2*M*N*K per ``tl.dot``. Float64 work in kernels (each element widened to
+  float64, each float64 arithmetic op) is counted apart as "fp64" FLOPs.
+- **Tensor-core eligibility**: each matmul's operand dtypes (aten and ``tl.dot``); a float32
+  operand on half inputs is flagged.
+- **Host syncs**: aten ops that read device memory back to the host (:data:`SYNC_OPS`).
+- **Occupancy** (``--occupancy``): blocks per SM on sm_80 / sm_90 from the registers and
+  shared memory that :mod:`memkernels.aot` compiles (ptxas), see :func:`blocks_per_sm`.
+- **Predicted time, a model**: the sum over launches of max(bytes / HBM bandwidth,
+  FLOPs / peak at the operands' precision) plus :data:`LAUNCH_OVERHEAD_S` per launch, on the
+  figures of :data:`GPUS`; the same model is applied to eager PyTorch's op sequence for the
+  same computation. It is not a measurement: caches beyond the rule above, achieved (not
+  peak) bandwidth, tile quantization on the real autotuned configs, overlap between
+  launches and clocks are all outside it.
+
+How real shapes are reached on a CPU. The PyTorch side is counted *at the full shape* on fake
+tensors (``FakeTensorMode``: shapes and dtypes, no data), which also gives the exact sequence
+of Triton launches. Triton kernels cannot run on fake tensors, so their counts are measured
+through the interpreter at small shapes and fitted *exactly* (integer least squares, zero
+residual required) to a polynomial in the shape variables (e.g. tokens x hidden), checked at
+shapes held out of the fit, then evaluated at the full shape. A fit that does not reproduce a
+held-out count is an error, never a silent estimate.
+"""
+import argparse
+import contextlib
+import itertools
+import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+__all__ = ["GpuSpec", "GPUS", "Launch", "Counts", "count", "audit", "blocks_per_sm", "format_table", "main"]
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet figures of one GPU (dense, no sparsity)."""
+
+    name: str
+    hbm_bytes_per_s: float
+    peak_flops: dict  # operand precision -> FLOP/s: "bf16"/"fp16" tensor cores, "fp32" without TF32, "fp64"
+    l2_bytes: int
+
+
+# NVIDIA A100 datasheet (80GB SXM): 2039 GB/s; 312 TFLOPS bf16/fp16 tensor; 19.5 TFLOPS fp32;
+# 9.7 TFLOPS fp64 (non-tensor). NVIDIA H100 datasheet (SXM5): 3.35 TB/s; 989 TFLOPS bf16/fp16
+# tensor (dense); 67 TFLOPS fp32; 34 TFLOPS fp64 (non-tensor).
+GPUS = {
+    "A100-80GB": GpuSpec("A100-80GB", 2.039e12, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "fp64": 9.7e12},
+                         40 * 2**20),
+    "H100-SXM": GpuSpec("H100-SXM", 3.35e12, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 34e12},
+                        50 * 2**20),
+}
+# Host-side cost of one kernel launch on an idle stream (typical CUDA figure, a model constant).
+LAUNCH_OVERHEAD_S = 4e-6
+# A tensor touched by a launch over no more than this many bytes counts once however often it is
+# read (it stays in L2, a quarter of the smaller L2 above).
+L2_REUSE_BYTES = 10 * 2**20
+# A program's re-read of bytes it touched at most this many bytes of its own traffic ago counts
+# once: its share of L2, 40 MiB over the ~264 programs resident at once (two per SM on an H100).
+# A norm row read in two passes hits; a cross-entropy row at V = 128256 (250 KiB in bf16) misses.
+PROGRAM_REUSE_BYTES = 40 * 2**20 // 264
+
+# aten ops that make the host wait for the device.
+SYNC_OPS = frozenset({
+    "_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "equal", "is_nonzero", "item",
+    "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "allclose",
+    "masked_scatter", "bincount", "histc", "argwhere", "_assert_async", "cpu",
+})
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "mv", "addmv", "dot", "_scaled_mm"})
+# aten ops that allocate or relabel memory without moving data.
+FREE_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
+                      "lift_fresh", "set_", "resize_", "_reshape_alias", "alias", "_unsafe_view"})
+# In-place aten ops whose destination is written without being read.
+WRITE_ONLY_DESTINATION = frozenset({"copy_", "fill_", "zero_", "zeros", "ones", "full", "new_zeros",
+                                    "new_ones", "new_full", "zeros_like", "ones_like", "full_like"})
+
+_PRECISION = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32", "torch.float64": "fp64"}
+
+
+@dataclass
+class Launch:
+    """One kernel launch (a Triton grid or one aten op)."""
+
+    kind: str  # "triton" or "aten"
+    name: str
+    hbm_bytes: int = 0  # the model's HBM traffic (see the module docstring)
+    requested_bytes: int = 0  # every lane of every load and store (aten: equal to hbm_bytes)
+    flops: dict = field(default_factory=dict)  # precision -> FLOPs (matmuls; fp64 elementwise)
+    matmul_dtypes: tuple = ()  # ((a dtype, b dtype), ...) for each matmul
+    sync: bool = False
+    arguments: tuple = ()  # Triton, per tensor touched: (argument position, requested bytes, distinct bytes,
+    #                        distinct bytes per program summed over programs)
+    dot: bool = False  # Triton: the kernel runs tl.dot
+    programs: int = 0  # Triton: programs in the grid
+
+    def seconds(self, gpu):
+        compute = sum(f / gpu.peak_flops[p] for p, f in self.flops.items())
+        return max(self.hbm_bytes / gpu.hbm_bytes_per_s, compute) + LAUNCH_OVERHEAD_S
+
+
+@dataclass
+class Counts:
+    """What one pass (forward or backward) launched."""
+
+    launches: list = field(default_factory=list)
+
+    @property
+    def hbm_bytes(self):
+        return sum(x.hbm_bytes for x in self.launches)
+
+    @property
+    def requested_bytes(self):
+        return sum(x.requested_bytes for x in self.launches)
+
+    def flops(self, precision=None):
+        return sum(f for x in self.launches for p, f in x.flops.items() if precision in (None, p))
+
+    @property
+    def matmul_dtypes(self):
+        return [(x.name, dtypes) for x in self.launches for dtypes in x.matmul_dtypes]
+
+    @property
+    def syncs(self):
+        return [x.name for x in self.launches if x.sync]
+
+    def seconds(self, gpu):
+        return sum(x.seconds(gpu) for x in self.launches)
+
+    def by_kernel(self):
+        """{(kind, name): [launches, hbm bytes, requested bytes, {precision: flops}]}."""
+        table = {}
+        for x in self.launches:
+            row = table.setdefault((x.kind, x.name), [0, 0, 0, {}])
+            row[0] += 1
+            row[1] += x.hbm_bytes
+            row[2] += x.requested_bytes
+            for p, f in x.flops.items():
+                row[3][p] = row[3].get(p, 0) + f
+        return table
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton: the interpreter's memory and dot builtins, wrapped
+
+
+def _distinct(values):
+    """The distinct values of a 1-d array (lanes usually are distinct and increasing already)."""
+    if values.size < 2 or np.all(values[1:] > values[:-1]):
+        return values
+    ordered = np.sort(values)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))]
+
+
+class _TritonLaunch:
+    """Per-argument byte counts of one interpreted launch."""
+
+    def __init__(self, name, host_args):
+        self.name = name
+        self.dot = False
+        self.dot_dtypes = []
+        self.dot_flops = {}
+        self.fp64_ops = 0
+        tensors = {}  # storage start -> (bytes, position of the first argument on it)
+        for position, arg in enumerate(host_args):
+            if hasattr(arg, "untyped_storage"):
+                storage = arg.untyped_storage()
+                tensors.setdefault(storage.data_ptr(), (storage.nbytes(), position))
+        self.starts = np.array(sorted(tensors), dtype=np.int64)
+        self.sizes = np.array([tensors[s][0] for s in sorted(tensors)], dtype=np.int64)
+        self.positions = [tensors[s][1] for s in sorted(tensors)]
+        self.requested = np.zeros(len(self.starts), dtype=np.int64)
+        self.touched = [None] * len(self.starts)  # byte bitmaps over the launch, made on first touch
+        self.last_touch = [None] * len(self.starts)  # per byte: (program, program clock) of its last access
+        self.misses = np.zeros(len(self.starts), dtype=np.int64)
+        self.program = None
+        self.programs = 0
+        self.clock = 0  # bytes the current program has accessed so far
+
+    def access(self, addresses, element_bytes, program):
+        addresses = addresses.astype(np.int64).ravel()
+        if program != self.program:
+            self.program = program
+            self.programs += 1
+            self.clock = 0
+        if addresses.size == 0:
+            return
+        index = np.searchsorted(self.starts, addresses, side="right") - 1
+        if np.any(index < 0) or np.any(addresses - self.starts[index] >= self.sizes[index]):
+            raise RuntimeError(f"memkernels.gpu_audit: kernel {self.name} touches memory outside its tensor "
+                               "arguments; its bytes cannot be attributed")
+        for arg in ((index[0],) if index[0] == index[-1] and np.all(index == index[0]) else _distinct(index)):
+            offsets = addresses[index == arg] - self.starts[arg]
+            self.requested[arg] += offsets.size * element_bytes
+            if self.touched[arg] is None:
+                self.touched[arg] = np.zeros(int(self.sizes[arg]), dtype=bool)
+                self.last_touch[arg] = (np.full(int(self.sizes[arg]), -1, dtype=np.int64),
+                                        np.zeros(int(self.sizes[arg]), dtype=np.int64))
+            byte_offsets = _distinct((offsets[:, None] + np.arange(element_bytes)).ravel())
+            self.touched[arg][byte_offsets] = True
+            last_program, last_clock = self.last_touch[arg]
+            hit = (last_program[byte_offsets] == self.programs) & (
+                self.clock - last_clock[byte_offsets] <= PROGRAM_REUSE_BYTES)
+            self.misses[arg] += int(np.count_nonzero(~hit))
+            last_program[byte_offsets] = self.programs
+            last_clock[byte_offsets] = self.clock
+        self.clock += addresses.size * element_bytes
+
+    def finish(self):
+        per_argument = tuple((self.positions[arg], int(self.requested[arg]), int(np.count_nonzero(self.touched[arg])),
+                              int(self.misses[arg]))
+                             for arg in range(len(self.starts)) if self.touched[arg] is not None)
+        flops = dict(self.dot_flops)
+        if self.fp64_ops:
+            flops["fp64"] = flops.get("fp64", 0) + self.fp64_ops
+        return Launch("triton", self.name, hbm_bytes=_hbm_bytes(per_argument, self.dot, 1),
+                      requested_bytes=int(self.requested.sum()), flops=flops,
+                      matmul_dtypes=tuple(dict.fromkeys(self.dot_dtypes)), arguments=per_argument, dot=self.dot,
+                      programs=self.programs)
+
+
+def _hbm_bytes(per_argument, dot, launches):
+    """The model's HBM bytes of ``launches`` launches from, per tensor argument, (position, requested
+    bytes, distinct bytes in the launch, bytes its programs missed in their own recent accesses).
+
+    A tensor counts once if it feeds a tl.dot (tiles reused through L2 in grouped order) or if
+    what one launch touches of it fits :data:`L2_REUSE_BYTES` (a weight every row reads);
+    otherwise a program's re-read counts once if it comes within :data:`PROGRAM_REUSE_BYTES`
+    of that program's own traffic (a row read in two passes), and every other read counts.
+    """
+    return sum(distinct if (dot or distinct <= L2_REUSE_BYTES * launches) else misses
+               for _, requested, distinct, misses in per_argument)
+
+
+class _Recorder:
+    """The active counting session: Triton launches and aten ops, in order."""
+
+    def __init__(self, run_triton=True):
+        self.counts = Counts()
+        self.run_triton = run_triton  # False: record the launch only (fake tensors)
+        self.kernel = None  # the _TritonLaunch being interpreted
+        self.in_kernel = 0
+
+
+_ACTIVE = None
+
+
+def _element_bytes(triton_type):
+    return max(1, triton_type.primitive_bitwidth // 8)
+
+
+def _tl_precision(tl, dtype):
+    return {tl.bfloat16: "bf16", tl.float16: "fp16", tl.float32: "fp32", tl.float64: "fp64"}.get(dtype, str(dtype))
+
+
+@contextlib.contextmanager
+def _patched_interpreter():
+    """Wrap the interpreter's load/store/dot builtins and its grid executor while counting."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    executor = interpreter.GridExecutor
+    originals = {name: getattr(builder, name) for name in ("create_masked_load", "create_masked_store",
+                                                          "create_dot", "binary_op", "cast_impl")}
+    original_call, original_init_args = executor.__call__, executor._init_args_hst
+
+    def masked_load(self, ptrs, mask, other, cache_policy, is_volatile):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None:
+            active = np.broadcast_to(mask.data, ptrs.data.shape)
+            kernel.access(ptrs.data[active], _element_bytes(ptrs.get_element_ty()), self.grid_idx)
+        return originals["create_masked_load"](self, ptrs, mask, other, cache_policy, is_volatile)
+
+    def masked_store(self, ptrs, value, mask, cache_policy):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None:
+            active = np.broadcast_to(mask.data, ptrs.data.shape)
+            kernel.access(ptrs.data[active], _element_bytes(ptrs.get_element_ty()), self.grid_idx)
+        return originals["create_masked_store"](self, ptrs, value, mask, cache_policy)
+
+    def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None:
+            m, k = a.data.shape[-2:]
+            n = b.data.shape[-1]
+            batch = math.prod(a.data.shape[:-2])
+            pa, pb = _tl_precision(tl, a.dtype.scalar), _tl_precision(tl, b.dtype.scalar)
+            kernel.dot = True
+            kernel.dot_dtypes.append((pa, pb))
+            precision = pa if pa == pb else "fp32"
+            kernel.dot_flops[precision] = kernel.dot_flops.get(precision, 0) + 2 * batch * m * n * k
+        return originals["create_dot"](self, a, b, d, input_precision, max_num_imprecise_acc)
+
+    def binary_op(self, lhs, rhs, op):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None and lhs.dtype.scalar == tl.float64:
+            kernel.fp64_ops += int(np.broadcast(lhs.data, rhs.data).size)
+        return originals["binary_op"](self, lhs, rhs, op)
+
+    def cast_impl(self, src, dst_type):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None and dst_type.scalar == tl.float64 and src.dtype.scalar != tl.float64:
+            kernel.fp64_ops += int(np.size(src.data))  # each widened element feeds an fp64 sum or product
+        return originals["cast_impl"](self, src, dst_type)
+
+    def init_args(self, args_dev, kwargs):
+        args_hst, kwargs_hst = original_init_args(self, args_dev, kwargs)
+        if _ACTIVE is not None and _ACTIVE.in_kernel:
+            _ACTIVE.kernel = _TritonLaunch(self.fn.__name__, list(args_hst) + list(kwargs_hst.values()))
+        return args_hst, kwargs_hst
+
+    def call(self, *args_dev, **kwargs):
+        recorder = _ACTIVE
+        if recorder is None:
+            return original_call(self, *args_dev, **kwargs)
+        recorder.in_kernel += 1
+        try:
+            if not recorder.run_triton:
+                recorder.counts.launches.append(Launch("triton", self.fn.__name__))
+                return None
+            original_call(self, *args_dev, **kwargs)
+            recorder.counts.launches.append(recorder.kernel.finish())
+        finally:
+            recorder.in_kernel -= 1
+            recorder.kernel = None
+
+    setattr(builder, "create_masked_load", masked_load)
+    setattr(builder, "create_masked_store", masked_store)
+    setattr(builder, "create_dot", dot)
+    setattr(builder, "binary_op", binary_op)
+    setattr(builder, "cast_impl", cast_impl)
+    executor.__call__, executor._init_args_hst = call, init_args
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(builder, name, original)
+        executor.__call__, executor._init_args_hst = original_call, original_init_args
+
+
+# ----------------------------------------------------------------------------------------------
+# aten: a dispatch mode
+
+
+def _footprint(tensor):
+    """Bytes of the distinct elements a view covers (broadcast dims, stride 0, count once)."""
+    elements = math.prod(size for size, stride in zip(tensor.shape, tensor.stride()) if stride != 0)
+    return elements * tensor.element_size() if tensor.numel() else 0
+
+
+def _make_dispatch_mode():
+    import torch
+    from torch._library.custom_ops import OPDEFS
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry
+
+    class _AtenCounter(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func.namespace != "aten":
+                definition = OPDEFS.get(f"{func.namespace}::{func._opname}")
+                if definition is not None:  # a Python custom op: count what its body runs
+                    with self:
+                        return definition._init_fn(*args, **kwargs)
+                return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            recorder = _ACTIVE
+            if recorder is None or recorder.in_kernel:
+                return out
+            name = func._overloadpacket.__name__
+            schema = func._schema
+            if name in FREE_OPS or (not schema.is_mutable and any(
+                    r.alias_info is not None for r in schema.returns)):
+                return out  # a view or an allocation
+            written = set()
+            for argument, value in zip(schema.arguments, list(args) + [kwargs.get(a.name) for a in
+                                                                     schema.arguments[len(args):]]):
+                if argument.alias_info is not None and argument.alias_info.is_write and isinstance(
+                        value, torch.Tensor):
+                    written.add(id(value))
+            read_tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+            skip_destination = name in WRITE_ONLY_DESTINATION or schema.overload_name.startswith("out")
+            read = sum(_footprint(t) for t in read_tensors if not (skip_destination and id(t) in written))
+            outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+            bytes_moved = read + sum(_footprint(t) for t in outputs)
+            flops = {}
+            matmul_dtypes = ()
+            if name in MATMUL_OPS:
+                operands = [t for t in read_tensors if t.dim() >= 1 and id(t) not in written]
+                operands = operands[-2:] if name.startswith(("add", "badd")) else operands[:2]
+                matmul_dtypes = ((tuple(_PRECISION.get(str(t.dtype), str(t.dtype)) for t in operands)),)
+            formula = flop_registry.get(func._overloadpacket)
+            if formula is not None:
+                precision = _PRECISION.get(str(read_tensors[0].dtype), "fp32") if read_tensors else "fp32"
+                if matmul_dtypes and len(set(matmul_dtypes[0])) > 1:
+                    precision = "fp32"
+                flops[precision] = int(formula(*args, **kwargs, out_val=out))
+            recorder.counts.launches.append(Launch("aten", name, hbm_bytes=bytes_moved, requested_bytes=bytes_moved,
+                                                   flops=flops, matmul_dtypes=matmul_dtypes,
+                                                   sync=name in SYNC_OPS))
+            return out
+
+    return _AtenCounter()
+
+
+@contextlib.contextmanager
+def count(run_triton=True):
+    """Count every Triton launch and aten op run inside the block; yields a :class:`Counts`.
+
+    ``run_triton=False`` records Triton launches without running them (for fake tensors).
+    Needs ``TRITON_INTERPRET=1`` for the Triton counts.
+    """
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("memkernels.gpu_audit.count() does not nest")
+    recorder = _Recorder(run_triton)
+    with _patched_interpreter(), _make_dispatch_mode():
+        _ACTIVE = recorder
+        try:
+            yield recorder.counts
+        finally:
+            _ACTIVE = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Occupancy
+
+
+@dataclass(frozen=True)
+class SmLimits:
+    registers: int = 65536
+    threads: int = 2048
+    blocks: int = 32
+    shared_bytes: int = 0
+    shared_reserved_per_block: int = 1024
+    register_unit: int = 256  # registers are allocated per warp in units of this many
+
+
+# CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
+SM_LIMITS = {80: SmLimits(shared_bytes=164 * 1024), 90: SmLimits(shared_bytes=228 * 1024)}
+
+
+def blocks_per_sm(arch, registers, num_warps, shared_bytes):
+    """Resident blocks per SM of a kernel: the least of the thread, register, shared-memory and block limits."""
+    limits = SM_LIMITS[arch]
+    threads = 32 * num_warps
+    by_threads = limits.threads // threads
+    regs_per_warp = -(-registers * 32 // limits.register_unit) * limits.register_unit
+    by_registers = limits.registers // (regs_per_warp * num_warps) if registers > 0 else limits.blocks
+    by_shared = (limits.shared_bytes // (shared_bytes + limits.shared_reserved_per_block)
+                 if shared_bytes > 0 else limits.blocks)
+    return min(by_threads, by_registers, by_shared, limits.blocks)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops at real shapes
+
+
+@dataclass
+class Problem:
+    """One op call: ``forward()`` returns the outputs, ``backward(outputs)`` runs autograd."""
+
+    forward: object
+    backward: object
+
+
+@dataclass
+class Case:
+    """An op at one real shape, the small shapes its Triton counts are fitted on, and its minimum."""
+
+    op: str
+    label: str
+    shape: dict
+    variables: tuple  # shape variables the counts are a multilinear polynomial of
+    fit_values: dict  # variable -> two small values (the fit uses every combination)
+    check_values: tuple  # held-out small shapes (dicts) the fit must reproduce exactly
+    build: object  # build(shape, dtype, impl) -> Problem; impl "memkernels" | "eager" | "liger"
+    minimum: object  # minimum(shape, element_bytes) -> {"forward": (bytes, flops), "backward": (bytes, flops)}
+    extra_launches: object = None  # extra_launches(shape, dtype) -> {(kind, name): (launches, bytes)} not at small shapes
+    setup: object = None  # setup(shape) -> context manager that makes the op take a fit variable's value
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _leaf(*shape, dtype):
+    torch = _torch()
+    return torch.randn(*shape).to(dtype).requires_grad_()
+
+
+def _eager_rms(x, weight, eps=1e-6):
+    # Hugging Face's LlamaRMSNorm: float32 math, result cast back, times the weight.
+    torch = _torch()
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _norm_problem(op, is_rms, with_residual):
+    def build(shape, dtype, impl):
+        torch = _torch()
+        import torch.nn.functional as F
+        from memkernels import functional
+        n, h = shape["N"], shape["H"]
+        x, w = _leaf(n, h, dtype=dtype), _leaf(h, dtype=dtype)
+        b = None if is_rms else _leaf(h, dtype=dtype)
+        r = _leaf(n, h, dtype=dtype) if with_residual else None
+        grads = [torch.randn(n, h).to(dtype) for _ in range(2)]
+
+        def forward():
+            if impl == "liger":
+                return _liger_norm(is_rms, with_residual, x, r, w, b)
+            if impl == "memkernels":
+                fn = getattr(functional, op)
+                args = (x, r, w) if with_residual else (x, w)
+                out = fn(*args) if is_rms else fn(*args, b)
+                return out if with_residual else (out,)
+            s = x + r if with_residual else x
+            y = _eager_rms(s, w) if is_rms else F.layer_norm(s, (h,), w, b)
+            return (y, s) if with_residual else (y,)
+
+        def backward(outputs):
+            torch.autograd.backward(outputs, grads[:len(outputs)])
+        return Problem(forward, backward)
+    return build
+
+
+def _norm_minimum(is_rms, with_residual):
+    def minimum(shape, e):
+        n, h = shape["N"], shape["H"]
+        params = h * e * (1 if is_rms else 2)
+        inputs = n * h * e * (2 if with_residual else 1) + params
+        outputs = n * h * e * (2 if with_residual else 1)
+        # backward: the incoming gradients, x (or what stands for it) and the weight in; dx (and the
+        # residual's), dw (and db) out
+        backward = outputs + n * h * e + params + n * h * e * (2 if with_residual else 1) + params
+        return {"forward": (inputs + outputs, 0), "backward": (backward, 0)}
+    return minimum
+
+
+def _cross_entropy_problem(shape, dtype, impl):
+    torch = _torch()
+    import torch.nn.functional as F
+    from memkernels import functional
+    n, v = shape["N"], shape["V"]
+    logits = _leaf(n, v, dtype=dtype)
+    target = torch.arange(n) % v  # fixed: where the target sits decides whether its logit is still cached
+
+    def forward():
+        if impl == "memkernels":
+            return (functional.cross_entropy(logits, target),)
+        if impl == "liger":
+            return (_liger().transformers.LigerCrossEntropyLoss()(logits, target),)
+        return (F.cross_entropy(logits.float(), target),)  # as Hugging Face upcasts the logits
+    return Problem(forward, lambda outputs: outputs[0].backward())
+
+
+def _cross_entropy_minimum(shape, e):
+    n, v = shape["N"], shape["V"]
+    return {"forward": (n * v * e + n * 8 + 4, 0), "backward": (n * v * e + n * 8 + 4 + n * v * e, 0)}
+
+
+def _linear_ce_problem(shape, dtype, impl):
+    torch = _torch()
+    import torch.nn.functional as F
+    from memkernels import functional
+    n, h, v = shape["N"], shape["H"], shape["V"]
+    hidden, weight = _leaf(n, h, dtype=dtype), (torch.randn(v, h) / h ** 0.5).to(dtype).requires_grad_()
+    target = torch.arange(n) % v
+    chunk = shape.get("C")
+
+    def forward():
+        if impl == "memkernels":
+            options = {"chunk_size": -(-n // chunk)} if chunk else {}
+            return (functional.linear_cross_entropy(hidden, weight, target, strategy="chunked", **options),)
+        if impl == "liger":
+            return (_liger().transformers.LigerFusedLinearCrossEntropyLoss()(weight, hidden, target),)
+        return (F.cross_entropy((hidden @ weight.t()).float(), target),)
+    return Problem(forward, lambda outputs: outputs[0].backward())
+
+
+def _linear_ce_minimum(shape, e):
+    n, h, v = shape["N"], shape["H"], shape["V"]
+    inputs = n * h * e + v * h * e + n * 8
+    # the chunked strategy computes the gradients in the forward: all three GEMMs are the op's
+    return {"forward": (inputs + 4, 6 * n * h * v), "backward": (4 + n * h * e + v * h * e, 0)}
+
+
+def _linear_ce_chunks(shape, dtype):
+    """Chunks (C) and split-accumulator blocks per chunk that linear_cross_entropy uses by default."""
+    torch = _torch()
+    from memkernels.ops import linear_cross_entropy as lce
+    n, h, v = shape["N"], shape["H"], shape["V"]
+    element = torch.finfo(dtype).bits // 8
+    held = n * h * element + v * h * 4
+    budget = max(lce.DEFAULT_CHUNK_BYTES, int(held * lce.CHUNKED_TRANSIENT_FRACTION))
+    rows = max(1, lce._chunk_elements(dtype, None, v, budget) // v)
+    chunks = -(-n // rows)
+    blocks = 1
+    if dtype == torch.bfloat16:
+        block_rows = max(1, lce._split_scratch_bytes(budget) // (4 * h))
+        blocks = -(-v // block_rows)
+    return chunks, blocks
+
+
+@contextlib.contextmanager
+def _wide_split_blocks(shape):
+    """Small shapes: the split accumulator's elementwise kernel in blocks of 64 Ki elements instead of
+    1 Ki (the same loads and stores, masks honoured, in 64 times fewer interpreted programs), and dW
+    in one row block per chunk (the real shape's extra blocks are added by _linear_ce_extra_launches)."""
+    from memkernels.ops import linear_cross_entropy as lce
+    original = lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE
+    lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = 1 << 16, 1 << 20
+    try:
+        yield
+    finally:
+        lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = original
+
+
+def _linear_ce_real_shape(shape, dtype):
+    chunks, _ = _linear_ce_chunks(shape, dtype)
+    return dict(shape, C=chunks)
+
+
+def _linear_ce_extra_launches(shape, dtype):
+    """{(kind, name): (launches, bytes)} the small shapes do not have. They accumulate dW in one row
+    block per chunk; the real shape in `blocks` (bf16): one more mm and split add per extra block,
+    and each extra mm reads the chunk's hidden rows again."""
+    torch = _torch()
+    _, blocks = _linear_ce_chunks(shape, dtype)
+    extra = (blocks - 1) * shape["C"]
+    if not extra:
+        return {}
+    reread = (blocks - 1) * shape["N"] * shape["H"] * (torch.finfo(dtype).bits // 8)
+    return {("aten", "mm"): (extra, reread), ("triton", "_add_to_split_float32_kernel"): (extra, 0)}
+
+
+def _gelu_linear_problem(shape, dtype, impl):
+    torch = _torch()
+    import torch.nn.functional as F
+    from memkernels import functional
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    x, w, b = _leaf(m, k, dtype=dtype), (torch.randn(n, k) / k ** 0.5).to(dtype).requires_grad_(), _leaf(n, dtype=dtype)
+    grad = torch.randn(m, n).to(dtype)
+
+    def forward():
+        if impl == "memkernels":
+            return (functional.gelu_linear(x, w, b),)
+        return (F.linear(F.gelu(x), w, b),)
+    return Problem(forward, lambda outputs: outputs[0].backward(grad))
+
+
+def _gelu_linear_minimum(shape, e):
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    inputs = m * k * e + n * k * e + n * e
+    return {"forward": (inputs + m * n * e, 2 * m * n * k),
+            "backward": (m * n * e + m * k * e + n * k * e + m * k * e + n * k * e + n * e, 4 * m * n * k)}
+
+
+_TOKENS = 8192  # tokens per step at the real shapes (e.g. 4 sequences of 2048)
+
+
+# Norm backward programs on a GPU: two per SM (memkernels.ops._norm_kernels._num_programs); H100 SXM has 132.
+_NORM_BACKWARD_PROGRAMS = 2 * 132
+
+
+@contextlib.contextmanager
+def _norm_programs(shape):
+    """Give the norm backward ``shape["P"]`` programs (the GPU's count at the real shape; the interpreter's
+    default is a fixed few). Each program owns one float32 row of dw/db partial sums."""
+    from memkernels.ops import _norm_kernels
+    original = _norm_kernels._num_programs
+    _norm_kernels._num_programs = lambda rows, device: min(rows, shape["P"])
+    try:
+        yield
+    finally:
+        _norm_kernels._num_programs = original
+
+
+def _norm_cases():
+    cases = []
+    for op, is_rms, residual in (("rms_norm", True, False), ("add_rms_norm", True, True),
+                                 ("layer_norm", False, False), ("add_layer_norm", False, True)):
+        for h in (4096, 8192):
+            cases.append(Case(op, f"H={h}", {"N": _TOKENS, "H": h, "P": _NORM_BACKWARD_PROGRAMS}, ("N", "P"),
+                              {"N": (8, 16), "P": (2, 4)}, ({"N": 12, "P": 3},),
+                              _norm_problem(op, is_rms, residual), _norm_minimum(is_rms, residual),
+                              setup=_norm_programs))
+    return cases
+
+
+def cases():
+    """Every audited (op, real shape)."""
+    result = _norm_cases()
+    for v, model in ((32000, "Llama-2"), (128256, "Llama-3"), (256000, "Gemma")):
+        result.append(Case("cross_entropy", f"V={v} ({model})", {"N": _TOKENS, "V": v}, ("N",), {"N": (2, 4)},
+                           ({"N": 5},), _cross_entropy_problem, _cross_entropy_minimum))
+    result.append(Case("linear_cross_entropy", "Llama-3-8B head H=4096 V=128256",
+                       {"N": _TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
+                       {"N": (16, 32), "H": (16, 32), "C": (1, 2)},
+                       ({"N": 48, "H": 48, "C": 3},), _linear_ce_problem, _linear_ce_minimum,
+                       _linear_ce_extra_launches, setup=_wide_split_blocks))
+    for label, k, n in (("GPT-2 MLP down 3072->768", 3072, 768), ("Llama-3-8B MLP down 14336->4096", 14336, 4096)):
+        result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
+                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
+                           _gelu_linear_problem, _gelu_linear_minimum))
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Measuring and fitting
+
+
+def _liger():
+    import liger_kernel
+    return liger_kernel
+
+
+def _liger_norm(is_rms, with_residual, x, r, w, b):
+    from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
+    s = x + r if with_residual else x
+    y = liger_rms_norm(s, w, 1e-6) if is_rms else liger_layer_norm(s, w, b, 1e-5)
+    return (y, s) if with_residual else (y,)
+
+
+def measure(case, shape, dtype, impl="memkernels"):
+    """Run the op once at ``shape`` (real tensors, Triton under the interpreter): {"forward", "backward"} Counts."""
+    import memkernels
+    torch = _torch()
+    torch.manual_seed(0)
+    memkernels.set_backend("triton" if impl == "memkernels" else "auto")
+    try:
+        problem = case.build(shape, dtype, impl)
+        with case.setup(shape) if case.setup else contextlib.nullcontext():
+            with count() as forward:
+                outputs = problem.forward()
+            with count() as backward:
+                problem.backward(outputs)
+    finally:
+        memkernels.set_backend("auto")
+    return {"forward": forward, "backward": backward}
+
+
+def _pass_result(counts):
+    kernels = {}
+    for (kind, name), (launches, hbm, requested, flops) in counts.by_kernel().items():
+        kernels[(kind, name)] = {"launches": launches, "hbm": hbm, "requested": requested, "flops": flops}
+    return PassResult(kernels, sorted(set(counts.matmul_dtypes)), counts.syncs)
+
+
+def exact(case, dtype, impl="eager"):
+    """Counts of a PyTorch-only implementation at the real shape, on fake tensors (no data, no time)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        run = measure(case, case.shape, dtype, impl)
+    for phase, counts in run.items():
+        if any(x.kind == "triton" for x in counts.launches):
+            raise RuntimeError(f"memkernels.gpu_audit.exact: {impl} {case.op} launches Triton kernels, which "
+                               "fake tensors cannot run; use fit()")
+    return {phase: _pass_result(counts) for phase, counts in run.items()}
+
+
+def _monomials(variables):
+    return [combo for r in range(len(variables) + 1) for combo in itertools.combinations(variables, r)]
+
+
+def _design(shapes, variables):
+    return np.array([[math.prod(shape[v] for v in combo) for combo in _monomials(variables)] for shape in shapes],
+                    dtype=np.float64)
+
+
+def _summaries(counts):
+    """{(kind, name, metric): number} for one pass: launches, bytes, FLOPs, syncs."""
+    out = {}
+    for (kind, name), (launches, hbm, requested, flops) in counts.by_kernel().items():
+        out[(kind, name, "launches")] = launches
+        if kind == "aten":  # a Triton kernel's HBM bytes follow from its per-argument counts at the real shape
+            out[(kind, name, "hbm")] = hbm
+        out[(kind, name, "requested")] = requested
+        for precision, f in flops.items():
+            out[(kind, name, "flops:" + precision)] = f
+    for launch in counts.launches:
+        if launch.dot:
+            out[(launch.kind, launch.name, "dot")] = 1
+        if launch.kind == "triton":
+            key = (launch.kind, launch.name, "programs")
+            out[key] = out.get(key, 0) + launch.programs
+        for position, requested, distinct, misses in launch.arguments:
+            for metric, value in (("requested", requested), ("distinct", distinct), ("misses", misses)):
+                key = (launch.kind, launch.name, f"arg{position}:{metric}")
+                out[key] = out.get(key, 0) + value
+    return out
+
+
+@dataclass
+class PassResult:
+    """One pass of one op at the real shape (fitted), with what the model predicts."""
+
+    kernels: dict  # (kind, name) -> {"launches", "hbm", "requested", "flops": {precision: n}}
+    matmul_dtypes: list
+    syncs: list
+
+    @property
+    def hbm_bytes(self):
+        return sum(k["hbm"] for k in self.kernels.values())
+
+    def flops(self, precision=None):
+        return sum(f for k in self.kernels.values() for p, f in k["flops"].items() if precision in (None, p))
+
+    @property
+    def launches(self):
+        return sum(k["launches"] for k in self.kernels.values())
+
+    def seconds(self, gpu):
+        total = 0.0
+        for k in self.kernels.values():
+            if not k["launches"]:
+                continue
+            per = Launch("", "", hbm_bytes=k["hbm"] / k["launches"],
+                         flops={p: f / k["launches"] for p, f in k["flops"].items()})
+            total += k["launches"] * per.seconds(gpu)
+        return total
+
+
+def fit(case, dtype, impl="memkernels", measure_fn=None):
+    """The op's counts at ``case.shape``, fitted exactly from small shapes; raises if a held-out shape disagrees."""
+    measure_fn = measure_fn or measure
+    variables = case.variables
+    shapes = [dict(case.shape, **dict(zip(variables, values)))
+              for values in itertools.product(*(case.fit_values[v] for v in variables))]
+    checks = [dict(case.shape, **c) for c in case.check_values]
+    runs = [measure_fn(case, s, dtype, impl) for s in shapes + checks]
+    real = _linear_ce_real_shape(case.shape, dtype) if "C" in variables else case.shape
+    design = _design(shapes, variables)
+    results = {}
+    for phase in ("forward", "backward"):
+        summaries = [_summaries(run[phase]) for run in runs]
+        keys = sorted(set().union(*summaries))
+        targets = np.array([[s.get(k, 0) for k in keys] for s in summaries[:len(shapes)]], dtype=np.float64)
+        coefficients = np.linalg.solve(design, targets) if design.shape[0] == design.shape[1] else \
+            np.linalg.lstsq(design, targets, rcond=None)[0]
+        predicted_checks = _design(checks, variables) @ coefficients
+        for check, prediction, summary in zip(checks, predicted_checks, summaries[len(shapes):]):
+            actual = np.array([summary.get(k, 0) for k in keys], dtype=np.float64)
+            wrong = [(k, int(round(p)), int(a)) for k, p, a in zip(keys, prediction, actual) if abs(p - a) > 0.5]
+            if wrong:
+                raise RuntimeError(f"memkernels.gpu_audit: {case.op} {phase} counts are not the polynomial the fit "
+                                   f"assumes at {check}: (count, predicted, measured) {wrong[:4]}")
+        values = _design([real], variables) @ coefficients
+        kernels = {}
+        for key, value in zip(keys, values[0]):
+            kind, name, metric = key
+            entry = kernels.setdefault((kind, name), {"launches": 0, "hbm": 0, "requested": 0, "flops": {}})
+            value = int(round(value))
+            if metric.startswith("flops:"):
+                entry["flops"][metric[6:]] = value
+            elif metric.startswith("arg"):
+                position, what = metric[3:].split(":")
+                entry.setdefault("arguments", {}).setdefault(int(position), {})[what] = value
+            else:
+                entry[metric] = value
+        for (kind, name), entry in kernels.items():
+            if "arguments" in entry:  # the L2 rule applies at the real shape, not the small ones
+                per_argument = [(p, a["requested"], a["distinct"], a["misses"])
+                                for p, a in entry.pop("arguments").items()]
+                entry.pop("programs", None)
+                entry["hbm"] = _hbm_bytes(per_argument, entry.pop("dot", 0) > 0, max(entry["launches"], 1))
+        if case.extra_launches is not None:
+            for key, (launches, extra_bytes) in case.extra_launches(real, dtype).items():
+                if key in kernels and phase == "forward":
+                    kernels[key]["launches"] += launches
+                    kernels[key]["hbm"] += extra_bytes
+                    kernels[key]["requested"] += extra_bytes
+        last = runs[-1][phase]
+        results[phase] = PassResult(kernels, sorted(set(last.matmul_dtypes)), last.syncs)
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# The audit
+
+
+_DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+@dataclass
+class Row:
+    """One (op, shape, dtype, pass) of the audit table."""
+
+    op: str
+    label: str
+    dtype: str
+    phase: str
+    result: PassResult
+    minimum_bytes: int
+    minimum_flops: int
+    eager: PassResult = None
+    liger: PassResult = None
+
+    @property
+    def byte_ratio(self):
+        return self.result.hbm_bytes / self.minimum_bytes if self.minimum_bytes else float("nan")
+
+    def float32_matmuls(self):
+        """Matmuls with a float32 operand although the op's inputs are half precision."""
+        if self.dtype == "fp32":
+            return []
+        return [(name, dtypes) for name, dtypes in self.result.matmul_dtypes if "fp32" in dtypes]
+
+
+def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=None, on_rows=None):
+    """Count every op in ``ops`` (default: all of :func:`cases`) at its real shapes; a list of :class:`Row`.
+
+    Needs ``TRITON_INTERPRET=1`` (the CLI re-runs itself with it).
+    """
+    torch = _torch()
+    rows = []
+    for case in cases():
+        if ops and case.op not in ops:
+            continue
+        for dtype_name in dtypes:
+            dtype = getattr(torch, _DTYPES[dtype_name])
+            if progress:
+                progress(f"{case.op} {case.label} {dtype_name}")
+            ours = fit(case, dtype)
+            theirs = exact(case, dtype, "eager") if eager else None
+            liger_result = None
+            if liger and case.op in _LIGER_OPS and _liger_available():
+                try:
+                    liger_result = fit(case, dtype, "liger")
+                except Exception as error:  # noqa: BLE001 - a Liger kernel the interpreter cannot run
+                    if progress:
+                        progress(f"  Liger's {case.op} not counted: {type(error).__name__}: {str(error)[:200]}")
+            real = _linear_ce_real_shape(case.shape, dtype) if "C" in case.variables else case.shape
+            minimum = case.minimum(real, torch.finfo(dtype).bits // 8)
+            new_rows = [Row(case.op, case.label, dtype_name, phase, ours[phase], *minimum[phase],
+                            theirs[phase] if theirs else None, liger_result[phase] if liger_result else None)
+                        for phase in ("forward", "backward")]
+            rows += new_rows
+            if on_rows:
+                on_rows(new_rows)
+    return rows
+
+
+_LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy"}
+
+
+def _liger_available():
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _mib(n):
+    return f"{n / 2**20:,.1f}"
+
+
+def format_table(rows, header=True, footer=True):
+    """The audit as a fixed-width table; times are the model's, labelled so."""
+    h100, a100 = GPUS["H100-SXM"], GPUS["A100-80GB"]
+    head = (f"{'op':<22}{'shape':<34}{'dtype':<6}{'pass':<9}{'HBM MiB':>10}{'min MiB':>10}{'x min':>7}"
+            f"{'GFLOP':>9}{'fp32 mm':>8}{'syncs':>6}{'launch':>7}{'model H100 us':>14}{'eager':>9}"
+            f"{'liger':>9}{'model A100 us':>14}{'eager':>9}")
+    lines = [head] if header else []
+    for r in rows:
+        eager_h = f"{r.eager.seconds(h100) * 1e6:9.0f}" if r.eager else f"{'-':>9}"
+        eager_a = f"{r.eager.seconds(a100) * 1e6:9.0f}" if r.eager else f"{'-':>9}"
+        liger_h = f"{r.liger.seconds(h100) * 1e6:9.0f}" if r.liger else f"{'-':>9}"
+        lines.append(
+            f"{r.op:<22}{r.label:<34}{r.dtype:<6}{r.phase:<9}{_mib(r.result.hbm_bytes):>10}{_mib(r.minimum_bytes):>10}"
+            f"{r.byte_ratio:7.2f}{r.result.flops() / 1e9:9.1f}{len(r.float32_matmuls()):>8}{len(r.result.syncs):>6}"
+            f"{r.result.launches:>7}{r.result.seconds(h100) * 1e6:14.0f}{eager_h}{liger_h}"
+            f"{r.result.seconds(a100) * 1e6:14.0f}{eager_a}")
+    if not footer:
+        return "\n".join(lines)
+    lines.append("")
+    lines.append(f"Times are a MODEL, not measurements: per launch max(bytes / HBM bandwidth, FLOPs / peak) + "
+                 f"{LAUNCH_OVERHEAD_S * 1e6:.0f} us;")
+    for gpu in (h100, a100):
+        peaks = ", ".join(f"{p} {f / 1e12:g} TFLOP/s" for p, f in gpu.peak_flops.items())
+        lines.append(f"  {gpu.name}: HBM {gpu.hbm_bytes_per_s / 1e12:g} TB/s, {peaks} (datasheet, dense).")
+    lines.append(f"Shapes: {_TOKENS} tokens. 'x min': HBM bytes over the pass's minimum (inputs read once, outputs "
+                 "written once). 'fp32 mm': matmuls with a float32 operand on half inputs. 'eager': the same model "
+                 "on eager PyTorch's ops for the same computation.")
+    return "\n".join(lines)
+
+
+def occupancy(names=None, archs=(80, 90)):
+    """[(kernel, variant, arch, registers, shared bytes, warps, blocks per SM)] from the AOT compile."""
+    from memkernels import aot
+    for module in aot._ops_modules():
+        __import__(module)
+    warps = {(e.name, v["label"]): v["num_warps"] for e in aot._REGISTRY.values() for v in e.variants}
+    rows = []
+    for report in aot.check(names, archs):
+        n_warps = warps[(report.kernel, report.variant)]
+        blocks = blocks_per_sm(report.arch, report.registers, n_warps, report.shared_bytes) if report.ok else 0
+        rows.append((report.kernel, report.variant, report.arch, report.registers, report.shared_bytes, n_warps,
+                     blocks))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m memkernels.tools.gpu_audit", description=__doc__.split("\n")[0])
+    parser.add_argument("--op", action="append", help="op to audit (repeatable; default every op)")
+    parser.add_argument("--dtype", action="append", choices=sorted(_DTYPES), help="default bf16 and fp32")
+    parser.add_argument("--liger", action="store_true", help="also count Liger's kernels (liger-kernel installed)")
+    parser.add_argument("--occupancy", action="store_true",
+                        help="also compile every kernel for sm_80/sm_90 (memkernels.aot) and print blocks per SM")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        # Triton reads the variable at import: count in a child that runs the kernels on the CPU.
+        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+        argv = argv if argv is not None else sys.argv[1:]
+        return subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv], env=env).returncode
+    known = {c.op for c in cases()}
+    unknown = sorted(set(args.op or ()) - known)
+    if unknown:
+        parser.error(f"--op {unknown[0]!r} is not audited; choose from {', '.join(sorted(known))}")
+    print(format_table([], footer=False), flush=True)
+    audit(args.op, tuple(args.dtype or ("bf16", "fp32")), liger=args.liger,
+          progress=lambda what: print(f"counting {what} ...", file=sys.stderr, flush=True),
+          on_rows=lambda rows: print(format_table(rows, header=False, footer=False), flush=True))
+    print(format_table([], header=False))
+    if args.occupancy:
+        print()
+        print(f"{'kernel':<30}{'variant':<34}{'arch':<7}{'regs':>6}{'smem B':>9}{'warps':>6}{'blocks/SM':>10}")
+        for kernel, variant, arch, regs, smem, n_warps, blocks in occupancy():
+            print(f"{kernel:<30}{variant:<34}{'sm_' + str(arch):<7}{regs:>6}{smem:>9}{n_warps:>6}{blocks:>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""memkernels.tools.gpu_audit: exact counts per op at one small shape, and the counter itself.
+
+The pins are derived element by element in the comments: an extra tl.load, a float32 matmul on
+half inputs or a host sync in any op changes a pinned number and fails here.
+"""
+import pytest
+import torch
+
+import memkernels
+from memkernels.tools import gpu_audit
+
+pytestmark = pytest.mark.skipif(not memkernels._backend.triton_interpreted(),
+                                reason="counts Triton kernels through the interpreter")
+
+CASES = {case.op: case for case in gpu_audit.cases()}
+
+
+def _measure(op, dtype=torch.bfloat16, **shape):
+    return gpu_audit.measure(CASES[op], shape, dtype)
+
+
+def _triton(counts):
+    launches = [x for x in counts.launches if x.kind == "triton"]
+    return (len(launches), sum(x.requested_bytes for x in launches), sum(x.hbm_bytes for x in launches))
+
+
+def _aten(counts):
+    return sorted(x.name for x in counts.launches if x.kind == "aten" and x.hbm_bytes)
+
+
+def test_rms_norm_counts():
+    n, h, p, e = 4, 64, 2, 2
+    run = _measure("rms_norm", N=n, H=h, P=p)
+    # forward: x, the weight once per row, y, rstd (fp32); the weight's re-reads stay in L2
+    assert _triton(run["forward"]) == (1, 3 * n * h * e + n * 4, 2 * n * h * e + h * e + n * 4)
+    assert _aten(run["forward"]) == []
+    # backward: dy, x, the weight once per program, rstd, dx, and each program's float32 dw partial
+    # (sum and compensation); then the partials are reduced in torch
+    partials = p * 2 * h * 4
+    requested = 3 * n * h * e + p * h * e + n * 4 + partials
+    assert _triton(run["backward"]) == (1, requested, requested - (p - 1) * h * e)
+    assert _aten(run["backward"]) == ["sub", "sum", "sum", "zeros"]
+    assert run["forward"].syncs == run["backward"].syncs == []
+
+
+def test_layer_norm_counts():
+    n, h, p, e = 4, 64, 2, 2
+    run = _measure("layer_norm", N=n, H=h, P=p)
+    # forward: x, weight and bias per row, y, mean and rstd
+    assert _triton(run["forward"]) == (1, 4 * n * h * e + 2 * n * 4, 2 * n * h * e + 2 * h * e + 2 * n * 4)
+    partials = 2 * p * 2 * h * 4  # dw and db
+    requested = 3 * n * h * e + p * h * e + 2 * n * 4 + partials
+    assert _triton(run["backward"]) == (1, requested, requested - (p - 1) * h * e)
+
+
+def test_add_rms_norm_counts():
+    n, h, p, e = 4, 64, 2, 2
+    run = _measure("add_rms_norm", N=n, H=h, P=p)
+    # forward: x, residual, the weight per row; y, residual_out, rstd
+    assert _triton(run["forward"]) == (1, 5 * n * h * e + n * 4, 4 * n * h * e + h * e + n * 4)
+
+
+def test_cross_entropy_counts():
+    n, v, e = 3, 100, 2
+    run = _measure("cross_entropy", N=n, V=v)
+    # forward: the target, the row of logits, the target's logit (still cached), ce and the
+    # two-float logsumexp per row
+    requested = n * 8 + n * v * e + n * e + n * 4 + n * 8
+    assert _triton(run["forward"]) == (1, requested, requested - n * e)
+    # float64: per row a block of 128 widened exp terms (padded lanes compute too), plus 9 scalar
+    # float64 operations (widenings, rescale, logsumexp, the loss)
+    assert run["forward"].flops("fp64") == n * 128 + n * 9
+    # backward: target, logsumexp and scale per row, the logits read again, the gradient written
+    requested = n * 8 + n * 8 + n * 4 + n * v * e + n * v * e
+    assert _triton(run["backward"])[:2] == (1, requested)
+    assert run["forward"].syncs == run["backward"].syncs == []
+    assert run["forward"].matmul_dtypes == run["backward"].matmul_dtypes == []
+
+
+def test_gelu_linear_counts():
+    m = k = n = 64
+    e = 2
+    run = _measure("gelu_linear", M=m, K=k, N=n)
+    # forward: one tile program: x, W, the bias, the output; one bf16 dot of 2*M*N*K
+    assert _triton(run["forward"]) == (1, (m * k + n * k + n + m * n) * e, (m * k + n * k + n + m * n) * e)
+    assert run["forward"].flops() == run["forward"].flops("bf16") == 2 * m * n * k
+    # backward: dX = (dY @ W) * gelu'(x) reads dY, W, x and writes dX; dW = dY^T @ gelu(x)
+    assert run["backward"].flops() == run["backward"].flops("bf16") == 4 * m * n * k
+    assert {dtypes for _, dtypes in run["backward"].matmul_dtypes} == {("bf16", "bf16")}
+    assert run["forward"].syncs == run["backward"].syncs == []
+
+
+def test_linear_cross_entropy_half_inputs_run_half_operand_gemms():
+    """Every GEMM of the chunked strategy on bf16 inputs takes bf16 operands (fp32 accumulation)."""
+    n, h, v = 8, 16, 40
+    run = _measure("linear_cross_entropy", N=n, H=h, V=v, C=2)
+    dtypes = {dtypes for counts in run.values() for _, dtypes in counts.matmul_dtypes}
+    assert dtypes == {("bf16", "bf16")}
+    # three GEMMs of 2*N*H*V: logits, dX, dW
+    assert run["forward"].flops() - run["forward"].flops("fp64") == 3 * 2 * n * h * v
+    assert run["forward"].syncs == run["backward"].syncs == []
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "cross_entropy"])
+def test_fit_reproduces_a_held_out_shape(op):
+    """The polynomial fit is exact: a shape outside the fit (the case's own check) is predicted to the byte."""
+    case = CASES[op]
+    small = {"rms_norm": {"H": 64}, "cross_entropy": {"V": 100}}[op]
+    case = gpu_audit.Case(case.op, "small", dict(case.shape, **small), case.variables, case.fit_values,
+                          case.check_values, case.build, case.minimum, setup=case.setup)
+    result = gpu_audit.fit(case, torch.bfloat16)
+    assert result["forward"].hbm_bytes > 0
+
+
+def test_fit_refuses_counts_that_are_not_polynomial():
+    case = gpu_audit.Case("toy", "toy", {"N": 100}, ("N",), {"N": (1, 2)}, ({"N": 3},), None, None)
+
+    def measure(case, shape, dtype, impl):
+        counts = gpu_audit.Counts([gpu_audit.Launch("aten", "op", hbm_bytes=shape["N"] ** 2)])
+        return {"forward": counts, "backward": gpu_audit.Counts()}
+    with pytest.raises(RuntimeError, match="not the polynomial"):
+        gpu_audit.fit(case, torch.float32, measure_fn=measure)
+
+
+def test_masked_lanes_move_nothing_and_an_extra_load_counts():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def copy(src, dst, n, BLOCK: tl.constexpr, EXTRA: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(src + cols, mask=cols < n)
+        if EXTRA:
+            x += tl.load(src + cols, mask=cols < n)
+        tl.store(dst + cols, x, mask=cols < n)
+
+    src, dst = torch.ones(16), torch.empty(16)
+    with gpu_audit.count() as plain:
+        copy[(1,)](src, dst, 10, BLOCK=16, EXTRA=False)
+    with gpu_audit.count() as extra:
+        copy[(1,)](src, dst, 10, BLOCK=16, EXTRA=True)
+    assert (plain.requested_bytes, plain.hbm_bytes) == (2 * 10 * 4, 2 * 10 * 4)
+    assert extra.requested_bytes == 3 * 10 * 4
+
+
+def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
+    a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
+    with gpu_audit.count() as counts:
+        a.t()  # a view: nothing moves
+        a.float() @ b.float()
+        (a > 0).nonzero()
+    names = [x.name for x in counts.launches]
+    assert names == ["_to_copy", "_to_copy", "mm", "gt", "nonzero"]
+    mm = counts.launches[2]
+    assert (mm.hbm_bytes, mm.flops, mm.matmul_dtypes) == ((8 * 4 + 4 * 6 + 8 * 6) * 4, {"fp32": 2 * 8 * 4 * 6},
+                                                          (("fp32", "fp32"),))
+    assert counts.syncs == ["nonzero"]
+
+
+def test_eager_counts_on_fake_tensors_at_the_real_shape():
+    result = gpu_audit.exact(CASES["cross_entropy"], torch.bfloat16)  # 8192 x 32000 logits, no data
+    n, v = 8192, 32000
+    # at least: the bf16 logits read and their float32 copy written and read again
+    assert result["forward"].hbm_bytes >= n * v * (2 + 4 + 4)
+    assert result["forward"].syncs == []
+
+
+@pytest.mark.parametrize("arch, registers, warps, shared, blocks", [
+    (80, 64, 4, 0, 8),  # 64 regs x 128 threads = 8192 per block: 65536 / 8192
+    (80, 32, 4, 0, 16),  # thread-limited: 2048 / 128
+    (80, 128, 8, 0, 2),
+    (90, 32, 4, 100 * 1024, 2),  # shared-memory limited: 228 KiB / (100 KiB + 1 KiB reserved)
+    (80, 40, 4, 0, 12),  # 40 regs round to 1280 per warp (units of 256): 65536 / 5120 = 12
+])
+def test_blocks_per_sm(arch, registers, warps, shared, blocks):
+    assert gpu_audit.blocks_per_sm(arch, registers, warps, shared) == blocks
+
+
+def test_half_gemm_float32_result_matches_widened_operands():
+    from memkernels.ops._half_gemm import addmm_float32_, mm_float32
+    a, b = torch.randn(5, 7, dtype=torch.bfloat16), torch.randn(7, 3, dtype=torch.bfloat16)
+    out = torch.empty(5, 3)
+    with gpu_audit.count() as counts:
+        mm_float32(a, b, out=out)
+    torch.testing.assert_close(out, a.float() @ b.float(), rtol=0, atol=0)
+    assert counts.matmul_dtypes == [("mm", ("bf16", "bf16"))]  # what a GPU runs: half operands
+    accumulator = torch.ones(5, 3)
+    addmm_float32_(accumulator, a, b)
+    torch.testing.assert_close(accumulator, 1 + a.float() @ b.float(), rtol=0, atol=0)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without a GPU")
+def test_gpu_check_says_so_and_exits_0_without_a_gpu():
+    import os
+    import subprocess
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.sh")
+    run = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0
+    assert "no CUDA GPU" in run.stdout
