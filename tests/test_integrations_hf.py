@@ -37,7 +37,8 @@ def test_callback_logs_the_monitors_scalars_for_each_trainer_step(tmp_path):
                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    callback = MemoryCallback(csv=str(tmp_path / "memory.csv"), log_dir=str(tmp_path / "tb"))
+    # source="cpu": "auto" would pick a memkernels pool another test in this process installed
+    callback = MemoryCallback(csv=str(tmp_path / "memory.csv"), log_dir=str(tmp_path / "tb"), source="cpu")
     args = transformers.TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=STEPS,
                                           per_device_train_batch_size=2, report_to="none", use_cpu=True,
                                           save_strategy="no", logging_strategy="no", disable_tqdm=True)

@@ -50,7 +50,9 @@ def test_cpu_rows_equal_peak_bytes_meter_and_reach_csv_jsonl_tensorboard_and_png
     ids = synthetic_batch(TINY, 2, 16)
     step_peaks, forward_peaks = [], []
     paths = {"csv": tmp_path / "memory.csv", "jsonl": tmp_path / "memory.jsonl", "png": tmp_path / "memory.png"}
-    with MemoryMonitor(model=model, optimizer=optimizer, log_dir=str(tmp_path / "tb"),
+    # source="cpu": "auto" picks memkernels' pool when one is installed, and another test in this
+    # process (test_device_pool) may have installed one on the simulated device.
+    with MemoryMonitor(model=model, optimizer=optimizer, log_dir=str(tmp_path / "tb"), source="cpu",
                        **{k: str(v) for k, v in paths.items()}) as monitor:
         for _ in range(5):
             with PeakBytesMeter() as step_meter:  # opened where the monitor's step window opens
