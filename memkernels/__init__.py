@@ -26,12 +26,13 @@ _LAZY = {
     "ChunkedCrossEntropyLoss": "memkernels.nn",
     "LinearCrossEntropyLoss": "memkernels.nn",
     "apply": "memkernels.patch",
-    "activation_ledger": "memkernels.profile",
-    "memory_summary": "memkernels.profile",
-    "evaluate": "memkernels.profile",
+    "activation_ledger": "memkernels.tools.profile",
+    "memory_summary": "memkernels.tools.profile",
+    "evaluate": "memkernels.tools.profile",
     "MemoryMonitor": "memkernels.tools.monitor",
     "explain": "memkernels.tools.explain",
     "plan": "memkernels.tools.plan",
+    "estimate": "memkernels.tools.estimate",
 }
 
 
@@ -48,15 +49,4 @@ def __dir__():
     return sorted(set(globals()) | set(_LAZY))
 
 
-def estimate(model_or_config, **kwargs):
-    """Per-GPU memory of a training run; see :func:`memkernels.estimate.estimate`.
-
-    ``memkernels.estimate`` is also the submodule's name: importing the
-    submodule would replace this function with the module on the package, so
-    the submodule makes itself callable with the same signature.
-    """
-    from memkernels.estimate import estimate as run
-    return run(model_or_config, **kwargs)
-
-
-__all__ = ["get_backend", "set_backend", "estimate", "__version__"] + sorted(_LAZY)
+__all__ = ["get_backend", "set_backend", "__version__"] + sorted(_LAZY)

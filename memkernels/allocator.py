@@ -14,6 +14,7 @@ import statistics
 import sys
 
 from memkernels._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
+from memkernels.tools.sizes import format_size
 
 # With no capacity given, the pool's own virtual device has this much memory (it never refuses)...
 UNLIMITED_CAPACITY = 1 << 50
@@ -463,11 +464,11 @@ def _fit_text(result, requests, capacity):
     failed and the first of them."""
     first = result["first_oom"]
     if first is None:
-        return f"fits in {_bytes_text(capacity)} (peak reserved {_bytes_text(result['peak_reserved_bytes'])})"
+        return f"fits in {format_size(capacity)} (peak reserved {format_size(result['peak_reserved_bytes'])})"
     return (
-        f"does NOT fit in {_bytes_text(capacity)}: {result['num_ooms']:,} of {requests:,} requests failed; the "
-        f"first is request {first['request']:,} ({_bytes_text(first['size'])} on stream {first['stream']}, with "
-        f"{_bytes_text(first['live_bytes'])} live before it)"
+        f"does NOT fit in {format_size(capacity)}: {result['num_ooms']:,} of {requests:,} requests failed; the "
+        f"first is request {first['request']:,} ({format_size(first['size'])} on stream {first['stream']}, with "
+        f"{format_size(first['live_bytes'])} live before it)"
     )
 
 
@@ -508,7 +509,7 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
         f"ns/op: memkernels' pool, median of runs, on {where}."
         + (" Expandable segments in both columns; dev.alloc counts page mappings." if config.get(
             "expandable_segments") else "")
-        + (f" OOM: the trace did not fit the {_bytes_text(capacity)} capacity (see the lines under it)."
+        + (f" OOM: the trace did not fit the {format_size(capacity)} capacity (see the lines under it)."
            if capacity is not None else ""),
         file=out,
     )
@@ -544,7 +545,7 @@ def _print_replay_rows(path, device, capacity, repeats, simulated_device, config
         ratios = [f"{_ratio(row[policy], ideal):.3f}" if row[policy]["num_ooms"] == 0 else "OOM"
                   for policy in ("pytorch", "memkernels")]
         print(
-            f"{name[:38]:<38} {d:>3} {_bytes_text(ideal):>11} | {ratios[0]:>7} "
+            f"{name[:38]:<38} {d:>3} {format_size(ideal):>11} | {ratios[0]:>7} "
             f"{row['pytorch']['num_device_alloc']:>9} | {ratios[1]:>10} "
             f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
             file=out,
@@ -580,13 +581,6 @@ def pool_snapshot(pool):
 FRAGMENTATION_WARNING = 0.2
 
 
-def _bytes_text(n):
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-
-
 def format_memory_summary(stats, device=0):
     """A readable table of one device's pool statistics (the dict of ``Pool.stats``)."""
     lines = [f"memkernels pool, device {device}", "-" * 78]
@@ -603,7 +597,7 @@ def format_memory_summary(stats, device=0):
     for label, key, is_bytes in rows:
         for scope, source in (("", stats), (" small pool", stats["pools"]["small"]), (" large pool", stats["pools"]["large"])):
             stat = source[key]
-            fmt = _bytes_text if is_bytes else str
+            fmt = format_size if is_bytes else str
             lines.append(
                 f"{(label if not scope else '  ' + scope.strip()):<22}"
                 + "".join(f"{fmt(stat[k]):>14}" for k in ("current", "peak", "allocated", "freed"))
@@ -614,19 +608,19 @@ def format_memory_summary(stats, device=0):
         f"{stats['external_fragmentation']:.1%}"
     )
     lines.append(
-        f"cached free: {_bytes_text(stats['free_bytes'])}, largest free block {_bytes_text(stats['largest_free_block'])}"
+        f"cached free: {format_size(stats['free_bytes'])}, largest free block {format_size(stats['largest_free_block'])}"
     )
-    histogram = ", ".join(f">={_bytes_text(size)}: {count}" for size, count in sorted(stats["free_block_histogram"].items()))
+    histogram = ", ".join(f">={format_size(size)}: {count}" for size, count in sorted(stats["free_block_histogram"].items()))
     lines.append(f"free blocks by size: {histogram or 'none'}")
     lines.append(
         f"device allocations {stats['num_device_alloc']}, device frees {stats['num_device_free']}, "
         f"retries {stats['num_alloc_retries']}, OOMs {stats['num_ooms']}"
-        + (f", memory cap {_bytes_text(stats['memory_cap'])}" if stats["memory_cap"] else "")
+        + (f", memory cap {format_size(stats['memory_cap'])}" if stats["memory_cap"] else "")
     )
     if stats["reserved_bytes"]["current"] and stats["fragmentation"] > FRAGMENTATION_WARNING:
         lines.append(
             f"WARNING: {stats['fragmentation']:.0%} of reserved memory "
-            f"({_bytes_text(stats['reserved_bytes']['current'] - stats['allocated_bytes']['current'])}) is held "
+            f"({format_size(stats['reserved_bytes']['current'] - stats['allocated_bytes']['current'])}) is held "
             "but not allocated. memkernels.allocator.empty_cache() returns whole free segments to the device; "
             "a lower gc_threshold does it automatically."
         )
@@ -845,7 +839,7 @@ def memory_summary(device=None):
         import torch
 
         if not torch.cuda.is_available():
-            from memkernels.profile import NO_CUDA_MESSAGE
+            from memkernels.tools.profile import NO_CUDA_MESSAGE
 
             return NO_CUDA_MESSAGE
     index = _device_index(device)

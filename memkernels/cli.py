@@ -13,7 +13,7 @@
 - ``memkernels explain``: the post-mortem of a recorded snapshot
   (:mod:`memkernels.tools.explain`).
 
-The logic lives in :mod:`memkernels.profile` and :mod:`memkernels.estimate`;
+The logic lives in :mod:`memkernels.tools.profile` and :mod:`memkernels.tools.estimate`;
 this module only parses arguments and prints. Each subcommand registers
 itself in ``_SUBCOMMANDS``.
 """
@@ -89,9 +89,9 @@ def run_report(args):
     import torch
 
     from memkernels._backend import get_backend, resolve
-    from memkernels.estimate import breakdown_chart, estimate
+    from memkernels.tools.estimate import breakdown_chart, estimate
     from memkernels.models import TransformerLM, load_config, synthetic_batch
-    from memkernels.profile import _table, compare_steps, format_bytes
+    from memkernels.tools.profile import _table, compare_steps, format_bytes
 
     load_config(args.model)  # a bad --model or --out fails now, not after the training step
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -173,8 +173,8 @@ def run_report(args):
 # ----------------------------------------------------------------------------- estimate
 
 def run_estimate(args):
-    from memkernels.estimate import estimate, fitting_options
-    from memkernels.profile import _table, format_bytes
+    from memkernels.tools.estimate import estimate, fitting_options
+    from memkernels.tools.profile import _table, format_bytes
 
     options = {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
                "shard_degree": args.shard}
@@ -208,7 +208,7 @@ def run_estimate(args):
 
 
 def _add_report(subparsers):
-    from memkernels.estimate import DTYPES
+    from memkernels.tools.estimate import DTYPES
     from memkernels.models import BUILTIN_CONFIGS
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
@@ -230,7 +230,7 @@ def _add_report(subparsers):
 
 
 def _add_estimate(subparsers):
-    from memkernels.estimate import DTYPES, OPTIMIZERS
+    from memkernels.tools.estimate import DTYPES, OPTIMIZERS
     from memkernels.models import BUILTIN_CONFIGS
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
@@ -345,7 +345,7 @@ def _add_explain(subparsers):
 
 def _add_plan(subparsers):
     """``memkernels plan``: the decision flow automated (logic in memkernels.tools.plan)."""
-    from memkernels.estimate import DTYPES, FINETUNE_MODES, OPTIMIZERS
+    from memkernels.tools.estimate import DTYPES, FINETUNE_MODES, OPTIMIZERS
     from memkernels.tools.sizes import MEMORY_FORMS
 
     parser = subparsers.add_parser(

@@ -13,7 +13,7 @@
   families: GPT-2 style (LayerNorm, GELU MLP with biases, learned positions)
   and Llama style (RMSNorm, SwiGLU MLP, rotary positions, grouped-query
   attention). Build it on ``torch.device("meta")`` to measure a 70B model for
-  free; :mod:`memkernels.estimate` does exactly that.
+  free; :mod:`memkernels.tools.estimate` does exactly that.
 """
 import dataclasses
 import json

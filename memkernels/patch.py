@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkernels.models import MLP, LogitsLoss, TransformerLM
-from memkernels.profile import _table, ledger_forward
+from memkernels.tools.profile import _table, ledger_forward
 
 __all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 

@@ -135,7 +135,7 @@ def test_out_of_memory_without_torch_type_is_a_runtime_error(installed, monkeypa
 
 
 def test_evaluate_measures_with_the_pool_statistics_when_installed(installed, monkeypatch):
-    from memkernels import profile
+    from memkernels.tools import profile
 
     allocator.install()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)

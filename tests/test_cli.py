@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from memkernels.cli import main
-from memkernels.estimate import estimate
+from memkernels.tools.estimate import estimate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB, MiB = 2**30, 2**20
@@ -258,7 +258,7 @@ def test_the_chart_labels_the_capacity_line_with_the_figure_used(tmp_path, monke
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from memkernels.estimate import breakdown_chart
+    from memkernels.tools.estimate import breakdown_chart
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)

@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from memkernels.estimate import estimate
+from memkernels.tools.estimate import estimate
 from memkernels.meters import SavedBytesMeter
 from memkernels.models import BUILTIN_CONFIGS, ModelConfig, TransformerLM, load_config, synthetic_batch
 
@@ -107,7 +107,7 @@ def test_checkpointing_estimate_equals_cpu_measurement_plus_one_recomputed_layer
 
 
 def test_extrapolation_equals_a_full_depth_meta_forward():
-    from memkernels.profile import activation_ledger
+    from memkernels.tools.profile import activation_ledger
     config = BUILTIN_CONFIGS["gpt2"]
     with torch.device("meta"):
         model = TransformerLM(config).to(torch.bfloat16)
@@ -191,10 +191,11 @@ def test_unknown_model_and_unsupported_module_are_clear_errors():
         load_config({"model_type": "t5"})
 
 
-def test_package_level_estimate_is_callable_even_after_the_submodule_is_imported():
+def test_package_level_estimate_is_the_function_even_after_the_tool_module_is_imported():
     import memkernels
-    import memkernels.estimate as submodule
-    assert memkernels.estimate("gpt2", batch=1, seq=32).total == submodule.estimate("gpt2", batch=1, seq=32).total
+    import memkernels.tools.estimate as module
+    assert memkernels.estimate is module.estimate
+    assert memkernels.estimate("gpt2", batch=1, seq=32).total == module.estimate("gpt2", batch=1, seq=32).total
 
 
 @pytest.mark.parametrize("family", sorted(SMALL))

@@ -14,7 +14,7 @@ import torch
 
 from memkernels.models import ModelConfig, TransformerLM, synthetic_batch
 from memkernels.patch import apply
-from memkernels.profile import activation_ledger
+from memkernels.tools.profile import activation_ledger
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from memkernels.patch import apply
-from memkernels.profile import activation_ledger
+from memkernels.tools.profile import activation_ledger
 
 transformers = pytest.importorskip("transformers")
 

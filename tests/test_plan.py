@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import memkernels
-from memkernels.estimate import QLORA_BYTES_PER_PARAM, estimate, lora_parameters, model_state_bytes
+from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, estimate, lora_parameters, model_state_bytes
 from memkernels.meters import PeakBytesMeter
 from memkernels.tools import plan_apply
 from memkernels.tools.placement import OPTION_BY_NAME, flop_counter
@@ -173,7 +173,7 @@ def test_lora_and_qlora_estimates():
     assert lora.gradients == 2 * adapters and lora.optimizer_state == 8 * adapters
     base = full.num_parameters
     assert lora.parameters == 2 * (base + adapters)
-    _, adapted = lora_parameters(__import__("memkernels.estimate").estimate._Source("llama-2-7b").build(), 16)
+    _, adapted = lora_parameters(__import__("memkernels.tools.estimate").estimate._Source("llama-2-7b").build(), 16)
     assert qlora.parameters == 2 * (base + adapters - adapted) + math.ceil(adapted * QLORA_BYTES_PER_PARAM)
     assert QLORA_BYTES_PER_PARAM == pytest.approx(0.516, abs=1e-3)
 
@@ -211,7 +211,7 @@ def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
     result = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="512GB")
     step = next(s for s in result.steps if s.name == "optimizer-state CPU offload (full)")
     assert not step.taken and "cannot hold" in step.reason
-    params = sum(p.numel() for p in __import__("memkernels.estimate").estimate._Source("qwen2-72b").build()
+    params = sum(p.numel() for p in __import__("memkernels.tools.estimate").estimate._Source("qwen2-72b").build()
                  .parameters())
     host = model_state_bytes(params, dtype="bf16", optimizer_offload=True)["host_optimizer"]
     assert host == 12 * params and host == pytest.approx(864e9, rel=0.02)
@@ -260,7 +260,7 @@ def test_offload_placement_on_simulated_device(option):
     modelled, conservatively: what recomputing the same parts frees, plus the prefetch allowance)."""
     from memkernels import device
     from memkernels.device import sim
-    from memkernels.estimate import _Source
+    from memkernels.tools.estimate import _Source
     from memkernels.tools import placement
     device.use_sim()
     sim.configure(device_count=1, capacity=1 << 30, host_capacity=None, granularity=64 << 10, memory="backed",

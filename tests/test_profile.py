@@ -1,4 +1,4 @@
-"""memkernels.profile: memory summary, activation ledger, evaluator."""
+"""memkernels.tools.profile: memory summary, activation ledger, evaluator."""
 import json
 import subprocess
 import sys
@@ -11,7 +11,7 @@ from torch import nn
 
 from memkernels.meters import SavedBytesMeter
 from memkernels.models import ModelConfig, TransformerLM, synthetic_batch
-from memkernels.profile import (CATEGORIES, _summary_from_stats, activation_ledger, categorize, evaluate,
+from memkernels.tools.profile import (CATEGORIES, _summary_from_stats, activation_ledger, categorize, evaluate,
                                 format_bytes, memory_summary)
 
 SMALL = ModelConfig(name="small", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -190,7 +190,7 @@ def test_ledger_of_llama3_8b_on_meta_allocates_nothing():
     script = textwrap.dedent("""
         import json, resource, time, torch
         from memkernels.models import TransformerLM
-        from memkernels.profile import activation_ledger
+        from memkernels.tools.profile import activation_ledger
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.perf_counter()
         with torch.device("meta"):

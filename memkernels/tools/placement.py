@@ -48,7 +48,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memkernels.meters import PeakBytesMeter
-from memkernels.profile import _FlashAttentionOnMeta
+from memkernels.tools.profile import _FlashAttentionOnMeta
 from memkernels.tools import plan_apply
 
 __all__ = ["LayerOption", "LAYER_OPTIONS", "LayerProfile", "Placement", "measure_profile", "solve",
@@ -151,7 +151,7 @@ def lm_inputs(model, ids):
 
 def _metered_step(model, ids):
     """One forward + backward of ``model`` on meta ids, segmented by layer; returns the :class:`_Timeline`."""
-    from memkernels.profile import _meta_forward
+    from memkernels.tools.profile import _meta_forward
     _, layers = plan_apply.find_layers(model)
     for param in model.parameters():
         if param.requires_grad:  # gradients are model state: present before the step, as after the first one
@@ -194,7 +194,7 @@ def _metered_step(model, ids):
 
 def _step_flops(model, ids):
     """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, recompute included)."""
-    from memkernels.profile import _meta_forward
+    from memkernels.tools.profile import _meta_forward
     with _meta_forward(), torch.enable_grad(), flop_counter() as counter:
         args, kwargs = lm_inputs(model, ids)
         _loss_of(model(*args, **kwargs)).backward()

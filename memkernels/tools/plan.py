@@ -15,14 +15,14 @@ The flow walks the usual decision list in order of cost and records each step in
 Then the micro-batch is raised as far as the budget allows and accumulation =
 global / (micro x gpus). The activation budget is ``gpu_mem`` minus ``margin`` (default
 1 GiB for the CUDA context and library workspaces + 5% of ``gpu_mem`` for fragmentation)
-minus model state (:func:`memkernels.estimate.model_state_bytes`) and FSDP's gather buffers.
+minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP's gather buffers.
 """
 import dataclasses
 import math
 
 import torch
 
-from memkernels.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _layer_numel, _Source, lora_parameters,
+from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _layer_numel, _Source, lora_parameters,
                                  model_state_bytes)
 from memkernels.tools import placement as placement_mod
 from memkernels.tools.sizes import format_size, parse_count, parse_device_size, parse_size

@@ -41,14 +41,12 @@ in fp32 after upcasting the logits, as Hugging Face does.
 import copy
 import dataclasses
 import math
-import sys
-import types
 
 import torch
 from torch import nn
 
 from memkernels.models import TransformerLM, load_config
-from memkernels.profile import _table, format_bytes, ledger_forward
+from memkernels.tools.profile import _table, format_bytes, ledger_forward
 
 __all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS", "FINETUNE_MODES", "model_state_bytes",
            "lora_parameters", "QLORA_BYTES_PER_PARAM"]
@@ -492,14 +490,3 @@ def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
     fig.savefig(path)
     plt.close(fig)
     return path
-
-
-class _CallableModule(types.ModuleType):
-    """``memkernels.estimate(...)`` keeps working once this submodule has been imported
-    (importing it sets the package attribute ``estimate`` to the module)."""
-
-    def __call__(self, model_or_config, **kwargs):
-        return estimate(model_or_config, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
