@@ -61,20 +61,9 @@ from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
 from memkernels.ops import _autocast
 from memkernels.ops._half_gemm import addmm_float32_, mm_float32
-from memkernels.ops.cross_entropy import (
-    apply_op,
-    autograd_pair,
-    check_targets_if_cpu,
-    custom_op,
-    finish_output,
-    forward_grad_scales,
-    grad_scales,
-    make_config,
-    reduce_rows,
-    reduction_denominators,
-    row_kernels,
-    validate_loss_args,
-)
+from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
+                                   reduce_rows, reduction_denominators, validate_loss_args)
+from memkernels.ops.cross_entropy import apply_op, autograd_pair, custom_op, row_kernels
 
 @triton.jit
 def _add_to_split_float32_kernel(

@@ -1,0 +1,126 @@
+"""Shared by cross_entropy and linear_cross_entropy: configuration, validation, reductions.
+
+Both losses reduce per-row terms (cross-entropy, z-loss) the same way, with PyTorch's rules
+for ``ignore_index``, class weights and ``reduction``; the per-row kernels live in
+:mod:`memkernels.ops.cross_entropy`.
+"""
+import math
+
+import torch
+
+from memkernels.reference import cross_entropy as reference
+
+REDUCTIONS = ("none", "mean", "sum")
+
+
+def make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, class_weight):
+    """A LossConfig with the class weights in float32 and their sum (a device tensor: no sync)."""
+    weight32 = None if class_weight is None else class_weight.detach().float().contiguous()
+    return reference.LossConfig(
+        n_classes=n_classes,
+        ignore_index=ignore_index,
+        label_smoothing=float(label_smoothing),
+        softcap=float(softcap),
+        z_loss=float(z_loss),
+        class_weight=weight32,
+        class_weight_sum=None if weight32 is None else weight32.sum(dtype=torch.float64).reshape(1),
+    )
+
+
+def check_targets_if_cpu(backend, target, cfg):
+    """The CPU reference path raises on out-of-range targets; the Triton path writes NaN instead."""
+    if backend == "torch" and target.device.type == "cpu":
+        reference.check_targets(target, cfg.n_classes, cfg.ignore_index)
+
+
+def reduction_denominators(target, cfg, reduction):
+    """(ce_denominator, z_denominator) as float64 device tensors of shape (1,) (no host sync).
+
+    For ``mean`` the cross-entropy divides by the summed class weight of the kept
+    targets (PyTorch's rule; their count when unweighted) and the z-term by their
+    count; ``sum`` and ``none`` divide by 1. All targets ignored gives 0/0 = NaN
+    for ``mean`` like PyTorch; the kernels select (never multiply) the ignored
+    rows' zero gradient, so the gradient stays 0 as in PyTorch.
+    """
+    one = torch.ones(1, dtype=torch.float64, device=target.device)
+    if reduction != "mean":
+        return one, one
+    valid = target != cfg.ignore_index
+    count = valid.sum(dtype=torch.float64).reshape(1)
+    if cfg.class_weight is None:
+        return count, count
+    safe = torch.where(valid, target, torch.zeros_like(target)).clamp(0, cfg.n_classes - 1)
+    return torch.where(valid, cfg.class_weight[safe], 0.0).sum(dtype=torch.float64).reshape(1), count
+
+
+def reduce_rows(ce, z, denominators, reduction):
+    """Combine per-row terms into the loss; returns (loss, z_loss) (z_loss zero-size when unused)."""
+    if reduction == "none":
+        return (ce if z is None else ce + z), (z if z is not None else ce.new_zeros(0))
+    # Accumulated in float64 (N values: cheap anywhere), as eager PyTorch does on the CPU.
+    ce_denominator, z_denominator = denominators
+    total = ce.sum(dtype=torch.float64) / ce_denominator[0]
+    if z is None:
+        return total.float(), ce.new_zeros(0)
+    z_total = z.sum(dtype=torch.float64) / z_denominator[0]
+    return (total + z_total).float(), z_total.float()
+
+
+def grad_scales(grad_loss, denominators, reduction):
+    """(loss_scale, z_scale) for the gradient kernels: d(loss)/d(row term) times the incoming gradient."""
+    grad_loss = grad_loss.float()
+    if reduction == "none":
+        return grad_loss.contiguous(), grad_loss.contiguous()
+    ce_denominator, z_denominator = denominators
+    grad_loss = grad_loss.double()  # float64 quotient, rounded once to float32
+    return (grad_loss / ce_denominator).float(), (grad_loss / z_denominator).float()
+
+
+def forward_grad_scales(target, cfg, reduction):
+    """Denominators and the scales for gradients computed in the forward (incoming gradient 1)."""
+    denominators = reduction_denominators(target, cfg, reduction)
+    one = torch.ones((), dtype=torch.float64, device=target.device)
+    return denominators, grad_scales(one, denominators, "sum" if reduction == "none" else reduction)
+
+
+def validate_loss_args(target, n_classes, n_rows, *, ignore_index, label_smoothing, reduction, softcap, z_loss,
+                       class_weight, device, weight_name="weight"):
+    """Raise ValueError/TypeError naming the bad argument; shared by both public functions."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a tensor of class ids, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"target must hold integer class ids (e.g. torch.long), got dtype {target.dtype}; "
+                        "class probabilities are not supported")
+    if target.numel() != n_rows:
+        raise ValueError(f"target has {target.numel()} elements (shape {tuple(target.shape)}) but there are "
+                         f"{n_rows} rows of logits; they must match one class id per row")
+    if target.device != device:
+        raise ValueError(f"target is on {target.device} but the logits are on {device}; move it with .to()")
+    if n_classes < 1:
+        raise ValueError("the vocabulary size (last dimension of the logits) must be at least 1")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if not (0.0 <= float(label_smoothing) <= 1.0):
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if softcap is not None and not (float(softcap) > 0.0 and math.isfinite(float(softcap))):
+        raise ValueError(f"softcap must be None or a finite positive number, got {softcap}")
+    if not (float(z_loss) >= 0.0 and math.isfinite(float(z_loss))):
+        raise ValueError(f"z_loss must be a finite number >= 0, got {z_loss}")
+    if class_weight is not None:
+        if class_weight.shape != (n_classes,):
+            raise ValueError(f"{weight_name} must have shape ({n_classes},) (one weight per class), "
+                             f"got {tuple(class_weight.shape)}")
+        if class_weight.device != device:
+            raise ValueError(f"{weight_name} is on {class_weight.device} but the logits are on {device}")
+
+
+def finish_output(loss, z, out_shape, reduction, return_z_loss):
+    """Reshape per-row results to the target's shape; add the detached z-term when asked."""
+    if reduction == "none":
+        loss = loss.view(out_shape)
+        z = z.view(out_shape) if z.numel() else z
+    if not return_z_loss:
+        return loss
+    return loss, (z.detach() if z.numel() else torch.zeros_like(loss).detach())
