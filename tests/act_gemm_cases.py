@@ -11,3 +11,24 @@ class KernelChoiceLog:
     def __getitem__(self, grid):
         self.log.append(self.aligned)
         return self.kernel[grid]
+
+
+def compile_recording_ops(fn):
+    """``torch.compile(fn, fullgraph=True)`` through AOTAutograd, recording the call targets of the
+    forward and backward graphs it produces: returns (compiled, {"forward": [...], "backward": [...]})."""
+    import torch
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch._dynamo.reset()
+    graph_ops = {"forward": [], "backward": []}
+
+    def recorder(which):
+        def compile_graph(gm, example_inputs):
+            graph_ops[which].extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    compiled = torch.compile(fn, fullgraph=True,
+                             backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")))
+    return compiled, graph_ops

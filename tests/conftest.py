@@ -133,6 +133,15 @@ if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_triton_problem(
     _patch_interpreter_builder("cast_impl", _bf16_rounding_shim)
 
 
+@pytest.fixture(params=["torch", "triton"])
+def backend(request):
+    """Run the Triton kernels (on CUDA tensors with a GPU, else through the interpreter) and the PyTorch reference."""
+    from backends import use_backend
+
+    with use_backend(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def cuda_nans(monkeypatch):
     """Make the interpreter's float32 arithmetic return CUDA's canonical NaN (0x7FFFFFFF) instead of

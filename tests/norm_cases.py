@@ -1,9 +1,8 @@
-"""Shared by tests/test_rms_norm.py and tests/test_layer_norm.py: dtypes, shapes, backends."""
+"""Shared by tests/test_rms_norm.py and tests/test_layer_norm.py: dtypes, shapes, drop-in checks (the backend fixture is in conftest.py)."""
 import pytest
 import torch
 
 import memkernels
-from backends import use_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # (hidden, rows): one row and prime row counts; few rows where the interpreter is slow.
@@ -16,13 +15,6 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # 0 of 300 for (129, 13) and (1000, 7)).
 SHAPES = [(1, 1), (1, 2), (127, 7), (128, 1), (129, 13), (1000, 7), (4096, 3), (5120, 2),
           pytest.param(65536, 2, marks=pytest.mark.slow)]
-
-
-@pytest.fixture(params=["triton", "torch"])
-def backend(request):
-    """Run the Triton kernels (on CUDA tensors with a GPU, else through the interpreter) and the PyTorch reference."""
-    with use_backend(request.param):
-        yield request.param
 
 
 def leaf(*shape, dtype, scale=1.0, shift=0.0):

@@ -24,7 +24,7 @@ datasets = pytest.importorskip("datasets")
 from memkernels import patch  # noqa: E402
 from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
 from memkernels.patch import CAUSAL_LM_HEADS, apply  # noqa: E402
-from test_patch import (COMMON, VOCAB, _assert_parity, _batch, _gemma, _gpt2, _llama,  # noqa: E402
+from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gpt2, _llama,  # noqa: E402
                         _loss_and_grads, _qwen2)
 
 
@@ -66,20 +66,6 @@ def test_every_family_apply_patches_is_tested_here():
     assert set(FAMILIES) == set(CAUSAL_LM_HEADS)
 
 
-def _parity(model, patched, ids, labels):
-    """Loss and every gradient of ``patched`` against ``model`` in float64 and fp32 (test_patch.py's rule)."""
-    reference = copy.deepcopy(model).double()
-    loss64, grads64 = _loss_and_grads(reference, ids, labels)
-    loss32, grads32 = _loss_and_grads(model, ids, labels)
-    loss_p, grads_p = _loss_and_grads(patched, ids, labels)
-    _assert_parity(loss64.reshape(1), loss32.reshape(1), loss_p.reshape(1), "loss")
-    assert set(grads_p) == set(grads32)
-    global_scale = max(g.abs().max().item() for g in grads64.values())
-    for name, g64 in grads64.items():
-        _assert_parity(g64, grads32[name], grads_p[name], name, scale=max(g64.abs().max().item(), global_scale * 1e-3))
-    return grads_p
-
-
 # ----------------------------------------------------------------------------- heads
 
 
@@ -92,7 +78,7 @@ def test_every_head_gives_the_unpatched_loss_and_gradients(family):
     report = apply(patched, measure=False)
     assert ("", family, f"Memkernels{family}") in {(r["name"], r["before"], r["after"]) for r in report.replaced}
     ids, labels = _batch()
-    _parity(model, patched, ids, labels)
+    assert_patched_parity(model, patched, ids, labels)
     with torch.no_grad():
         assert patched(input_ids=ids, labels=labels).logits is None  # the fused path ran
 
@@ -180,7 +166,7 @@ def test_lora_on_every_linear_and_the_head_is_never_bypassed(factory, targets):
         assert "c_proj is a peft" in reasons["GPT2MLP"]  # fusing c_proj would skip its adapter
     assert any(r["after"] in ("FusedLayerNorm", "FusedRMSNorm") for r in report.replaced)
     ids, labels = _batch()
-    _adapter_grads_are_nonzero(_parity(model, patched, ids, labels))
+    _adapter_grads_are_nonzero(assert_patched_parity(model, patched, ids, labels))
 
 
 def test_lora_around_the_fused_mlp_and_loss_trains_the_adapters():
@@ -192,7 +178,7 @@ def test_lora_around_the_fused_mlp_and_loss_trains_the_adapters():
     after = {r["after"] for r in report.replaced}
     assert {"MemkernelsGPT2MLP", "MemkernelsGPT2LMHeadModel"} <= after, report.summary()
     ids, labels = _batch()
-    _adapter_grads_are_nonzero(_parity(model, patched, ids, labels))
+    _adapter_grads_are_nonzero(assert_patched_parity(model, patched, ids, labels))
 
 
 def test_linear_subclasses_and_hooked_modules_are_left_alone():

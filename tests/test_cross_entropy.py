@@ -10,7 +10,6 @@ from memkernels.nn.cross_entropy import ChunkedCrossEntropyLoss
 from memkernels.ops.cross_entropy import _cast_rne, cross_entropy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
-from backends import use_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["none", "mean", "sum"]
@@ -23,13 +22,6 @@ OPTIONS = {
     "weight": {"weight": True},
     "combined": {"label_smoothing": 0.2, "softcap": 4.0, "z_loss": 1e-2, "weight": True},
 }
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request):
-    """Run the Triton kernels (on CUDA tensors with a GPU, else through the interpreter) and the PyTorch reference."""
-    with use_backend(request.param):
-        yield request.param
 
 
 def make_target(n_rows, n_classes, ignore_index=-100):

@@ -7,29 +7,18 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import memkernels
 from memkernels.meters import SavedBytesMeter
 from memkernels.nn.mlp import FusedGatedMLP
 from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
 from memkernels.testing import check_against_reference
 
-from act_gemm_cases import KernelChoiceLog
+from act_gemm_cases import KernelChoiceLog, compile_recording_ops
 
 triton = pytest.importorskip("triton")
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ACTIVATIONS = ["silu", "gelu", "gelu_tanh"]
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request):
-    """Run a test once per backend, selected globally with memkernels.set_backend."""
-    if request.param == "triton" and not (INTERPRETED or torch.cuda.is_available()):
-        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
-    memkernels.set_backend(request.param)
-    yield request.param
-    memkernels.set_backend("auto")
 
 
 def act(x, activation):
@@ -417,21 +406,8 @@ def test_custom_ops_pass_opcheck(backend):
 
 @pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
 def test_torch_compile_fullgraph(backend, recompute):
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    torch._dynamo.reset()
-    graph_ops = {"forward": [], "backward": []}
-
-    def recorder(which):
-        def compile_graph(gm, example_inputs):
-            graph_ops[which].extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-            return make_boxed_func(gm.forward)
-        return compile_graph
-
     mlp = FusedGatedMLP(24, 40, recompute=recompute, packed=recompute)
-    compiled = torch.compile(mlp, fullgraph=True,
-                             backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")))
+    compiled, graph_ops = compile_recording_ops(mlp)
     x = torch.randn(2, 5, 24, requires_grad=True)
     y = compiled(x)
     y.backward(torch.ones_like(y))

@@ -13,7 +13,7 @@ from memkernels.nn.mlp import FusedMLP, GeLULinear
 from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.testing import check_against_reference
 
-from act_gemm_cases import KernelChoiceLog
+from act_gemm_cases import KernelChoiceLog, compile_recording_ops
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -22,16 +22,6 @@ from memkernels.ops.gelu_linear import _erf, _tanh_sech2  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request):
-    """Run a test once per backend, selected globally with memkernels.set_backend."""
-    if request.param == "triton" and not (INTERPRETED or torch.cuda.is_available()):
-        pytest.skip("the Triton backend needs a GPU or TRITON_INTERPRET=1")
-    memkernels.set_backend(request.param)
-    yield request.param
-    memkernels.set_backend("auto")
 
 
 def eager_gelu_linear(x, weight, bias, approximate="none"):
@@ -384,20 +374,7 @@ def test_custom_ops_pass_opcheck(backend):
 
 
 def test_torch_compile_fullgraph(backend):
-    from functorch.compile import make_boxed_func
-    from torch._dynamo.backends.common import aot_autograd
-
-    torch._dynamo.reset()
-    graph_ops = {"forward": [], "backward": []}
-
-    def recorder(which):
-        def compile_graph(gm, example_inputs):
-            graph_ops[which].extend(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
-            return make_boxed_func(gm.forward)
-        return compile_graph
-
-    compiled = torch.compile(fused_gelu_linear, fullgraph=True,
-                             backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")))
+    compiled, graph_ops = compile_recording_ops(fused_gelu_linear)
     check_against_reference(compiled, eager_gelu_linear, make_inputs((2, 5), 24, 16, torch.float32),
                             kwargs={"approximate": "tanh"}, name="compiled gelu_linear")
     # The GEMMs stay opaque custom ops and gelu(x) is not materialized by the compiled graphs.

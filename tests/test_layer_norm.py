@@ -14,8 +14,8 @@ import memkernels
 from memkernels.functional import add_layer_norm, layer_norm
 from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
-from norm_cases import (DTYPES, SHAPES, assert_drop_in, backend, eager_add_then, leaf,  # noqa: F401
-                        peak_with_next_layer, small_row_blocks)  # (backend, small_row_blocks: fixtures)
+from norm_cases import (DTYPES, SHAPES, assert_drop_in, eager_add_then, leaf,  # noqa: F401
+                        peak_with_next_layer, small_row_blocks)  # (small_row_blocks: a fixture)
 
 
 def layer_norm_eager(x, weight, bias, eps=1e-5):

@@ -9,7 +9,6 @@ from memkernels.ops import linear_cross_entropy as lce
 from memkernels.ops.linear_cross_entropy import linear_cross_entropy, pick_strategy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
-from backends import use_backend
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPTIONS = {
@@ -24,13 +23,6 @@ SINGLE_OPTIONS = {
     "z_loss": {"z_loss": 1e-2},
     "class_weight": {"class_weight": True},
 }
-
-
-@pytest.fixture(params=["torch", "triton"])
-def backend(request):
-    """Run the Triton kernels (on CUDA tensors with a GPU, else through the interpreter) and the PyTorch reference."""
-    with use_backend(request.param):
-        yield request.param
 
 
 def make_target(n_tokens, n_classes):

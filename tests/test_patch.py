@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from memkernels.models import ModelConfig, TransformerLM, synthetic_batch
+from memkernels.models import ModelConfig, TransformerLM
 from memkernels.patch import apply
 from memkernels.tools.profile import activation_ledger
 
@@ -111,11 +111,16 @@ def test_triton_kernels_match_unpatched(family, triton_backend):
 
 def _check_gradient_parity(family):
     model = ALL_MODELS[family]().train()
-    reference = copy.deepcopy(model).double()
     patched = copy.deepcopy(model)
     report = apply(patched, measure=False)
     assert report.replaced, report.summary()
-    ids, labels = _batch()
+    assert_patched_parity(model, patched, *_batch())
+
+
+def assert_patched_parity(model, patched, ids, labels):
+    """Loss and every gradient of ``patched`` against ``model``, both judged against float64; returns
+    the patched model's gradients."""
+    reference = copy.deepcopy(model).double()
     loss64, grads64 = _loss_and_grads(reference, ids, labels)
     loss32, grads32 = _loss_and_grads(model, ids, labels)
     loss_p, grads_p = _loss_and_grads(patched, ids, labels)
@@ -126,6 +131,7 @@ def _check_gradient_parity(family):
     global_scale = max(g.abs().max().item() for g in grads64.values())
     for name, g64 in grads64.items():
         _assert_parity(g64, grads32[name], grads_p[name], name, scale=max(g64.abs().max().item(), global_scale * 1e-3))
+    return grads_p
 
 
 @pytest.mark.parametrize("family", sorted(ALL_MODELS))
