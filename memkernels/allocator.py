@@ -367,9 +367,13 @@ def device_allocation_causes(trace, *, device=0, capacity=None, **config):
     Returns a dict with, for each cause, ``{"pool": n, "pytorch_too": m}``: ``m`` of the pool's
     ``n`` allocations of that cause were requests on which PyTorch's policy also allocated. The
     rest (``n - m``) are the pool's extra device allocations. Plus ``num_device_alloc`` of both.
-    Requests either side could not hold are skipped by both. Slow (one Python call and a walk of
-    the free blocks per request): a diagnosis, not a benchmark.
+    A request one side cannot hold (out of memory) is skipped by that side, as in :func:`replay`.
+    Slow (one Python call and a walk of the free blocks per request): a diagnosis, not a benchmark.
+    ``**config``: pool options as for :func:`replay`, classic segments only.
     """
+    if config.get("expandable_segments"):
+        raise ValueError("device_allocation_causes replays classic segments; expandable segments map pages instead "
+                         "of allocating segments: drop expandable_segments=True")
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
     C = _C()
@@ -388,9 +392,10 @@ def device_allocation_causes(trace, *, device=0, capacity=None, **config):
             ours[slot] = theirs[slot] = None
             continue
         rounded = policy.round_size(size)
-        fits = [b["size"] for s in pool.segments(device) if s["stream"] == stream
-                and s["segment_type"] == policy.pool_for(rounded) for b in s["blocks"]
-                if b["state"] == "inactive" and b["size"] >= rounded]
+        # A free block of the stream and pool that is large enough: only the oversize rule keeps a
+        # request off the smallest such block (replay has no events, so blocks stay with their stream).
+        fits = any(b["state"] == "inactive" and b["size"] >= rounded for s in pool.segments(device)
+                   if s["stream"] == stream and s["segment_type"] == policy.pool_for(rounded) for b in s["blocks"])
         before = pool.stats(device)
         try:
             ours[slot] = pool.malloc(size, stream, device)

@@ -335,9 +335,12 @@ def test_device_allocation_causes_counts_a_refused_segment():
     assert causes["num_device_alloc"] == {"pool": 3, "pytorch": 3}
 
 
-def test_device_allocation_causes_rejects_a_bad_capacity():
+def test_device_allocation_causes_rejects_bad_arguments():
+    trace = _events_trace([("alloc", "A", MiB)])
     with pytest.raises(ValueError, match="capacity must be a positive number of bytes"):
-        allocator.device_allocation_causes(_events_trace([("alloc", "A", MiB)]), capacity=-1)
+        allocator.device_allocation_causes(trace, capacity=-1)
+    with pytest.raises(ValueError, match="drop expandable_segments=True"):
+        allocator.device_allocation_causes(trace, expandable_segments=True)
 
 
 # ---------------------------------------------------------------------- statistics
