@@ -349,6 +349,81 @@ def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=
     }
 
 
+ALLOCATION_CAUSES = ("no_fit", "oversize", "released", "refused")
+
+
+def device_allocation_causes(trace, *, device=0, capacity=None, **config):
+    """Why memkernels' pool asks the device for memory, request by request, next to PyTorch's policy.
+
+    Replays ``trace`` (classic segments) through the pool one call at a time, with
+    :mod:`memkernels._torch_policy` in lockstep, and files each of the pool's device allocations
+    under one cause (the first that applies):
+
+    - ``refused``: the device refused the segment and the pool released its cache and retried;
+    - ``released``: the pool first released idle whole segments (its release-before-growth rule);
+    - ``oversize``: a free block of the stream was large enough but the oversize rule kept the
+      request off it (``oversize_block`` / ``oversize_ratio``);
+    - ``no_fit``: no free block of the stream was large enough.
+
+    Returns a dict with, for each cause, ``{"pool": n, "pytorch_too": m}``: ``m`` of the pool's
+    ``n`` allocations of that cause were requests on which PyTorch's policy also allocated. The
+    rest (``n - m``) are the pool's extra device allocations. Plus ``num_device_alloc`` of both.
+    A request one side cannot hold (out of memory) is skipped by that side, as in :func:`replay`.
+    Slow (one Python call and a walk of the free blocks per request): a diagnosis, not a benchmark.
+    ``**config``: pool options as for :func:`replay`, classic segments only.
+    """
+    if config.get("expandable_segments"):
+        raise ValueError("device_allocation_causes replays classic segments; expandable segments map pages instead "
+                         "of allocating segments: drop expandable_segments=True")
+    capacity = _check_capacity(capacity)
+    ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
+    C = _C()
+    pool_config = _pool_config(**config)
+    pool = C.Pool(pool_config, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
+    policy = pool_config.policy
+    model = TorchPolicyModel(capacity=capacity)
+    ours, theirs = [None] * num_slots, [None] * num_slots
+    causes = {cause: {"pool": 0, "pytorch_too": 0} for cause in ALLOCATION_CAUSES}
+    for slot, is_alloc, size, stream in ops:
+        if not is_alloc:
+            if ours[slot] is not None:
+                pool.free(ours[slot], device)
+            if theirs[slot] is not None:
+                model.free(theirs[slot])
+            ours[slot] = theirs[slot] = None
+            continue
+        rounded = policy.round_size(size)
+        # A free block of the stream and pool that is large enough: only the oversize rule keeps a
+        # request off the smallest such block (replay has no events, so blocks stay with their stream).
+        fits = any(b["state"] == "inactive" and b["size"] >= rounded for s in pool.segments(device)
+                   if s["stream"] == stream and s["segment_type"] == policy.pool_for(rounded) for b in s["blocks"])
+        before = pool.stats(device)
+        try:
+            ours[slot] = pool.malloc(size, stream, device)
+        except C.OutOfMemoryError:
+            pass
+        model_allocs = model.num_device_alloc
+        try:
+            theirs[slot] = model.malloc(size, stream)
+        except ModelOutOfMemory:
+            pass
+        after = pool.stats(device)
+        if after["num_device_alloc"] == before["num_device_alloc"]:
+            continue
+        if after["num_alloc_retries"] > before["num_alloc_retries"]:
+            cause = "refused"
+        elif after["num_early_releases"] > before["num_early_releases"]:
+            cause = "released"
+        elif fits:
+            cause = "oversize"
+        else:
+            cause = "no_fit"
+        causes[cause]["pool"] += 1
+        causes[cause]["pytorch_too"] += model.num_device_alloc > model_allocs
+    return dict(causes, num_device_alloc={"pool": pool.stats(device)["num_device_alloc"],
+                                          "pytorch": model.num_device_alloc})
+
+
 def _longest_common_subsequence(a, b):
     previous = [0] * (len(b) + 1)
     for x in a:

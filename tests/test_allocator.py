@@ -295,6 +295,54 @@ def test_release_before_growth_releases_only_what_the_growth_needs():
     pool.check_invariants()
 
 
+def _events_trace(steps):
+    """A one-device trace from ("alloc", name, bytes) / ("free", name) steps (stream 0)."""
+    events, addresses = [], {}
+    for step in steps:
+        if step[0] == "alloc":
+            addresses[step[1]] = len(addresses) + 1
+            events.append({"action": "alloc", "addr": addresses[step[1]], "size": step[2], "stream": 0})
+        else:
+            events.append({"action": "free_completed", "addr": addresses[step[1]], "size": 0, "stream": 0})
+    return {"segments": [], "device_traces": [events]}
+
+
+def test_device_allocation_causes_files_each_device_allocation_under_its_rule():
+    """Issue 18: the reason behind the pool's extra cudaMallocs, request by request, next to PyTorch's
+    policy, which serves C and D from the A segment it kept."""
+    trace = _events_trace([
+        ("alloc", "A", 90 * MiB), ("alloc", "H", 150 * MiB), ("free", "A"), ("free", "H"),  # high-water 240
+        ("alloc", "B", 160 * MiB),  # fits neither: both idle segments are released first (PyTorch keeps them)
+        ("alloc", "S", 512 * KiB), ("free", "S"),  # a small-pool segment (PyTorch's small pool is empty too)
+        ("alloc", "C", 40 * MiB), ("free", "C"),  # nothing free fits: A went
+        ("alloc", "D", 9 * MiB),  # the idle 40 MiB block is over 4x D: the oversize rule, an 18 MiB segment
+    ])
+    causes = allocator.device_allocation_causes(trace)
+    assert {cause: (causes[cause]["pool"], causes[cause]["pytorch_too"]) for cause in allocator.ALLOCATION_CAUSES} == {
+        "no_fit": (4, 3), "oversize": (1, 0), "released": (1, 1), "refused": (0, 0)}
+    assert causes["num_device_alloc"] == {"pool": 6, "pytorch": 4}
+    assert allocator.replay(trace)["num_device_alloc"] == 6  # the step-by-step replay is the pool's own
+    assert allocator.replay_pytorch_model(trace)["num_device_alloc"] == 4
+
+
+def test_device_allocation_causes_counts_a_refused_segment():
+    trace = _events_trace([
+        ("alloc", "X", 60 * MiB), ("alloc", "S", 512 * KiB), ("free", "S"),  # 2 MiB idle: under 2% of 106
+        ("alloc", "Y", 44 * MiB),  # 106 MiB > the 105 MiB device: both policies release S and retry
+    ])
+    causes = allocator.device_allocation_causes(trace, capacity=105 * MiB)
+    assert causes["refused"] == {"pool": 1, "pytorch_too": 1} and causes["released"]["pool"] == 0
+    assert causes["num_device_alloc"] == {"pool": 3, "pytorch": 3}
+
+
+def test_device_allocation_causes_rejects_bad_arguments():
+    trace = _events_trace([("alloc", "A", MiB)])
+    with pytest.raises(ValueError, match="capacity must be a positive number of bytes"):
+        allocator.device_allocation_causes(trace, capacity=-1)
+    with pytest.raises(ValueError, match="drop expandable_segments=True"):
+        allocator.device_allocation_causes(trace, expandable_segments=True)
+
+
 # ---------------------------------------------------------------------- statistics
 
 
