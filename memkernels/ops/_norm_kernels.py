@@ -9,7 +9,9 @@ Rows are [M, H] contiguous. A row that fits in one block is held in registers
 (the input is read once); a wider row is walked in block-sized chunks, once per
 reduction and once more to write. The backward runs a fixed number of
 programs, each over a strided set of rows, keeping its dw/db partial sums in
-registers (or, for wide rows, in its own row of an fp32 buffer). The sums are
+registers (for wide rows, one column chunk at a time over all its rows) and
+writing them once to its own row of an fp32 buffer, which a second kernel
+reduces in a fixed order (no atomics: deterministic). The sums are
 compensated (Kahan): a program adds up M / P rows one after another, and a
 plain fp32 running sum would lose a few ulps more than eager PyTorch's
 pairwise reduction.
@@ -28,6 +30,7 @@ from memkernels.ops._device_guard import on_tensor_device
 # compensated dw (and db) accumulators: 8192 with 32 warps without a bias
 # gradient (RMSNorm: 59 registers on sm_80, 64 on sm_90), 4096 with one
 # (LayerNorm at 8192 spills 96-116 bytes with 32 warps, the most a block has).
+# Wider rows loop over chunks of 4096 (the loop at 8192 spills 400-700 bytes on sm_90).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
 BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
 # The dw/db reduction: programs of BLOCK_H columns (coalesced 128-byte rows of the partials;
@@ -309,13 +312,13 @@ def _norm_bwd_kernel(
             tl.debug_barrier()
         for start in range(0, H, BLOCK):
             mask = start + cols < H
-            scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
             dw_sum = tl.zeros([BLOCK], tl.float32)
             dw_comp = tl.zeros([BLOCK], tl.float32)
             db_sum = tl.zeros([BLOCK], tl.float32)
             db_comp = tl.zeros([BLOCK], tl.float32)
             for row in range(pid, M, programs):
                 offs = row * H + start
+                scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)  # per row, as above
                 mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
                 xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B + start, SLOT + start,
                                   FALLBACK + row * K, HAS_BIAS, MEMORY_EFFICIENT)
@@ -378,6 +381,15 @@ def _launch_config(hidden, max_block, elements_per_warp):
     block = min(triton.next_power_of_2(hidden), max_block)
     num_warps = min(max(block // elements_per_warp, 1), 32)
     return block, num_warps, hidden <= max_block
+
+
+def _backward_config(hidden, with_db):
+    """(BLOCK, num_warps, SINGLE_PASS) of the backward: one block per row up to its widest
+    spill-free block, else chunks of BWD_MAX_BLOCK_WITH_DB."""
+    if hidden <= (BWD_MAX_BLOCK_WITH_DB if with_db else BWD_MAX_BLOCK):
+        return _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+    block, num_warps, _ = _launch_config(BWD_MAX_BLOCK_WITH_DB, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP)
+    return block, num_warps, False
 
 
 def _register_cap(num_warps):
@@ -445,8 +457,7 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     ``dx_out`` may be dy itself: every program reads a row chunk of dy before writing dx there.
     """
     rows, hidden = dy.shape
-    block, num_warps, single_pass = _launch_config(hidden, BWD_MAX_BLOCK_WITH_DB if needs_db else BWD_MAX_BLOCK,
-                                                   BWD_ELEMENTS_PER_WARP)
+    block, num_warps, single_pass = _backward_config(hidden, needs_db)
     programs = max(_num_programs(rows, dy.device), 1)
     dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
     dw = torch.empty_like(weight) if needs_dw else None
@@ -513,8 +524,8 @@ def _aot_variants():
                  f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}"
                  f"-{'single' if single_pass else 'loop'}")
         fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
-        bwd_max_block = BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK
-        bwd_block, bwd_warps, _ = _launch_config(bwd_max_block, bwd_max_block, BWD_ELEMENTS_PER_WARP)
+        widest = BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK
+        bwd_block, bwd_warps, _ = _backward_config(widest if single_pass else 2 * widest, bias)
         common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
                   "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
         forward.append({
