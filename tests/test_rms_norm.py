@@ -64,7 +64,7 @@ def test_fp32_weight_with_low_precision_input(backend, dtype):
     assert report.rows[-1].dtype == torch.float32  # the weight gradient keeps the weight's dtype
 
 
-@pytest.mark.parametrize("hidden", [129, 5120])
+@pytest.mark.parametrize("hidden", [129, 9000])  # 9000: chunked rows (> 8192)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_add_rms_norm_matches_float64(backend, dtype, hidden):
     """Gradients reach x, residual and weight, including the gradient flowing into residual_out."""
@@ -129,7 +129,7 @@ def _spiked_weight(hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", [129, 4500])
+@pytest.mark.parametrize("hidden", [129, 9000])
 def test_memory_efficient_zero_and_tiny_weights(backend, dtype, hidden):
     """memory_efficient keeps y; columns whose x̂ y cannot give back are stored: no NaN, exact gradients."""
     x = leaf(7, hidden, dtype=dtype)
@@ -203,7 +203,7 @@ def test_memory_efficient_does_not_keep_the_input(backend):
 
 # --- determinism, bad input, zero-size ---------------------------------------------------------
 
-@pytest.mark.parametrize("hidden", [300, 5000])  # register-resident rows and looping rows
+@pytest.mark.parametrize("hidden", [300, 9000])  # register-resident rows and looping rows
 def test_weight_gradient_is_bitwise_deterministic(backend, hidden):
     x = leaf(41, hidden, dtype=torch.bfloat16)  # more rows than backward programs
     weight = leaf(hidden, dtype=torch.float32, shift=1.0)

@@ -260,7 +260,8 @@ def _layer_norm_backward_kernels(grad_out, input, normalized_shape, mean, rstd, 
     or, for M < 128, ``GammaBetaBackwardSimpleCUDAKernel`` otherwise), one block per 32 columns over
     all rows, which reads dY, X, mean and rstd again and writes dgamma and dbeta.
     """
-    stats = _footprint(mean) + _footprint(rstd)
+    # mean and rstd are float32 on CUDA for half inputs (acc_type); the CPU fake tensors may hold them in x's dtype.
+    stats = (mean.numel() + rstd.numel()) * max(mean.element_size(), 4)
     grad_input, grad_weight, grad_bias = out
     kernels = []
     if output_mask[0]:
