@@ -263,6 +263,11 @@ def _norm_bwd_kernel(
             xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
                               HAS_BIAS, MEMORY_EFFICIENT)
             dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
+            # dw and db first: dy is then dead across the row sums below (fewer live registers).
+            if COMPUTE_DW:
+                dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
+            if COMPUTE_DB:
+                db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
             if COMPUTE_DX:
                 g = dy * scale
                 inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
@@ -277,10 +282,6 @@ def _norm_bwd_kernel(
                 if HAS_DRESIDUAL:
                     dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
-            if COMPUTE_DW:
-                dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
-            if COMPUTE_DB:
-                db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
         if COMPUTE_DW:
             tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
             tl.store(DW_PARTIAL + H + cols, dw_comp, mask=mask)
