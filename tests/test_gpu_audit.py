@@ -58,6 +58,23 @@ def test_layer_norm_counts():
     assert len(run["backward"].launches) == 2
 
 
+def test_layer_norm_wide_rows_write_each_partial_once():
+    """Rows wider than the single-pass block (LayerNorm: 4096) take two passes; the dw/db partials
+    stay in registers per column chunk and are written once, not read and written per row."""
+    n, h, p, e, chunks = 4, 4100, 2, 2, 2
+    run = _measure("layer_norm", N=n, H=h, P=p)
+    stats = 2 * n * 4  # fp32 mean and rstd, one of each per row
+    # pass 1, per row: the weight, x and dy over all chunks, mean and rstd; stores the two row sums
+    first = 3 * n * h * e + stats + 2 * n * 4
+    # pass 2, per chunk and row: the weight, x, dy, mean and rstd, the two row sums; dx out; then
+    # each program's dw and db partials (sum and compensation) once
+    partials = 2 * p * 2 * h * 4
+    second = 3 * n * h * e + chunks * stats + chunks * 2 * n * 4 + n * h * e + partials
+    # the reduction: the partials once, dw and db out
+    assert _triton(run["backward"])[:2] == (2, first + second + partials + 2 * h * e)
+    assert _aten(run["backward"]) == []
+
+
 def test_eager_layer_norm_backward_is_two_cuda_kernels():
     """PyTorch's CUDA native_layer_norm_backward: a grad-input kernel and a gamma/beta kernel, each
     reading dy and x (layer_norm_kernel.cu, LayerNormBackwardKernelImplInternal)."""
