@@ -104,6 +104,23 @@ def test_add_norm_shares_dx_between_layer_outputs(backend):
     torch.testing.assert_close(source.grad, expected_source_grad)
 
 
+@pytest.mark.parametrize("used", ["residual_out", "y"])
+def test_add_norm_with_one_output_unused(backend, used):
+    """Outputs without a gradient reach the backward as None (no zero fill): only residual_out used
+    gives dx = its gradient and a zero weight gradient; only y used matches the fused add's eager form."""
+    x, residual, weight = leaf(5, 33, dtype=torch.float32), leaf(5, 33, dtype=torch.float32), leaf(33, dtype=torch.float32)
+    y, residual_out = add_rms_norm(x, residual, weight)
+    (residual_out if used == "residual_out" else y).sum().backward()
+    if used == "residual_out":
+        assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(weight.grad, torch.zeros_like(weight))
+        return
+    xe, weight_e = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    s = xe + residual.detach()
+    (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight_e).sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad)
+    torch.testing.assert_close(weight.grad, weight_e.grad)
+
+
 def test_leading_dims_non_contiguous_and_no_weight(backend):
     x = torch.randn(6, 4, 130, dtype=torch.bfloat16).transpose(0, 1).requires_grad_()
     assert not x.is_contiguous()
