@@ -28,8 +28,8 @@ from memkernels.ops._device_guard import on_tensor_device
 # variant compiles with no spills on sm_80 and sm_90: forward 8192 with 32 warps
 # (16384 spills in LayerNorm). Backward, which also carries dy, x̂ and the
 # compensated dw (and db) accumulators: 8192 with 32 warps without a bias
-# gradient (RMSNorm: 59 registers on sm_80, 64 on sm_90), 4096 with one
-# (LayerNorm at 8192 spills 96-116 bytes with 32 warps, the most a block has).
+# gradient (RMSNorm: 62-64 registers, the most 32 warps allow), 4096 with one
+# (LayerNorm at 8192 spills 36-180 bytes with 32 warps, the most a block has).
 # Wider rows loop over chunks of 4096 (the loop at 8192 spills 400-700 bytes on sm_90).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
 BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
