@@ -276,10 +276,12 @@ def _layer_norm_backward_kernels(grad_out, input, normalized_shape, mean, rstd, 
 
 # aten ops whose CUDA implementation is several kernels, each reading its own inputs:
 # name -> f(*args, out) -> [(kernel, bytes)]. Every other aten op counts as one kernel at its
-# inputs and outputs. Checked for the eager norms: Hugging Face's RMSNorm is elementwise and
-# reduction ops, one TensorIterator or reduce kernel each (as are their autograd formulas);
-# native_layer_norm (forward) is one kernel at these shapes (``vectorized_layer_norm_kernel``,
-# N a multiple of 4 and aligned buffers); its backward is two (above).
+# inputs and outputs. For the eager norms: Hugging Face's RMSNorm is elementwise and reduction
+# aten ops (and their autograd formulas), each counted as one kernel. PyTorch's reduce kernel
+# (aten/src/ATen/native/cuda/Reduce.cuh) adds a semaphore memset and a staging buffer when its
+# config splits one reduction across blocks (``should_global_reduce``); that is not modelled (it
+# can only make eager slower). native_layer_norm (forward) is one kernel at these shapes
+# (``vectorized_layer_norm_kernel``: N a multiple of 4, aligned buffers); its backward is two (above).
 EAGER_KERNELS = {"native_layer_norm_backward": _layer_norm_backward_kernels}
 
 
