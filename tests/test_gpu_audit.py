@@ -34,12 +34,15 @@ def test_rms_norm_counts():
     # forward: x, the weight once per row, y, rstd (fp32); the weight's re-reads stay in L2
     assert _triton(run["forward"]) == (1, 3 * n * h * e + n * 4, 2 * n * h * e + h * e + n * 4)
     assert _aten(run["forward"]) == []
-    # backward: dy, x, the weight once per program, rstd, dx, and each program's float32 dw partial
-    # (sum and compensation); then the partials are reduced in torch
+    # backward, two launches and no aten op (no zero fills: ctx.set_materialize_grads(False)):
+    # 1. dy, x, the weight once per row (from L2 after the first: counted once), rstd, dx, and each
+    #    program's float32 dw partial (sum and compensation), written once;
+    # 2. the partials read once, dw written in the weight's dtype
     partials = p * 2 * h * 4
-    requested = 3 * n * h * e + p * h * e + n * 4 + partials
-    assert _triton(run["backward"]) == (1, requested, requested - (p - 1) * h * e)
-    assert _aten(run["backward"]) == ["sub", "sum", "sum", "zeros"]
+    requested = (3 * n * h * e + n * h * e + n * 4 + partials) + (partials + h * e)
+    assert _triton(run["backward"]) == (2, requested, requested - (n - 1) * h * e)
+    assert _aten(run["backward"]) == []
+    assert len(run["backward"].launches) == 2
     assert run["forward"].syncs == run["backward"].syncs == []
 
 
@@ -49,8 +52,40 @@ def test_layer_norm_counts():
     # forward: x, weight and bias per row, y, mean and rstd
     assert _triton(run["forward"]) == (1, 4 * n * h * e + 2 * n * 4, 2 * n * h * e + 2 * h * e + 2 * n * 4)
     partials = 2 * p * 2 * h * 4  # dw and db
-    requested = 3 * n * h * e + p * h * e + 2 * n * 4 + partials
-    assert _triton(run["backward"]) == (1, requested, requested - (p - 1) * h * e)
+    # as RMSNorm's (weight once per row), plus the mean; one reduction launch for dw and db
+    requested = (3 * n * h * e + n * h * e + 2 * n * 4 + partials) + (partials + 2 * h * e)
+    assert _triton(run["backward"]) == (2, requested, requested - (n - 1) * h * e)
+    assert len(run["backward"].launches) == 2
+
+
+def test_layer_norm_wide_rows_write_each_partial_once():
+    """Rows wider than the single-pass block (LayerNorm: 4096) take two passes; the dw/db partials
+    stay in registers per column chunk and are written once, not read and written per row."""
+    n, h, p, e, chunks = 4, 4100, 2, 2, 2
+    run = _measure("layer_norm", N=n, H=h, P=p)
+    stats = 2 * n * 4  # fp32 mean and rstd, one of each per row
+    # pass 1, per row: the weight, x and dy over all chunks, mean and rstd; stores the two row sums
+    first = 3 * n * h * e + stats + 2 * n * 4
+    # pass 2, per chunk and row: the weight, x, dy, mean and rstd, the two row sums; dx out; then
+    # each program's dw and db partials (sum and compensation) once
+    partials = 2 * p * 2 * h * 4
+    second = 3 * n * h * e + chunks * stats + chunks * 2 * n * 4 + n * h * e + partials
+    # the reduction: the partials once, dw and db out
+    assert _triton(run["backward"])[:2] == (2, first + second + partials + 2 * h * e)
+    assert _aten(run["backward"]) == []
+
+
+def test_eager_layer_norm_backward_is_two_cuda_kernels():
+    """PyTorch's CUDA native_layer_norm_backward: a grad-input kernel and a gamma/beta kernel, each
+    reading dy and x (layer_norm_kernel.cu, LayerNormBackwardKernelImplInternal)."""
+    case = CASES["layer_norm"]
+    n, h, e = case.shape["N"], case.shape["H"], 2
+    kernels = gpu_audit.exact(case, torch.bfloat16)["backward"].kernels
+    stats = 2 * n * 4  # fp32 mean and rstd
+    assert {name: k["hbm"] for (_, name), k in kernels.items()} == {
+        "layer_norm_grad_input_kernel": 3 * n * h * e + stats + h * e,  # dy, x, gamma in; dx out
+        "GammaBetaBackwardCUDAKernel": 2 * n * h * e + stats + 2 * h * e,  # dy, x in; dgamma, dbeta out
+    }
 
 
 def test_add_rms_norm_counts():

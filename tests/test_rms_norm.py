@@ -64,7 +64,7 @@ def test_fp32_weight_with_low_precision_input(backend, dtype):
     assert report.rows[-1].dtype == torch.float32  # the weight gradient keeps the weight's dtype
 
 
-@pytest.mark.parametrize("hidden", [129, 5120])
+@pytest.mark.parametrize("hidden", [129, 9000])  # 9000: chunked rows (> 8192)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_add_rms_norm_matches_float64(backend, dtype, hidden):
     """Gradients reach x, residual and weight, including the gradient flowing into residual_out."""
@@ -104,6 +104,23 @@ def test_add_norm_shares_dx_between_layer_outputs(backend):
     torch.testing.assert_close(source.grad, expected_source_grad)
 
 
+@pytest.mark.parametrize("used", ["residual_out", "y"])
+def test_add_norm_with_one_output_unused(backend, used):
+    """Outputs without a gradient reach the backward as None (no zero fill): only residual_out used
+    gives dx = its gradient and a zero weight gradient; only y used matches the fused add's eager form."""
+    x, residual, weight = leaf(5, 33, dtype=torch.float32), leaf(5, 33, dtype=torch.float32), leaf(33, dtype=torch.float32)
+    y, residual_out = add_rms_norm(x, residual, weight)
+    (residual_out if used == "residual_out" else y).sum().backward()
+    if used == "residual_out":
+        assert torch.equal(x.grad, torch.ones_like(x)) and torch.equal(weight.grad, torch.zeros_like(weight))
+        return
+    xe, weight_e = x.detach().requires_grad_(), weight.detach().requires_grad_()
+    s = xe + residual.detach()
+    (s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * weight_e).sum().backward()
+    torch.testing.assert_close(x.grad, xe.grad)
+    torch.testing.assert_close(weight.grad, weight_e.grad)
+
+
 def test_leading_dims_non_contiguous_and_no_weight(backend):
     x = torch.randn(6, 4, 130, dtype=torch.bfloat16).transpose(0, 1).requires_grad_()
     assert not x.is_contiguous()
@@ -129,7 +146,7 @@ def _spiked_weight(hidden, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden", [129, 4500])
+@pytest.mark.parametrize("hidden", [129, 9000])
 def test_memory_efficient_zero_and_tiny_weights(backend, dtype, hidden):
     """memory_efficient keeps y; columns whose x̂ y cannot give back are stored: no NaN, exact gradients."""
     x = leaf(7, hidden, dtype=dtype)
@@ -203,7 +220,7 @@ def test_memory_efficient_does_not_keep_the_input(backend):
 
 # --- determinism, bad input, zero-size ---------------------------------------------------------
 
-@pytest.mark.parametrize("hidden", [300, 5000])  # register-resident rows and looping rows
+@pytest.mark.parametrize("hidden", [300, 9000])  # register-resident rows and looping rows
 def test_weight_gradient_is_bitwise_deterministic(backend, hidden):
     x = leaf(41, hidden, dtype=torch.bfloat16)  # more rows than backward programs
     weight = leaf(hidden, dtype=torch.float32, shift=1.0)
@@ -399,12 +416,13 @@ def test_in_place_backward_saves_one_buffer(backend):
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm80_and_sm90_without_spills():
-    """Every registered variant (both norms, fp32/fp16/bf16, widest register-resident and looping rows)."""
+    """Every registered variant (both norms, fp32/fp16/bf16, widest register-resident and looping rows,
+    and the dw/db reduction)."""
     from memkernels import aot
     from memkernels.ops import _norm_kernels  # noqa: F401 (registers the kernels)
 
-    reports = aot.check(names=["norm_fwd", "norm_bwd"], archs=(80, 90))
-    assert len(reports) == 2 * 2 * len(_norm_kernels._FORWARD_VARIANTS)
+    reports = aot.check(names=["norm_fwd", "norm_bwd", "norm_reduce_partials"], archs=(80, 90))
+    assert len(reports) == 2 * (2 * len(_norm_kernels._FORWARD_VARIANTS) + len(_norm_kernels._REDUCE_VARIANTS))
     failed = [(r.kernel, r.variant, r.arch, r.spills, r.error) for r in reports if not r.ok]
     assert not failed, failed
 

@@ -9,7 +9,9 @@ Rows are [M, H] contiguous. A row that fits in one block is held in registers
 (the input is read once); a wider row is walked in block-sized chunks, once per
 reduction and once more to write. The backward runs a fixed number of
 programs, each over a strided set of rows, keeping its dw/db partial sums in
-registers (or, for wide rows, in its own row of an fp32 buffer). The sums are
+registers (for wide rows, one column chunk at a time over all its rows) and
+writing them once to its own row of an fp32 buffer, which a second kernel
+reduces in a fixed order (no atomics: deterministic). The sums are
 compensated (Kahan): a program adds up M / P rows one after another, and a
 plain fp32 running sum would lose a few ulps more than eager PyTorch's
 pairwise reduction.
@@ -24,11 +26,16 @@ from memkernels.ops._device_guard import on_tensor_device
 # Widest row chunk held in registers, and elements per warp; wider rows loop.
 # Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
 # variant compiles with no spills on sm_80 and sm_90: forward 8192 with 32 warps
-# (16384 spills in LayerNorm); backward, which also carries dy, x̂ and the
-# compensated dw/db accumulators, 2048 with 8 warps (4096 spills on sm_90 with
-# 8 or 16 warps, 8192 at any warp count tried).
+# (16384 spills in LayerNorm). Backward, which also carries dy, x̂ and the
+# compensated dw (and db) accumulators: 8192 with 32 warps without a bias
+# gradient (RMSNorm: 62-64 registers, the most 32 warps allow), 4096 with one
+# (LayerNorm at 8192 spills 36-180 bytes with 32 warps, the most a block has).
+# Wider rows loop over chunks of 4096 (the loop at 8192 spills 400-700 bytes on sm_90).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
-BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP = 2048, 256
+BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
+# The dw/db reduction: programs of BLOCK_H columns (coalesced 128-byte rows of the partials;
+# 128 programs at H = 4096), each summing BLOCK_P partial rows per step.
+REDUCE_BLOCK_P, REDUCE_BLOCK_H, REDUCE_WARPS = 32, 32, 4
 
 
 @triton.jit
@@ -211,15 +218,6 @@ def _row_stats(MEAN, RSTD, row, UNCENTERED: tl.constexpr):
 
 
 @triton.jit
-def _kahan_add_in_memory(PARTIAL, H, cols, mask, term):
-    """_kahan_add on a program's [2, H] (sum, compensation) row in memory, one chunk."""
-    total, compensation = _kahan_add(tl.load(PARTIAL + cols, mask=mask, other=0.0),
-                                     tl.load(PARTIAL + H + cols, mask=mask, other=0.0), term)
-    tl.store(PARTIAL + cols, total, mask=mask)
-    tl.store(PARTIAL + H + cols, compensation, mask=mask)
-
-
-@triton.jit
 def _norm_bwd_kernel(
     DY,            # [M, H] gradient of y
     DRESIDUAL_OUT, # [M, H] gradient of residual_out (read if HAS_DRESIDUAL)
@@ -233,6 +231,7 @@ def _norm_bwd_kernel(
     DX,            # [M, H] gradient of x (and of residual), DY's dtype (written if COMPUTE_DX)
     DW_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy * x̂ (if COMPUTE_DW)
     DB_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy (if COMPUTE_DB)
+    ROW_SUMS,      # [M, 2] fp32 scratch: each row's mean of g * x̂ and of g, g = dy * W' (wide rows with COMPUTE_DX)
     M, H, K, eps, offset,
     IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
@@ -251,17 +250,24 @@ def _norm_bwd_kernel(
 
     if SINGLE_PASS:
         mask = cols < H
-        scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
         dw_sum = tl.zeros([BLOCK], tl.float32)
         dw_comp = tl.zeros([BLOCK], tl.float32)
         db_sum = tl.zeros([BLOCK], tl.float32)
         db_comp = tl.zeros([BLOCK], tl.float32)
         for row in range(pid, M, programs):
             offs = row * H
+            # The weight is read again for every row (from L1/L2): holding it across rows costs
+            # BLOCK / threads registers, which the widest single-pass block cannot spare.
+            scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
             mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
             xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
                               HAS_BIAS, MEMORY_EFFICIENT)
             dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
+            # dw and db first: dy is then dead across the row sums below (fewer live registers).
+            if COMPUTE_DW:
+                dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
+            if COMPUTE_DB:
+                db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
             if COMPUTE_DX:
                 g = dy * scale
                 inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
@@ -276,10 +282,6 @@ def _norm_bwd_kernel(
                 if HAS_DRESIDUAL:
                     dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
                 tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
-            if COMPUTE_DW:
-                dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
-            if COMPUTE_DB:
-                db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
         if COMPUTE_DW:
             tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
             tl.store(DW_PARTIAL + H + cols, dw_comp, mask=mask)
@@ -287,56 +289,92 @@ def _norm_bwd_kernel(
             tl.store(DB_PARTIAL + cols, db_sum, mask=mask)
             tl.store(DB_PARTIAL + H + cols, db_comp, mask=mask)
     else:
-        # Wide rows: one pass for the row sums, one to write dx and add into this
-        # program's partial-sum row (zero-initialized by the launcher).
-        for row in range(pid, M, programs):
-            offs = row * H
-            mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
-            fallback_row = FALLBACK + row * K
-            projection = 0.0
-            g_mean = 0.0
-            if COMPUTE_DX:
+        # Wide rows. Pass 1 takes each row's two sums over all its chunks into ROW_SUMS. Pass 2
+        # walks the columns chunk by chunk, each chunk over all of this program's rows, so the
+        # chunk's dw/db partial sums stay in registers and are written once (a row-by-row pass
+        # would read and write the fp32 partial rows once per row). x and dy are read twice.
+        if COMPUTE_DX:
+            for row in range(pid, M, programs):
+                offs = row * H
+                mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
                 g_xhat_acc = tl.zeros([BLOCK], tl.float32)
                 g_acc = tl.zeros([BLOCK], tl.float32)
                 for start in range(0, H, BLOCK):
                     mask = start + cols < H
                     scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
                     xhat = _load_xhat(SAVED + offs + start, cols, mask, mean, rstd, scale, B + start,
-                                      SLOT + start, fallback_row, HAS_BIAS, MEMORY_EFFICIENT)
+                                      SLOT + start, FALLBACK + row * K, HAS_BIAS, MEMORY_EFFICIENT)
                     g = tl.load(DY + offs + start + cols, mask=mask, other=0.0).to(tl.float32) * scale
                     g_xhat_acc += g * xhat
                     g_acc += g
-                projection = tl.sum(g_xhat_acc, axis=0) / H
-                g_mean = tl.sum(g_acc, axis=0) / H
-            for start in range(0, H, BLOCK):
-                mask = start + cols < H
-                scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
-                xhat = _load_xhat(SAVED + offs + start, cols, mask, mean, rstd, scale, B + start,
-                                  SLOT + start, fallback_row, HAS_BIAS, MEMORY_EFFICIENT)
-                dy = tl.load(DY + offs + start + cols, mask=mask, other=0.0).to(tl.float32)
+                tl.store(ROW_SUMS + 2 * row, tl.sum(g_xhat_acc, axis=0) / H)
+                tl.store(ROW_SUMS + 2 * row + 1, tl.sum(g_acc, axis=0) / H)
+            # The row sums were stored by some threads of this program and are read by others.
+            tl.debug_barrier()
+        for start in range(0, H, BLOCK):
+            mask = start + cols < H
+            dw_sum = tl.zeros([BLOCK], tl.float32)
+            dw_comp = tl.zeros([BLOCK], tl.float32)
+            db_sum = tl.zeros([BLOCK], tl.float32)
+            db_comp = tl.zeros([BLOCK], tl.float32)
+            for row in range(pid, M, programs):
+                offs = row * H + start
+                scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)  # per row, as above
+                mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
+                xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B + start, SLOT + start,
+                                  FALLBACK + row * K, HAS_BIAS, MEMORY_EFFICIENT)
+                dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
                 if COMPUTE_DX:
-                    inner = dy * scale - xhat * projection
+                    inner = dy * scale - xhat * tl.load(ROW_SUMS + 2 * row)
                     if not IS_RMS:
-                        inner -= g_mean
+                        inner -= tl.load(ROW_SUMS + 2 * row + 1)
                     dx = inner * rstd
                     if HAS_DRESIDUAL:
-                        dx += tl.load(DRESIDUAL_OUT + offs + start + cols, mask=mask, other=0.0).to(tl.float32)
-                    tl.store(DX + offs + start + cols, dx.to(dtype), mask=mask)
+                        dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
                 if COMPUTE_DW:
-                    _kahan_add_in_memory(DW_PARTIAL + start, H, cols, mask, dy * xhat)
+                    dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
                 if COMPUTE_DB:
-                    _kahan_add_in_memory(DB_PARTIAL + start, H, cols, mask, dy)
+                    db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
+            if COMPUTE_DW:
+                tl.store(DW_PARTIAL + start + cols, dw_sum, mask=mask)
+                tl.store(DW_PARTIAL + H + start + cols, dw_comp, mask=mask)
+            if COMPUTE_DB:
+                tl.store(DB_PARTIAL + start + cols, db_sum, mask=mask)
+                tl.store(DB_PARTIAL + H + start + cols, db_comp, mask=mask)
 
 
-def _reduce_partials(partial):
-    """[P, 2, H] Kahan (sum, compensation) per program -> [H] fp32, in one fixed-order reduction.
+@triton.jit
+def _sum_partials(PARTIAL, OUT, programs, H, cols, BLOCK_P: tl.constexpr):
+    """OUT[cols] = sum over programs of (sum - compensation), in float64, rounded to fp32 and then to OUT's dtype."""
+    total = tl.zeros([BLOCK_P, cols.shape[0]], tl.float64)
+    for first in range(0, programs, BLOCK_P):
+        program = (first + tl.arange(0, BLOCK_P)).to(tl.int64)
+        mask = (program < programs)[:, None] & (cols < H)[None, :]
+        offsets = program[:, None] * 2 * H + cols[None, :]
+        total += (tl.load(PARTIAL + offsets, mask=mask, other=0.0).to(tl.float64)
+                  - tl.load(PARTIAL + H + offsets, mask=mask, other=0.0).to(tl.float64))
+    result = tl.sum(total, axis=0).to(tl.float32)
+    tl.store(OUT + cols, result.to(OUT.dtype.element_ty), mask=cols < H)
 
-    Accumulated in float64 (P * H elements: negligible work, and no float64 copy of the
-    buffer), so that sum - compensation keeps its extra precision and the result is
-    rounded to fp32 once.
-    """
-    totals = partial[:, 0].sum(dim=0, dtype=torch.float64)
-    return (totals - partial[:, 1].sum(dim=0, dtype=torch.float64)).float()
+
+@triton.jit
+def _norm_reduce_partials_kernel(
+    DW_PARTIAL,  # [P, 2, H] fp32 per-program Kahan (sum, compensation) of dy * x̂ (read if COMPUTE_DW)
+    DB_PARTIAL,  # [P, 2, H] fp32, the same for dy (read if COMPUTE_DB)
+    DW,          # [H] weight gradient, the weight's dtype (written if COMPUTE_DW)
+    DB,          # [H] bias gradient, the bias's dtype (written if COMPUTE_DB)
+    programs, H,
+    COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    # One launch for dw and db, in a fixed order (bitwise deterministic). The sums are taken in
+    # float64 (P * H elements: negligible work) so that sum - compensation keeps its extra
+    # precision and each result is rounded to fp32 once.
+    cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
+    if COMPUTE_DW:
+        _sum_partials(DW_PARTIAL, DW, programs, H, cols, BLOCK_P)
+    if COMPUTE_DB:
+        _sum_partials(DB_PARTIAL, DB, programs, H, cols, BLOCK_P)
 
 
 def _launch_config(hidden, max_block, elements_per_warp):
@@ -344,6 +382,22 @@ def _launch_config(hidden, max_block, elements_per_warp):
     block = min(triton.next_power_of_2(hidden), max_block)
     num_warps = min(max(block // elements_per_warp, 1), 32)
     return block, num_warps, hidden <= max_block
+
+
+def _backward_config(hidden, with_db):
+    """(BLOCK, num_warps, SINGLE_PASS) of the backward: one block per row up to its widest
+    spill-free block, else chunks of BWD_MAX_BLOCK_WITH_DB."""
+    if hidden <= (BWD_MAX_BLOCK_WITH_DB if with_db else BWD_MAX_BLOCK):
+        return _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+    block, num_warps, _ = _launch_config(BWD_MAX_BLOCK_WITH_DB, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP)
+    return block, num_warps, False
+
+
+def _register_cap(num_warps):
+    """Registers per thread that one block of ``num_warps`` may use: the SM's 65536 over its threads
+    (at most 255). Without the cap ptxas for sm_90 budgets half of that for the backward kernel at
+    16 and 32 warps, and spills."""
+    return min(65536 // (32 * num_warps), 255)
 
 
 def _placeholder(reference):
@@ -404,31 +458,40 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     ``dx_out`` may be dy itself: every program reads a row chunk of dy before writing dx there.
     """
     rows, hidden = dy.shape
-    block, num_warps, single_pass = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+    block, num_warps, single_pass = _backward_config(hidden, needs_db)
     programs = max(_num_programs(rows, dy.device), 1)
-    # Single-pass programs write their whole partial row; looping ones add into it.
-    make_partial = torch.empty if single_pass and rows else torch.zeros
     dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
-    dw_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
-    db_partial = make_partial((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
+    dw = torch.empty_like(weight) if needs_dw else None
+    db = torch.empty_like(bias) if needs_db else None
+    if not rows:  # no row: zero gradients for the parameters
+        return dx, dw.zero_() if needs_dw else None, db.zero_() if needs_db else None
+    # Every program writes all of its partial row: no zero fill.
+    dw_partial = torch.empty((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
+    db_partial = torch.empty((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
+    row_sums = torch.empty((rows, 2), dtype=torch.float32, device=dy.device) if needs_dx and not single_pass else None
     unused = _placeholder(dy)
     unused32 = _placeholder(rstd)
     slot = _slots(unsafe_cols, hidden, dy.device) if memory_efficient else None
-    if rows:
-        _norm_bwd_kernel[(programs,)](
-            dy, dresidual_out if dresidual_out is not None else unused, saved,
-            weight if weight is not None else unused, bias if bias is not None else unused,
-            mean if mean is not None else unused32, rstd,
-            slot if slot is not None else unused32, fallback if fallback is not None and fallback.numel() else unused,
-            dx if needs_dx else unused, dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
-            rows, hidden, unsafe_cols.numel(), eps, offset,
-            IS_RMS=is_rms, CASTING=casting, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
-            COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
-            BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps,
+    _norm_bwd_kernel[(programs,)](
+        dy, dresidual_out if dresidual_out is not None else unused, saved,
+        weight if weight is not None else unused, bias if bias is not None else unused,
+        mean if mean is not None else unused32, rstd,
+        slot if slot is not None else unused32, fallback if fallback is not None and fallback.numel() else unused,
+        dx if needs_dx else unused, dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
+        row_sums if row_sums is not None else unused32,
+        rows, hidden, unsafe_cols.numel(), eps, offset,
+        IS_RMS=is_rms, CASTING=casting, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
+        COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
+        BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps, maxnreg=_register_cap(num_warps),
+    )
+    if needs_dw or needs_db:
+        _norm_reduce_partials_kernel[(triton.cdiv(hidden, REDUCE_BLOCK_H),)](
+            dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
+            dw if needs_dw else unused, db if needs_db else unused, programs, hidden,
+            COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=REDUCE_BLOCK_H,
+            num_warps=REDUCE_WARPS,
         )
-    dw = _reduce_partials(dw_partial).to(weight.dtype) if needs_dw else None
-    db = _reduce_partials(db_partial).to(bias.dtype) if needs_db else None
     return dx, dw, db
 
 
@@ -462,7 +525,8 @@ def _aot_variants():
                  f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}"
                  f"-{'single' if single_pass else 'loop'}")
         fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
-        bwd_block, bwd_warps, _ = _launch_config(BWD_MAX_BLOCK, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+        widest = BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK
+        bwd_block, bwd_warps, _ = _backward_config(widest if single_pass else 2 * widest, bias)
         common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
                   "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
         forward.append({
@@ -475,14 +539,22 @@ def _aot_variants():
         backward.append({
             "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": p, "B": p, "MEAN": "*fp32",
                           "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
-                          "DB_PARTIAL": "*fp32", "M": "i32", "H": "i32", "K": "i32", "eps": "fp32",
-                          "offset": "fp32"},
+                          "DB_PARTIAL": "*fp32", "ROW_SUMS": "*fp32", "M": "i32", "H": "i32", "K": "i32",
+                          "eps": "fp32", "offset": "fp32"},
             "constexprs": {**common, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True, "COMPUTE_DW": weight,
                            "COMPUTE_DB": bias, "BLOCK": bwd_block},
-            "num_warps": bwd_warps, "num_stages": 1, "label": f"{label}{bwd_block}"})
-    return forward, backward
+            "num_warps": bwd_warps, "num_stages": 1, "options": {"maxnreg": _register_cap(bwd_warps)},
+            "label": f"{label}{bwd_block}"})
+    reduce = [
+        {"signature": {"DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32", "DW": p, "DB": p, "programs": "i32", "H": "i32"},
+         "constexprs": {"COMPUTE_DW": True, "COMPUTE_DB": bias, "BLOCK_P": REDUCE_BLOCK_P, "BLOCK_H": REDUCE_BLOCK_H},
+         "num_warps": REDUCE_WARPS, "num_stages": 1, "label": f"{name}-{'dw-db' if bias else 'dw'}"}
+        for p, name in (("*fp32", "fp32"), ("*bf16", "bf16"), ("*fp16", "fp16")) for bias in (False, True)
+    ]
+    return forward, backward, reduce
 
 
-_FORWARD_VARIANTS, _BACKWARD_VARIANTS = _aot_variants()
+_FORWARD_VARIANTS, _BACKWARD_VARIANTS, _REDUCE_VARIANTS = _aot_variants()
 aot.register(_norm_fwd_kernel, name="norm_fwd", variants=_FORWARD_VARIANTS)
 aot.register(_norm_bwd_kernel, name="norm_bwd", variants=_BACKWARD_VARIANTS)
+aot.register(_norm_reduce_partials_kernel, name="norm_reduce_partials", variants=_REDUCE_VARIANTS)

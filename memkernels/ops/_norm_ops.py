@@ -282,6 +282,9 @@ def _setup_context(ctx, inputs, output):
                                                               else (None, None)))
     ctx.options = (in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual,
                    weight is not None, bias is not None)
+    # Outputs with no gradient (mean, rstd, the fallback, an unused residual_out) arrive as None
+    # instead of zero tensors: autograd would otherwise launch a fill for each.
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
@@ -296,7 +299,9 @@ def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
         return (None,) * 11
     if unsafe_cols is None:
         unsafe_cols = rstd.new_empty(0, dtype=torch.int64)
-    dresidual_out = dresidual_out.contiguous() if has_residual else None
+    if dy is None:  # only residual_out reached the loss: y's gradient is zero
+        dy = torch.zeros_like(saved)
+    dresidual_out = dresidual_out.contiguous() if has_residual and dresidual_out is not None else None
     if in_place and needs_dx and _private_gradient(dy):
         dw, db = norm_bwd_into_dy(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps,
                                   offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend)
