@@ -13,7 +13,7 @@ allocations <= 1.25x PyTorch's (issue 18), ns/op <= 250 (a goal). Then the same 
 and issue 8's targets: memkernels <= 1.01 and never above PyTorch's expandable ratio. Exit
 status 1 if a target is missed. Then replays synthetic training loops, with the same classic
 targets, and for each loop that makes more than 1.25x PyTorch's device allocations, why
-(:func:`memkernels.allocator.device_allocation_causes`).
+(:func:`memkernels.tools.replay.device_allocation_causes`).
 
     python benchmarks/bench_allocator.py --no-traces --seeds 3-8   (held-out seeds of the loops)
 """
@@ -26,7 +26,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from memkernels.allocator import (  # noqa: E402
+from memkernels.tools.replay import (  # noqa: E402
     ALLOCATION_CAUSES,
     TraceError,
     device_allocation_causes,

@@ -279,7 +279,7 @@ def _add_replay(subparsers):
     )
 
     def run(args):
-        from memkernels.allocator import print_replay_table, trace_files
+        from memkernels.tools.replay import print_replay_table, trace_files
 
         if args.capacity is not None:
             print(_size_used("--capacity", args.capacity))

@@ -12,7 +12,8 @@ from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C
 from memkernels import allocator
-from memkernels._torch_policy import TorchPolicyModel
+from memkernels.tools import replay as trace_replay
+from memkernels.tools._torch_policy import TorchPolicyModel
 
 pytestmark = pytest.mark.cpp
 
@@ -317,12 +318,12 @@ def test_device_allocation_causes_files_each_device_allocation_under_its_rule():
         ("alloc", "C", 40 * MiB), ("free", "C"),  # nothing free fits: A went
         ("alloc", "D", 9 * MiB),  # the idle 40 MiB block is over 4x D: the oversize rule, an 18 MiB segment
     ])
-    causes = allocator.device_allocation_causes(trace)
-    assert {cause: (causes[cause]["pool"], causes[cause]["pytorch_too"]) for cause in allocator.ALLOCATION_CAUSES} == {
+    causes = trace_replay.device_allocation_causes(trace)
+    assert {cause: (causes[cause]["pool"], causes[cause]["pytorch_too"]) for cause in trace_replay.ALLOCATION_CAUSES} == {
         "no_fit": (4, 3), "oversize": (1, 0), "released": (1, 1), "refused": (0, 0)}
     assert causes["num_device_alloc"] == {"pool": 6, "pytorch": 4}
-    assert allocator.replay(trace)["num_device_alloc"] == 6  # the step-by-step replay is the pool's own
-    assert allocator.replay_pytorch_model(trace)["num_device_alloc"] == 4
+    assert trace_replay.replay(trace)["num_device_alloc"] == 6  # the step-by-step replay is the pool's own
+    assert trace_replay.replay_pytorch_model(trace)["num_device_alloc"] == 4
 
 
 def test_device_allocation_causes_counts_a_refused_segment():
@@ -330,7 +331,7 @@ def test_device_allocation_causes_counts_a_refused_segment():
         ("alloc", "X", 60 * MiB), ("alloc", "S", 512 * KiB), ("free", "S"),  # 2 MiB idle: under 2% of 106
         ("alloc", "Y", 44 * MiB),  # 106 MiB > the 105 MiB device: both policies release S and retry
     ])
-    causes = allocator.device_allocation_causes(trace, capacity=105 * MiB)
+    causes = trace_replay.device_allocation_causes(trace, capacity=105 * MiB)
     assert causes["refused"] == {"pool": 1, "pytorch_too": 1} and causes["released"]["pool"] == 0
     assert causes["num_device_alloc"] == {"pool": 3, "pytorch": 3}
 
@@ -338,9 +339,9 @@ def test_device_allocation_causes_counts_a_refused_segment():
 def test_device_allocation_causes_rejects_bad_arguments():
     trace = _events_trace([("alloc", "A", MiB)])
     with pytest.raises(ValueError, match="capacity must be a positive number of bytes"):
-        allocator.device_allocation_causes(trace, capacity=-1)
+        trace_replay.device_allocation_causes(trace, capacity=-1)
     with pytest.raises(ValueError, match="drop expandable_segments=True"):
-        allocator.device_allocation_causes(trace, expandable_segments=True)
+        trace_replay.device_allocation_causes(trace, expandable_segments=True)
 
 
 # ---------------------------------------------------------------------- statistics
@@ -413,7 +414,7 @@ def test_trace_is_off_by_default_and_bounded():
 def _rendered_snapshot(viz_html):
     payload = json.loads(re.search(r"const local_files = (\[.*\])", viz_html).group(1))
     raw = base64.b64decode(payload[0]["base64"])
-    return allocator._DataOnlyUnpickler(io.BytesIO(raw.rstrip(b"\x00"))).load()
+    return trace_replay._DataOnlyUnpickler(io.BytesIO(raw.rstrip(b"\x00"))).load()
 
 
 @pytest.mark.skipif(
@@ -460,7 +461,7 @@ def _synthetic_trace():
 
 
 def test_replay_returns_the_pool_statistics():
-    result = allocator.replay(_synthetic_trace())
+    result = trace_replay.replay(_synthetic_trace())
     assert result["peak_requested_bytes"] == 30 * MiB
     assert result["peak_reserved_bytes"] >= result["peak_allocated_bytes"] >= result["peak_requested_bytes"]
     assert result["num_ooms"] == 0 and result["ops"] == 24 and result["ns_per_op"] > 0
@@ -469,23 +470,23 @@ def test_replay_returns_the_pool_statistics():
 
 
 def test_replay_with_a_small_device_counts_ooms():
-    result = allocator.replay(_synthetic_trace(), capacity=20 * MiB)
+    result = trace_replay.replay(_synthetic_trace(), capacity=20 * MiB)
     assert result["num_ooms"] > 0 and result["num_alloc_retries"] >= result["num_ooms"]
 
 
 def test_replay_input_errors():
     with pytest.raises(ValueError, match="expandable_segments must be True or False"):
-        allocator.replay(_synthetic_trace(), expandable_segments=1)
+        trace_replay.replay(_synthetic_trace(), expandable_segments=1)
     with pytest.raises(ValueError, match="device must be an index"):
-        allocator.replay(_synthetic_trace(), device=1)
+        trace_replay.replay(_synthetic_trace(), device=1)
     with pytest.raises(ValueError, match="capacity must be"):
-        allocator.replay(_synthetic_trace(), capacity=-5)
+        trace_replay.replay(_synthetic_trace(), capacity=-5)
     with pytest.raises(TypeError, match="unknown allocator option"):
-        allocator.replay(_synthetic_trace(), release_befor_growth=0.1)
+        trace_replay.replay(_synthetic_trace(), release_befor_growth=0.1)
     with pytest.raises(ValueError, match="device_traces"):
-        allocator.replay({"segments": []})
+        trace_replay.replay({"segments": []})
     with pytest.raises(FileNotFoundError):
-        allocator.replay("/no/such/trace.pickle")
+        trace_replay.replay("/no/such/trace.pickle")
 
 
 @pytest.mark.parametrize(
@@ -501,14 +502,14 @@ def test_replay_input_errors():
 )
 def test_bad_pool_options_name_the_option(option, message):
     with pytest.raises(ValueError, match=message):
-        allocator.replay(_synthetic_trace(), **option)
+        trace_replay.replay(_synthetic_trace(), **option)
 
 
 def test_trace_files_cannot_run_code(tmp_path):
     path = tmp_path / "evil.pickle"
     path.write_bytes(pickle.dumps({"device_traces": [], "x": os.getcwd}))  # a global reference
-    with pytest.raises(allocator.TraceError, match="evil.pickle.*never imports code"):
-        allocator.load_trace(str(path))
+    with pytest.raises(trace_replay.TraceError, match="evil.pickle.*never imports code"):
+        trace_replay.load_trace(str(path))
 
 
 def test_unreadable_trace_files_raise_a_trace_error_naming_the_file(tmp_path):
@@ -523,18 +524,18 @@ def test_unreadable_trace_files_raise_a_trace_error_naming_the_file(tmp_path):
     for path, says in ((empty, "the file is empty"), (truncated, "is not a torch.cuda.memory._dump_snapshot"),
                        (memo, "is not a torch.cuda.memory._dump_snapshot"), (listed, "got list"),
                        (tmp_path, "is a directory")):
-        with pytest.raises(allocator.TraceError, match=re.escape(repr(str(path))) + ".*" + re.escape(says)):
-            allocator.load_trace(str(path))
+        with pytest.raises(trace_replay.TraceError, match=re.escape(repr(str(path))) + ".*" + re.escape(says)):
+            trace_replay.load_trace(str(path))
     with pytest.raises(FileNotFoundError, match="no such file"):
-        allocator.load_trace(str(tmp_path / "missing.pickle"))
+        trace_replay.load_trace(str(tmp_path / "missing.pickle"))
     bad_event = {"segments": [], "device_traces": [[{"action": "alloc", "addr": 1, "size": -5, "stream": 0}]]}
-    with pytest.raises(allocator.TraceError, match="trace event 0 .alloc. needs non-negative int"):
-        allocator.replay(bad_event)
+    with pytest.raises(trace_replay.TraceError, match="trace event 0 .alloc. needs non-negative int"):
+        trace_replay.replay(bad_event)
     alloc = {"action": "alloc", "addr": 1, "size": 10, "stream": 0}
     for events, says in (([1, alloc], "must be a list of event dicts"), ("abc", "must be a list of event dicts"),
                          ([{"action": "segment_alloc"}, alloc], "segment_alloc event without an int size")):
-        with pytest.raises(allocator.TraceError, match=says):
-            allocator.compare({"segments": [], "device_traces": [events]}, repeats=1)
+        with pytest.raises(trace_replay.TraceError, match=says):
+            trace_replay.compare({"segments": [], "device_traces": [events]}, repeats=1)
 
 
 def test_trace_tests_say_why_they_skip_and_where_traces_may_live(tmp_path, monkeypatch):
@@ -571,30 +572,30 @@ def test_replay_arguments_of_the_wrong_type_or_range_are_refused():
     trace = _synthetic_trace()
     for capacity in (True, 0, -1, 1.5, "4GB"):
         with pytest.raises(ValueError, match="capacity must be a positive number of bytes"):
-            allocator.replay(trace, capacity=capacity)
+            trace_replay.replay(trace, capacity=capacity)
     for repeats in (0, -1, "3", True):
         with pytest.raises(ValueError, match="repeats must be a positive int"):
-            allocator.compare(trace, repeats=repeats)
+            trace_replay.compare(trace, repeats=repeats)
 
 
 def test_print_replay_table_takes_one_trace_as_well_as_a_list(tmp_path):
     path = tmp_path / "one.pickle"
     path.write_bytes(pickle.dumps(_synthetic_trace()))
     out = io.StringIO()
-    rows = allocator.print_replay_table(str(path), repeats=1, file=out)
+    rows = trace_replay.print_replay_table(str(path), repeats=1, file=out)
     assert [row["trace"] for row in rows] == ["one.pickle"] and "one.pickle" in out.getvalue()
 
 
 def test_trace_files_expands_directories(tmp_path):
     for name in ("b.pickle", "a.pickle", "notes.txt"):
         (tmp_path / name).write_bytes(b"")
-    assert allocator.trace_files(str(tmp_path)) == [str(tmp_path / "a.pickle"), str(tmp_path / "b.pickle")]
-    assert allocator.trace_files([str(tmp_path / "notes.txt")]) == [str(tmp_path / "notes.txt")]
+    assert trace_replay.trace_files(str(tmp_path)) == [str(tmp_path / "a.pickle"), str(tmp_path / "b.pickle")]
+    assert trace_replay.trace_files([str(tmp_path / "notes.txt")]) == [str(tmp_path / "notes.txt")]
     (tmp_path / "empty").mkdir()
-    with pytest.raises(allocator.TraceError, match="has no \\*.pickle files"):
-        allocator.trace_files([str(tmp_path / "empty")])
+    with pytest.raises(trace_replay.TraceError, match="has no \\*.pickle files"):
+        trace_replay.trace_files([str(tmp_path / "empty")])
     with pytest.raises(FileNotFoundError):
-        allocator.trace_files([str(tmp_path / "missing")])
+        trace_replay.trace_files([str(tmp_path / "missing")])
 
 
 def _capacity_trace():
@@ -605,7 +606,7 @@ def _capacity_trace():
     return {"segments": [], "device_traces": [events]}
 
 
-@pytest.mark.parametrize("replay", [allocator.replay, allocator.replay_pytorch_model])
+@pytest.mark.parametrize("replay", [trace_replay.replay, trace_replay.replay_pytorch_model])
 def test_replay_under_a_capacity_counts_failed_requests_and_names_the_first(replay):
     result = replay(_capacity_trace(), capacity=GiB)
     assert result["num_ooms"] == 1
@@ -619,16 +620,16 @@ def test_replay_results_hold_the_documented_keys_and_no_end_state_fragmentation(
     replays return the keys their docstrings list."""
     documented = {"peak_requested_bytes", "peak_allocated_bytes", "peak_reserved_bytes", "num_device_alloc",
                   "num_device_free", "num_alloc_retries", "num_ooms", "first_oom"}
-    assert set(allocator.replay(_synthetic_trace())) == documented | {"ns_per_op", "ops"}
-    assert set(allocator.replay_pytorch_model(_synthetic_trace())) == documented | {"segment_sizes", "final_segment_sizes"}
+    assert set(trace_replay.replay(_synthetic_trace())) == documented | {"ns_per_op", "ops"}
+    assert set(trace_replay.replay_pytorch_model(_synthetic_trace())) == documented | {"segment_sizes", "final_segment_sizes"}
     for key in documented | {"ns_per_op", "ops"}:
-        assert key in allocator.replay.__doc__
+        assert key in trace_replay.replay.__doc__
 
 
 def test_pytorch_preset_in_the_pool_matches_the_python_model_on_a_synthetic_trace():
     trace = _synthetic_trace()
-    model = allocator.replay_pytorch_model(trace)
-    ours = allocator.replay(trace, policy="pytorch")
+    model = trace_replay.replay_pytorch_model(trace)
+    ours = trace_replay.replay(trace, policy="pytorch")
     for key in ("peak_reserved_bytes", "num_device_alloc", "peak_allocated_bytes"):
         assert ours[key] == model[key]
 
@@ -645,19 +646,19 @@ README_FIGURES = {
 @pytest.mark.parametrize("name", TRACES)
 def test_pytorch_model_reproduces_the_trace(name):
     path = os.path.join(TRACE_DIR, name)
-    model = allocator.replay_pytorch_model(path)
+    model = trace_replay.replay_pytorch_model(path)
     ratio = model["peak_reserved_bytes"] / model["peak_requested_bytes"]
     if name in README_FIGURES:
         expected_ratio, expected_allocs = README_FIGURES[name]
         assert round(ratio, 3) == pytest.approx(expected_ratio, abs=0.0015)  # README rounds to 3 places
         assert model["num_device_alloc"] == expected_allocs
-    match = allocator.segment_match(path)
+    match = trace_replay.segment_match(path)
     assert match is not None, f"{name}: nothing to check the model against"  # never skipped silently
     if match["in_order"] is None:  # no segment events: the model's final segments are all held at the dump
         assert match["source"] == "segments held at the dump" and match["as_multiset"] == 1.0
     else:  # every recorded segment size is one the model also took
         assert match["as_multiset"] == 1.0 and match["in_order"] >= 0.98
-    preset = allocator.replay(path, policy="pytorch")  # the same rules inside the C++ pool
+    preset = trace_replay.replay(path, policy="pytorch")  # the same rules inside the C++ pool
     assert preset["peak_reserved_bytes"] == model["peak_reserved_bytes"]
     assert preset["num_device_alloc"] == model["num_device_alloc"]
 
@@ -666,7 +667,7 @@ def test_pytorch_model_reproduces_the_trace(name):
 @pytest.mark.parametrize("name", TRACES)
 def test_memkernels_meets_the_issue_targets_on_the_trace(name):
     path = os.path.join(TRACE_DIR, name)
-    ours, theirs = allocator.replay(path), allocator.replay_pytorch_model(path)
+    ours, theirs = trace_replay.replay(path), trace_replay.replay_pytorch_model(path)
     assert ours["peak_requested_bytes"] == theirs["peak_requested_bytes"]
     assert ours["peak_reserved_bytes"] <= 1.05 * ours["peak_requested_bytes"]
     assert ours["peak_reserved_bytes"] <= theirs["peak_reserved_bytes"]
@@ -677,19 +678,19 @@ def test_segment_match_uses_every_source_of_recorded_segments(capsys):
     ops = [{"action": "alloc", "addr": i, "size": (i % 5 + 1) * 3 * MiB, "stream": 0} for i in range(12)]
     ops += [{"action": "free_completed", "addr": i, "size": 0, "stream": 0} for i in range(0, 12, 2)]
     bare = {"segments": [], "device_traces": [ops]}
-    assert allocator.segment_match(bare) is None
-    modeled = allocator.replay_pytorch_model(bare, expandable_segments=True)["segment_sizes"]
+    assert trace_replay.segment_match(bare) is None
+    modeled = trace_replay.replay_pytorch_model(bare, expandable_segments=True)["segment_sizes"]
     mapped = {"segments": [], "device_traces": [
         [{"action": "segment_map", "addr": 0, "size": size, "stream": 0} for size in modeled] + ops]}
-    match = allocator.segment_match(mapped)  # recorded with expandable segments: the expandable model
+    match = trace_replay.segment_match(mapped)  # recorded with expandable segments: the expandable model
     assert match["source"] == "segment_map events" and match["in_order"] == 1.0
-    final = allocator.replay_pytorch_model(bare)["final_segment_sizes"]
+    final = trace_replay.replay_pytorch_model(bare)["final_segment_sizes"]
     held = {"segments": [{"device": 0, "total_size": size} for size in final + [64 * MiB]], "device_traces": [ops]}
-    match = allocator.segment_match(held)  # no events: the segments held at the dump
+    match = trace_replay.segment_match(held)  # no events: the segments held at the dump
     assert match["source"] == "segments held at the dump" and match["as_multiset"] == 1.0
     wrong = {"segments": [{"device": 0, "total_size": 2 * MiB}], "device_traces": [ops]}
-    assert allocator.segment_match(wrong)["as_multiset"] == 0.0
-    allocator.print_replay_table([bare, held], repeats=1)
+    assert trace_replay.segment_match(wrong)["as_multiset"] == 0.0
+    trace_replay.print_replay_table([bare, held], repeats=1)
     out = capsys.readouterr().out
     assert "checked against recorded segments on every trace but: <dict> (device 0)" in out
 

@@ -8,6 +8,7 @@ import pytest
 
 import pluggable_standin
 from memkernels import _C, allocator, device
+from memkernels.tools import replay as trace_replay
 from memkernels.device import sim
 
 pytestmark = pytest.mark.cpp
@@ -196,8 +197,8 @@ def _interleaved_trace():
 
 def test_replay_on_the_simulated_device_matches_the_core_replay():
     trace = _interleaved_trace()
-    on_sim = allocator.replay(trace, simulated_device=True, capacity=4 * GiB)
-    on_core = allocator.replay(trace, capacity=4 * GiB)
+    on_sim = trace_replay.replay(trace, simulated_device=True, capacity=4 * GiB)
+    on_core = trace_replay.replay(trace, capacity=4 * GiB)
     for key in ("peak_reserved_bytes", "peak_allocated_bytes", "peak_requested_bytes", "num_device_alloc",
                 "num_device_free", "num_ooms"):
         assert on_sim[key] == on_core[key], key
@@ -240,8 +241,8 @@ def test_pluggable_allocator_entry_points_with_expandable_segments(standin):
 
 def test_replay_with_expandable_segments_on_the_simulated_device():
     trace = _interleaved_trace()
-    on_sim = allocator.replay(trace, simulated_device=True, capacity=GiB, expandable_segments=True)
-    on_core = allocator.replay(trace, capacity=GiB, expandable_segments=True)
+    on_sim = trace_replay.replay(trace, simulated_device=True, capacity=GiB, expandable_segments=True)
+    on_core = trace_replay.replay(trace, capacity=GiB, expandable_segments=True)
     assert on_sim["peak_requested_bytes"] == on_core["peak_requested_bytes"] and on_sim["num_ooms"] == 0
     # Nothing is unmapped before growth on the core (no free page borders a gap); the sim, whose
     # unmapping also waits for stream events, can only have fewer candidates: the same decisions.

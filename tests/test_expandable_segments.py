@@ -8,6 +8,7 @@ from conftest import simulated_device
 from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C, allocator, device
+from memkernels.tools import replay as trace_replay
 from memkernels.device import sim
 
 pytestmark = pytest.mark.cpp
@@ -277,8 +278,8 @@ def growing_batch_trace(steps=30, layers=4, growth=0.05, kept=0.6):
 
 def test_growing_batch_fragments_classic_segments_but_not_expandable_ones():
     trace = growing_batch_trace()
-    classic = allocator.replay(trace)
-    expandable = allocator.replay(trace, expandable_segments=True)
+    classic = trace_replay.replay(trace)
+    expandable = trace_replay.replay(trace, expandable_segments=True)
     classic_ratio = classic["peak_reserved_bytes"] / classic["peak_requested_bytes"]
     expandable_ratio = expandable["peak_reserved_bytes"] / expandable["peak_requested_bytes"]
     assert classic_ratio >= 1.2, classic_ratio
@@ -287,8 +288,8 @@ def test_growing_batch_fragments_classic_segments_but_not_expandable_ones():
 
 def test_pytorch_expandable_model_on_the_growing_batch():
     trace = growing_batch_trace()
-    classic = allocator.replay_pytorch_model(trace)
-    expandable = allocator.replay_pytorch_model(trace, expandable_segments=True)
+    classic = trace_replay.replay_pytorch_model(trace)
+    expandable = trace_replay.replay_pytorch_model(trace, expandable_segments=True)
     assert expandable["peak_reserved_bytes"] < classic["peak_reserved_bytes"]
     assert expandable["num_device_free"] == 0  # PyTorch unmaps only on empty_cache / OOM
     # every mapping is whole 20 MiB pages (large pool)
@@ -297,15 +298,15 @@ def test_pytorch_expandable_model_on_the_growing_batch():
 
 def test_replay_rejects_a_non_boolean_expandable_flag():
     with pytest.raises(ValueError, match="expandable_segments must be True or False"):
-        allocator.replay(growing_batch_trace(steps=1), expandable_segments="yes")
+        trace_replay.replay(growing_batch_trace(steps=1), expandable_segments="yes")
 
 
 @needs_traces
 @pytest.mark.parametrize("name", TRACES)
 def test_expandable_meets_the_issue_targets_on_the_trace(name):
-    trace = allocator.load_trace(os.path.join(TRACE_DIR, name))
-    ours = allocator.replay(trace, expandable_segments=True)
-    theirs = allocator.replay_pytorch_model(trace, expandable_segments=True)
+    trace = trace_replay.load_trace(os.path.join(TRACE_DIR, name))
+    ours = trace_replay.replay(trace, expandable_segments=True)
+    theirs = trace_replay.replay_pytorch_model(trace, expandable_segments=True)
     ratio = ours["peak_reserved_bytes"] / ours["peak_requested_bytes"]
     assert ratio <= 1.01, ratio
     assert ours["peak_reserved_bytes"] <= theirs["peak_reserved_bytes"]
@@ -313,7 +314,7 @@ def test_expandable_meets_the_issue_targets_on_the_trace(name):
 
 
 def test_pytorch_expandable_model_rule_by_rule():
-    from memkernels._torch_policy import TorchExpandablePolicyModel
+    from memkernels.tools._torch_policy import TorchExpandablePolicyModel
 
     model = TorchExpandablePolicyModel()
     a = model.malloc(3 * MiB)  # one 20 MiB page of the large pool; the 17 MiB rest is split off
@@ -347,7 +348,7 @@ def test_pytorch_expandable_model_splits_and_fits_as_pytorch():
     """Two rules of CUDACachingAllocator.cpp that differ from the classic pool with expandable
     segments on: should_split keeps no remainder attached, and get_free_block's best fit counts a
     block as the size it can grow to."""
-    from memkernels._torch_policy import TorchExpandablePolicyModel, TorchPolicyModel
+    from memkernels.tools._torch_policy import TorchExpandablePolicyModel, TorchPolicyModel
 
     model = TorchExpandablePolicyModel()
     model.malloc(19 * MiB + 512 * 1024)  # the 0.5 MiB left of the 20 MiB page is split off
@@ -367,7 +368,7 @@ def test_pytorch_expandable_model_splits_and_fits_as_pytorch():
 
 
 def test_pytorch_expandable_model_releases_and_retries_at_capacity():
-    from memkernels._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel
+    from memkernels.tools._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel
 
     model = TorchExpandablePolicyModel(capacity=60 * MiB)
     model.free(model.malloc(30 * MiB, stream=1))  # two 20 MiB pages, free, on stream 1
@@ -388,6 +389,6 @@ def test_cli_replay_with_expandable_segments(tmp_path, capsys):
     assert main(["replay", str(path), "--expandable-segments", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     assert "Expandable segments in both columns" in out
-    expandable = allocator.replay(growing_batch_trace(), expandable_segments=True)
+    expandable = trace_replay.replay(growing_batch_trace(), expandable_segments=True)
     ratio = expandable["peak_reserved_bytes"] / expandable["peak_requested_bytes"]
     assert f"{ratio:>10.3f}" in out  # memkernels' column is the expandable replay

@@ -11,7 +11,7 @@ import pickle
 import pytest
 
 from memkernels import explain
-from memkernels.allocator import load_trace, trace_ops
+from memkernels.tools.replay import load_trace, trace_ops
 from memkernels.cli import main
 from memkernels.tools.explain import POLICIES, load_snapshot, user_frame
 
@@ -230,7 +230,7 @@ def test_a_missing_or_unreadable_path_is_one_line_naming_it(tmp_path, monkeypatc
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("memkernels.allocator.open", refuse, raising=False)  # root reads any file: simulate
+    monkeypatch.setattr("memkernels.tools.replay.open", refuse, raising=False)  # root reads any file: simulate
     with pytest.raises(ValueError, match=r"cannot be read \(\[Errno 13\] Permission denied\)") as info:
         load_snapshot(str(path))
     assert str(path) in str(info.value)

@@ -11,7 +11,7 @@ import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memkernels import MemoryMonitor
-from memkernels.allocator import load_trace
+from memkernels.tools.replay import load_trace
 from memkernels.meters import PeakBytesMeter
 from memkernels.models import BUILTIN_CONFIGS, TransformerLM, synthetic_batch
 from memkernels.tools.explain import counterfactuals

@@ -26,8 +26,8 @@ refers to any class or function is refused.
 import os
 import pickle
 
-from memkernels._torch_policy import round_size
-from memkernels.allocator import TraceError, _run_pool, _summary, load_trace, replay_pytorch_model, trace_ops
+from memkernels.tools._torch_policy import round_size
+from memkernels.tools.replay import TraceError, _run_pool, _summary, load_trace, replay_pytorch_model, trace_ops
 from memkernels.tools.sizes import format_size
 
 __all__ = ["explain", "Explanation", "load_snapshot", "user_frame", "demand_events", "counterfactuals"]
