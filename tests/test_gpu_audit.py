@@ -12,7 +12,9 @@ from memkernels.tools import gpu_audit
 pytestmark = pytest.mark.skipif(not memkernels._backend.triton_interpreted(),
                                 reason="counts Triton kernels through the interpreter")
 
-CASES = {case.op: case for case in gpu_audit.cases()}
+CASES = {}
+for _case in gpu_audit.cases():
+    CASES.setdefault(_case.op, _case)  # an op's first case: gated_linear's SwiGLU
 
 
 def _measure(op, dtype=torch.bfloat16, **shape):
@@ -88,6 +90,42 @@ def test_gelu_linear_counts():
     assert run["backward"].flops() == run["backward"].flops("bf16") == 4 * m * n * k
     assert {dtypes for _, dtypes in run["backward"].matmul_dtypes} == {("bf16", "bf16")}
     assert run["forward"].syncs == run["backward"].syncs == []
+
+
+def test_gated_linear_counts():
+    m = k = n = 64  # one 64x64 output tile (the interpreter's config), K in four steps of 16
+    e = 2
+    run = _measure("gated_linear", M=m, K=k, N=n)
+    # forward: y = (silu(gate) * up) @ W.T in one kernel: gate and up (M*K each) and W (N*K) read once,
+    # y (M*N) written; the product never reaches memory. One bf16 dot of 2*M*N*K.
+    forward = (2 * m * k + n * k + m * n) * e
+    assert _triton(run["forward"]) == (1, forward, forward)
+    assert _aten(run["forward"]) == []
+    assert run["forward"].flops() == run["forward"].flops("bf16") == 2 * m * n * k
+    # backward, two kernels: d = dY @ W with the epilogue reading gate and up and writing d_gate and
+    # d_up (dY M*N, W N*K, gate, up, d_gate, d_up M*K each); dW = dY.T @ (silu(gate) * up), the
+    # product formed again on load (dY, gate, up in, dW N*K out)
+    grad_inputs = (m * n + n * k + 4 * m * k) * e
+    grad_weight = (m * n + 2 * m * k + n * k) * e
+    assert _triton(run["backward"]) == (2, grad_inputs + grad_weight, grad_inputs + grad_weight)
+    assert _aten(run["backward"]) == []
+    assert run["backward"].flops() == run["backward"].flops("bf16") == 4 * m * n * k
+    assert {dtypes for _, dtypes in run["forward"].matmul_dtypes + run["backward"].matmul_dtypes} == {
+        ("bf16", "bf16")}
+    assert run["forward"].syncs == run["backward"].syncs == []
+
+
+def test_gated_linear_eager_sequence_counts():
+    """What gated_linear is compared with: Hugging Face's ``down_proj(act(gate) * up)``, op by op."""
+    m = k = n = 64
+    e = 2
+    eager = gpu_audit.measure(CASES["gated_linear"], dict(M=m, K=k, N=n), torch.bfloat16, "eager")
+    # forward: silu reads gate, writes act; mul reads act and up, writes the product; mm reads it and W
+    assert [(x.name, x.hbm_bytes) for x in eager["forward"].launches] == [
+        ("silu", 2 * m * k * e), ("mul", 3 * m * k * e), ("mm", (m * k + n * k + m * n) * e)]
+    # backward: dW and d(product) GEMMs, d_up = d * act, d_act = d * up, silu_backward(d_act, gate)
+    assert sorted(x.name for x in eager["backward"].launches) == ["mm", "mm", "mul", "mul", "silu_backward"]
+    assert eager["backward"].hbm_bytes == (2 * (m * n + m * k + n * k) + 3 * 3 * m * k) * e
 
 
 def test_linear_cross_entropy_half_inputs_run_half_operand_gemms():

@@ -678,6 +678,38 @@ def _gelu_linear_minimum(shape, e):
             "backward": (m * n * e + m * k * e + n * k * e + m * k * e + n * k * e + n * e, 4 * m * n * k)}
 
 
+def _gated_linear_problem(activation):
+    """The part of a gated MLP that gated_linear replaces: Hugging Face's LlamaMLP is
+    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; gate_proj and up_proj run the same F.linear in both,
+    so the audited computation starts from their outputs: ``down_proj(act(gate) * up)`` (no bias, as
+    Llama and Gemma), eager as ``F.linear(act(gate) * up, W)``."""
+    def build(shape, dtype, impl):
+        torch = _torch()
+        import torch.nn.functional as F
+        from memkernels import functional
+        m, k, n = shape["M"], shape["K"], shape["N"]
+        gate, up = _leaf(m, k, dtype=dtype), _leaf(m, k, dtype=dtype)
+        w = (torch.randn(n, k) / k ** 0.5).to(dtype).requires_grad_()
+        grad = torch.randn(m, n).to(dtype)
+
+        def forward():
+            if impl == "memkernels":
+                return (functional.gated_linear(gate, up, w, activation=activation),)
+            if impl == "liger":
+                return (F.linear(_liger_gated_product(activation, gate, up), w),)
+            act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+            return (F.linear(act * up, w),)
+        return Problem(forward, lambda outputs: outputs[0].backward(grad))
+    return build
+
+
+def _gated_linear_minimum(shape, e):
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    # forward: gate, up, W in, y out; backward: dy, gate, up, W in, d_gate, d_up, dW out
+    return {"forward": ((2 * m * k + n * k + m * n) * e, 2 * m * n * k),
+            "backward": ((m * n + 2 * m * k + n * k + 2 * m * k + n * k) * e, 4 * m * n * k)}
+
+
 _TOKENS = 8192  # tokens per step at the real shapes (e.g. 4 sequences of 2048)
 
 
@@ -725,6 +757,11 @@ def cases():
         result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
                            _gelu_linear_problem, _gelu_linear_minimum))
+    for label, k, n, activation in (("Llama-3-8B SwiGLU down 14336->4096", 14336, 4096, "silu"),
+                                    ("Gemma-2-9B GeGLU(tanh) down 14336->3584", 14336, 3584, "gelu_tanh")):
+        result.append(Case("gated_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
+                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
+                           _gated_linear_problem(activation), _gated_linear_minimum))
     return result
 
 
@@ -735,6 +772,32 @@ def cases():
 def _liger():
     import liger_kernel
     return liger_kernel
+
+
+@contextlib.contextmanager
+def _liger_interpreter_shim():
+    """Liger's kernels under triton 3.9's interpreter: a Python float kernel argument (an ``eps``) arrives
+    as a bare float, where a compiled kernel sees an fp32 scalar, so Liger's ``eps.to(...)`` raises
+    "'float' object has no attribute 'to'". Wrap floats as fp32 scalars, as the compiler does. Only
+    around Liger's runs: memkernels' own kernels are counted under the unpatched interpreter."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    original = interpreter._implicit_cvt
+
+    def implicit_cvt(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return original(arg)
+    interpreter._implicit_cvt = implicit_cvt
+    try:
+        yield
+    finally:
+        interpreter._implicit_cvt = original
+
+
+def _liger_gated_product(activation, gate, up):
+    from liger_kernel.transformers.functional import liger_geglu, liger_swiglu
+    return (liger_swiglu if activation == "silu" else liger_geglu)(gate, up)
 
 
 def _liger_norm(is_rms, with_residual, x, r, w, b):
@@ -752,7 +815,8 @@ def measure(case, shape, dtype, impl="memkernels"):
     memkernels.set_backend("triton" if impl == "memkernels" else "auto")
     try:
         problem = case.build(shape, dtype, impl)
-        with case.setup(shape) if case.setup else contextlib.nullcontext():
+        with case.setup(shape) if case.setup else contextlib.nullcontext(), \
+                _liger_interpreter_shim() if impl == "liger" else contextlib.nullcontext():
             with count() as forward:
                 outputs = problem.forward()
             with count() as backward:
@@ -963,7 +1027,8 @@ def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=N
     return rows
 
 
-_LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy"}
+_LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy",
+              "gated_linear"}
 
 
 def _liger_available():
