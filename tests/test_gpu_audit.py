@@ -235,3 +235,33 @@ def test_gpu_check_says_so_and_exits_0_without_a_gpu():
     run = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0
     assert "no CUDA GPU" in run.stdout
+
+
+def test_prediction_line_is_the_audit_model_at_the_benchmarks_shape(monkeypatch):
+    """What a benchmark's GPU section prints beside its measured time: the audit's model at the benchmark's
+    own shape, on the modelled GPU that matches the device name; the same line from a child process when
+    the benchmark's process runs compiled Triton (no interpreter)."""
+    shape = {"N": 16, "H": 128}
+    case = gpu_audit.case_at("rms_norm", shape)
+    assert case.shape == {"N": 16, "H": 128, "P": CASES["rms_norm"].shape["P"]}
+    ours, eager = gpu_audit.fit(case, torch.bfloat16), gpu_audit.exact(case, torch.bfloat16)
+    h100 = gpu_audit.GPUS["H100-SXM"]
+
+    def part(impl, result):
+        forward, backward = (result[phase].seconds(h100) * 1e3 for phase in ("forward", "backward"))
+        return f"{impl} fwd {forward:.3f} + bwd {backward:.3f} = {forward + backward:.3f} ms"
+    line = gpu_audit.prediction_line("rms_norm", shape, "bf16", "NVIDIA H100 80GB HBM3")
+    assert line == ("audit MODEL for H100-SXM (not a measurement; bf16): " + part("memkernels", ours) + ", "
+                    + part("eager", eager))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert gpu_audit.prediction_line("rms_norm", shape, "bf16", "NVIDIA H100 80GB HBM3") == line
+
+
+def test_prediction_names_what_it_cannot_model():
+    assert gpu_audit.model_gpu("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+    assert gpu_audit.model_gpu("NVIDIA L4") is None
+    assert "no figures for NVIDIA L4" in gpu_audit.prediction_line("rms_norm", {"N": 16}, "bf16", "NVIDIA L4")
+    with pytest.raises(ValueError, match="not T"):
+        gpu_audit.case_at("rms_norm", {"T": 16})
+    with pytest.raises(ValueError, match="not audited"):
+        gpu_audit.case_at("softmax", {})

@@ -46,7 +46,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["GpuSpec", "GPUS", "Launch", "Counts", "count", "audit", "blocks_per_sm", "format_table", "main"]
+__all__ = ["GpuSpec", "GPUS", "Launch", "Counts", "count", "audit", "blocks_per_sm", "format_table", "case_at",
+           "predict", "model_gpu", "prediction_line", "main"]
 
 
 @dataclass(frozen=True)
@@ -1073,6 +1074,87 @@ def format_table(rows, header=True, footer=True):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Predictions at a benchmark's own shape
+
+
+def case_at(op, shape):
+    """The op's first audited case (gated_linear: SwiGLU; linear_cross_entropy: chunked) at ``shape``, a
+    dict of some of its shape variables (the others keep the case's values)."""
+    import dataclasses
+    matches = [c for c in cases() if c.op == op]
+    if not matches:
+        raise ValueError(f"memkernels.gpu_audit: op {op!r} is not audited; choose from "
+                         f"{', '.join(sorted({c.op for c in cases()}))}")
+    case = matches[0]
+    unknown = sorted(set(shape) - set(case.shape))
+    if unknown:
+        raise ValueError(f"memkernels.gpu_audit: {op}'s shape has variables {', '.join(sorted(case.shape))}, not "
+                         f"{', '.join(unknown)}")
+    return dataclasses.replace(case, label=",".join(f"{k}={v}" for k, v in shape.items()),
+                               shape=dict(case.shape, **shape))
+
+
+def predict(op, shape, dtype="bf16", impls=("memkernels", "eager")):
+    """{impl: {GPU name: {"forward": s, "backward": s}}}: the model's time of ``op`` at ``shape`` (see
+    :func:`case_at`) for each of ``impls`` ("memkernels", "eager", "liger"). Needs ``TRITON_INTERPRET=1``
+    (:func:`prediction_line` runs it in a child process)."""
+    torch = _torch()
+    case = case_at(op, shape)
+    torch_dtype = getattr(torch, _DTYPES[dtype])
+    out = {}
+    for impl in impls:
+        result = exact(case, torch_dtype) if impl == "eager" else fit(case, torch_dtype, impl)
+        out[impl] = {gpu.name: {phase: result[phase].seconds(gpu) for phase in ("forward", "backward")}
+                     for gpu in GPUS.values()}
+    return out
+
+
+def model_gpu(device_name):
+    """The :data:`GPUS` entry that models a CUDA device name ("NVIDIA H100 80GB HBM3" -> "H100-SXM"), or None."""
+    for marker, name in (("H100", "H100-SXM"), ("A100", "A100-80GB")):
+        if marker in device_name:
+            return name
+    return None
+
+
+def _interpreted_child_env():
+    """Environment of a child process that counts on the CPU: Triton's interpreter, no CUDA, this package."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+
+
+def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")):
+    """One line for a benchmark's GPU section: the audit's predicted milliseconds of ``op`` at ``shape``
+    on the GPU that models ``device_name``, forward and backward per impl, labelled as a model.
+
+    The counts need the Triton interpreter, which a process running compiled kernels cannot switch on:
+    unless this process is interpreted, they are made in a child process (CPU only).
+    """
+    gpu = model_gpu(device_name)
+    if gpu is None:
+        return (f"audit model: no figures for {device_name} (modelled: {', '.join(GPUS)}); "
+                "no prediction printed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        seconds = predict(op, shape, dtype, impls)
+    else:
+        import json
+        argv = ["--predict", op, "--shape", ",".join(f"{k}={v}" for k, v in shape.items()), "--dtype", dtype]
+        for impl in impls:
+            argv += ["--impl", impl]
+        run = subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv],
+                             env=_interpreted_child_env(), capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"memkernels.gpu_audit: counting {op} at {shape} failed:\n{run.stderr[-2000:]}")
+        seconds = json.loads(run.stdout)
+    parts = []
+    for impl in impls:
+        forward, backward = (seconds[impl][gpu][phase] * 1e3 for phase in ("forward", "backward"))
+        parts.append(f"{impl} fwd {forward:.3f} + bwd {backward:.3f} = {forward + backward:.3f} ms")
+    return f"audit MODEL for {gpu} (not a measurement; {dtype}): " + ", ".join(parts)
+
+
 def occupancy(names=None, archs=(80, 90)):
     """[(kernel, variant, arch, registers, shared bytes, warps, blocks per SM)] from the AOT compile."""
     from memkernels import aot
@@ -1095,12 +1177,30 @@ def main(argv=None):
     parser.add_argument("--liger", action="store_true", help="also count Liger's kernels (liger-kernel installed)")
     parser.add_argument("--occupancy", action="store_true",
                         help="also compile every kernel for sm_80/sm_90 (memkernels.aot) and print blocks per SM")
+    parser.add_argument("--predict", metavar="OP",
+                        help="print the model's seconds of OP at --shape as JSON {impl: {gpu: {pass: s}}}")
+    parser.add_argument("--shape", default="", help="with --predict: VAR=VALUE,... (e.g. N=4096,H=4096)")
+    parser.add_argument("--impl", action="append", choices=("memkernels", "eager", "liger"),
+                        help="with --predict (repeatable; default memkernels and eager)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         # Triton reads the variable at import: count in a child that runs the kernels on the CPU.
-        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
         argv = argv if argv is not None else sys.argv[1:]
-        return subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv], env=env).returncode
+        return subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv],
+                              env=_interpreted_child_env()).returncode
+    if args.predict:
+        import json
+        try:
+            shape = {k: int(v) for k, v in (item.split("=") for item in args.shape.split(",") if item)}
+        except ValueError:
+            parser.error(f"--shape {args.shape!r}: expected VAR=INTEGER,... (e.g. N=4096,H=4096)")
+        try:
+            seconds = predict(args.predict, shape, (args.dtype or ["bf16"])[0],
+                              tuple(args.impl or ("memkernels", "eager")))
+        except ValueError as error:
+            parser.error(str(error))
+        print(json.dumps(seconds))
+        return 0
     known = {c.op for c in cases()}
     unknown = sorted(set(args.op or ()) - known)
     if unknown:
