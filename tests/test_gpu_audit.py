@@ -195,6 +195,18 @@ def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
     assert counts.syncs == ["nonzero"]
 
 
+def test_an_in_place_matmul_is_a_matmul():
+    """``accumulator.addmm_(a, b)`` (the recompute MLP's dx, linear-CE's float32 dW) counts its FLOPs and
+    operand dtypes like addmm."""
+    a, b, accumulator = torch.randn(8, 4), torch.randn(4, 6), torch.zeros(8, 6)
+    with gpu_audit.count() as counts:
+        accumulator.addmm_(a, b)
+    (launch,) = counts.launches
+    assert (launch.name, launch.flops, launch.matmul_dtypes) == ("addmm_", {"fp32": 2 * 8 * 4 * 6},
+                                                                 (("fp32", "fp32"),))
+    assert launch.hbm_bytes == (8 * 6 + 8 * 4 + 4 * 6 + 8 * 6) * 4  # the accumulator read and written
+
+
 def test_eager_counts_on_fake_tensors_at_the_real_shape():
     result = gpu_audit.exact(CASES["cross_entropy"], torch.bfloat16)  # 8192 x 32000 logits, no data
     n, v = 8192, 32000
@@ -254,7 +266,7 @@ def test_prediction_line_is_the_audit_model_at_the_benchmarks_shape(monkeypatch)
     assert line == ("audit MODEL for H100-SXM (not a measurement; bf16): " + part("memkernels", ours) + ", "
                     + part("eager", eager))
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert gpu_audit.prediction_line("rms_norm", shape, "bf16", "NVIDIA H100 80GB HBM3") == line
+    assert gpu_audit.prediction_line("rms_norm", shape, torch.bfloat16, "NVIDIA H100 80GB HBM3") == line
 
 
 def test_prediction_names_what_it_cannot_model():
@@ -265,3 +277,20 @@ def test_prediction_names_what_it_cannot_model():
         gpu_audit.case_at("rms_norm", {"T": 16})
     with pytest.raises(ValueError, match="not audited"):
         gpu_audit.case_at("softmax", {})
+
+
+def test_liger_kernels_count_through_the_interpreter():
+    """Liger's column (bench extra): its norm kernels take a Python float eps, which triton 3.9's interpreter
+    passes unwrapped; the audit's Liger runner wraps it (and replaces libdevice's empty stubs), then undoes it."""
+    pytest.importorskip("liger_kernel")
+    from triton.runtime import interpreter
+    original = interpreter._implicit_cvt
+    n, h, e = 4, 64, 2
+    run = gpu_audit.measure(CASES["rms_norm"], dict(N=n, H=h, P=2), torch.bfloat16, "liger")
+    # forward: x, the weight once per row (in L2 after the first), y, rstd (fp32)
+    assert _triton(run["forward"]) == (1, 3 * n * h * e + n * 4, 2 * n * h * e + h * e + n * 4)
+    assert interpreter._implicit_cvt is original
+    # Liger's fused linear-CE at the fit's chunk count; at Llama-3-8B's head its own rule gives 32 chunks
+    run = gpu_audit.measure(CASES["linear_cross_entropy"], dict(N=16, H=16, V=40, C=2), torch.bfloat16, "liger")
+    assert [x.name for x in run["forward"].launches if x.kind == "triton"] == ["liger_cross_entropy_kernel"] * 2
+    assert gpu_audit._liger_linear_ce_chunk_count(8192, 4096, 128256) == 32

@@ -405,11 +405,14 @@ def _make_dispatch_mode():
             bytes_moved = read + sum(_footprint(t) for t in outputs)
             flops = {}
             matmul_dtypes = ()
-            if name in MATMUL_OPS:
+            base = name[:-1] if name.endswith("_") else name  # an in-place matmul (addmm_) is the matmul
+            if base in MATMUL_OPS:
                 operands = [t for t in read_tensors if t.dim() >= 1 and id(t) not in written]
                 operands = operands[-2:] if name.startswith(("add", "badd")) else operands[:2]
                 matmul_dtypes = ((tuple(_PRECISION.get(str(t.dtype), str(t.dtype)) for t in operands)),)
             formula = flop_registry.get(func._overloadpacket)
+            if formula is None and base != name and base in MATMUL_OPS:
+                formula = flop_registry.get(getattr(torch.ops.aten, base))
             if formula is not None:
                 precision = _PRECISION.get(str(read_tensors[0].dtype), "fp32") if read_tensors else "fp32"
                 if matmul_dtypes and len(set(matmul_dtypes[0])) > 1:
@@ -596,7 +599,8 @@ def _linear_ce_problem(shape, dtype, impl):
             options = {"chunk_size": -(-n // chunk)} if chunk else {}
             return (functional.linear_cross_entropy(hidden, weight, target, strategy="chunked", **options),)
         if impl == "liger":
-            return (_liger().transformers.LigerFusedLinearCrossEntropyLoss()(weight, hidden, target),)
+            with _liger_linear_ce_chunks(chunk) if chunk else contextlib.nullcontext():
+                return (_liger().transformers.LigerFusedLinearCrossEntropyLoss()(weight, hidden, target),)
         return (F.cross_entropy((hidden @ weight.t()).float(), target),)
     return Problem(forward, lambda outputs: outputs[0].backward())
 
@@ -639,9 +643,41 @@ def _wide_split_blocks(shape):
         lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = original
 
 
-def _linear_ce_real_shape(shape, dtype):
+def _linear_ce_real_shape(shape, dtype, impl="memkernels"):
+    if impl == "liger":
+        return dict(shape, C=_liger_linear_ce_chunk_count(shape["N"], shape["H"], shape["V"]))
     chunks, _ = _linear_ce_chunks(shape, dtype)
     return dict(shape, C=chunks)
+
+
+def _liger_linear_ce_chunk_count(rows, hidden, vocab, chunk_mem_const=1):
+    """Liger's fused linear-CE chunk rule (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5): chunks of
+    next_power_of_2(ceil(rows / ceil(V / (chunk_mem_const * H)))) rows, at most all of them."""
+    increase = -(-vocab // (chunk_mem_const * hidden))
+    size = min(1 << max(0, (-(-rows // increase) - 1).bit_length()), rows)
+    return -(-rows // size)
+
+
+@contextlib.contextmanager
+def _liger_linear_ce_chunks(chunks):
+    """Make Liger's fused linear-CE take ``chunks`` chunks at a small shape, as its own rule gives at the real
+    one (32 at Llama-3-8B's head): the fit's C. Its rule sets the chunk count from V / H, which the small
+    hidden sizes would turn into one-row chunks; its ``chunk_mem_const`` argument moves it."""
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+    original = flce.fused_linear_cross_entropy_forward
+
+    def forward(**kwargs):  # Liger calls it with keywords only
+        rows, hidden = kwargs["_input"].shape
+        vocab = kwargs["weight"].shape[0]
+        constants = [c for c in range(1, vocab + 1) if _liger_linear_ce_chunk_count(rows, hidden, vocab, c) == chunks]
+        if not constants:
+            raise RuntimeError(f"memkernels.gpu_audit: Liger's chunk rule cannot make {chunks} chunks of {rows} rows")
+        return original(**dict(kwargs, chunk_mem_const=constants[0]))
+    flce.fused_linear_cross_entropy_forward = forward
+    try:
+        yield
+    finally:
+        flce.fused_linear_cross_entropy_forward = original
 
 
 def _linear_ce_extra_launches(shape, dtype):
@@ -711,6 +747,44 @@ def _gated_linear_minimum(shape, e):
             "backward": ((m * n + 2 * m * k + n * k + 2 * m * k + n * k) * e, 4 * m * n * k)}
 
 
+def _gated_mlp_problem(recompute):
+    """A whole SwiGLU MLP, x [M, N] -> [M, N] through I = K: memkernels.FusedGatedMLP against Hugging Face's
+    LlamaMLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (and Liger's LigerSwiGLUMLP), no biases."""
+    def build(shape, dtype, impl):
+        torch = _torch()
+        from torch import nn
+        import torch.nn.functional as F
+        import memkernels
+        m, k, n = shape["M"], shape["K"], shape["N"]
+        x = _leaf(m, n, dtype=dtype)
+        grad = torch.randn(m, n).to(dtype)
+        if impl == "memkernels":
+            mlp = memkernels.FusedGatedMLP(n, k, recompute=recompute, dtype=dtype)
+        elif impl == "liger":
+            from types import SimpleNamespace
+            from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+            mlp = LigerSwiGLUMLP(SimpleNamespace(hidden_size=n, intermediate_size=k, hidden_act="silu")).to(dtype)
+        else:
+            linear = dict(bias=False, dtype=dtype)
+            mlp = nn.Module()
+            mlp.gate_proj, mlp.up_proj = nn.Linear(n, k, **linear), nn.Linear(n, k, **linear)
+            mlp.down_proj = nn.Linear(k, n, **linear)
+            mlp.forward = lambda h: mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+        def forward():
+            return (mlp(x),)
+        return Problem(forward, lambda outputs: outputs[0].backward(grad))
+    return build
+
+
+def _gated_mlp_minimum(shape, e):
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    # x and the three weights in, y out; backward: dy, x and the weights in, dx and three dW out. Keeping
+    # gate and up for backward (or recomputing them) is beyond this minimum for any implementation.
+    return {"forward": ((2 * m * n + 3 * n * k) * e, 6 * m * n * k),
+            "backward": ((3 * m * n + 6 * n * k) * e, 12 * m * n * k)}
+
+
 _TOKENS = 8192  # tokens per step at the real shapes (e.g. 4 sequences of 2048)
 
 
@@ -763,6 +837,11 @@ def cases():
         result.append(Case("gated_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
                            _gated_linear_problem(activation), _gated_linear_minimum))
+    for recompute in (False, True):
+        result.append(Case("gated_mlp", "Llama-3-8B SwiGLU MLP H=4096 I=14336" + (" recompute" if recompute else ""),
+                           {"M": _TOKENS, "K": 14336, "N": 4096}, ("M", "K", "N"),
+                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
+                           _gated_mlp_problem(recompute), _gated_mlp_minimum))
     return result
 
 
@@ -771,29 +850,55 @@ def cases():
 
 
 def _liger():
+    import liger_kernel.transformers  # noqa: F401 - a submodule, not imported by the package itself
     import liger_kernel
     return liger_kernel
 
 
 @contextlib.contextmanager
 def _liger_interpreter_shim():
-    """Liger's kernels under triton 3.9's interpreter: a Python float kernel argument (an ``eps``) arrives
-    as a bare float, where a compiled kernel sees an fp32 scalar, so Liger's ``eps.to(...)`` raises
-    "'float' object has no attribute 'to'". Wrap floats as fp32 scalars, as the compiler does. Only
-    around Liger's runs: memkernels' own kernels are counted under the unpatched interpreter."""
+    """Liger's kernels under triton 3.9's interpreter, which has two gaps they hit:
+
+    - a Python float kernel argument (an ``eps``) arrives as a bare float, where a compiled kernel sees an
+      fp32 scalar, so Liger's ``eps.to(...)`` raises "'float' object has no attribute 'to'": floats are
+      wrapped as fp32 scalars, as the compiler does;
+    - ``triton.language.extra.libdevice`` functions are empty stubs (they return None): the ``rsqrt`` and
+      ``tanh`` that Liger's op modules import from it are replaced by ``tl.rsqrt`` and 2*sigmoid(2x) - 1,
+      which load and store nothing, so the byte counts stay Liger's own.
+
+    Only around Liger's runs: memkernels' own kernels are counted under the unpatched interpreter."""
     import triton.language as tl
     from triton.runtime import interpreter
-    original = interpreter._implicit_cvt
+    import liger_kernel.ops  # noqa: F401 - its op modules are imported below, by name
+
+    # looked up at call time: the interpreter patches triton.language's builtins while a kernel runs
+    def rsqrt(x):
+        return tl.rsqrt(x)
+
+    def tanh(x):
+        return 2 * tl.sigmoid(2 * x) - 1
+    replacements = {"rsqrt": rsqrt, "tanh": tanh}
+    patched = []  # (module, name, original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("liger_kernel.ops.") and module is not None:
+            for function, replacement in replacements.items():
+                original = getattr(module, function, None)
+                if "libdevice" in str(getattr(original, "__module__", "")):
+                    patched.append((module, function, original))
+                    setattr(module, function, replacement)
+    original_cvt = interpreter._implicit_cvt
 
     def implicit_cvt(arg):
         if isinstance(arg, float):
             return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
-        return original(arg)
+        return original_cvt(arg)
     interpreter._implicit_cvt = implicit_cvt
     try:
         yield
     finally:
-        interpreter._implicit_cvt = original
+        interpreter._implicit_cvt = original_cvt
+        for module, function, original in patched:
+            setattr(module, function, original)
 
 
 def _liger_gated_product(activation, gate, up):
@@ -802,7 +907,9 @@ def _liger_gated_product(activation, gate, up):
 
 
 def _liger_norm(is_rms, with_residual, x, r, w, b):
-    from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
+    from liger_kernel.transformers.functional import liger_fused_add_rms_norm, liger_layer_norm, liger_rms_norm
+    if is_rms and with_residual:  # Liger's fused add + RMSNorm: (y, x + r)
+        return liger_fused_add_rms_norm(x, r, w, 1e-6)
     s = x + r if with_residual else x
     y = liger_rms_norm(s, w, 1e-6) if is_rms else liger_layer_norm(s, w, b, 1e-5)
     return (y, s) if with_residual else (y,)
@@ -916,7 +1023,7 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
               for values in itertools.product(*(case.fit_values[v] for v in variables))]
     checks = [dict(case.shape, **c) for c in case.check_values]
     runs = [measure_fn(case, s, dtype, impl) for s in shapes + checks]
-    real = _linear_ce_real_shape(case.shape, dtype) if "C" in variables else case.shape
+    real = _linear_ce_real_shape(case.shape, dtype, impl) if "C" in variables else case.shape
     design = _design(shapes, variables)
     results = {}
     for phase in ("forward", "backward"):
@@ -951,7 +1058,7 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
                                 for p, a in entry.pop("arguments").items()]
                 entry.pop("programs", None)
                 entry["hbm"] = _hbm_bytes(per_argument, entry.pop("dot", 0) > 0, max(entry["launches"], 1))
-        if case.extra_launches is not None:
+        if case.extra_launches is not None and impl == "memkernels":  # memkernels' own blocks
             for key, (launches, extra_bytes) in case.extra_launches(real, dtype).items():
                 if key in kernels and phase == "forward":
                     kernels[key]["launches"] += launches
@@ -1029,7 +1136,7 @@ def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=N
 
 
 _LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy",
-              "gated_linear"}
+              "gated_linear", "gated_mlp"}
 
 
 def _liger_available():
@@ -1128,10 +1235,13 @@ def _interpreted_child_env():
 def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")):
     """One line for a benchmark's GPU section: the audit's predicted milliseconds of ``op`` at ``shape``
     on the GPU that models ``device_name``, forward and backward per impl, labelled as a model.
+    ``dtype``: "bf16" / "fp16" / "fp32" or the torch dtype.
 
     The counts need the Triton interpreter, which a process running compiled kernels cannot switch on:
     unless this process is interpreted, they are made in a child process (CPU only).
     """
+    if not isinstance(dtype, str):  # a torch.dtype
+        dtype = _PRECISION[str(dtype)]
     gpu = model_gpu(device_name)
     if gpu is None:
         return (f"audit model: no figures for {device_name} (modelled: {', '.join(GPUS)}); "
@@ -1155,6 +1265,12 @@ def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")
     return f"audit MODEL for {gpu} (not a measurement; {dtype}): " + ", ".join(parts)
 
 
+# Each audited op's kernels by their memkernels.aot names (--occupancy with --op compiles only these).
+_AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd") for op in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")},
+                "cross_entropy": ("cross_entropy",), "linear_cross_entropy": ("cross_entropy", "add_to_split_float32"),
+                "gelu_linear": ("gelu_linear",), "gated_linear": ("gated_linear",), "gated_mlp": ("gated_linear",)}
+
+
 def occupancy(names=None, archs=(80, 90)):
     """[(kernel, variant, arch, registers, shared bytes, warps, blocks per SM)] from the AOT compile."""
     from memkernels import aot
@@ -1176,7 +1292,8 @@ def main(argv=None):
     parser.add_argument("--dtype", action="append", choices=sorted(_DTYPES), help="default bf16 and fp32")
     parser.add_argument("--liger", action="store_true", help="also count Liger's kernels (liger-kernel installed)")
     parser.add_argument("--occupancy", action="store_true",
-                        help="also compile every kernel for sm_80/sm_90 (memkernels.aot) and print blocks per SM")
+                        help="also compile the kernels of the audited ops (every kernel without --op) for "
+                             "sm_80/sm_90 (memkernels.aot) and print blocks per SM")
     parser.add_argument("--predict", metavar="OP",
                         help="print the model's seconds of OP at --shape as JSON {impl: {gpu: {pass: s}}}")
     parser.add_argument("--shape", default="", help="with --predict: VAR=VALUE,... (e.g. N=4096,H=4096)")
@@ -1213,7 +1330,8 @@ def main(argv=None):
     if args.occupancy:
         print()
         print(f"{'kernel':<30}{'variant':<34}{'arch':<7}{'regs':>6}{'smem B':>9}{'warps':>6}{'blocks/SM':>10}")
-        for kernel, variant, arch, regs, smem, n_warps, blocks in occupancy():
+        names = sorted({k for op in args.op for k in _AOT_KERNELS[op]}) if args.op else None
+        for kernel, variant, arch, regs, smem, n_warps, blocks in occupancy(names):
             print(f"{kernel:<30}{variant:<34}{'sm_' + str(arch):<7}{regs:>6}{smem:>9}{n_warps:>6}{blocks:>10}")
     return 0
 
