@@ -832,13 +832,13 @@ def cases():
         result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
                            _gelu_linear_problem, _gelu_linear_minimum))
-    for label, k, n, activation in (("Llama-3-8B SwiGLU down 14336->4096", 14336, 4096, "silu"),
-                                    ("Gemma-2-9B GeGLU(tanh) down 14336->3584", 14336, 3584, "gelu_tanh")):
+    for label, k, n, activation in (("Llama-3-8B SwiGLU 14336->4096", 14336, 4096, "silu"),
+                                    ("Gemma-2-9B GeGLU-tanh 14336->3584", 14336, 3584, "gelu_tanh")):
         result.append(Case("gated_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
                            _gated_linear_problem(activation), _gated_linear_minimum))
     for recompute in (False, True):
-        result.append(Case("gated_mlp", "Llama-3-8B SwiGLU MLP H=4096 I=14336" + (" recompute" if recompute else ""),
+        result.append(Case("gated_mlp", "Llama-3-8B MLP " + ("recompute=True" if recompute else "H=4096 I=14336"),
                            {"M": _TOKENS, "K": 14336, "N": 4096}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
                            _gated_mlp_problem(recompute), _gated_mlp_minimum))
@@ -1218,10 +1218,13 @@ def predict(op, shape, dtype="bf16", impls=("memkernels", "eager")):
 
 
 def model_gpu(device_name):
-    """The :data:`GPUS` entry that models a CUDA device name ("NVIDIA H100 80GB HBM3" -> "H100-SXM"), or None."""
-    for marker, name in (("H100", "H100-SXM"), ("A100", "A100-80GB")):
-        if marker in device_name:
-            return name
+    """The :data:`GPUS` entry that models a CUDA device name, or None: only the boards whose datasheet figures
+    :data:`GPUS` holds ("NVIDIA H100 80GB HBM3" is the SXM board; H100 PCIe / NVL and A100 40GB / PCIe have
+    other bandwidths and peaks)."""
+    if "H100" in device_name and "HBM3" in device_name and not any(m in device_name for m in ("PCIe", "NVL")):
+        return "H100-SXM"
+    if "A100-SXM4-80GB" in device_name:
+        return "A100-80GB"
     return None
 
 
