@@ -128,6 +128,28 @@ def test_gated_linear_eager_sequence_counts():
     assert eager["backward"].hbm_bytes == (2 * (m * n + m * k + n * k) + 3 * 3 * m * k) * e
 
 
+def test_gated_mlp_counts():
+    """FusedGatedMLP: the gate and up projections are aten GEMMs around gated_linear's two kernels."""
+    m = k = n = 64  # tokens, intermediate, hidden
+    e = 2
+    plain, recompute = (gpu_audit.measure(case, dict(M=m, K=k, N=n), torch.bfloat16)
+                        for case in gpu_audit.cases() if case.op == "gated_mlp")
+    projection = (m * n + k * n + m * k) * e  # x and W in, gate (or up) out
+    assert [(x.name, x.hbm_bytes) for x in plain["forward"].launches if x.kind == "aten"] == [("mm", projection)] * 2
+    assert _triton(plain["forward"])[:2] == (1, (2 * m * k + n * k + m * n) * e)
+    # backward: gated_linear's two kernels (test_gated_linear_counts), then per projection a dx and a dW GEMM,
+    # and the two dx summed
+    assert _triton(plain["backward"])[:2] == (2, (m * n + n * k + 4 * m * k) * e + (m * n + 2 * m * k + n * k) * e)
+    assert _aten(plain["backward"]) == ["add", "mm", "mm", "mm", "mm"]
+    assert (plain["forward"].flops("bf16"), plain["backward"].flops("bf16")) == (6 * m * n * k, 12 * m * n * k)
+    # recompute=True: gate and up computed again in backward (two more GEMMs); dx accumulated in place
+    assert _aten(recompute["backward"]) == ["addmm_", "mm", "mm", "mm", "mm", "mm"]
+    assert recompute["backward"].flops("bf16") == recompute["backward"].flops() == 16 * m * n * k
+    for run in (plain, recompute):
+        assert {dtypes for counts in run.values() for _, dtypes in counts.matmul_dtypes} == {("bf16", "bf16")}
+        assert run["forward"].syncs == run["backward"].syncs == []
+
+
 def test_linear_cross_entropy_half_inputs_run_half_operand_gemms():
     """Every GEMM of the chunked strategy on bf16 inputs takes bf16 operands (fp32 accumulation)."""
     n, h, v = 8, 16, 40
