@@ -203,6 +203,30 @@ def test_masked_lanes_move_nothing_and_an_extra_load_counts():
     assert extra.requested_bytes == 3 * 10 * 4
 
 
+def test_an_in_place_update_is_read_and_written_back():
+    """A store to bytes the launch loaded is a write-back to HBM: an in-place update moves its bytes twice
+    (Liger's cross-entropy writes its gradient over the logits); reading back one's own store moves nothing."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale(src, dst, n, BLOCK: tl.constexpr, READ_BACK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(src + cols, mask=cols < n)
+        tl.store(dst + cols, x * 2, mask=cols < n)
+        if READ_BACK:
+            tl.store(dst + cols, tl.load(dst + cols, mask=cols < n) + 1, mask=cols < n)
+
+    x, y = torch.ones(16), torch.empty(16)
+    with gpu_audit.count() as in_place:
+        scale[(1,)](x, x, 10, BLOCK=16, READ_BACK=False)
+    with gpu_audit.count() as read_back:
+        scale[(1,)](x, y, 10, BLOCK=16, READ_BACK=True)
+    assert (in_place.requested_bytes, in_place.hbm_bytes) == (2 * 10 * 4, 2 * 10 * 4)
+    # x read, y written (its read-back and second store stay in L2, one write-back)
+    assert (read_back.requested_bytes, read_back.hbm_bytes) == (4 * 10 * 4, 2 * 10 * 4)
+
+
 def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
     a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
     with gpu_audit.count() as counts:

@@ -108,7 +108,7 @@ class Launch:
     matmul_dtypes: tuple = ()  # ((a dtype, b dtype), ...) for each matmul
     sync: bool = False
     arguments: tuple = ()  # Triton, per tensor touched: (argument position, requested bytes, distinct bytes,
-    #                        distinct bytes per program summed over programs)
+    #                        bytes missed in the programs' own recent accesses, transfers: see _hbm_bytes)
     dot: bool = False  # Triton: the kernel runs tl.dot
     programs: int = 0  # Triton: programs in the grid
 
@@ -189,13 +189,19 @@ class _TritonLaunch:
         self.positions = [tensors[s][1] for s in sorted(tensors)]
         self.requested = np.zeros(len(self.starts), dtype=np.int64)
         self.touched = [None] * len(self.starts)  # byte bitmaps over the launch, made on first touch
+        self.loaded_first = [None] * len(self.starts)  # bytes whose first access was a load
+        self.stored = [None] * len(self.starts)  # bytes stored
         self.last_touch = [None] * len(self.starts)  # per byte: (program, program clock) of its last access
+        self.last_store = [None] * len(self.starts)  # per byte: (program, program clock) of its last store
         self.misses = np.zeros(len(self.starts), dtype=np.int64)
         self.program = None
         self.programs = 0
         self.clock = 0  # bytes the current program has accessed so far
 
-    def access(self, addresses, element_bytes, program):
+    def access(self, addresses, element_bytes, program, store=False):
+        """A load's (or ``store``'s) active lanes. A load misses unless its program accessed the byte at
+        most PROGRAM_REUSE_BYTES ago; a store misses unless its program stored it that recently (a
+        line read and then written goes back to HBM: a write-back)."""
         addresses = addresses.astype(np.int64).ravel()
         if program != self.program:
             self.program = program
@@ -211,22 +217,30 @@ class _TritonLaunch:
             offsets = addresses[index == arg] - self.starts[arg]
             self.requested[arg] += offsets.size * element_bytes
             if self.touched[arg] is None:
-                self.touched[arg] = np.zeros(int(self.sizes[arg]), dtype=bool)
-                self.last_touch[arg] = (np.full(int(self.sizes[arg]), -1, dtype=np.int64),
-                                        np.zeros(int(self.sizes[arg]), dtype=np.int64))
+                size = int(self.sizes[arg])
+                self.touched[arg], self.loaded_first[arg], self.stored[arg] = (np.zeros(size, dtype=bool)
+                                                                               for _ in range(3))
+                self.last_touch[arg], self.last_store[arg] = ((np.full(size, -1, dtype=np.int64),
+                                                               np.zeros(size, dtype=np.int64)) for _ in range(2))
             byte_offsets = _distinct((offsets[:, None] + np.arange(element_bytes)).ravel())
+            if store:
+                self.stored[arg][byte_offsets] = True
+            else:
+                self.loaded_first[arg][byte_offsets[~self.touched[arg][byte_offsets]]] = True
             self.touched[arg][byte_offsets] = True
-            last_program, last_clock = self.last_touch[arg]
+            last_program, last_clock = self.last_store[arg] if store else self.last_touch[arg]
             hit = (last_program[byte_offsets] == self.programs) & (
                 self.clock - last_clock[byte_offsets] <= PROGRAM_REUSE_BYTES)
             self.misses[arg] += int(np.count_nonzero(~hit))
-            last_program[byte_offsets] = self.programs
-            last_clock[byte_offsets] = self.clock
+            for last_program, last_clock in (self.last_touch[arg],) + ((self.last_store[arg],) if store else ()):
+                last_program[byte_offsets] = self.programs
+                last_clock[byte_offsets] = self.clock
         self.clock += addresses.size * element_bytes
 
     def finish(self):
         per_argument = tuple((self.positions[arg], int(self.requested[arg]), int(np.count_nonzero(self.touched[arg])),
-                              int(self.misses[arg]))
+                              int(self.misses[arg]),
+                              int(np.count_nonzero(self.loaded_first[arg]) + np.count_nonzero(self.stored[arg])))
                              for arg in range(len(self.starts)) if self.touched[arg] is not None)
         flops = dict(self.dot_flops)
         if self.fp64_ops:
@@ -239,15 +253,18 @@ class _TritonLaunch:
 
 def _hbm_bytes(per_argument, dot, launches):
     """The model's HBM bytes of ``launches`` launches from, per tensor argument, (position, requested
-    bytes, distinct bytes in the launch, bytes its programs missed in their own recent accesses).
+    bytes, distinct bytes in the launch, bytes its programs missed in their own recent accesses,
+    transfers: distinct bytes first loaded plus distinct bytes stored).
 
-    A tensor counts once if it feeds a tl.dot (tiles reused through L2 in grouped order) or if
-    what one launch touches of it fits :data:`L2_REUSE_BYTES` (a weight every row reads);
-    otherwise a program's re-read counts once if it comes within :data:`PROGRAM_REUSE_BYTES`
-    of that program's own traffic (a row read in two passes), and every other read counts.
+    A tensor's bytes move once each way (its transfers: read once unless the launch wrote them first,
+    written back once if stored, so an in-place update counts twice) if it feeds a tl.dot (tiles reused
+    through L2 in grouped order) or if what one launch touches of it fits :data:`L2_REUSE_BYTES` (a weight
+    every row reads); otherwise a program's re-read counts once if it comes within
+    :data:`PROGRAM_REUSE_BYTES` of that program's own traffic (a row read in two passes), a re-write
+    likewise, and every other access counts.
     """
-    return sum(distinct if (dot or distinct <= L2_REUSE_BYTES * launches) else misses
-               for _, requested, distinct, misses in per_argument)
+    return sum(transfers if (dot or distinct <= L2_REUSE_BYTES * launches) else misses
+               for _, requested, distinct, misses, transfers in per_argument)
 
 
 class _Recorder:
@@ -294,7 +311,7 @@ def _patched_interpreter():
         kernel = _ACTIVE.kernel if _ACTIVE else None
         if kernel is not None:
             active = np.broadcast_to(mask.data, ptrs.data.shape)
-            kernel.access(ptrs.data[active], _element_bytes(ptrs.get_element_ty()), self.grid_idx)
+            kernel.access(ptrs.data[active], _element_bytes(ptrs.get_element_ty()), self.grid_idx, store=True)
         return originals["create_masked_store"](self, ptrs, value, mask, cache_policy)
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -978,8 +995,9 @@ def _summaries(counts):
         if launch.kind == "triton":
             key = (launch.kind, launch.name, "programs")
             out[key] = out.get(key, 0) + launch.programs
-        for position, requested, distinct, misses in launch.arguments:
-            for metric, value in (("requested", requested), ("distinct", distinct), ("misses", misses)):
+        for position, requested, distinct, misses, transfers in launch.arguments:
+            for metric, value in (("requested", requested), ("distinct", distinct), ("misses", misses),
+                                  ("transfers", transfers)):
                 key = (launch.kind, launch.name, f"arg{position}:{metric}")
                 out[key] = out.get(key, 0) + value
     return out
@@ -1054,7 +1072,7 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
                 entry[metric] = value
         for (kind, name), entry in kernels.items():
             if "arguments" in entry:  # the L2 rule applies at the real shape, not the small ones
-                per_argument = [(p, a["requested"], a["distinct"], a["misses"])
+                per_argument = [(p, a["requested"], a["distinct"], a["misses"], a["transfers"])
                                 for p, a in entry.pop("arguments").items()]
                 entry.pop("programs", None)
                 entry["hbm"] = _hbm_bytes(per_argument, entry.pop("dot", 0) > 0, max(entry["launches"], 1))
