@@ -8,7 +8,9 @@ shapes of real models, in bf16 and fp32:
   count every lane; the *HBM* figure counts a re-read of a tensor once when a GPU keeps it in
   L2: a tensor whose touched footprint in the launch is at most :data:`L2_REUSE_BYTES` (a
   norm's weight, read by every row), and the operand tiles of a ``tl.dot`` kernel (grouped
-  tile order, as cuBLAS is assumed to reach). PyTorch-side code: every aten op's tensor inputs
+  tile order, as cuBLAS is assumed to reach). A store is a write-back: bytes the launch loaded
+  and then stores (an in-place update) move twice, a program's re-store within its reuse window
+  once. PyTorch-side code: every aten op's tensor inputs
   and outputs, through a ``TorchDispatchMode`` (views and ``empty`` move nothing; ``copy_``,
   ``fill_`` and ``zero_`` do not read their destination). Both against the op's minimum:
   every input of the pass read once, every output written once.
