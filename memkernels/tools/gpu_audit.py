@@ -869,8 +869,7 @@ def cases():
 
 
 def _liger():
-    import liger_kernel.transformers  # noqa: F401 - a submodule, not imported by the package itself
-    import liger_kernel
+    import liger_kernel.transformers  # binds liger_kernel; the package alone does not import this submodule
     return liger_kernel
 
 
