@@ -105,6 +105,8 @@ def memory_section(configs):
 
 
 def timing_section(configs, repeats=10):
+    from memkernels.tools.gpu_audit import prediction_line
+
     print("\nGPU forward+backward, ms (median of", repeats, "after warm-up)")
     for n_tokens, hidden_size, n_classes, dtype in configs:
         hidden, weight, target = make_inputs(n_tokens, hidden_size, n_classes, dtype, "cuda")
@@ -122,6 +124,9 @@ def timing_section(configs, repeats=10):
                     times.append(begin.elapsed_time(end))
             row.append(f"{label} {sorted(times)[len(times) // 2]:.2f}")
         print(f"N={n_tokens} H={hidden_size} V={n_classes} {dtype}: " + " | ".join(row))
+        # the model counts the chunked strategy and eager with the logits upcast (Hugging Face's loss)
+        print("  " + prediction_line("linear_cross_entropy", {"N": n_tokens, "H": hidden_size, "V": n_classes}, dtype,
+                                     torch.cuda.get_device_name()))
 
 
 def main():

@@ -66,6 +66,8 @@ def memory_table(tokens, hidden, ffn, device):
 def timing_table(tokens, hidden, ffn):
     import triton.testing
 
+    from memkernels.tools.gpu_audit import prediction_line
+
     print(f"\nfc2 GEMM timing on {torch.cuda.get_device_name()}: [{tokens}, {ffn}] -> {hidden}")
     print(f"{'dtype':<10}{'pass':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'speedup':>9}")
     for dtype in (torch.bfloat16, torch.float16):
@@ -85,6 +87,10 @@ def timing_table(tokens, hidden, ffn):
             eager_ms, ours_ms = milliseconds["eager"][index], milliseconds["memkernels"][index]
             print(f"{str(dtype).replace('torch.', ''):<10}{label:<10}{flops / eager_ms * 1e-9:>15.1f}"
                   f"{flops / ours_ms * 1e-9:>20.1f}{eager_ms / ours_ms:>8.2f}x")
+        print(f"  measured ms, fwd+bwd: eager {milliseconds['eager'][1]:.3f}, memkernels "
+              f"{milliseconds['memkernels'][1]:.3f}")
+        print("  " + prediction_line("gelu_linear", {"M": tokens, "K": ffn, "N": hidden}, dtype,
+                                     torch.cuda.get_device_name()))
 
 
 def main(argv=None):

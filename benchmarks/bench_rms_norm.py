@@ -161,18 +161,24 @@ def memory_section(tokens, hidden, backend):
     memkernels.set_backend("auto")
 
 
+# gpu_audit's op for each of _groups' groups, in order
+_AUDITED_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")
+
+
 def gpu_section(tokens, hidden):
     if not torch.cuda.is_available():
         print("GPU timing: skipped (no CUDA device on this machine)")
         return
     from triton.testing import do_bench
 
+    from memkernels.tools.gpu_audit import prediction_line
+
     print(f"GPU timing, forward+backward, [{tokens}, {hidden}], {torch.cuda.get_device_name()}")
     header = f"{'':<32}{'dtype':<10}{'ms':>9}{'GB/s':>9}"
     print(header)
     print("-" * len(header))
     for dtype in (torch.float32, torch.bfloat16):
-        for takes_residual, modules in _groups(hidden, dtype, "cuda"):
+        for (takes_residual, modules), op in zip(_groups(hidden, dtype, "cuda"), _AUDITED_OPS):
             _, eager = modules[0]
             variants = [modules[0], ("  torch.compile", torch.compile(eager))] + modules[1:]
             for label, function in variants:
@@ -191,6 +197,8 @@ def gpu_section(tokens, hidden):
                 gigabytes = tensors * x.numel() * x.element_size() / 1e9
                 print(f"{label:<32}{str(dtype).replace('torch.', ''):<10}{milliseconds:>9.3f}"
                       f"{gigabytes / (milliseconds / 1e3):>9.1f}")
+            # the model counts the default modules (not memory_efficient=True), eager as Hugging Face's RMSNorm
+            print("  " + prediction_line(op, {"N": tokens, "H": hidden}, dtype, torch.cuda.get_device_name()))
         print()
 
 

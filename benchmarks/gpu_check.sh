@@ -13,8 +13,9 @@
 #      (tests/backends.py puts the "triton" tests' tensors on CUDA)
 #   3. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
 #      test does not select the simulated device itself)
-#   4. every benchmark (each prints its GPU timing section), then the audit's model prediction
-#      (python -m memkernels.tools.gpu_audit) to compare the measured times with
+#   4. every benchmark: each GPU timing section prints the audit's model prediction at its own
+#      shape under each measured time (gpu_audit.prediction_line); then the audit's full table
+#      (python -m memkernels.tools.gpu_audit)
 # Without a GPU it says so and exits 0. Exit status: the number of failed steps.
 set -u
 cd "$(dirname "$0")/.."

@@ -12,7 +12,9 @@ from memkernels.tools import gpu_audit
 pytestmark = pytest.mark.skipif(not memkernels._backend.triton_interpreted(),
                                 reason="counts Triton kernels through the interpreter")
 
-CASES = {case.op: case for case in gpu_audit.cases()}
+CASES = {}
+for _case in gpu_audit.cases():
+    CASES.setdefault(_case.op, _case)  # an op's first case: gated_linear's SwiGLU
 
 
 def _measure(op, dtype=torch.bfloat16, **shape):
@@ -125,6 +127,64 @@ def test_gelu_linear_counts():
     assert run["forward"].syncs == run["backward"].syncs == []
 
 
+def test_gated_linear_counts():
+    m = k = n = 64  # one 64x64 output tile (the interpreter's config), K in four steps of 16
+    e = 2
+    run = _measure("gated_linear", M=m, K=k, N=n)
+    # forward: y = (silu(gate) * up) @ W.T in one kernel: gate and up (M*K each) and W (N*K) read once,
+    # y (M*N) written; the product never reaches memory. One bf16 dot of 2*M*N*K.
+    forward = (2 * m * k + n * k + m * n) * e
+    assert _triton(run["forward"]) == (1, forward, forward)
+    assert _aten(run["forward"]) == []
+    assert run["forward"].flops() == run["forward"].flops("bf16") == 2 * m * n * k
+    # backward, two kernels: d = dY @ W with the epilogue reading gate and up and writing d_gate and
+    # d_up (dY M*N, W N*K, gate, up, d_gate, d_up M*K each); dW = dY.T @ (silu(gate) * up), the
+    # product formed again on load (dY, gate, up in, dW N*K out)
+    grad_inputs = (m * n + n * k + 4 * m * k) * e
+    grad_weight = (m * n + 2 * m * k + n * k) * e
+    assert _triton(run["backward"]) == (2, grad_inputs + grad_weight, grad_inputs + grad_weight)
+    assert _aten(run["backward"]) == []
+    assert run["backward"].flops() == run["backward"].flops("bf16") == 4 * m * n * k
+    assert {dtypes for _, dtypes in run["forward"].matmul_dtypes + run["backward"].matmul_dtypes} == {
+        ("bf16", "bf16")}
+    assert run["forward"].syncs == run["backward"].syncs == []
+
+
+def test_gated_linear_eager_sequence_counts():
+    """What gated_linear is compared with: Hugging Face's ``down_proj(act(gate) * up)``, op by op."""
+    m = k = n = 64
+    e = 2
+    eager = gpu_audit.measure(CASES["gated_linear"], dict(M=m, K=k, N=n), torch.bfloat16, "eager")
+    # forward: silu reads gate, writes act; mul reads act and up, writes the product; mm reads it and W
+    assert [(x.name, x.hbm_bytes) for x in eager["forward"].launches] == [
+        ("silu", 2 * m * k * e), ("mul", 3 * m * k * e), ("mm", (m * k + n * k + m * n) * e)]
+    # backward: dW and d(product) GEMMs, d_up = d * act, d_act = d * up, silu_backward(d_act, gate)
+    assert sorted(x.name for x in eager["backward"].launches) == ["mm", "mm", "mul", "mul", "silu_backward"]
+    assert eager["backward"].hbm_bytes == (2 * (m * n + m * k + n * k) + 3 * 3 * m * k) * e
+
+
+def test_gated_mlp_counts():
+    """FusedGatedMLP: the gate and up projections are aten GEMMs around gated_linear's two kernels."""
+    m = k = n = 64  # tokens, intermediate, hidden
+    e = 2
+    plain, recompute = (gpu_audit.measure(case, dict(M=m, K=k, N=n), torch.bfloat16)
+                        for case in gpu_audit.cases() if case.op == "gated_mlp")
+    projection = (m * n + k * n + m * k) * e  # x and W in, gate (or up) out
+    assert [(x.name, x.hbm_bytes) for x in plain["forward"].launches if x.kind == "aten"] == [("mm", projection)] * 2
+    assert _triton(plain["forward"])[:2] == (1, (2 * m * k + n * k + m * n) * e)
+    # backward: gated_linear's two kernels (test_gated_linear_counts), then per projection a dx and a dW GEMM,
+    # and the two dx summed
+    assert _triton(plain["backward"])[:2] == (2, (m * n + n * k + 4 * m * k) * e + (m * n + 2 * m * k + n * k) * e)
+    assert _aten(plain["backward"]) == ["add", "mm", "mm", "mm", "mm"]
+    assert (plain["forward"].flops("bf16"), plain["backward"].flops("bf16")) == (6 * m * n * k, 12 * m * n * k)
+    # recompute=True: gate and up computed again in backward (two more GEMMs); dx accumulated in place
+    assert _aten(recompute["backward"]) == ["addmm_", "mm", "mm", "mm", "mm", "mm"]
+    assert recompute["backward"].flops("bf16") == recompute["backward"].flops() == 16 * m * n * k
+    for run in (plain, recompute):
+        assert {dtypes for counts in run.values() for _, dtypes in counts.matmul_dtypes} == {("bf16", "bf16")}
+        assert run["forward"].syncs == run["backward"].syncs == []
+
+
 def test_linear_cross_entropy_half_inputs_run_half_operand_gemms():
     """Every GEMM of the chunked strategy on bf16 inputs takes bf16 operands (fp32 accumulation)."""
     n, h, v = 8, 16, 40
@@ -178,6 +238,30 @@ def test_masked_lanes_move_nothing_and_an_extra_load_counts():
     assert extra.requested_bytes == 3 * 10 * 4
 
 
+def test_an_in_place_update_is_read_and_written_back():
+    """A store to bytes the launch loaded is a write-back to HBM: an in-place update moves its bytes twice
+    (Liger's cross-entropy writes its gradient over the logits); reading back one's own store moves nothing."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def scale(src, dst, n, BLOCK: tl.constexpr, READ_BACK: tl.constexpr):
+        cols = tl.arange(0, BLOCK)
+        x = tl.load(src + cols, mask=cols < n)
+        tl.store(dst + cols, x * 2, mask=cols < n)
+        if READ_BACK:
+            tl.store(dst + cols, tl.load(dst + cols, mask=cols < n) + 1, mask=cols < n)
+
+    x, y = torch.ones(16), torch.empty(16)
+    with gpu_audit.count() as in_place:
+        scale[(1,)](x, x, 10, BLOCK=16, READ_BACK=False)
+    with gpu_audit.count() as read_back:
+        scale[(1,)](x, y, 10, BLOCK=16, READ_BACK=True)
+    assert (in_place.requested_bytes, in_place.hbm_bytes) == (2 * 10 * 4, 2 * 10 * 4)
+    # x read, y written (its read-back and second store stay in L2, one write-back)
+    assert (read_back.requested_bytes, read_back.hbm_bytes) == (4 * 10 * 4, 2 * 10 * 4)
+
+
 def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
     a, b = torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(4, 6, dtype=torch.bfloat16)
     with gpu_audit.count() as counts:
@@ -190,6 +274,18 @@ def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
     assert (mm.hbm_bytes, mm.flops, mm.matmul_dtypes) == ((8 * 4 + 4 * 6 + 8 * 6) * 4, {"fp32": 2 * 8 * 4 * 6},
                                                           (("fp32", "fp32"),))
     assert counts.syncs == ["nonzero"]
+
+
+def test_an_in_place_matmul_is_a_matmul():
+    """``accumulator.addmm_(a, b)`` (the recompute MLP's dx, linear-CE's float32 dW) counts its FLOPs and
+    operand dtypes like addmm."""
+    a, b, accumulator = torch.randn(8, 4), torch.randn(4, 6), torch.zeros(8, 6)
+    with gpu_audit.count() as counts:
+        accumulator.addmm_(a, b)
+    (launch,) = counts.launches
+    assert (launch.name, launch.flops, launch.matmul_dtypes) == ("addmm_", {"fp32": 2 * 8 * 4 * 6},
+                                                                 (("fp32", "fp32"),))
+    assert launch.hbm_bytes == (8 * 6 + 8 * 4 + 4 * 6 + 8 * 6) * 4  # the accumulator read and written
 
 
 def test_eager_counts_on_fake_tensors_at_the_real_shape():
@@ -232,3 +328,52 @@ def test_gpu_check_says_so_and_exits_0_without_a_gpu():
     run = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0
     assert "no CUDA GPU" in run.stdout
+
+
+def test_prediction_line_is_the_audit_model_at_the_benchmarks_shape(monkeypatch):
+    """What a benchmark's GPU section prints beside its measured time: the audit's model at the benchmark's
+    own shape, on the modelled GPU that matches the device name; the same line from a child process when
+    the benchmark's process runs compiled Triton (no interpreter)."""
+    shape = {"N": 16, "H": 128}
+    case = gpu_audit.case_at("rms_norm", shape)
+    assert case.shape == {"N": 16, "H": 128, "P": CASES["rms_norm"].shape["P"]}
+    ours, eager = gpu_audit.fit(case, torch.bfloat16), gpu_audit.exact(case, torch.bfloat16)
+    h100 = gpu_audit.GPUS["H100-SXM"]
+
+    def part(impl, result):
+        forward, backward = (result[phase].seconds(h100) * 1e3 for phase in ("forward", "backward"))
+        return f"{impl} fwd {forward:.3f} + bwd {backward:.3f} = {forward + backward:.3f} ms"
+    line = gpu_audit.prediction_line("rms_norm", shape, "bf16", "NVIDIA H100 80GB HBM3")
+    assert line == ("audit MODEL for H100-SXM (not a measurement; bf16): " + part("memkernels", ours) + ", "
+                    + part("eager", eager))
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert gpu_audit.prediction_line("rms_norm", shape, torch.bfloat16, "NVIDIA H100 80GB HBM3") == line
+
+
+def test_prediction_names_what_it_cannot_model():
+    assert gpu_audit.model_gpu("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+    assert gpu_audit.model_gpu("NVIDIA H100 PCIe") is None  # 2.0 TB/s, not the SXM board's 3.35
+    assert gpu_audit.model_gpu("NVIDIA A100-PCIE-40GB") is None
+    assert gpu_audit.model_gpu("NVIDIA L4") is None
+    assert "no figures for NVIDIA L4" in gpu_audit.prediction_line("rms_norm", {"N": 16}, "bf16", "NVIDIA L4")
+    with pytest.raises(ValueError, match="not T"):
+        gpu_audit.case_at("rms_norm", {"T": 16})
+    with pytest.raises(ValueError, match="not audited"):
+        gpu_audit.case_at("softmax", {})
+
+
+def test_liger_kernels_count_through_the_interpreter():
+    """Liger's column (bench extra): its norm kernels take a Python float eps, which triton 3.9's interpreter
+    passes unwrapped; the audit's Liger runner wraps it (and replaces libdevice's empty stubs), then undoes it."""
+    pytest.importorskip("liger_kernel")
+    from triton.runtime import interpreter
+    original = interpreter._implicit_cvt
+    n, h, e = 4, 64, 2
+    run = gpu_audit.measure(CASES["rms_norm"], dict(N=n, H=h, P=2), torch.bfloat16, "liger")
+    # forward: x, the weight once per row (in L2 after the first), y, rstd (fp32)
+    assert _triton(run["forward"]) == (1, 3 * n * h * e + n * 4, 2 * n * h * e + h * e + n * 4)
+    assert interpreter._implicit_cvt is original
+    # Liger's fused linear-CE at the fit's chunk count; at Llama-3-8B's head its own rule gives 32 chunks
+    run = gpu_audit.measure(CASES["linear_cross_entropy"], dict(N=16, H=16, V=40, C=2), torch.bfloat16, "liger")
+    assert [x.name for x in run["forward"].launches if x.kind == "triton"] == ["liger_cross_entropy_kernel"] * 2
+    assert gpu_audit._liger_linear_ce_chunk_count(8192, 4096, 128256) == 32

@@ -8,7 +8,9 @@ shapes of real models, in bf16 and fp32:
   count every lane; the *HBM* figure counts a re-read of a tensor once when a GPU keeps it in
   L2: a tensor whose touched footprint in the launch is at most :data:`L2_REUSE_BYTES` (a
   norm's weight, read by every row), and the operand tiles of a ``tl.dot`` kernel (grouped
-  tile order, as cuBLAS is assumed to reach). PyTorch-side code: every aten op's tensor inputs
+  tile order, as cuBLAS is assumed to reach). A store is a write-back: bytes the launch loaded
+  and then stores (an in-place update) move twice, a program's re-store within its reuse window
+  once. PyTorch-side code: every aten op's tensor inputs
   and outputs, through a ``TorchDispatchMode`` (views and ``empty`` move nothing; ``copy_``,
   ``fill_`` and ``zero_`` do not read their destination). Both against the op's minimum:
   every input of the pass read once, every output written once.
@@ -46,7 +48,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["GpuSpec", "GPUS", "Launch", "Counts", "count", "audit", "blocks_per_sm", "format_table", "main"]
+__all__ = ["GpuSpec", "GPUS", "Launch", "Counts", "count", "audit", "blocks_per_sm", "format_table", "case_at",
+           "predict", "model_gpu", "prediction_line", "main"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,7 @@ class Launch:
     matmul_dtypes: tuple = ()  # ((a dtype, b dtype), ...) for each matmul
     sync: bool = False
     arguments: tuple = ()  # Triton, per tensor touched: (argument position, requested bytes, distinct bytes,
-    #                        distinct bytes per program summed over programs)
+    #                        bytes missed in the programs' own recent accesses, transfers: see _hbm_bytes)
     dot: bool = False  # Triton: the kernel runs tl.dot
     programs: int = 0  # Triton: programs in the grid
 
@@ -188,13 +191,19 @@ class _TritonLaunch:
         self.positions = [tensors[s][1] for s in sorted(tensors)]
         self.requested = np.zeros(len(self.starts), dtype=np.int64)
         self.touched = [None] * len(self.starts)  # byte bitmaps over the launch, made on first touch
+        self.loaded_first = [None] * len(self.starts)  # bytes whose first access was a load
+        self.stored = [None] * len(self.starts)  # bytes stored
         self.last_touch = [None] * len(self.starts)  # per byte: (program, program clock) of its last access
+        self.last_store = [None] * len(self.starts)  # per byte: (program, program clock) of its last store
         self.misses = np.zeros(len(self.starts), dtype=np.int64)
         self.program = None
         self.programs = 0
         self.clock = 0  # bytes the current program has accessed so far
 
-    def access(self, addresses, element_bytes, program):
+    def access(self, addresses, element_bytes, program, store=False):
+        """A load's (or ``store``'s) active lanes. A load misses unless its program accessed the byte at
+        most PROGRAM_REUSE_BYTES ago; a store misses unless its program stored it that recently (a
+        line read and then written goes back to HBM: a write-back)."""
         addresses = addresses.astype(np.int64).ravel()
         if program != self.program:
             self.program = program
@@ -210,22 +219,30 @@ class _TritonLaunch:
             offsets = addresses[index == arg] - self.starts[arg]
             self.requested[arg] += offsets.size * element_bytes
             if self.touched[arg] is None:
-                self.touched[arg] = np.zeros(int(self.sizes[arg]), dtype=bool)
-                self.last_touch[arg] = (np.full(int(self.sizes[arg]), -1, dtype=np.int64),
-                                        np.zeros(int(self.sizes[arg]), dtype=np.int64))
+                size = int(self.sizes[arg])
+                self.touched[arg], self.loaded_first[arg], self.stored[arg] = (np.zeros(size, dtype=bool)
+                                                                               for _ in range(3))
+                self.last_touch[arg], self.last_store[arg] = ((np.full(size, -1, dtype=np.int64),
+                                                               np.zeros(size, dtype=np.int64)) for _ in range(2))
             byte_offsets = _distinct((offsets[:, None] + np.arange(element_bytes)).ravel())
+            if store:
+                self.stored[arg][byte_offsets] = True
+            else:
+                self.loaded_first[arg][byte_offsets[~self.touched[arg][byte_offsets]]] = True
             self.touched[arg][byte_offsets] = True
-            last_program, last_clock = self.last_touch[arg]
+            last_program, last_clock = self.last_store[arg] if store else self.last_touch[arg]
             hit = (last_program[byte_offsets] == self.programs) & (
                 self.clock - last_clock[byte_offsets] <= PROGRAM_REUSE_BYTES)
             self.misses[arg] += int(np.count_nonzero(~hit))
-            last_program[byte_offsets] = self.programs
-            last_clock[byte_offsets] = self.clock
+            for last_program, last_clock in (self.last_touch[arg],) + ((self.last_store[arg],) if store else ()):
+                last_program[byte_offsets] = self.programs
+                last_clock[byte_offsets] = self.clock
         self.clock += addresses.size * element_bytes
 
     def finish(self):
         per_argument = tuple((self.positions[arg], int(self.requested[arg]), int(np.count_nonzero(self.touched[arg])),
-                              int(self.misses[arg]))
+                              int(self.misses[arg]),
+                              int(np.count_nonzero(self.loaded_first[arg]) + np.count_nonzero(self.stored[arg])))
                              for arg in range(len(self.starts)) if self.touched[arg] is not None)
         flops = dict(self.dot_flops)
         if self.fp64_ops:
@@ -238,15 +255,18 @@ class _TritonLaunch:
 
 def _hbm_bytes(per_argument, dot, launches):
     """The model's HBM bytes of ``launches`` launches from, per tensor argument, (position, requested
-    bytes, distinct bytes in the launch, bytes its programs missed in their own recent accesses).
+    bytes, distinct bytes in the launch, bytes its programs missed in their own recent accesses,
+    transfers: distinct bytes first loaded plus distinct bytes stored).
 
-    A tensor counts once if it feeds a tl.dot (tiles reused through L2 in grouped order) or if
-    what one launch touches of it fits :data:`L2_REUSE_BYTES` (a weight every row reads);
-    otherwise a program's re-read counts once if it comes within :data:`PROGRAM_REUSE_BYTES`
-    of that program's own traffic (a row read in two passes), and every other read counts.
+    A tensor's bytes move once each way (its transfers: read once unless the launch wrote them first,
+    written back once if stored, so an in-place update counts twice) if it feeds a tl.dot (tiles reused
+    through L2 in grouped order) or if what one launch touches of it fits :data:`L2_REUSE_BYTES` (a weight
+    every row reads); otherwise a program's re-read counts once if it comes within
+    :data:`PROGRAM_REUSE_BYTES` of that program's own traffic (a row read in two passes), a re-write
+    likewise, and every other access counts.
     """
-    return sum(distinct if (dot or distinct <= L2_REUSE_BYTES * launches) else misses
-               for _, requested, distinct, misses in per_argument)
+    return sum(transfers if (dot or distinct <= L2_REUSE_BYTES * launches) else misses
+               for _, requested, distinct, misses, transfers in per_argument)
 
 
 def _layer_norm_backward_kernels(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask, out):
@@ -329,7 +349,7 @@ def _patched_interpreter():
         kernel = _ACTIVE.kernel if _ACTIVE else None
         if kernel is not None:
             active = np.broadcast_to(mask.data, ptrs.data.shape)
-            kernel.access(ptrs.data[active], _element_bytes(ptrs.get_element_ty()), self.grid_idx)
+            kernel.access(ptrs.data[active], _element_bytes(ptrs.get_element_ty()), self.grid_idx, store=True)
         return originals["create_masked_store"](self, ptrs, value, mask, cache_policy)
 
     def dot(self, a, b, d, input_precision, max_num_imprecise_acc):
@@ -444,11 +464,14 @@ def _make_dispatch_mode():
             bytes_moved = read + sum(_footprint(t) for t in outputs)
             flops = {}
             matmul_dtypes = ()
-            if name in MATMUL_OPS:
+            base = name[:-1] if name.endswith("_") else name  # an in-place matmul (addmm_) is the matmul
+            if base in MATMUL_OPS:
                 operands = [t for t in read_tensors if t.dim() >= 1 and id(t) not in written]
                 operands = operands[-2:] if name.startswith(("add", "badd")) else operands[:2]
                 matmul_dtypes = ((tuple(_PRECISION.get(str(t.dtype), str(t.dtype)) for t in operands)),)
             formula = flop_registry.get(func._overloadpacket)
+            if formula is None and base != name and base in MATMUL_OPS:
+                formula = flop_registry.get(getattr(torch.ops.aten, base))
             if formula is not None:
                 precision = _PRECISION.get(str(read_tensors[0].dtype), "fp32") if read_tensors else "fp32"
                 if matmul_dtypes and len(set(matmul_dtypes[0])) > 1:
@@ -635,7 +658,8 @@ def _linear_ce_problem(shape, dtype, impl):
             options = {"chunk_size": -(-n // chunk)} if chunk else {}
             return (functional.linear_cross_entropy(hidden, weight, target, strategy="chunked", **options),)
         if impl == "liger":
-            return (_liger().transformers.LigerFusedLinearCrossEntropyLoss()(weight, hidden, target),)
+            with _liger_linear_ce_chunks(chunk) if chunk else contextlib.nullcontext():
+                return (_liger().transformers.LigerFusedLinearCrossEntropyLoss()(weight, hidden, target),)
         return (F.cross_entropy((hidden @ weight.t()).float(), target),)
     return Problem(forward, lambda outputs: outputs[0].backward())
 
@@ -678,9 +702,41 @@ def _wide_split_blocks(shape):
         lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = original
 
 
-def _linear_ce_real_shape(shape, dtype):
+def _linear_ce_real_shape(shape, dtype, impl="memkernels"):
+    if impl == "liger":
+        return dict(shape, C=_liger_linear_ce_chunk_count(shape["N"], shape["H"], shape["V"]))
     chunks, _ = _linear_ce_chunks(shape, dtype)
     return dict(shape, C=chunks)
+
+
+def _liger_linear_ce_chunk_count(rows, hidden, vocab, chunk_mem_const=1):
+    """Liger's fused linear-CE chunk rule (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5): chunks of
+    next_power_of_2(ceil(rows / ceil(V / (chunk_mem_const * H)))) rows, at most all of them."""
+    increase = -(-vocab // (chunk_mem_const * hidden))
+    size = min(1 << max(0, (-(-rows // increase) - 1).bit_length()), rows)
+    return -(-rows // size)
+
+
+@contextlib.contextmanager
+def _liger_linear_ce_chunks(chunks):
+    """Make Liger's fused linear-CE take ``chunks`` chunks at a small shape, as its own rule gives at the real
+    one (32 at Llama-3-8B's head): the fit's C. Its rule sets the chunk count from V / H, which the small
+    hidden sizes would turn into one-row chunks; its ``chunk_mem_const`` argument moves it."""
+    from liger_kernel.ops import fused_linear_cross_entropy as flce
+    original = flce.fused_linear_cross_entropy_forward
+
+    def forward(**kwargs):  # Liger calls it with keywords only
+        rows, hidden = kwargs["_input"].shape
+        vocab = kwargs["weight"].shape[0]
+        constants = [c for c in range(1, vocab + 1) if _liger_linear_ce_chunk_count(rows, hidden, vocab, c) == chunks]
+        if not constants:
+            raise RuntimeError(f"memkernels.gpu_audit: Liger's chunk rule cannot make {chunks} chunks of {rows} rows")
+        return original(**dict(kwargs, chunk_mem_const=constants[0]))
+    flce.fused_linear_cross_entropy_forward = forward
+    try:
+        yield
+    finally:
+        flce.fused_linear_cross_entropy_forward = original
 
 
 def _linear_ce_extra_launches(shape, dtype):
@@ -716,6 +772,76 @@ def _gelu_linear_minimum(shape, e):
     inputs = m * k * e + n * k * e + n * e
     return {"forward": (inputs + m * n * e, 2 * m * n * k),
             "backward": (m * n * e + m * k * e + n * k * e + m * k * e + n * k * e + n * e, 4 * m * n * k)}
+
+
+def _gated_linear_problem(activation):
+    """The part of a gated MLP that gated_linear replaces: Hugging Face's LlamaMLP is
+    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; gate_proj and up_proj run the same F.linear in both,
+    so the audited computation starts from their outputs: ``down_proj(act(gate) * up)`` (no bias, as
+    Llama and Gemma), eager as ``F.linear(act(gate) * up, W)``."""
+    def build(shape, dtype, impl):
+        torch = _torch()
+        import torch.nn.functional as F
+        from memkernels import functional
+        m, k, n = shape["M"], shape["K"], shape["N"]
+        gate, up = _leaf(m, k, dtype=dtype), _leaf(m, k, dtype=dtype)
+        w = (torch.randn(n, k) / k ** 0.5).to(dtype).requires_grad_()
+        grad = torch.randn(m, n).to(dtype)
+
+        def forward():
+            if impl == "memkernels":
+                return (functional.gated_linear(gate, up, w, activation=activation),)
+            if impl == "liger":
+                return (F.linear(_liger_gated_product(activation, gate, up), w),)
+            act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+            return (F.linear(act * up, w),)
+        return Problem(forward, lambda outputs: outputs[0].backward(grad))
+    return build
+
+
+def _gated_linear_minimum(shape, e):
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    # forward: gate, up, W in, y out; backward: dy, gate, up, W in, d_gate, d_up, dW out
+    return {"forward": ((2 * m * k + n * k + m * n) * e, 2 * m * n * k),
+            "backward": ((m * n + 2 * m * k + n * k + 2 * m * k + n * k) * e, 4 * m * n * k)}
+
+
+def _gated_mlp_problem(recompute):
+    """A whole SwiGLU MLP, x [M, N] -> [M, N] through I = K: memkernels.FusedGatedMLP against Hugging Face's
+    LlamaMLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (and Liger's LigerSwiGLUMLP), no biases."""
+    def build(shape, dtype, impl):
+        torch = _torch()
+        from torch import nn
+        import torch.nn.functional as F
+        import memkernels
+        m, k, n = shape["M"], shape["K"], shape["N"]
+        x = _leaf(m, n, dtype=dtype)
+        grad = torch.randn(m, n).to(dtype)
+        if impl == "memkernels":
+            mlp = memkernels.FusedGatedMLP(n, k, recompute=recompute, dtype=dtype)
+        elif impl == "liger":
+            from types import SimpleNamespace
+            from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+            mlp = LigerSwiGLUMLP(SimpleNamespace(hidden_size=n, intermediate_size=k, hidden_act="silu")).to(dtype)
+        else:
+            linear = dict(bias=False, dtype=dtype)
+            mlp = nn.Module()
+            mlp.gate_proj, mlp.up_proj = nn.Linear(n, k, **linear), nn.Linear(n, k, **linear)
+            mlp.down_proj = nn.Linear(k, n, **linear)
+            mlp.forward = lambda h: mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
+
+        def forward():
+            return (mlp(x),)
+        return Problem(forward, lambda outputs: outputs[0].backward(grad))
+    return build
+
+
+def _gated_mlp_minimum(shape, e):
+    m, k, n = shape["M"], shape["K"], shape["N"]
+    # x and the three weights in, y out; backward: dy, x and the weights in, dx and three dW out. Keeping
+    # gate and up for backward (or recomputing them) is beyond this minimum for any implementation.
+    return {"forward": ((2 * m * n + 3 * n * k) * e, 6 * m * n * k),
+            "backward": ((3 * m * n + 6 * n * k) * e, 12 * m * n * k)}
 
 
 _TOKENS = 8192  # tokens per step at the real shapes (e.g. 4 sequences of 2048)
@@ -768,6 +894,16 @@ def cases():
         result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
                            _gelu_linear_problem, _gelu_linear_minimum))
+    for label, k, n, activation in (("Llama-3-8B SwiGLU 14336->4096", 14336, 4096, "silu"),
+                                    ("Gemma-2-9B GeGLU-tanh 14336->3584", 14336, 3584, "gelu_tanh")):
+        result.append(Case("gated_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
+                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
+                           _gated_linear_problem(activation), _gated_linear_minimum))
+    for recompute in (False, True):
+        result.append(Case("gated_mlp", "Llama-3-8B MLP " + ("recompute=True" if recompute else "H=4096 I=14336"),
+                           {"M": _TOKENS, "K": 14336, "N": 4096}, ("M", "K", "N"),
+                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
+                           _gated_mlp_problem(recompute), _gated_mlp_minimum))
     return result
 
 
@@ -776,12 +912,65 @@ def cases():
 
 
 def _liger():
-    import liger_kernel
+    import liger_kernel.transformers  # binds liger_kernel; the package alone does not import this submodule
     return liger_kernel
 
 
+@contextlib.contextmanager
+def _liger_interpreter_shim():
+    """Liger's kernels under triton 3.9's interpreter, which has two gaps they hit:
+
+    - a Python float kernel argument (an ``eps``) arrives as a bare float, where a compiled kernel sees an
+      fp32 scalar, so Liger's ``eps.to(...)`` raises "'float' object has no attribute 'to'": floats are
+      wrapped as fp32 scalars, as the compiler does;
+    - ``triton.language.extra.libdevice`` functions are empty stubs (they return None): the ``rsqrt`` and
+      ``tanh`` that Liger's op modules import from it are replaced by ``tl.rsqrt`` and 2*sigmoid(2x) - 1,
+      which load and store nothing, so the byte counts stay Liger's own.
+
+    Only around Liger's runs: memkernels' own kernels are counted under the unpatched interpreter."""
+    import triton.language as tl
+    from triton.runtime import interpreter
+    import liger_kernel.ops  # noqa: F401 - its op modules are imported below, by name
+
+    # looked up at call time: the interpreter patches triton.language's builtins while a kernel runs
+    def rsqrt(x):
+        return tl.rsqrt(x)
+
+    def tanh(x):
+        return 2 * tl.sigmoid(2 * x) - 1
+    replacements = {"rsqrt": rsqrt, "tanh": tanh}
+    patched = []  # (module, name, original)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("liger_kernel.ops.") and module is not None:
+            for function, replacement in replacements.items():
+                original = getattr(module, function, None)
+                if "libdevice" in str(getattr(original, "__module__", "")):
+                    patched.append((module, function, original))
+                    setattr(module, function, replacement)
+    original_cvt = interpreter._implicit_cvt
+
+    def implicit_cvt(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return original_cvt(arg)
+    interpreter._implicit_cvt = implicit_cvt
+    try:
+        yield
+    finally:
+        interpreter._implicit_cvt = original_cvt
+        for module, function, original in patched:
+            setattr(module, function, original)
+
+
+def _liger_gated_product(activation, gate, up):
+    from liger_kernel.transformers.functional import liger_geglu, liger_swiglu
+    return (liger_swiglu if activation == "silu" else liger_geglu)(gate, up)
+
+
 def _liger_norm(is_rms, with_residual, x, r, w, b):
-    from liger_kernel.transformers.functional import liger_layer_norm, liger_rms_norm
+    from liger_kernel.transformers.functional import liger_fused_add_rms_norm, liger_layer_norm, liger_rms_norm
+    if is_rms and with_residual:  # Liger's fused add + RMSNorm: (y, x + r)
+        return liger_fused_add_rms_norm(x, r, w, 1e-6)
     s = x + r if with_residual else x
     y = liger_rms_norm(s, w, 1e-6) if is_rms else liger_layer_norm(s, w, b, 1e-5)
     return (y, s) if with_residual else (y,)
@@ -795,7 +984,8 @@ def measure(case, shape, dtype, impl="memkernels"):
     memkernels.set_backend("triton" if impl == "memkernels" else "auto")
     try:
         problem = case.build(shape, dtype, impl)
-        with case.setup(shape) if case.setup else contextlib.nullcontext():
+        with case.setup(shape) if case.setup else contextlib.nullcontext(), \
+                _liger_interpreter_shim() if impl == "liger" else contextlib.nullcontext():
             with count() as forward:
                 outputs = problem.forward()
             with count() as backward:
@@ -849,8 +1039,9 @@ def _summaries(counts):
         if launch.kind == "triton":
             key = (launch.kind, launch.name, "programs")
             out[key] = out.get(key, 0) + launch.programs
-        for position, requested, distinct, misses in launch.arguments:
-            for metric, value in (("requested", requested), ("distinct", distinct), ("misses", misses)):
+        for position, requested, distinct, misses, transfers in launch.arguments:
+            for metric, value in (("requested", requested), ("distinct", distinct), ("misses", misses),
+                                  ("transfers", transfers)):
                 key = (launch.kind, launch.name, f"arg{position}:{metric}")
                 out[key] = out.get(key, 0) + value
     return out
@@ -894,7 +1085,7 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
               for values in itertools.product(*(case.fit_values[v] for v in variables))]
     checks = [dict(case.shape, **c) for c in case.check_values]
     runs = [measure_fn(case, s, dtype, impl) for s in shapes + checks]
-    real = _linear_ce_real_shape(case.shape, dtype) if "C" in variables else case.shape
+    real = _linear_ce_real_shape(case.shape, dtype, impl) if "C" in variables else case.shape
     design = _design(shapes, variables)
     results = {}
     for phase in ("forward", "backward"):
@@ -925,11 +1116,11 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
                 entry[metric] = value
         for (kind, name), entry in kernels.items():
             if "arguments" in entry:  # the L2 rule applies at the real shape, not the small ones
-                per_argument = [(p, a["requested"], a["distinct"], a["misses"])
+                per_argument = [(p, a["requested"], a["distinct"], a["misses"], a["transfers"])
                                 for p, a in entry.pop("arguments").items()]
                 entry.pop("programs", None)
                 entry["hbm"] = _hbm_bytes(per_argument, entry.pop("dot", 0) > 0, max(entry["launches"], 1))
-        if case.extra_launches is not None:
+        if case.extra_launches is not None and impl == "memkernels":  # memkernels' own blocks
             for key, (launches, extra_bytes) in case.extra_launches(real, dtype).items():
                 if key in kernels and phase == "forward":
                     kernels[key]["launches"] += launches
@@ -1006,7 +1197,8 @@ def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=N
     return rows
 
 
-_LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy"}
+_LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy",
+              "gated_linear", "gated_mlp"}
 
 
 def _liger_available():
@@ -1051,6 +1243,99 @@ def format_table(rows, header=True, footer=True):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------------
+# Predictions at a benchmark's own shape
+
+
+def case_at(op, shape):
+    """The op's first audited case (gated_linear: SwiGLU; linear_cross_entropy: chunked) at ``shape``, a
+    dict of some of its shape variables (the others keep the case's values)."""
+    import dataclasses
+    matches = [c for c in cases() if c.op == op]
+    if not matches:
+        raise ValueError(f"memkernels.gpu_audit: op {op!r} is not audited; choose from "
+                         f"{', '.join(sorted({c.op for c in cases()}))}")
+    case = matches[0]
+    unknown = sorted(set(shape) - set(case.shape))
+    if unknown:
+        raise ValueError(f"memkernels.gpu_audit: {op}'s shape has variables {', '.join(sorted(case.shape))}, not "
+                         f"{', '.join(unknown)}")
+    return dataclasses.replace(case, label=",".join(f"{k}={v}" for k, v in shape.items()),
+                               shape=dict(case.shape, **shape))
+
+
+def predict(op, shape, dtype="bf16", impls=("memkernels", "eager")):
+    """{impl: {GPU name: {"forward": s, "backward": s}}}: the model's time of ``op`` at ``shape`` (see
+    :func:`case_at`) for each of ``impls`` ("memkernels", "eager", "liger"). Needs ``TRITON_INTERPRET=1``
+    (:func:`prediction_line` runs it in a child process)."""
+    torch = _torch()
+    case = case_at(op, shape)
+    torch_dtype = getattr(torch, _DTYPES[dtype])
+    out = {}
+    for impl in impls:
+        result = exact(case, torch_dtype) if impl == "eager" else fit(case, torch_dtype, impl)
+        out[impl] = {gpu.name: {phase: result[phase].seconds(gpu) for phase in ("forward", "backward")}
+                     for gpu in GPUS.values()}
+    return out
+
+
+def model_gpu(device_name):
+    """The :data:`GPUS` entry that models a CUDA device name, or None: only the boards whose datasheet figures
+    :data:`GPUS` holds ("NVIDIA H100 80GB HBM3" is the SXM board; H100 PCIe / NVL and A100 40GB / PCIe have
+    other bandwidths and peaks)."""
+    if "H100" in device_name and "HBM3" in device_name and not any(m in device_name for m in ("PCIe", "NVL")):
+        return "H100-SXM"
+    if "A100-SXM4-80GB" in device_name:
+        return "A100-80GB"
+    return None
+
+
+def _interpreted_child_env():
+    """Environment of a child process that counts on the CPU: Triton's interpreter, no CUDA, this package."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=path)
+
+
+def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")):
+    """One line for a benchmark's GPU section: the audit's predicted milliseconds of ``op`` at ``shape``
+    on the GPU that models ``device_name``, forward and backward per impl, labelled as a model.
+    ``dtype``: "bf16" / "fp16" / "fp32" or the torch dtype.
+
+    The counts need the Triton interpreter, which a process running compiled kernels cannot switch on:
+    unless this process is interpreted, they are made in a child process (CPU only).
+    """
+    if not isinstance(dtype, str):  # a torch.dtype
+        dtype = _PRECISION[str(dtype)]
+    gpu = model_gpu(device_name)
+    if gpu is None:
+        return (f"audit model: no figures for {device_name} (modelled: {', '.join(GPUS)}); "
+                "no prediction printed")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        seconds = predict(op, shape, dtype, impls)
+    else:
+        import json
+        argv = ["--predict", op, "--shape", ",".join(f"{k}={v}" for k, v in shape.items()), "--dtype", dtype]
+        for impl in impls:
+            argv += ["--impl", impl]
+        run = subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv],
+                             env=_interpreted_child_env(), capture_output=True, text=True)
+        if run.returncode:
+            raise RuntimeError(f"memkernels.gpu_audit: counting {op} at {shape} failed:\n{run.stderr[-2000:]}")
+        seconds = json.loads(run.stdout)
+    parts = []
+    for impl in impls:
+        forward, backward = (seconds[impl][gpu][phase] * 1e3 for phase in ("forward", "backward"))
+        parts.append(f"{impl} fwd {forward:.3f} + bwd {backward:.3f} = {forward + backward:.3f} ms")
+    return f"audit MODEL for {gpu} (not a measurement; {dtype}): " + ", ".join(parts)
+
+
+# Each audited op's kernels by their memkernels.aot names (--occupancy with --op compiles only these).
+_AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd") for op in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")},
+                "cross_entropy": ("cross_entropy",), "linear_cross_entropy": ("cross_entropy", "add_to_split_float32"),
+                "gelu_linear": ("gelu_linear",), "gated_linear": ("gated_linear",), "gated_mlp": ("gated_linear",)}
+
+
 def occupancy(names=None, archs=(80, 90)):
     """[(kernel, variant, arch, registers, shared bytes, warps, blocks per SM)] from the AOT compile."""
     from memkernels import aot
@@ -1072,13 +1357,32 @@ def main(argv=None):
     parser.add_argument("--dtype", action="append", choices=sorted(_DTYPES), help="default bf16 and fp32")
     parser.add_argument("--liger", action="store_true", help="also count Liger's kernels (liger-kernel installed)")
     parser.add_argument("--occupancy", action="store_true",
-                        help="also compile every kernel for sm_80/sm_90 (memkernels.aot) and print blocks per SM")
+                        help="also compile the kernels of the audited ops (every kernel without --op) for "
+                             "sm_80/sm_90 (memkernels.aot) and print blocks per SM")
+    parser.add_argument("--predict", metavar="OP",
+                        help="print the model's seconds of OP at --shape as JSON {impl: {gpu: {pass: s}}}")
+    parser.add_argument("--shape", default="", help="with --predict: VAR=VALUE,... (e.g. N=4096,H=4096)")
+    parser.add_argument("--impl", action="append", choices=("memkernels", "eager", "liger"),
+                        help="with --predict (repeatable; default memkernels and eager)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") != "1":
         # Triton reads the variable at import: count in a child that runs the kernels on the CPU.
-        env = dict(os.environ, TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
         argv = argv if argv is not None else sys.argv[1:]
-        return subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv], env=env).returncode
+        return subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv],
+                              env=_interpreted_child_env()).returncode
+    if args.predict:
+        import json
+        try:
+            shape = {k: int(v) for k, v in (item.split("=") for item in args.shape.split(",") if item)}
+        except ValueError:
+            parser.error(f"--shape {args.shape!r}: expected VAR=INTEGER,... (e.g. N=4096,H=4096)")
+        try:
+            seconds = predict(args.predict, shape, (args.dtype or ["bf16"])[0],
+                              tuple(args.impl or ("memkernels", "eager")))
+        except ValueError as error:
+            parser.error(str(error))
+        print(json.dumps(seconds))
+        return 0
     known = {c.op for c in cases()}
     unknown = sorted(set(args.op or ()) - known)
     if unknown:
@@ -1091,7 +1395,8 @@ def main(argv=None):
     if args.occupancy:
         print()
         print(f"{'kernel':<30}{'variant':<34}{'arch':<7}{'regs':>6}{'smem B':>9}{'warps':>6}{'blocks/SM':>10}")
-        for kernel, variant, arch, regs, smem, n_warps, blocks in occupancy():
+        names = sorted({k for op in args.op for k in _AOT_KERNELS[op]}) if args.op else None
+        for kernel, variant, arch, regs, smem, n_warps, blocks in occupancy(names):
             print(f"{kernel:<30}{variant:<34}{'sm_' + str(arch):<7}{regs:>6}{smem:>9}{n_warps:>6}{blocks:>10}")
     return 0
 
