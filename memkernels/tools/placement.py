@@ -48,6 +48,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memkernels.meters import PeakBytesMeter
+from memkernels.offload import OffloadActivations
 from memkernels.profile import _FlashAttentionOnMeta
 from memkernels.tools import plan_apply
 
@@ -206,8 +207,11 @@ class LayerProfile:
     """What :func:`measure_profile` measured, per micro-batch of 1 and 2 (affine in between and beyond).
 
     Bytes are ints; ``segments``: {batch: {segment: peak}} of the keep-everything step of a
-    ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra``: {batch: {option: bytes}};
-    ``flops``: forward FLOPs per sequence of ``layer`` / ``attn`` / ``mlp``.
+    ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra`` / ``moved``:
+    {batch: {option: bytes}} (``moved``: bytes an offload option sends to the host);
+    ``recompute``: {option: FLOPs replayed per sequence}; ``keep_flops`` / ``step_flops``: FLOPs
+    of one sequence's keep-everything step of the measured copy / of the full model. Offload options are in the tables once
+    ``measure_profile(..., offload=True)`` measured them.
     """
 
     num_layers: int
@@ -218,8 +222,14 @@ class LayerProfile:
     savings: dict
     extra: dict
     recompute: dict
+    keep_flops: int
     step_flops: int
     parts: tuple
+    moved: dict = dataclasses.field(default_factory=lambda: {1: {}, 2: {}})
+
+    @property
+    def offload_measured(self):
+        return any(OPTION_BY_NAME[name].offloaded for name in self.savings[1])
 
     def _at(self, table, batch):
         one, two = table[1], table[2]
@@ -228,12 +238,9 @@ class LayerProfile:
         return one + (batch - 1) * (two - one)
 
     def figures(self, batch):
-        """(segments, R, savings, extra) at micro-batch ``batch`` for the full depth."""
-        seg = self._at(self.segments, batch)
-        resident = self._at(self.resident, batch)
-        savings = self._at(self.savings, batch)
-        extra = self._at(self.extra, batch)
-        return seg, resident, savings, extra
+        """(segments, R, savings, extra, moved) at micro-batch ``batch`` for the full depth."""
+        return tuple(self._at(table, batch) for table in (self.segments, self.resident, self.savings, self.extra,
+                                                           self.moved))
 
     @property
     def probe(self):
@@ -250,7 +257,7 @@ class LayerProfile:
 
     def layer_peaks(self, batch):
         """(Pe, Pt, Ph, [Pf_i], [Pb_i]) of the keep-everything step of the full model at ``batch``."""
-        seg, resident, _, _ = self.figures(batch)
+        seg, resident = self.figures(batch)[:2]
         forward, backward = [], []
         for i in range(self.num_layers):
             measured, grow = self.measured_layer(i)
@@ -270,64 +277,138 @@ def _probe_layer(depth):
     return min(2, depth - 1)
 
 
+class _BookkeepingEngine:
+    """Stands in for the C++ copy engine on ``meta``: hands out handles, copies nothing, and every
+    copy is complete at once (the device copy goes as soon as OffloadActivations looks)."""
+
+    closed = False
+
+    def __init__(self):
+        self._handles = 0
+
+    def offload(self, _address, _nbytes, _stream):
+        self._handles += 1
+        return self._handles
+
+    def offload_done(self, _handle):
+        return True
+
+    def prefetch(self, _handle, _address, _stream):
+        pass
+
+    def synchronize(self, _handle):
+        pass
+
+    synchronize_all = trim = close = lambda self: None
+    release = synchronize
+
+    def stats(self):
+        return {"pool": {"refusals": 0}, "live_handles": 0}
+
+
+class _MetaOffload(OffloadActivations):
+    """OffloadActivations on ``meta``: the same choices of what moves and what stays (parameters,
+    the last module, views sharing a storage), the same restores and prefetches, made of meta
+    tensors, so PeakBytesMeter sees on meta what the real one leaves on the device. Copies are
+    taken to finish at once: a GPU whose device-to-host copies lag behind forward frees later."""
+
+    @staticmethod
+    def _resolve_mode():
+        return "meta"
+
+    def __init__(self):
+        super().__init__(**plan_apply.OFFLOAD_OPTIONS)
+        self._device = torch.device("meta")
+        self._engine = _BookkeepingEngine()
+
+
 def _build(source, depth, dtype, kernels=False, option=None):
-    """A ``depth``-layer meta copy in train mode; with the kernels, and ``option`` on the probe layer."""
+    """(a ``depth``-layer meta copy in train mode with the kernels and ``option`` on the probe layer,
+    its :class:`_MetaOffload` or None)."""
     model = source.build(depth).to(dtype)
     model.train()
     if kernels:
         from memkernels.patch import apply
         apply(model, **KERNELS)
+    offload = None
     if option is not None:
         choices = [OPTION_BY_NAME["keep"]] * depth
         choices[_probe_layer(depth)] = option
-        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
-    return model
+        offload = _MetaOffload() if option.offloaded else None
+        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta, offload=offload)
+    return model, offload
 
 
 _profiles = {}  # (model key, seq, dtype, kernels) -> LayerProfile
 
 
-def measure_profile(source, seq, dtype, *, kernels=False):
+def measure_profile(source, seq, dtype, *, kernels=False, offload=False):
     """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``_Source``) at ``seq``
-    (cached per model, sequence length, dtype and kernels)."""
+    (cached per model, sequence length, dtype and kernels). ``offload``: also measure the
+    offload options (through :class:`_MetaOffload`; measured once, on first request)."""
     key = (source.key(), seq, dtype, kernels)
     if key not in _profiles:
         _profiles[key] = _measure_profile(source, seq, dtype, kernels)
-    return _profiles[key]
+    profile = _profiles[key]
+    if offload and not profile.offload_measured:
+        _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded],
+                         profile.keep_flops)
+    return profile
+
+
+def _measure_options(profile, source, dtype, kernels, options, keep_flops):
+    """Add ``options``' savings, extra and moved bytes (batch 1 and 2, against a keep-everything
+    step run here too) and recompute FLOPs (against ``keep_flops``) to ``profile``; returns
+    {batch: the keep step's :class:`_Timeline`}."""
+    options = [o for o in options if o.name != "keep" and all(p in profile.parts + ("layer",) for p in o.actions)]
+    last_bwd = f"bwd{profile.probe}"
+    keep = {}
+    for batch in (1, 2):
+        ids = torch.empty(batch, profile.seq, dtype=torch.long, device="meta")
+        keep[batch] = reference = _metered_step(_build(source, profile.depth, dtype, kernels)[0], ids)
+        for table in (profile.savings, profile.extra, profile.moved):
+            table[batch]["keep"] = 0
+        for option in options:
+            model, offload = _build(source, profile.depth, dtype, kernels, option)
+            run = _metered_step(model, ids)
+            profile.savings[batch][option.name] = reference.live["head"] - run.live["head"]
+            profile.extra[batch][option.name] = run.peaks[last_bwd] - reference.peaks[last_bwd]
+            profile.moved[batch][option.name] = offload.stats()["bytes_offloaded"] if offload else 0
+    one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
+    profile.recompute["keep"] = 0
+    for option in options:
+        if not option.offloaded:
+            model = _build(source, profile.depth, dtype, kernels, option)[0]
+            profile.recompute[option.name] = _step_flops(model, one) - keep_flops
+    for option in options:
+        if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
+            recomputed = {p: a for p, a in option.actions.items() if a == "recompute"}
+            profile.recompute[option.name] = next(profile.recompute[o.name] for o in LAYER_OPTIONS
+                                                  if o.actions == recomputed)
+    return keep
 
 
 def _measure_profile(source, seq, dtype, kernels):
     depth = min(_DEPTH, source.num_layers)
     probe_layer = _probe_layer(depth)
-    probe = _build(source, depth, dtype, kernels)
+    probe, _ = _build(source, depth, dtype, kernels)
     _, layers = plan_apply.find_layers(probe)
     parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
-    measured = [o for o in LAYER_OPTIONS if not o.offloaded and all(p in parts + ("layer",) for p in o.actions)]
-    segments, resident, savings, extra = {}, {}, {}, {}
-    for batch in (1, 2):
-        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        runs = {}
-        for option in measured:
-            runs[option.name] = _metered_step(_build(source, depth, dtype, kernels, option), ids)
-        keep = runs["keep"]
-        segments[batch] = dict(keep.peaks)
-        # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
-        after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
-        resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
-        last_bwd = f"bwd{probe_layer}"
-        savings[batch] = {name: keep.live["head"] - run.live["head"] for name, run in runs.items()}
-        extra[batch] = {name: run.peaks[last_bwd] - keep.peaks[last_bwd] for name, run in runs.items()}
     one = torch.empty(1, seq, dtype=torch.long, device="meta")
-    step_flops = {}
-    for option in measured:
-        step_flops[option.name] = _step_flops(_build(source, depth, dtype, kernels, option), one)
-    recompute = {name: flops - step_flops["keep"] for name, flops in step_flops.items()}
+    keep_flops = _step_flops(probe, one)
     # One more layer's step FLOPs, to extrapolate to the full depth.
-    per_layer = (step_flops["keep"] - _step_flops(_build(source, depth - 1, dtype, kernels), one)
-                 if depth > 1 else step_flops["keep"])
-    full_step = step_flops["keep"] + (source.num_layers - depth) * per_layer
-    return LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments=segments, resident=resident,
-                        savings=savings, extra=extra, recompute=recompute, step_flops=full_step, parts=parts)
+    per_layer = (keep_flops - _step_flops(_build(source, depth - 1, dtype, kernels)[0], one)
+                 if depth > 1 else keep_flops)
+    profile = LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments={}, resident={},
+                           savings={1: {}, 2: {}}, extra={1: {}, 2: {}}, recompute={}, keep_flops=keep_flops,
+                           step_flops=keep_flops + (source.num_layers - depth) * per_layer, parts=parts)
+    keep = _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY, keep_flops)
+    for batch, run in keep.items():
+        profile.segments[batch] = dict(run.peaks)
+        # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
+        after = run.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else run.live["head"]
+        profile.resident[batch] = after - run.live[f"gap{probe_layer - 1}"] if probe_layer else 0
+    return profile
 
 
 @dataclasses.dataclass
@@ -379,46 +460,39 @@ def _ranges(indices):
     return ", ".join(out)
 
 
-def _option_costs(profile, batch, options, *, tflops, pcie_gbps, prefetch_bytes):
+def _option_costs(profile, batch, options, *, tflops, pcie_gbps):
     """Per option: (savings, extra, seconds, recompute flops, offload bytes) at ``batch``."""
-    _, _, savings, extra = profile.figures(batch)
+    _, _, savings, extra, moved = profile.figures(batch)
     throughput = tflops * 1e12
     # A layer's forward: a third of its share of the step (backward does about twice the forward's work).
     layer_seconds = batch * profile.step_flops / (3 * profile.num_layers) / throughput
     out = {}
     for option in options:
-        kept = LayerOption("", {p: a for p, a in option.actions.items() if a == "recompute"})
-        kept_name = next(o.name for o in LAYER_OPTIONS if o.actions == kept.actions)
-        recompute_flops = batch * profile.recompute[kept_name]
+        recompute_flops = batch * profile.recompute[option.name]
         seconds = recompute_flops / throughput
-        moved = 0
         if option.offloaded:
-            # The bytes an offloaded part moves are those recomputing it would have freed.
-            recompute_twin = LayerOption("", {part: "recompute" for part in option.actions})
-            twin = next(o.name for o in LAYER_OPTIONS if o.actions == recompute_twin.actions)
-            moved = max(0, savings[twin] - savings[kept_name])
-            saving = savings[twin]
-            transfer = moved / (pcie_gbps * 1e9) if pcie_gbps else math.inf
+            transfer = moved[option.name] / (pcie_gbps * 1e9)
             seconds += max(0.0, transfer - layer_seconds) + max(0.0, transfer - 2 * layer_seconds)
-            added = extra[kept_name] + min(prefetch_bytes, moved)
-        else:
-            saving, added = savings[option.name], extra[option.name]
-        out[option.name] = (max(0, saving), added, seconds, recompute_flops, moved)
+        out[option.name] = (max(0, savings[option.name]), extra[option.name], seconds, recompute_flops,
+                            moved[option.name])
     return out
 
 
-def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0, prefetch_bytes=128 << 20):
+def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0):
     """The cheapest :class:`Placement` whose predicted peak fits ``budget`` bytes at micro-batch ``batch``.
 
-    ``offload``: also consider activation offload (needs a CUDA device or the simulated one).
+    ``offload``: also consider activation offload (needs a CUDA device or the simulated one, and a
+    profile measured with ``offload=True``).
     ``tflops``: sustained throughput of a GPU (TFLOP/s) for the recompute cost; ``pcie_gbps``:
     host link bandwidth (GB/s). When nothing fits, returns the placement with the lowest
     predicted peak, ``fits=False``.
     """
+    if offload and not profile.offload_measured:
+        raise ValueError("solve(offload=True): the profile has no offload figures; measure it with "
+                         "measure_profile(..., offload=True)")
     options = [o for o in (LAYER_OPTIONS if offload else _RECOMPUTE_ONLY)
                if all(part in profile.parts + ("layer",) for part in o.actions)]
-    costs = _option_costs(profile, batch, options, tflops=tflops, pcie_gbps=pcie_gbps,
-                          prefetch_bytes=prefetch_bytes)
+    costs = _option_costs(profile, batch, options, tflops=tflops, pcie_gbps=pcie_gbps)
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
     keep_peak = max(embed, tail, head, max(forward), max(backward))
     num_layers = profile.num_layers
@@ -477,9 +551,8 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
 def predict_peak(profile, batch, choices, costs=None, **cost_args):
     """The peak model of the module docstring for ``choices`` at ``batch`` (bytes)."""
     if costs is None:
-        costs = _option_costs(profile, batch, {c for c in choices}, tflops=cost_args.get("tflops", 400.0),
-                              pcie_gbps=cost_args.get("pcie_gbps", 25.0),
-                              prefetch_bytes=cost_args.get("prefetch_bytes", 128 << 20))
+        costs = _option_costs(profile, batch, set(choices), tflops=cost_args.get("tflops", 400.0),
+                              pcie_gbps=cost_args.get("pcie_gbps", 25.0))
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
     peak, saved = max(embed, tail), 0
     for i, choice in enumerate(choices):
