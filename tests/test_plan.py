@@ -146,12 +146,33 @@ def test_zero_stages_shard_what_they_say():
             assert state[part] == (full[part] // ranks if part in sharded[stage] else full[part]), (stage, part)
 
 
-def test_optimizer_offload_and_accumulation_buffer():
-    state = model_state_bytes(1000, dtype="bf16", optimizer_offload=True, grad_accumulation=True)
+def test_optimizer_offload_and_fp32_accumulation_buffer():
+    state = model_state_bytes(1000, dtype="bf16", optimizer_offload=True, grad_accumulation="fp32")
     assert state["master_weights"] == state["optimizer_state"] == 0
     assert state["host_optimizer"] == 12 * 1000
     assert state["grad_accum_buffer"] == 4 * 1000
-    assert model_state_bytes(1000, dtype="fp32", grad_accumulation=True)["grad_accum_buffer"] == 0
+    assert model_state_bytes(1000, dtype="fp32", grad_accumulation="fp32")["grad_accum_buffer"] == 0
+    assert model_state_bytes(1000, dtype="bf16", grad_accumulation="fp32", zero_stage=2,
+                             ranks=8)["grad_accum_buffer"] == 500
+    with pytest.raises(ValueError, match="grad_accumulation"):
+        model_state_bytes(1000, grad_accumulation="bf16")
+
+
+def test_pytorch_accumulates_gradients_in_place_no_buffer():
+    """A second micro-batch's backward adds into param.grad in place, in bf16: nothing it allocates
+    stays alive, and the estimate counts no accumulation buffer either."""
+    model = _llama(torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    storages = {n: p.grad.untyped_storage()._cdata for n, p in model.named_parameters()}
+    with PeakBytesMeter() as meter:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+    assert all(p.grad.untyped_storage()._cdata == storages[n] and p.grad.dtype == torch.bfloat16
+               for n, p in model.named_parameters())
+    numel = sum(p.numel() for p in model.parameters())
+    state = model_state_bytes(numel, dtype="bf16", grad_accumulation=True)
+    assert state["grad_accum_buffer"] == meter.current_bytes == 0
+    assert state["gradients"] == sum(p.grad.nbytes for p in model.parameters())
 
 
 def test_lora_parameter_count_matches_peft():
@@ -240,6 +261,7 @@ def test_bad_input_one_line_error_naming_the_argument(kwargs, argument):
         plan("llama-3-8b", **args)
     message = str(info.value)
     assert "\n" not in message and argument in message
+    assert "use " in message or "must be" in message or "give " in message, message  # it says the fix
 
 
 def test_cli_plan_json_and_error():
@@ -248,9 +270,22 @@ def test_cli_plan_json_and_error():
                         capture_output=True, text=True, check=True)
     data = json.loads(ok.stdout)
     assert data["fits"] and data["micro_batch"] * 8 * data["accumulation"] * 4000 == 4_000_000
-    bad = subprocess.run([sys.executable, "-m", "memkernels.cli", "plan", "--model", "llama-2-7b", "--gpu-mem", "80",
-                          "--seq", "4096"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--gpu-mem" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args, argument", [
+    (["--gpu-mem", "80"], "--gpu-mem"),  # a bare number: GB or GiB?
+    (["--gpu-mem", "2GB"], "gpu_mem"),  # below the model state of the leanest configuration
+    (["--seq", "0"], "seq"),
+    (["--seq", "-4"], "seq"),
+    (["--global-tokens", "4M"], "global_batch_tokens"),  # not a multiple of seq x gpus = 4096
+    (["--finetune", "lorra"], "finetune"),
+])
+def test_cli_plan_bad_input_one_line(args, argument):
+    command = ["plan", "--model", "llama-2-7b", "--gpu-mem", "24GB", "--seq", "4096"] + args
+    bad = subprocess.run([sys.executable, "-m", "memkernels.cli"] + command, capture_output=True, text=True)
+    lines = bad.stderr.strip().splitlines()
+    assert bad.returncode == 2 and len(lines) == 1 and argument in lines[0], bad.stderr
+    assert "use " in lines[0] or "must be" in lines[0] or "give " in lines[0], lines[0]  # it says the fix
 
 
 @pytest.fixture
