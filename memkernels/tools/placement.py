@@ -4,7 +4,8 @@ Two parts:
 
 1. :func:`measure_profile` runs one training step (forward + backward, with labels) of a
    4-layer copy of the model on the ``meta`` device, once keeping everything and once per
-   recompute option applied to its third layer, under
+   option applied to its third layer (offload options only when asked, through
+   :class:`_MetaOffload`: OffloadActivations' own logic on meta tensors), under
    :class:`~memkernels.meters.PeakBytesMeter`. Hooks cut the step into segments (the
    embedding, each layer's forward, the head = final norm + LM head + loss forward and
    backward, each layer's backward, the embedding's backward) and record the live bytes at
@@ -25,19 +26,19 @@ layer i's forward, layer i's backward and the head:
     peak = max( Pe, Pt, Ph - S_L, max_i (Pf_i - S_i), max_i (Pb_i - S_i + d(o_i)) )
 
 where d(o) is what option o adds to its own layer's backward peak (recompute transients,
-measured; prefetched offload copies, modeled). Savings of layers after i are already freed
+restored and prefetched offload copies; measured). Savings of layers after i are already freed
 when layer i's backward runs, so only the prefix S_i matters.
 
 The cost model (seconds added to a step): recomputing a part costs the FLOPs it replays
 (measured) / the GPU's throughput; offloading a part costs the PCIe time of its bytes not hidden behind
 compute: max(0, t - t_fwd) on the way out (during the next layer's forward) plus
-max(0, t - 2 t_fwd) on the way back (during backward), t = bytes / PCIe bandwidth, t_fwd
-the layer's forward time.
+max(0, t - 2 t_fwd) on the way back (during backward), t = bytes moved (measured) / PCIe
+bandwidth, t_fwd the layer's forward time.
 
 The DP walks the layers in forward order with the prefix savings S_i as its state,
 discretized in units of q = max(savings needed) / 4096, savings rounded down and needs
 rounded up (so a placement the DP accepts fits under the model). It is exact for that
-discretization: the minimum added time over all 10^L placements, with ties going to the
+discretization: the minimum added time over all 11^L placements, with ties going to the
 option listed first (keep before recompute before offload, smaller parts first).
 """
 import dataclasses
@@ -90,7 +91,8 @@ OPTION_BY_NAME = {option.name: option for option in LAYER_OPTIONS}
 _RECOMPUTE_ONLY = tuple(o for o in LAYER_OPTIONS if not o.offloaded)
 _STATES = 4096
 # The kernels a plan measures and applies: fused norms and GELU MLPs. The fused linear
-# cross-entropy is left out: its chunked meta backward at a 128k vocabulary takes minutes.
+# cross-entropy is left out: at a 128k vocabulary its meta step still takes ~4.5 s (its
+# split-accumulator GEMMs, see docs/measuring.md), about a minute per plan.
 KERNELS = {"norms": True, "mlp": True, "loss": False, "measure": False}
 
 
@@ -209,9 +211,10 @@ class LayerProfile:
     Bytes are ints; ``segments``: {batch: {segment: peak}} of the keep-everything step of a
     ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra`` / ``moved``:
     {batch: {option: bytes}} (``moved``: bytes an offload option sends to the host);
+    ``head_live``: {batch: live bytes of the keep-everything step when the head starts};
     ``recompute``: {option: FLOPs replayed per sequence}; ``keep_flops`` / ``step_flops``: FLOPs
-    of one sequence's keep-everything step of the measured copy / of the full model. Offload options are in the tables once
-    ``measure_profile(..., offload=True)`` measured them.
+    of one sequence's keep-everything step of the measured copy / of the full model. Offload
+    options are in the tables once ``measure_profile(..., offload=True)`` measured them.
     """
 
     num_layers: int
@@ -226,6 +229,7 @@ class LayerProfile:
     step_flops: int
     parts: tuple
     moved: dict = dataclasses.field(default_factory=lambda: {1: {}, 2: {}})
+    head_live: dict = dataclasses.field(default_factory=dict)
 
     @property
     def offload_measured(self):
@@ -351,41 +355,36 @@ def measure_profile(source, seq, dtype, *, kernels=False, offload=False):
         _profiles[key] = _measure_profile(source, seq, dtype, kernels)
     profile = _profiles[key]
     if offload and not profile.offload_measured:
-        _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded],
-                         profile.keep_flops)
+        _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded])
     return profile
 
 
-def _measure_options(profile, source, dtype, kernels, options, keep_flops):
-    """Add ``options``' savings, extra and moved bytes (batch 1 and 2, against a keep-everything
-    step run here too) and recompute FLOPs (against ``keep_flops``) to ``profile``; returns
-    {batch: the keep step's :class:`_Timeline`}."""
+def _measure_options(profile, source, dtype, kernels, options):
+    """Add ``options``' savings, extra and moved bytes (batch 1 and 2, against the keep-everything
+    step in ``profile``) and recompute FLOPs to ``profile``."""
     options = [o for o in options if o.name != "keep" and all(p in profile.parts + ("layer",) for p in o.actions)]
     last_bwd = f"bwd{profile.probe}"
-    keep = {}
     for batch in (1, 2):
         ids = torch.empty(batch, profile.seq, dtype=torch.long, device="meta")
-        keep[batch] = reference = _metered_step(_build(source, profile.depth, dtype, kernels)[0], ids)
         for table in (profile.savings, profile.extra, profile.moved):
             table[batch]["keep"] = 0
         for option in options:
             model, offload = _build(source, profile.depth, dtype, kernels, option)
             run = _metered_step(model, ids)
-            profile.savings[batch][option.name] = reference.live["head"] - run.live["head"]
-            profile.extra[batch][option.name] = run.peaks[last_bwd] - reference.peaks[last_bwd]
+            profile.savings[batch][option.name] = profile.head_live[batch] - run.live["head"]
+            profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd]
             profile.moved[batch][option.name] = offload.stats()["bytes_offloaded"] if offload else 0
     one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
     profile.recompute["keep"] = 0
     for option in options:
         if not option.offloaded:
             model = _build(source, profile.depth, dtype, kernels, option)[0]
-            profile.recompute[option.name] = _step_flops(model, one) - keep_flops
+            profile.recompute[option.name] = _step_flops(model, one) - profile.keep_flops
     for option in options:
         if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
             recomputed = {p: a for p, a in option.actions.items() if a == "recompute"}
             profile.recompute[option.name] = next(profile.recompute[o.name] for o in LAYER_OPTIONS
                                                   if o.actions == recomputed)
-    return keep
 
 
 def _measure_profile(source, seq, dtype, kernels):
@@ -402,12 +401,15 @@ def _measure_profile(source, seq, dtype, kernels):
     profile = LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments={}, resident={},
                            savings={1: {}, 2: {}}, extra={1: {}, 2: {}}, recompute={}, keep_flops=keep_flops,
                            step_flops=keep_flops + (source.num_layers - depth) * per_layer, parts=parts)
-    keep = _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY, keep_flops)
-    for batch, run in keep.items():
-        profile.segments[batch] = dict(run.peaks)
+    for batch in (1, 2):
+        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
+        keep = _metered_step(_build(source, depth, dtype, kernels)[0], ids)
+        profile.segments[batch] = dict(keep.peaks)
+        profile.head_live[batch] = keep.live["head"]
         # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
-        after = run.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else run.live["head"]
-        profile.resident[batch] = after - run.live[f"gap{probe_layer - 1}"] if probe_layer else 0
+        after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
+        profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
+    _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY)
     return profile
 
 

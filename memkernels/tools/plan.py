@@ -20,8 +20,6 @@ minus model state (:func:`memkernels.estimate.model_state_bytes`) and FSDP's gat
 import dataclasses
 import math
 
-import torch
-
 from memkernels.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _layer_numel, _Source, lora_parameters,
                                  model_state_bytes)
 from memkernels.tools import placement as placement_mod
