@@ -7,20 +7,20 @@ of the eager step's activation peak, it prints side by side:
 - PyTorch: ``torch._functorch.config.activation_memory_budget`` = the same fraction, under
   ``torch.compile`` with the ``aot_eager`` backend (AOTAutograd's min-cut partitioner picks
   what to recompute; the budget is a ratio of saved activations, not a peak). The backend is
-  aot_eager's own definition with instrumented no-op compilers: the meters are opened when
-  the compiled forward starts and closed when the compiled backward ends, because an active
-  dispatch mode around the call makes Dynamo run the model eagerly instead;
+  aot_eager's own definition with instrumented no-op compilers, because an active dispatch
+  mode around the call makes Dynamo run the model eagerly instead:
+  the peak meter is opened when the compiled forward graph starts and closed after
+  ``backward()`` returns; FLOPs are counted by one FlopCounterMode per graph run, opened and
+  closed inside it, and summed. (Earlier versions closed the meters inside the backward graph:
+  a mode exited there stays on the caller's mode stack, and the leftover meter hid the LM
+  head's matmuls from later counters, so torch's "recompute" came out negative.);
 - checkpointing every layer (eager, non-reentrant).
 
-Peak bytes of one training step (PeakBytesMeter, gradients allocated beforehand) and the
-FLOPs recomputed (FlopCounterMode over the step, minus the same model's step without
-recompute). Then the time ``plan()`` takes for Llama-3-70B's config (80 layers, 8 x 80 GB).
-
-Known gap: below budget 1.0 the compiled step's counted FLOPs come out *lower* than at 1.0
-(a negative "recompute"), which recomputation cannot do; the cause (ops the counter does not
-see inside the window the meters are open, or a different graph) is not understood, so the
-torch recompute column is not a trustworthy figure yet; its peak column is measured over the
-same window.
+Peak: bytes allocated during one training step and alive at its worst moment (PeakBytesMeter,
+gradients allocated beforehand, so they are not counted). Recompute FLOPs: FLOPs of the step
+(FlopCounterMode: matmuls and attention) minus those of the eager step without any
+recompute; a compiled step at budget 1.0 must count exactly the eager step's FLOPs (printed
+as a check). Then the time ``plan()`` takes for Llama-3-70B's config (80 layers, 8 x 80 GB).
 
     python benchmarks/bench_plan.py [--layers 8] [--hidden 128] [--seq 256] [--batch 2]
 """
@@ -33,6 +33,7 @@ import time
 import torch
 from functorch.compile import min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 import memkernels
 from memkernels.meters import PeakBytesMeter
@@ -57,22 +58,25 @@ def measure(model, ids):
 
 
 class _Probe:
-    """Meters (context managers) to open at the compiled forward's start and close at the backward's end."""
+    """What the instrumented compilers do on the next step: ``peak`` (a PeakBytesMeter the forward
+    graph opens; the caller closes it after backward) and/or ``flops`` (a list the FLOPs of each
+    graph run are appended to, counted inside that run)."""
 
-    meters = None
+    peak = None
+    flops = None
 
 
 def _nop(kind):
     def compiler(graph, _example_inputs):
         def run(args):
-            if kind == "forward" and _Probe.meters:
-                for meter in _Probe.meters:
-                    meter.__enter__()
-            out = torch.fx.Interpreter(graph).boxed_run(args)
-            if kind == "backward" and _Probe.meters:
-                for meter in reversed(_Probe.meters):
-                    meter.__exit__(None, None, None)
-                _Probe.meters = None
+            if kind == "forward" and _Probe.peak is not None:
+                _Probe.peak.__enter__()
+                _Probe.peak = None
+            if _Probe.flops is None:
+                return torch.fx.Interpreter(graph).boxed_run(args)
+            with flop_counter() as counter:
+                out = torch.fx.Interpreter(graph).boxed_run(args)
+            _Probe.flops.append(counter.get_total_flops())
             return out
         run._boxed_call = True
         return run
@@ -85,16 +89,24 @@ AOT_EAGER = aot_autograd(fw_compiler=_nop("forward"), bw_compiler=_nop("backward
 
 
 def measure_compiled(model, ids):
-    """:func:`measure` for a torch.compile'd model: the meters run inside the compiled graphs."""
+    """:func:`measure` for a torch.compile'd model: (peak bytes, FLOPs, graph runs counted).
+
+    The peak meter is closed by the caller, after backward: a dispatch mode exited inside the
+    backward graph stays on the caller's mode stack (autograd restores the thread-local state it
+    captured when backward() was called), and a leftover meter hid the LM head's matmuls from
+    the FLOP counters of the next steps.
+    """
     for param in model.parameters():
         param.grad = torch.zeros_like(param)
-    peak = PeakBytesMeter()
-    _Probe.meters = [peak]
+    peak = _Probe.peak = PeakBytesMeter()
     model(ids, ids).backward()
-    counter = flop_counter()
-    _Probe.meters = [counter]
+    peak.__exit__(None, None, None)
+    flops = _Probe.flops = []
     model(ids, ids).backward()
-    return peak.peak_bytes, counter.get_total_flops()
+    _Probe.flops = None
+    if _get_current_dispatch_mode_stack():
+        raise RuntimeError(f"dispatch modes left on the stack: {_get_current_dispatch_mode_stack()}")
+    return peak.peak_bytes, sum(flops), len(flops)
 
 
 def main():
@@ -127,8 +139,7 @@ def main():
     plan_apply.apply_placement(every, [OPTION_BY_NAME["recompute layer"]] * config.num_layers)
     every_peak, every_flops = measure(every, ids)
 
-    compiled_flops_full = None
-    rows, totals = [], []
+    rows = []
     for fraction in (1.0, 0.75, 0.5, 0.25):
         budget = int(fraction * eager_peak)
         placement = place(build(), batch=args.batch, seq=args.seq, budget=budget)
@@ -139,27 +150,38 @@ def main():
         command = [sys.executable, __file__, "--layers", str(args.layers), "--hidden", str(args.hidden), "--seq",
                    str(args.seq), "--batch", str(args.batch), "--torch-budget", str(fraction)]
         output = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        torch_peak, torch_flops = json.loads(output.strip().splitlines()[-1])
-        if compiled_flops_full is None:
-            compiled_flops_full = torch_flops
+        torch_peak, torch_flops, graph_runs = json.loads(output.strip().splitlines()[-1])
+        if graph_runs != 2:
+            raise RuntimeError(f"budget {fraction}: {graph_runs} compiled graph runs counted, expected 2 (one "
+                               "forward, one backward graph): a graph break; the figures would be partial")
+        if fraction == 1.0 and torch_flops < eager_flops:
+            raise RuntimeError(f"compiled step at budget 1.0 counts {torch_flops:,} FLOPs, fewer than eager's "
+                               f"{eager_flops:,}: the counters miss part of the compiled step")
         rows.append((fraction, budget, placement.predicted_peak, plan_peak, plan_flops - eager_flops,
-                     torch_peak, torch_flops - compiled_flops_full, placement.describe()))
-        totals.append((fraction, plan_flops, torch_flops))
+                     torch_peak, torch_flops - eager_flops, placement.describe()))
+        if fraction == 1.0:
+            compiled_full = torch_flops
 
-    kib = 1024
+    kib, every_recompute = 1024, every_flops - eager_flops
     print(f"tiny TransformerLM: {config.num_layers} layers, hidden {config.hidden_size}, batch {args.batch} x seq "
           f"{args.seq}, fp32, CPU")
-    print(f"eager, no checkpointing: peak {eager_peak / kib:,.0f} KiB")
-    print(f"checkpoint every layer:  peak {every_peak / kib:,.0f} KiB, recompute {(every_flops - eager_flops) / 1e6:,.1f}"
-          " MFLOP")
-    print(f"{'budget':>8} {'bytes':>10} | {'plan pred':>10} {'plan peak':>10} {'recompute':>10} | "
-          f"{'torch peak':>10} {'recompute':>10} | placement")
-    for fraction, budget, predicted, peak, flops, tpeak, tflops, described in rows:
-        print(f"{fraction:>8.0%} {budget / kib:>9,.0f}K | {predicted / kib:>9,.0f}K {peak / kib:>9,.0f}K "
-              f"{flops / 1e6:>8,.1f}MF | {tpeak / kib:>9,.0f}K {tflops / 1e6:>8,.1f}MF | {described}")
-    print("(torch's recompute: compiled step FLOPs minus the compiled step's at budget 1.0)")
-    print(f"step FLOPs, eager without recompute: {eager_flops / 1e6:,.1f} MFLOP; per budget (plan | compiled): "
-          + ", ".join(f"{f:.0%} {p / 1e6:,.1f} | {t / 1e6:,.1f}" for f, p, t in totals))
+    print(f"eager, no checkpointing: peak {eager_peak / kib:,.0f} KiB, step {eager_flops / 1e6:,.1f} MFLOP; "
+          f"torch.compile at budget 1.0: step {compiled_full / 1e6:,.1f} MFLOP (same graph ops: must match)")
+    print("peak: KiB allocated in one training step and alive at its worst moment (PeakBytesMeter; gradients "
+          "preallocated)")
+    print("recompute: MFLOP of the step (FlopCounterMode: matmuls + attention) minus the eager step's without "
+          "recompute")
+    print("budget: fraction of the eager peak; memkernels plans for it in bytes, torch gets it as "
+          "activation_memory_budget (a ratio of saved activations)")
+    print(f"{'budget':>7} {'bytes':>9} | {'memkernels plan':^37} | {'torch activation_memory_budget':^30} | "
+          f"{'checkpoint every layer':^22}")
+    print(f"{'':>7} {'':>9} | {'predicted':>11} {'peak':>11} {'recompute':>12} | {'peak':>11} {'recompute':>17} | "
+          f"{'peak':>9} {'recompute':>12}")
+    for fraction, budget, predicted, peak, flops, tpeak, tflops, _ in rows:
+        print(f"{fraction:>7.0%} {budget / kib:>8,.0f}K | {predicted / kib:>10,.0f}K {peak / kib:>10,.0f}K "
+              f"{flops / 1e6:>10,.1f}MF | {tpeak / kib:>10,.0f}K {tflops / 1e6:>15,.1f}MF | "
+              f"{every_peak / kib:>8,.0f}K {every_recompute / 1e6:>10,.1f}MF")
+    print("memkernels placements: " + "; ".join(f"{f:.0%}: {d}" for f, *_, d in rows))
 
     start = time.perf_counter()
     result = plan(LLAMA_3_70B, gpu_mem="80GB", gpus=8, seq=8192, global_batch_tokens=8192 * 8 * 16)

@@ -277,8 +277,12 @@ def model_state_bytes(num_parameters, *, dtype="bf16", optimizer="adamw", zero_s
     - gradients = T * g; divided by N under ZeRO-2 and ZeRO-3
     - master weights = T * m, optimizer state = T * o; divided by N under ZeRO-1, 2 and 3;
       0 on the GPU with ``optimizer_offload`` (then host_optimizer = T * (m + o), all ranks together)
-    - grad_accum_buffer = T * 4 when accumulating low-precision gradients (``grad_accumulation`` and
-      w < 4): an fp32 buffer the micro-batches' gradients are summed into; sharded like gradients.
+    - grad_accum_buffer: with ``grad_accumulation=True`` (several micro-batches per optimizer step,
+      as PyTorch does it), 0: autograd adds each micro-batch's gradient into ``param.grad`` in
+      place, in the gradient's dtype, so the T * g of ``gradients`` is all there is (measured in
+      tests/test_plan.py). With ``grad_accumulation="fp32"``, T * 4 when g < 4: an fp32 buffer the
+      low-precision gradients are summed into besides them (DeepSpeed's bf16 optimizer,
+      Megatron's ``main_grad``); sharded like gradients.
 
     Full fine-tuning under mixed precision with AdamW: 2 + 2 + 4 + 8 = 16 bytes per parameter;
     fp32 with AdamW: 4 + 4 + 8 = 16 as well (112 GB for 7B parameters: 28 + 28 + 56).
@@ -292,7 +296,10 @@ def model_state_bytes(num_parameters, *, dtype="bf16", optimizer="adamw", zero_s
         return math.ceil(nbytes / ranks) if zero_stage >= from_stage else int(nbytes)
 
     optimizer_bytes = trainable * (master_bytes + OPTIMIZERS[optimizer])
-    accum = trainable * 4 if grad_accumulation and grad_bytes < 4 else 0
+    if grad_accumulation not in (False, True, "fp32"):
+        raise ValueError(f"model_state_bytes(grad_accumulation={grad_accumulation!r}): use False, True (PyTorch: "
+                         "in place into param.grad) or 'fp32' (a separate fp32 accumulation buffer)")
+    accum = trainable * 4 if grad_accumulation == "fp32" and grad_bytes < 4 else 0
     state = {
         "parameters": shard((num_parameters - quantized) * weight_bytes + math.ceil(quantized * QLORA_BYTES_PER_PARAM),
                             3),
@@ -325,8 +332,9 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
     adapters on the attention/MLP projections are the only trainable parameters) or
     ``qlora`` (the same with the adapted base weights in NF4, bf16 compute).
     ``optimizer_offload``: fp32 master weights and optimizer state live in host memory.
-    ``grad_accumulation``: count the fp32 buffer that low-precision gradients are
-    accumulated into over micro-batches. Formulas: :func:`model_state_bytes`.
+    ``grad_accumulation``: several micro-batches per optimizer step: ``True`` as PyTorch
+    does it (in place into ``param.grad``: no extra buffer), ``"fp32"`` with a separate fp32
+    accumulation buffer (DeepSpeed's bf16 optimizer, Megatron). Formulas: :func:`model_state_bytes`.
     """
     _positive_int("batch", batch)
     _positive_int("seq", seq)

@@ -4,7 +4,8 @@ Two parts:
 
 1. :func:`measure_profile` runs one training step (forward + backward, with labels) of a
    4-layer copy of the model on the ``meta`` device, once keeping everything and once per
-   recompute option applied to its third layer, under
+   option applied to its third layer (offload options only when asked, through
+   :class:`_MetaOffload`: OffloadActivations' own logic on meta tensors), under
    :class:`~memkernels.meters.PeakBytesMeter`. Hooks cut the step into segments (the
    embedding, each layer's forward, the head = final norm + LM head + loss forward and
    backward, each layer's backward, the embedding's backward) and record the live bytes at
@@ -25,19 +26,19 @@ layer i's forward, layer i's backward and the head:
     peak = max( Pe, Pt, Ph - S_L, max_i (Pf_i - S_i), max_i (Pb_i - S_i + d(o_i)) )
 
 where d(o) is what option o adds to its own layer's backward peak (recompute transients,
-measured; prefetched offload copies, modeled). Savings of layers after i are already freed
+restored and prefetched offload copies; measured). Savings of layers after i are already freed
 when layer i's backward runs, so only the prefix S_i matters.
 
 The cost model (seconds added to a step): recomputing a part costs the FLOPs it replays
 (measured) / the GPU's throughput; offloading a part costs the PCIe time of its bytes not hidden behind
 compute: max(0, t - t_fwd) on the way out (during the next layer's forward) plus
-max(0, t - 2 t_fwd) on the way back (during backward), t = bytes / PCIe bandwidth, t_fwd
-the layer's forward time.
+max(0, t - 2 t_fwd) on the way back (during backward), t = bytes moved (measured) / PCIe
+bandwidth, t_fwd the layer's forward time.
 
 The DP walks the layers in forward order with the prefix savings S_i as its state,
 discretized in units of q = max(savings needed) / 4096, savings rounded down and needs
 rounded up (so a placement the DP accepts fits under the model). It is exact for that
-discretization: the minimum added time over all 10^L placements, with ties going to the
+discretization: the minimum added time over all 11^L placements, with ties going to the
 option listed first (keep before recompute before offload, smaller parts first).
 """
 import dataclasses
@@ -48,6 +49,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memkernels.meters import PeakBytesMeter
+from memkernels.offload import OffloadActivations
 from memkernels.tools.profile import _FlashAttentionOnMeta
 from memkernels.tools import plan_apply
 
@@ -89,7 +91,8 @@ OPTION_BY_NAME = {option.name: option for option in LAYER_OPTIONS}
 _RECOMPUTE_ONLY = tuple(o for o in LAYER_OPTIONS if not o.offloaded)
 _STATES = 4096
 # The kernels a plan measures and applies: fused norms and GELU MLPs. The fused linear
-# cross-entropy is left out: its chunked meta backward at a 128k vocabulary takes minutes.
+# cross-entropy is left out: at a 128k vocabulary its meta step still takes ~4.5 s (its
+# split-accumulator GEMMs, see docs/measuring.md), about a minute per plan.
 KERNELS = {"norms": True, "mlp": True, "loss": False, "measure": False}
 
 
@@ -206,8 +209,12 @@ class LayerProfile:
     """What :func:`measure_profile` measured, per micro-batch of 1 and 2 (affine in between and beyond).
 
     Bytes are ints; ``segments``: {batch: {segment: peak}} of the keep-everything step of a
-    ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra``: {batch: {option: bytes}};
-    ``flops``: forward FLOPs per sequence of ``layer`` / ``attn`` / ``mlp``.
+    ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra`` / ``moved``:
+    {batch: {option: bytes}} (``moved``: bytes an offload option sends to the host);
+    ``head_live``: {batch: live bytes of the keep-everything step when the head starts};
+    ``recompute``: {option: FLOPs replayed per sequence}; ``keep_flops`` / ``step_flops``: FLOPs
+    of one sequence's keep-everything step of the measured copy / of the full model. Offload
+    options are in the tables once ``measure_profile(..., offload=True)`` measured them.
     """
 
     num_layers: int
@@ -218,8 +225,15 @@ class LayerProfile:
     savings: dict
     extra: dict
     recompute: dict
+    keep_flops: int
     step_flops: int
     parts: tuple
+    moved: dict = dataclasses.field(default_factory=lambda: {1: {}, 2: {}})
+    head_live: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def offload_measured(self):
+        return any(OPTION_BY_NAME[name].offloaded for name in self.savings[1])
 
     def _at(self, table, batch):
         one, two = table[1], table[2]
@@ -228,12 +242,9 @@ class LayerProfile:
         return one + (batch - 1) * (two - one)
 
     def figures(self, batch):
-        """(segments, R, savings, extra) at micro-batch ``batch`` for the full depth."""
-        seg = self._at(self.segments, batch)
-        resident = self._at(self.resident, batch)
-        savings = self._at(self.savings, batch)
-        extra = self._at(self.extra, batch)
-        return seg, resident, savings, extra
+        """(segments, R, savings, extra, moved) at micro-batch ``batch`` for the full depth."""
+        return tuple(self._at(table, batch) for table in (self.segments, self.resident, self.savings, self.extra,
+                                                           self.moved))
 
     @property
     def probe(self):
@@ -250,7 +261,7 @@ class LayerProfile:
 
     def layer_peaks(self, batch):
         """(Pe, Pt, Ph, [Pf_i], [Pb_i]) of the keep-everything step of the full model at ``batch``."""
-        seg, resident, _, _ = self.figures(batch)
+        seg, resident = self.figures(batch)[:2]
         forward, backward = [], []
         for i in range(self.num_layers):
             measured, grow = self.measured_layer(i)
@@ -270,64 +281,136 @@ def _probe_layer(depth):
     return min(2, depth - 1)
 
 
+class _BookkeepingEngine:
+    """Stands in for the C++ copy engine on ``meta``: hands out handles, copies nothing, and every
+    copy is complete at once (the device copy goes as soon as OffloadActivations looks)."""
+
+    closed = False
+
+    def __init__(self):
+        self._handles = 0
+
+    def offload(self, _address, _nbytes, _stream):
+        self._handles += 1
+        return self._handles
+
+    def offload_done(self, _handle):
+        return True
+
+    def prefetch(self, _handle, _address, _stream):
+        pass
+
+    def synchronize(self, _handle):
+        pass
+
+    synchronize_all = trim = close = lambda self: None
+    release = synchronize
+
+    def stats(self):
+        return {"pool": {"refusals": 0}, "live_handles": 0}
+
+
+class _MetaOffload(OffloadActivations):
+    """OffloadActivations on ``meta``: the same choices of what moves and what stays (parameters,
+    the last module, views sharing a storage), the same restores and prefetches, made of meta
+    tensors, so PeakBytesMeter sees on meta what the real one leaves on the device. Copies are
+    taken to finish at once: a GPU whose device-to-host copies lag behind forward frees later."""
+
+    @staticmethod
+    def _resolve_mode():
+        return "meta"
+
+    def __init__(self):
+        super().__init__(**plan_apply.OFFLOAD_OPTIONS)
+        self._device = torch.device("meta")
+        self._engine = _BookkeepingEngine()
+
+
 def _build(source, depth, dtype, kernels=False, option=None):
-    """A ``depth``-layer meta copy in train mode; with the kernels, and ``option`` on the probe layer."""
+    """(a ``depth``-layer meta copy in train mode with the kernels and ``option`` on the probe layer,
+    its :class:`_MetaOffload` or None)."""
     model = source.build(depth).to(dtype)
     model.train()
     if kernels:
         from memkernels.patch import apply
         apply(model, **KERNELS)
+    offload = None
     if option is not None:
         choices = [OPTION_BY_NAME["keep"]] * depth
         choices[_probe_layer(depth)] = option
-        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta)
-    return model
+        offload = _MetaOffload() if option.offloaded else None
+        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta, offload=offload)
+    return model, offload
 
 
 _profiles = {}  # (model key, seq, dtype, kernels) -> LayerProfile
 
 
-def measure_profile(source, seq, dtype, *, kernels=False):
+def measure_profile(source, seq, dtype, *, kernels=False, offload=False):
     """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``_Source``) at ``seq``
-    (cached per model, sequence length, dtype and kernels)."""
+    (cached per model, sequence length, dtype and kernels). ``offload``: also measure the
+    offload options (through :class:`_MetaOffload`; measured once, on first request)."""
     key = (source.key(), seq, dtype, kernels)
     if key not in _profiles:
         _profiles[key] = _measure_profile(source, seq, dtype, kernels)
-    return _profiles[key]
+    profile = _profiles[key]
+    if offload and not profile.offload_measured:
+        _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded])
+    return profile
+
+
+def _measure_options(profile, source, dtype, kernels, options):
+    """Add ``options``' savings, extra and moved bytes (batch 1 and 2, against the keep-everything
+    step in ``profile``) and recompute FLOPs to ``profile``."""
+    options = [o for o in options if o.name != "keep" and all(p in profile.parts + ("layer",) for p in o.actions)]
+    last_bwd = f"bwd{profile.probe}"
+    for batch in (1, 2):
+        ids = torch.empty(batch, profile.seq, dtype=torch.long, device="meta")
+        for table in (profile.savings, profile.extra, profile.moved):
+            table[batch]["keep"] = 0
+        for option in options:
+            model, offload = _build(source, profile.depth, dtype, kernels, option)
+            run = _metered_step(model, ids)
+            profile.savings[batch][option.name] = profile.head_live[batch] - run.live["head"]
+            profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd]
+            profile.moved[batch][option.name] = offload.stats()["bytes_offloaded"] if offload else 0
+    one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
+    profile.recompute["keep"] = 0
+    for option in options:
+        if not option.offloaded:
+            model = _build(source, profile.depth, dtype, kernels, option)[0]
+            profile.recompute[option.name] = _step_flops(model, one) - profile.keep_flops
+    for option in options:
+        if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
+            recomputed = {p: a for p, a in option.actions.items() if a == "recompute"}
+            profile.recompute[option.name] = next(profile.recompute[o.name] for o in LAYER_OPTIONS
+                                                  if o.actions == recomputed)
 
 
 def _measure_profile(source, seq, dtype, kernels):
     depth = min(_DEPTH, source.num_layers)
     probe_layer = _probe_layer(depth)
-    probe = _build(source, depth, dtype, kernels)
+    probe, _ = _build(source, depth, dtype, kernels)
     _, layers = plan_apply.find_layers(probe)
     parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
-    measured = [o for o in LAYER_OPTIONS if not o.offloaded and all(p in parts + ("layer",) for p in o.actions)]
-    segments, resident, savings, extra = {}, {}, {}, {}
+    one = torch.empty(1, seq, dtype=torch.long, device="meta")
+    keep_flops = _step_flops(probe, one)
+    # One more layer's step FLOPs, to extrapolate to the full depth.
+    per_layer = (keep_flops - _step_flops(_build(source, depth - 1, dtype, kernels)[0], one)
+                 if depth > 1 else keep_flops)
+    profile = LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments={}, resident={},
+                           savings={1: {}, 2: {}}, extra={1: {}, 2: {}}, recompute={}, keep_flops=keep_flops,
+                           step_flops=keep_flops + (source.num_layers - depth) * per_layer, parts=parts)
     for batch in (1, 2):
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        runs = {}
-        for option in measured:
-            runs[option.name] = _metered_step(_build(source, depth, dtype, kernels, option), ids)
-        keep = runs["keep"]
-        segments[batch] = dict(keep.peaks)
+        keep = _metered_step(_build(source, depth, dtype, kernels)[0], ids)
+        profile.segments[batch] = dict(keep.peaks)
+        profile.head_live[batch] = keep.live["head"]
         # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
         after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
-        resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
-        last_bwd = f"bwd{probe_layer}"
-        savings[batch] = {name: keep.live["head"] - run.live["head"] for name, run in runs.items()}
-        extra[batch] = {name: run.peaks[last_bwd] - keep.peaks[last_bwd] for name, run in runs.items()}
-    one = torch.empty(1, seq, dtype=torch.long, device="meta")
-    step_flops = {}
-    for option in measured:
-        step_flops[option.name] = _step_flops(_build(source, depth, dtype, kernels, option), one)
-    recompute = {name: flops - step_flops["keep"] for name, flops in step_flops.items()}
-    # One more layer's step FLOPs, to extrapolate to the full depth.
-    per_layer = (step_flops["keep"] - _step_flops(_build(source, depth - 1, dtype, kernels), one)
-                 if depth > 1 else step_flops["keep"])
-    full_step = step_flops["keep"] + (source.num_layers - depth) * per_layer
-    return LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments=segments, resident=resident,
-                        savings=savings, extra=extra, recompute=recompute, step_flops=full_step, parts=parts)
+        profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
+    _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY)
+    return profile
 
 
 @dataclasses.dataclass
@@ -379,46 +462,39 @@ def _ranges(indices):
     return ", ".join(out)
 
 
-def _option_costs(profile, batch, options, *, tflops, pcie_gbps, prefetch_bytes):
+def _option_costs(profile, batch, options, *, tflops, pcie_gbps):
     """Per option: (savings, extra, seconds, recompute flops, offload bytes) at ``batch``."""
-    _, _, savings, extra = profile.figures(batch)
+    _, _, savings, extra, moved = profile.figures(batch)
     throughput = tflops * 1e12
     # A layer's forward: a third of its share of the step (backward does about twice the forward's work).
     layer_seconds = batch * profile.step_flops / (3 * profile.num_layers) / throughput
     out = {}
     for option in options:
-        kept = LayerOption("", {p: a for p, a in option.actions.items() if a == "recompute"})
-        kept_name = next(o.name for o in LAYER_OPTIONS if o.actions == kept.actions)
-        recompute_flops = batch * profile.recompute[kept_name]
+        recompute_flops = batch * profile.recompute[option.name]
         seconds = recompute_flops / throughput
-        moved = 0
         if option.offloaded:
-            # The bytes an offloaded part moves are those recomputing it would have freed.
-            recompute_twin = LayerOption("", {part: "recompute" for part in option.actions})
-            twin = next(o.name for o in LAYER_OPTIONS if o.actions == recompute_twin.actions)
-            moved = max(0, savings[twin] - savings[kept_name])
-            saving = savings[twin]
-            transfer = moved / (pcie_gbps * 1e9) if pcie_gbps else math.inf
+            transfer = moved[option.name] / (pcie_gbps * 1e9)
             seconds += max(0.0, transfer - layer_seconds) + max(0.0, transfer - 2 * layer_seconds)
-            added = extra[kept_name] + min(prefetch_bytes, moved)
-        else:
-            saving, added = savings[option.name], extra[option.name]
-        out[option.name] = (max(0, saving), added, seconds, recompute_flops, moved)
+        out[option.name] = (max(0, savings[option.name]), extra[option.name], seconds, recompute_flops,
+                            moved[option.name])
     return out
 
 
-def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0, prefetch_bytes=128 << 20):
+def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0):
     """The cheapest :class:`Placement` whose predicted peak fits ``budget`` bytes at micro-batch ``batch``.
 
-    ``offload``: also consider activation offload (needs a CUDA device or the simulated one).
+    ``offload``: also consider activation offload (needs a CUDA device or the simulated one, and a
+    profile measured with ``offload=True``).
     ``tflops``: sustained throughput of a GPU (TFLOP/s) for the recompute cost; ``pcie_gbps``:
     host link bandwidth (GB/s). When nothing fits, returns the placement with the lowest
     predicted peak, ``fits=False``.
     """
+    if offload and not profile.offload_measured:
+        raise ValueError("solve(offload=True): the profile has no offload figures; measure it with "
+                         "measure_profile(..., offload=True)")
     options = [o for o in (LAYER_OPTIONS if offload else _RECOMPUTE_ONLY)
                if all(part in profile.parts + ("layer",) for part in o.actions)]
-    costs = _option_costs(profile, batch, options, tflops=tflops, pcie_gbps=pcie_gbps,
-                          prefetch_bytes=prefetch_bytes)
+    costs = _option_costs(profile, batch, options, tflops=tflops, pcie_gbps=pcie_gbps)
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
     keep_peak = max(embed, tail, head, max(forward), max(backward))
     num_layers = profile.num_layers
@@ -477,9 +553,8 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
 def predict_peak(profile, batch, choices, costs=None, **cost_args):
     """The peak model of the module docstring for ``choices`` at ``batch`` (bytes)."""
     if costs is None:
-        costs = _option_costs(profile, batch, {c for c in choices}, tflops=cost_args.get("tflops", 400.0),
-                              pcie_gbps=cost_args.get("pcie_gbps", 25.0),
-                              prefetch_bytes=cost_args.get("prefetch_bytes", 128 << 20))
+        costs = _option_costs(profile, batch, set(choices), tflops=cost_args.get("tflops", 400.0),
+                              pcie_gbps=cost_args.get("pcie_gbps", 25.0))
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
     peak, saved = max(embed, tail), 0
     for i, choice in enumerate(choices):

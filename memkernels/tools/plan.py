@@ -20,8 +20,6 @@ minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP
 import dataclasses
 import math
 
-import torch
-
 from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _layer_numel, _Source, lora_parameters,
                                  model_state_bytes)
 from memkernels.tools import placement as placement_mod
@@ -224,7 +222,7 @@ def place(model, *, batch, seq, budget, offload=False, tflops=400.0, pcie_gbps=2
     _positive("seq", seq)
     _positive("budget", budget)
     dtype = next(model.parameters()).dtype
-    profile = placement_mod.measure_profile(_Source(model), seq, dtype)
+    profile = placement_mod.measure_profile(_Source(model), seq, dtype, offload=offload)
     return placement_mod.solve(profile, batch, budget, offload=offload, tflops=tflops, pcie_gbps=pcie_gbps)
 
 
@@ -311,11 +309,12 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         steps.append(Step("mixed precision", True, "half the activation bytes of fp32", "none on tensor cores",
                           f"{dtype} weights and activations, fp32 master weights"))
 
-    profile = placement_mod.measure_profile(source, seq, compute_dtype)
+    act_offload = host_mem is not None
+    profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload)
     use_kernels = False
     if kernels:
         try:
-            fused = placement_mod.measure_profile(source, seq, compute_dtype, kernels=True)
+            fused = placement_mod.measure_profile(source, seq, compute_dtype, kernels=True, offload=act_offload)
         except (ImportError, RuntimeError) as error:
             steps.append(Step("memkernels kernels", False, "", "", f"unavailable here ({error})"[:200]))
         else:
@@ -352,7 +351,6 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
 
     stages = (zero_stage,) if zero_stage is not None else (0, 1, 2, 3) if gpus > 1 else (0,)
     modes = FINETUNE_MODES[FINETUNE_MODES.index(finetune):]
-    act_offload = host_mem is not None
     chosen, nearest_fail, alternatives = None, None, []
     for mode in modes:
         found = None

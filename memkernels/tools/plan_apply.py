@@ -21,7 +21,11 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["find_layers", "wrap", "remove", "apply_plan", "apply_placement", "ApplyReport"]
+__all__ = ["find_layers", "wrap", "remove", "apply_plan", "apply_placement", "ApplyReport", "OFFLOAD_OPTIONS"]
+
+# The shared OffloadActivations a plan's offloaded modules run in: every saved tensor of the
+# module moves, its last submodule's too (a plan offloads a module so that nothing of it stays).
+OFFLOAD_OPTIONS = {"min_offload_bytes": 0, "offload_last_module": True}
 
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
@@ -138,11 +142,13 @@ class ApplyReport:
     __str__ = summary
 
 
-def apply_placement(model, choices, *, kernels=False, offload_options=None, recompute_context=None):
+def apply_placement(model, choices, *, kernels=False, offload_options=None, recompute_context=None, offload=None):
     """Wrap ``model``'s layers as ``choices`` says (one :class:`LayerOption` per layer).
 
     ``kernels``: also swap in memkernels' fused kernels first (:func:`memkernels.patch.apply`).
-    ``offload_options``: keyword arguments of the shared OffloadActivations.
+    ``offload_options``: keyword arguments of the shared OffloadActivations (default
+    :data:`OFFLOAD_OPTIONS`); ``offload``: an OffloadActivations to share instead of a new one
+    (the meta measurement passes its bookkeeping one).
     """
     prefix, layers = find_layers(model)
     if len(choices) != len(layers):
@@ -154,10 +160,9 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
         from memkernels.tools.placement import KERNELS
         kernel_report = apply_kernels(model, **KERNELS)
         prefix, layers = find_layers(model)
-    offload = None
-    if any("offload" in choice.actions.values() for choice in choices):
+    if offload is None and any("offload" in choice.actions.values() for choice in choices):
         from memkernels.offload import OffloadActivations
-        offload = OffloadActivations(**(offload_options or {}))
+        offload = OffloadActivations(**(OFFLOAD_OPTIONS if offload_options is None else offload_options))
     wrapped = []
     for index, (layer, choice) in enumerate(zip(layers, choices)):
         for part, action in choice.actions.items():
@@ -175,12 +180,13 @@ def apply_plan(model, plan, offload_options=None):
     """``memkernels.apply(model, plan)``: carry out a :class:`~memkernels.tools.plan.Plan` (its kernels and
     per-layer placement) or a :class:`~memkernels.tools.placement.Placement` on ``model``; returns an
     :class:`ApplyReport`. Offloaded modules share one OffloadActivations (``offload_options``: its
-    keyword arguments; default: every saved tensor of the module, its last submodule's too)."""
+    keyword arguments, on top of :data:`OFFLOAD_OPTIONS`: every saved tensor of the module, its last
+    submodule's too)."""
     choices = getattr(plan, "choices", None)
     if not isinstance(model, nn.Module) or choices is None:
         raise ValueError("memkernels.apply(model, plan): needs an nn.Module and a Plan or Placement from "
                          f"memkernels.plan / memkernels.tools.plan.place, got {type(model).__name__} and "
                          f"{type(plan).__name__}")
-    options = {"min_offload_bytes": 0, "offload_last_module": True}
+    options = dict(OFFLOAD_OPTIONS)
     options.update(offload_options or {})
     return apply_placement(model, choices, kernels=bool(getattr(plan, "kernels", False)), offload_options=options)
