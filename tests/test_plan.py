@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import memkernels
-from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, estimate, lora_parameters, model_state_bytes
+from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, _Source, estimate, lora_parameters, model_state_bytes
 from memkernels.meters import PeakBytesMeter
 from memkernels.tools import plan_apply
 from memkernels.tools.placement import OPTION_BY_NAME, flop_counter
@@ -194,7 +194,7 @@ def test_lora_and_qlora_estimates():
     assert lora.gradients == 2 * adapters and lora.optimizer_state == 8 * adapters
     base = full.num_parameters
     assert lora.parameters == 2 * (base + adapters)
-    _, adapted = lora_parameters(__import__("memkernels.tools.estimate").estimate._Source("llama-2-7b").build(), 16)
+    _, adapted = lora_parameters(_Source("llama-2-7b").build(), 16)
     assert qlora.parameters == 2 * (base + adapters - adapted) + math.ceil(adapted * QLORA_BYTES_PER_PARAM)
     assert QLORA_BYTES_PER_PARAM == pytest.approx(0.516, abs=1e-3)
 
@@ -232,7 +232,7 @@ def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
     result = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="512GB")
     step = next(s for s in result.steps if s.name == "optimizer-state CPU offload (full)")
     assert not step.taken and "cannot hold" in step.reason
-    params = sum(p.numel() for p in __import__("memkernels.tools.estimate").estimate._Source("qwen2-72b").build()
+    params = sum(p.numel() for p in _Source("qwen2-72b").build()
                  .parameters())
     host = model_state_bytes(params, dtype="bf16", optimizer_offload=True)["host_optimizer"]
     assert host == 12 * params and host == pytest.approx(864e9, rel=0.02)
@@ -317,7 +317,6 @@ def test_offload_prediction_on_simulated_device(simulated_device, option):
     """Offload choices carried out through OffloadActivations on the simulated device: gradients are
     bitwise equal, the measured peak is within 10% of the prediction (measured on meta through the
     same OffloadActivations logic) and the bytes moved are the predicted ones."""
-    from memkernels.tools.estimate import _Source
     from memkernels.tools import placement
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     reference = _llama(torch.float32)
