@@ -126,9 +126,9 @@ def test_linear_cross_entropy_recompute_counts():
             ("addmm", n * h * 4 * 2 + (n * t + t * h) * e, {"bf16": 2 * n * h * t}, (("bf16", "bf16"),)),
             ("mm", (n * t + n * h + t * h) * e, {"bf16": 2 * n * h * t}, (("bf16", "bf16"),))]
     assert _matmuls(run["backward"]) == tile * 2
-    # the gradient kernel per row: target, (max, log-sum), the incoming gradient's scale (4), the tile's logits
-    # read and its gradient written in place (bf16: no float32 tile without a bias)
-    assert _triton(run["backward"])[:2] == (2, n * (8 + 8 + 4 + 2 * t * e))
+    # the gradient kernel, per tile and row: target, (max, log-sum), the incoming gradient's scale (4), the tile's
+    # logits read and its gradient written in place (bf16: no float32 tile without a bias)
+    assert _triton(run["backward"])[:2] == (2, 2 * n * (8 + 8 + 4 + 2 * t * e))
     assert run["forward"].syncs == run["backward"].syncs == []
 
 
