@@ -43,14 +43,14 @@ computed: chunked logits, no gradient buffers.
 
 Chunk size: by default a logits chunk (with its float32 working copy for half
 inputs) is bounded by a transient budget. For ``"recompute"`` (and loss-only
-calls) it is the larger of :data:`DEFAULT_CHUNK_BYTES` and the weight's own size,
-and the recompute backward uses vocabulary tiles with the same number of
-elements: each chunk re-reads the whole weight (each tile all the hidden states
-and the float32 dX), so small chunks make memory-bound GEMMs (a chunk of r
-tokens does r FLOPs per byte of weight read; an H100 needs ~295). With the
-weight's size, a chunk has H / 3 tokens for half inputs (H for float32):
-Llama-3-8B's head at 8192 tokens runs 7 chunks of 1365 tokens and 6 tiles of
-21376 classes, against 390 chunks and 376 tiles with 16 MiB. For ``"chunked"`` it is the
+calls) it is :data:`DEFAULT_CHUNK_BYTES`, and the recompute backward uses
+vocabulary tiles with the same number of elements, but a chunk has at least
+590 tokens for half inputs (80 for float32) and a tile at least 2360 classes
+(160): each chunk re-reads the whole weight and each tile the hidden states and
+the float32 dX, so small ones make memory-bound GEMMs on a GPU (see
+:func:`recompute_chunk_tokens`, :func:`recompute_tile_classes`). Llama-3-8B's
+head at 8192 tokens, bfloat16: 14 chunks of 590 tokens and 55 tiles of 2360
+classes, against 390 chunks and 376 tiles with 16 MiB alone. For ``"chunked"`` it is the
 larger of :data:`DEFAULT_CHUNK_BYTES` and :data:`CHUNKED_TRANSIENT_FRACTION` of
 what the strategy holds anyway (dX plus the float32 dW): every chunk reads and
 writes all of dW, so at a large V x H fixed 16 MiB chunks would mean hundreds of

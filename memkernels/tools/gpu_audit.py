@@ -18,6 +18,8 @@ shapes of real models, in bf16 and fp32:
 - **Tensor-core eligibility**: each matmul's operand dtypes (aten and ``tl.dot``); a float32
   operand on half inputs is flagged.
 - **Host syncs**: aten ops that read device memory back to the host (:data:`SYNC_OPS`).
+- **Step**: for an op that moves backward's work into its forward (linear-CE's ``"chunked"``),
+  a "step" row adds forward and backward up, so that strategies and eager compare as a whole.
 - **Occupancy** (``--occupancy``): blocks per SM on sm_80 / sm_90 from the registers and
   shared memory that :mod:`memkernels.aot` compiles (ptxas), see :func:`blocks_per_sm`.
 - **Predicted time, a model**: the sum over launches of max(bytes / HBM bandwidth,
