@@ -129,7 +129,7 @@ aot.register(_add_to_split_float32_kernel, name="add_to_split_float32", variants
 
 STRATEGIES = ("auto", "chunked", "recompute")
 # Budget for the transient logits chunk and its float32 gradient (half inputs): 16 MiB. It favours
-# memory; on a GPU, larger chunks (chunk_size=1024 or more tokens) make better GEMMs.
+# memory; "recompute" raises it to what keeps its GEMMs compute-bound (recompute_chunk_tokens).
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 # "chunked" may spend this fraction of what it holds anyway (dX + float32 dW) on one chunk: each
 # chunk is a full read-modify-write pass over dW, so the chunk count must stay small at large V x H.
@@ -593,7 +593,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             :func:`memkernels.ops.cross_entropy.cross_entropy`.
         strategy: "auto", "chunked" or "recompute" (see the module docstring).
         chunk_size: tokens per logits chunk; default: as many as fit the transient budget (16 MiB;
-            for "chunked" at least 1/8 of dX + float32 dW, see the module docstring).
+            for "chunked" at least 1/8 of dX + float32 dW; for "recompute" at least 590 tokens per chunk
+            and 2360 classes per backward tile for half inputs, 80 and 160 for float32; see the module
+            docstring).
     Returns:
         float32 loss (shape of ``target`` for reduction "none", else 0-d), or
         ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached).
