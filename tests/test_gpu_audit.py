@@ -188,6 +188,13 @@ def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
     assert counts.syncs == ["nonzero"]
 
 
+def test_linear_cross_entropy_recompute_real_shape_uses_the_ops_chunks():
+    """At Llama-3-8B's head (8192 tokens, bf16) the op runs 590-token chunks (14) and 2360-class tiles (55)."""
+    case = LINEAR_CE["recompute"]
+    assert case.real_shape(case.shape, torch.bfloat16, "forward")["C"] == -(-8192 // 590) == 14
+    assert case.real_shape(case.shape, torch.bfloat16, "backward")["C"] == -(-128256 // 2360) == 55
+
+
 def test_aten_counts_in_place_and_float32_result_matmuls():
     """addmm_ is a matmul (its FLOPs and operand dtypes count); addmm with out_dtype=float32 into its own
     accumulator reads the accumulator once and its FLOPs run at the operands' precision."""
