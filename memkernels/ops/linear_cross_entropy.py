@@ -147,7 +147,7 @@ RIDGE_FLOPS_PER_BYTE = {torch.bfloat16: 295, torch.float16: 295, torch.float32: 
 RIDGE_HEADROOM = 2
 
 
-def recompute_chunk_tokens(n_tokens, n_classes, dtype, chunk_size=None):
+def recompute_chunk_tokens(n_classes, dtype, chunk_size=None):
     """Tokens per "recompute" (and loss-only) forward chunk: chunk_size, or as many as fit DEFAULT_CHUNK_BYTES
     but at least RIDGE_HEADROOM * ridge * e / 2 (590 for bf16/fp16, 80 for float32): a chunk of r tokens
     re-reads the weight (V H e bytes) for 2 r H V FLOPs, 2 r / e FLOPs per byte."""
@@ -312,7 +312,7 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
     check_targets_if_cpu(backend, target, cfg)
     n_tokens = hidden.shape[0]
     if grads is None:
-        rows_per_chunk = recompute_chunk_tokens(n_tokens, cfg.n_classes, hidden.dtype, chunk_size)
+        rows_per_chunk = recompute_chunk_tokens(cfg.n_classes, hidden.dtype, chunk_size)
     else:
         budget = _chunked_budget(hidden, weight)
         rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, budget) // cfg.n_classes)

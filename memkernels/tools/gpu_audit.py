@@ -650,7 +650,7 @@ def _linear_ce_recompute_real_shape(shape, dtype, phase):
     from memkernels.ops import linear_cross_entropy as lce
     n, v = shape["N"], shape["V"]
     if phase == "forward":
-        return dict(shape, C=-(-n // lce.recompute_chunk_tokens(n, v, dtype)))
+        return dict(shape, C=-(-n // lce.recompute_chunk_tokens(v, dtype)))
     return dict(shape, C=-(-v // lce.recompute_tile_classes(n, v, dtype)))
 
 
