@@ -106,6 +106,18 @@ def test_linear_cross_entropy_half_inputs_run_half_operand_gemms():
     # three GEMMs of 2*N*H*V: logits, dX, dW
     assert run["forward"].flops() - run["forward"].flops("fp64") == 3 * 2 * n * h * v
     assert run["forward"].syncs == run["backward"].syncs == []
+    # per chunk of r = 4 rows (e = 2): logits (r x H, V x H read, r x V written); dW's block product written to the
+    # float32 scratch (the gradient r x V and hidden rows read, V x H x 4 written: the scratch is not read); dX
+    # (the gradient, W read, r x H written)
+    r, e = n // 2, 2
+    gemm = (("bf16", "bf16"),)
+    chunk = [("mm", (r * h + v * h + r * v) * e, {"bf16": 2 * r * h * v}, gemm),
+             ("mm", (r * v + r * h) * e + v * h * 4, {"bf16": 2 * r * h * v}, gemm),
+             ("mm", (r * v + v * h + r * h) * e, {"bf16": 2 * r * h * v}, gemm)]
+    assert _matmuls(run["forward"]) == chunk * 2
+    # the split add per chunk: halves (2 + 2 bytes) and the float32 block read, the halves written
+    split = [x for x in run["forward"].launches if x.name == "_add_to_split_float32_kernel"]
+    assert [x.requested_bytes for x in split] == [v * h * (2 + 2 + 4 + 2 + 2)] * 2
 
 
 def test_linear_cross_entropy_recompute_counts():
