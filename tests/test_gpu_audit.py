@@ -200,6 +200,15 @@ def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
     assert counts.syncs == ["nonzero"]
 
 
+def test_linear_cross_entropy_float32_counts_the_gpu_path():
+    """float32 chunked: per chunk one logits GEMM, the dW addmm_ into the float32 accumulator and one dX GEMM, as on a
+    GPU (the CPU path's dX by blocks of 128 classes summed in float64 is not what a GPU runs)."""
+    n, h, v = 8, 16, 300
+    run = _measure("linear_cross_entropy:chunked", torch.float32, N=n, H=h, V=v, C=2)
+    assert [name for name, _ in run["forward"].matmul_dtypes] == ["mm", "addmm_", "mm"] * 2
+    assert run["forward"].flops("fp32") == 3 * 2 * n * h * v  # the rest is the loss kernel's float64 row sums
+
+
 def test_linear_cross_entropy_recompute_real_shape_uses_the_ops_chunks():
     """At Llama-3-8B's head (8192 tokens, bf16) the op runs 590-token chunks (14) and 2360-class tiles (55)."""
     case = LINEAR_CE["recompute"]

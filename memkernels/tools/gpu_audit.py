@@ -673,14 +673,16 @@ def _linear_ce_chunks(shape, dtype):
 def _wide_split_blocks(shape):
     """Small shapes: the split accumulator's elementwise kernel in blocks of 64 Ki elements instead of
     1 Ki (the same loads and stores, masks honoured, in 64 times fewer interpreted programs), and dW
-    in one row block per chunk (the real shape's extra blocks are added by _linear_ce_extra_launches)."""
+    in one row block per chunk (the real shape's extra blocks are added by _linear_ce_extra_launches).
+    float32 dX in one GEMM per chunk, as on a GPU (the CPU's class blocks summed in float64 are a
+    CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
     from memkernels.ops import linear_cross_entropy as lce
-    original = lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE
-    lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = 1 << 16, 1 << 20
+    original = lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK
+    lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK = 1 << 16, 1 << 20, 1 << 62
     try:
         yield
     finally:
-        lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = original
+        lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK = original
 
 
 def _linear_ce_real_shape(shape, dtype, phase):
