@@ -14,11 +14,19 @@ pytestmark = pytest.mark.skipif(not memkernels._backend.triton_interpreted(),
 
 CASES = {}
 for _case in gpu_audit.cases():
-    CASES.setdefault(_case.op, _case)  # an op's first case: gated_linear's SwiGLU
+    if _case.op != "linear_cross_entropy":
+        CASES.setdefault(_case.op, _case)  # an op's first case: gated_linear's SwiGLU
+# linear-CE is audited per strategy: {"chunked": case, "recompute": case}
+LINEAR_CE = {case.label.rsplit(" ", 1)[-1]: case for case in gpu_audit.cases() if case.op == "linear_cross_entropy"}
 
 
 def _measure(op, dtype=torch.bfloat16, **shape):
-    return gpu_audit.measure(CASES[op], shape, dtype)
+    case = LINEAR_CE[op.split(":")[1]] if op.startswith("linear_cross_entropy:") else CASES[op]
+    return gpu_audit.measure(case, shape, dtype)
+
+
+def _matmuls(counts):
+    return [(x.name, x.hbm_bytes, x.flops, x.matmul_dtypes) for x in counts.launches if x.matmul_dtypes]
 
 
 def _triton(counts):
@@ -188,11 +196,47 @@ def test_gated_mlp_counts():
 def test_linear_cross_entropy_half_inputs_run_half_operand_gemms():
     """Every GEMM of the chunked strategy on bf16 inputs takes bf16 operands (fp32 accumulation)."""
     n, h, v = 8, 16, 40
-    run = _measure("linear_cross_entropy", N=n, H=h, V=v, C=2)
+    run = _measure("linear_cross_entropy:chunked", N=n, H=h, V=v, C=2)
     dtypes = {dtypes for counts in run.values() for _, dtypes in counts.matmul_dtypes}
     assert dtypes == {("bf16", "bf16")}
     # three GEMMs of 2*N*H*V: logits, dX, dW
     assert run["forward"].flops() - run["forward"].flops("fp64") == 3 * 2 * n * h * v
+    assert run["forward"].syncs == run["backward"].syncs == []
+    # per chunk of r = 4 rows (e = 2): logits (r x H, V x H read, r x V written); dW's block product written to the
+    # float32 scratch (the gradient r x V and hidden rows read, V x H x 4 written: the scratch is not read); dX
+    # (the gradient, W read, r x H written)
+    r, e = n // 2, 2
+    gemm = (("bf16", "bf16"),)
+    chunk = [("mm", (r * h + v * h + r * v) * e, {"bf16": 2 * r * h * v}, gemm),
+             ("mm", (r * v + r * h) * e + v * h * 4, {"bf16": 2 * r * h * v}, gemm),
+             ("mm", (r * v + v * h + r * h) * e, {"bf16": 2 * r * h * v}, gemm)]
+    assert _matmuls(run["forward"]) == chunk * 2
+    # the split add per chunk: halves (2 + 2 bytes) and the float32 block read, the halves written
+    split = [x for x in run["forward"].launches if x.name == "_add_to_split_float32_kernel"]
+    assert [x.requested_bytes for x in split] == [v * h * (2 + 2 + 4 + 2 + 2)] * 2
+
+
+def test_linear_cross_entropy_recompute_counts():
+    """recompute, bf16: C=2 gives chunk_size = 4 tokens, so the forward runs 2 token chunks of r = 4 rows and
+    the backward 2 vocabulary tiles of t = 4 * V // N = 20 classes. Every GEMM takes bf16 operands."""
+    n, h, v, e = 8, 16, 40, 2
+    r, t = 4, 20
+    run = _measure("linear_cross_entropy:recompute", N=n, H=h, V=v, C=2)
+    # forward, per chunk: logits = hidden rows @ W.T (reads r x H and V x H, writes r x V), then the loss kernel
+    logits = ("mm", (r * h + v * h + r * v) * e, {"bf16": 2 * r * h * v}, (("bf16", "bf16"),))
+    assert _matmuls(run["forward"]) == [logits] * 2
+    # the loss kernel per row: target (8), the row of logits, the target's logit, the loss (4), (max, log-sum) (8)
+    assert _triton(run["forward"])[:2] == (2, n * (8 + v * e + e + 4 + 8))
+    # backward, per tile: the tile's logits (N x H and t x H read, N x t written); dX += gradient @ W[tile] with
+    # the float32 N x H accumulator read and written (half operands: addmm with a float32 result); dW[tile] =
+    # gradient.T @ hidden
+    tile = [("mm", (n * h + t * h + n * t) * e, {"bf16": 2 * n * h * t}, (("bf16", "bf16"),)),
+            ("addmm", n * h * 4 * 2 + (n * t + t * h) * e, {"bf16": 2 * n * h * t}, (("bf16", "bf16"),)),
+            ("mm", (n * t + n * h + t * h) * e, {"bf16": 2 * n * h * t}, (("bf16", "bf16"),))]
+    assert _matmuls(run["backward"]) == tile * 2
+    # the gradient kernel, per tile and row: target, (max, log-sum), the incoming gradient's scale (4), the tile's
+    # logits read and its gradient written in place (bf16: no float32 tile without a bias)
+    assert _triton(run["backward"])[:2] == (2, 2 * n * (8 + 8 + 4 + 2 * t * e))
     assert run["forward"].syncs == run["backward"].syncs == []
 
 
@@ -276,16 +320,52 @@ def test_aten_counts_bytes_flops_float32_matmuls_and_syncs():
     assert counts.syncs == ["nonzero"]
 
 
-def test_an_in_place_matmul_is_a_matmul():
-    """``accumulator.addmm_(a, b)`` (the recompute MLP's dx, linear-CE's float32 dW) counts its FLOPs and
-    operand dtypes like addmm."""
-    a, b, accumulator = torch.randn(8, 4), torch.randn(4, 6), torch.zeros(8, 6)
+def test_linear_cross_entropy_float32_counts_the_gpu_path():
+    """float32 chunked: per chunk one logits GEMM, the dW addmm_ into the float32 accumulator and one dX GEMM, as on a
+    GPU (the CPU path's dX by blocks of 128 classes summed in float64 is not what a GPU runs)."""
+    n, h, v = 8, 16, 300
+    run = _measure("linear_cross_entropy:chunked", torch.float32, N=n, H=h, V=v, C=2)
+    assert [name for name, _ in run["forward"].matmul_dtypes] == ["mm", "addmm_", "mm"] * 2
+    assert run["forward"].flops("fp32") == 3 * 2 * n * h * v  # the rest is the loss kernel's float64 row sums
+
+
+def test_linear_cross_entropy_recompute_real_shape_uses_the_ops_chunks():
+    """At Llama-3-8B's head (8192 tokens, bf16) the op runs 590-token chunks (14) and 2360-class tiles (55)."""
+    case = LINEAR_CE["recompute"]
+    assert case.real_shape(case.shape, torch.bfloat16, "forward")["C"] == -(-8192 // 590) == 14
+    assert case.real_shape(case.shape, torch.bfloat16, "backward")["C"] == -(-128256 // 2360) == 55
+
+
+def test_aten_counts_in_place_and_float32_result_matmuls():
+    """addmm_ is a matmul (its FLOPs and operand dtypes count); addmm with out_dtype=float32 into its own
+    accumulator reads the accumulator once and its FLOPs run at the operands' precision."""
+    from memkernels.ops._half_gemm import addmm_float32_
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    accumulator = torch.zeros(8, 6)
     with gpu_audit.count() as counts:
         accumulator.addmm_(a, b)
-    (launch,) = counts.launches
-    assert (launch.name, launch.flops, launch.matmul_dtypes) == ("addmm_", {"fp32": 2 * 8 * 4 * 6},
-                                                                 (("fp32", "fp32"),))
-    assert launch.hbm_bytes == (8 * 6 + 8 * 4 + 4 * 6 + 8 * 6) * 4  # the accumulator read and written
+        addmm_float32_(accumulator, a.bfloat16(), b.bfloat16())
+    in_place, half = counts.launches[0], counts.launches[-1]
+    assert (in_place.name, in_place.flops, in_place.matmul_dtypes) == ("addmm_", {"fp32": 2 * 8 * 4 * 6},
+                                                                        (("fp32", "fp32"),))
+    assert in_place.hbm_bytes == (8 * 6 * 2 + 8 * 4 + 4 * 6) * 4
+    assert (half.name, half.flops, half.matmul_dtypes) == ("addmm", {"bf16": 2 * 8 * 4 * 6}, (("bf16", "bf16"),))
+    assert half.hbm_bytes == 8 * 6 * 4 * 2 + (8 * 4 + 4 * 6) * 2  # accumulator read once and written
+
+
+def test_step_row_adds_forward_and_backward():
+    def result(launches, hbm, flops):
+        return gpu_audit.PassResult({("aten", "mm"): {"launches": launches, "hbm": hbm, "requested": hbm,
+                                                      "flops": {"bf16": flops}}}, [], [])
+    forward = gpu_audit.Row("op", "s", "bf16", "forward", result(1, 100, 10 ** 12), 80, 10, result(1, 50, 0))
+    backward = gpu_audit.Row("op", "s", "bf16", "backward", result(4, 10 ** 9, 0), 20, 0, result(1, 50, 0))
+    step = gpu_audit.step_row(forward, backward)
+    assert (step.phase, step.result.hbm_bytes, step.result.launches, step.minimum_bytes) == ("step", 10 ** 9 + 100,
+                                                                                             5, 100)
+    h100 = gpu_audit.GPUS["H100-SXM"]
+    # each pass keeps its own launches: not one average launch over both
+    assert step.result.seconds(h100) == forward.result.seconds(h100) + backward.result.seconds(h100)
+    assert step.eager.seconds(h100) == forward.eager.seconds(h100) + backward.eager.seconds(h100)
 
 
 def test_eager_counts_on_fake_tensors_at_the_real_shape():

@@ -245,6 +245,25 @@ class TestHeldBytes:
         assert peak.peak_bytes - saved.new_bytes <= 2.25 * budget + 16 * n_tokens
         loss.backward()
 
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+    def test_recompute_default_chunks_keep_the_gemms_compute_bound(self, backend, dtype, monkeypatch):
+        """Default "recompute" chunks: at least RIDGE_HEADROOM * ridge * e / 2 tokens per forward chunk (each
+        re-reads the weight) and RIDGE_HEADROOM * 4 * ridge classes per backward tile (each reads and writes the
+        float32 dX), when the 16 MiB budget would give fewer."""
+        monkeypatch.setattr(lce, "DEFAULT_CHUNK_BYTES", 1)  # so the minimums decide
+        ridge = lce.RIDGE_FLOPS_PER_BYTE[dtype] * lce.RIDGE_HEADROOM
+        tokens, classes = ridge * (torch.finfo(dtype).bits // 8) // 2, 4 * ridge  # fp32: 80, 160; bf16: 590, 2360
+        n_tokens, n_classes = 2 * tokens + 3, 2 * classes + 5  # two full chunks and tiles and a partial one
+        hidden = torch.randn(n_tokens, 8, dtype=dtype, requires_grad=True)
+        weight = torch.randn(n_classes, 8, dtype=dtype, requires_grad=True)
+        calls = []
+        monkeypatch.setattr(lce, "_logits", lambda h, w, b, logits=lce._logits: calls.append((len(h), len(w)))
+                            or logits(h, w, b))
+        linear_cross_entropy(hidden, weight, make_target(n_tokens, n_classes), strategy="recompute").backward()
+        forward = [(rows, n_classes) for rows in (tokens, tokens, 3)]
+        backward = [(n_tokens, cols) for cols in (classes, classes, 5)]
+        assert calls == forward + backward
+
     def test_no_grad_holds_nothing_and_stays_within_a_chunk(self, backend):
         hidden, weight, bias, target = self.inputs(torch.float32)
         chunk_size = 6
@@ -257,14 +276,29 @@ class TestHeldBytes:
         assert peak.peak_bytes < self.n_tokens * self.n_classes * 4 / 2  # well under the full logits
 
     def test_auto_rule(self, backend):
-        assert pick_strategy("auto", 4096, 1024, True, "mean") == "chunked"
-        assert pick_strategy("auto", 512, 1024, True, "mean") == "recompute"
-        assert pick_strategy("auto", 4096, 1024, False, "mean") == "recompute"
-        assert pick_strategy("auto", 4096, 1024, True, "none") == "recompute"
-        hidden, weight, bias, target = self.inputs(torch.float32)  # 48 tokens >= 16 hidden: chunked
-        with SavedBytesMeter() as saved:
-            linear_cross_entropy(hidden, weight, target, bias=bias)
-        assert saved.new_bytes > self.n_classes * self.hidden_size * 4
+        f32, bf16 = torch.float32, torch.bfloat16
+        assert pick_strategy("auto", 4096, 1024, 32000, f32, True, "mean") == "chunked"
+        assert pick_strategy("auto", 512, 1024, 32000, f32, True, "mean") == "recompute"
+        assert pick_strategy("auto", 4096, 1024, 32000, f32, False, "mean") == "recompute"
+        assert pick_strategy("auto", 4096, 1024, 32000, f32, True, "none") == "recompute"
+        # Llama-3-8B's head at 8192 tokens. float32: 16 chunks of 512 tokens, 16 passes of 8 bytes per dW
+        # element, times 20 FLOPs per byte = 2560 V H against the 2 N V H = 16384 V H FLOPs of the extra GEMM.
+        assert pick_strategy("auto", 8192, 4096, 128256, f32, True, "mean") == "chunked"
+        # bfloat16: 25 chunks of 16 bytes per element, times 295 = 118000 V H against 16384 V H
+        assert pick_strategy("auto", 8192, 4096, 128256, bf16, True, "mean") == "recompute"
+        assert pick_strategy("auto", 8192, 4096, 128256, torch.float16, True, "mean") == "recompute"
+        # one 16 MiB chunk: 1 pass x 8 bytes x 20 = 160 V H FLOPs' worth against 2 N V H
+        assert pick_strategy("auto", 81, 16, 200, f32, True, "mean") == "chunked"
+        assert pick_strategy("auto", 80, 16, 200, f32, True, "mean") == "recompute"
+        hidden = torch.randn(96, self.hidden_size, requires_grad=True)
+        weight = torch.randn(self.n_classes, self.hidden_size, requires_grad=True)
+        for dtype, strategy in ((f32, "chunked"), (bf16, "recompute")):  # 96 tokens: one chunk, 1 pass
+            inputs = hidden.to(dtype), weight.to(dtype), make_target(96, self.n_classes)
+            with SavedBytesMeter() as saved:
+                linear_cross_entropy(*inputs)
+            # chunked holds dX and the float32 dW; recompute the (max, log-sum) pair per token
+            assert saved.new_bytes == (96 * 8 if strategy == "recompute" else
+                                       96 * self.hidden_size * 4 + self.n_classes * self.hidden_size * 4)
 
 
 def test_deterministic(backend):

@@ -26,12 +26,17 @@ Strategies:
   logsumexp, as two float32 (max, log-sum) so the backward's probabilities are as
   accurate as eager's: 8 bytes per token, plus references to the inputs. Backward
   tiles the *vocabulary*: per tile of classes it recomputes ``logits[:, tile]``,
-  turns it into its gradient in place, and writes ``dW[tile]`` with a single GEMM
-  over all tokens (so ``dW`` needs no float32 accumulator), accumulating ``dX``
-  (in float32 for half inputs).
+  turns it into its gradient in place (rounded once to the input dtype; for half
+  inputs with a bias through a float32 tile, so that ``dB`` sums unrounded values),
+  and writes ``dW[tile]`` with a single GEMM over all tokens (so ``dW`` needs no
+  float32 accumulator), accumulating ``dX`` in float32 (half operands, float32
+  accumulation: :mod:`memkernels.ops._half_gemm`).
 - ``"auto"``: ``"chunked"`` when gradients are needed, tokens per call >= hidden
-  size and the reduction is scalar (then the N x H ``dX`` it holds is no bigger
-  than the work saved); ``"recompute"`` otherwise.
+  size, the reduction is scalar (then the N x H ``dX`` it holds is no bigger
+  than the work saved) and its passes over the float32 ``dW`` cost less on a GPU
+  than the logits GEMM that ``"recompute"`` adds (see :func:`pick_strategy`: on
+  bfloat16/float16 inputs at LM-head sizes they never do, on float32 they do);
+  ``"recompute"`` otherwise.
 
 Under ``torch.no_grad()`` (or when nothing requires grad) only the loss is
 computed: chunked logits, no gradient buffers.
@@ -39,7 +44,13 @@ computed: chunked logits, no gradient buffers.
 Chunk size: by default a logits chunk (with its float32 working copy for half
 inputs) is bounded by a transient budget. For ``"recompute"`` (and loss-only
 calls) it is :data:`DEFAULT_CHUNK_BYTES`, and the recompute backward uses
-vocabulary tiles with the same number of elements. For ``"chunked"`` it is the
+vocabulary tiles with the same number of elements, but a chunk has at least
+590 tokens for half inputs (80 for float32) and a tile at least 2360 classes
+(160): each chunk re-reads the whole weight and each tile the hidden states and
+the float32 dX, so small ones make memory-bound GEMMs on a GPU (see
+:func:`recompute_chunk_tokens`, :func:`recompute_tile_classes`). Llama-3-8B's
+head at 8192 tokens, bfloat16: 14 chunks of 590 tokens and 55 tiles of 2360
+classes, against 390 chunks and 376 tiles with 16 MiB alone. For ``"chunked"`` it is the
 larger of :data:`DEFAULT_CHUNK_BYTES` and :data:`CHUNKED_TRANSIENT_FRACTION` of
 what the strategy holds anyway (dX plus the float32 dW): every chunk reads and
 writes all of dW, so at a large V x H fixed 16 MiB chunks would mean hundreds of
@@ -107,7 +118,7 @@ aot.register(_add_to_split_float32_kernel, name="add_to_split_float32", variants
 
 STRATEGIES = ("auto", "chunked", "recompute")
 # Budget for the transient logits chunk and its float32 gradient (half inputs): 16 MiB. It favours
-# memory; on a GPU, larger chunks (chunk_size=1024 or more tokens) make better GEMMs.
+# memory; "recompute" raises it to what keeps its GEMMs compute-bound (recompute_chunk_tokens).
 DEFAULT_CHUNK_BYTES = 16 * 2**20
 # "chunked" may spend this fraction of what it holds anyway (dX + float32 dW) on one chunk: each
 # chunk is a full read-modify-write pass over dW, so the chunk count must stay small at large V x H.
@@ -115,10 +126,42 @@ CHUNKED_TRANSIENT_FRACTION = 1 / 8
 _OP = "linear_cross_entropy"
 
 
-def _chunked_budget(hidden, weight):
-    """Transient bytes of one "chunked" step: DEFAULT_CHUNK_BYTES, or more when dX + dW are large."""
-    held = hidden.numel() * hidden.element_size() + weight.numel() * 4
+# GPU FLOPs per HBM byte at which a pass costs as much as a GEMM (H100 SXM datasheet: 989 TFLOP/s for
+# bf16/fp16 tensor-core GEMMs, 67 TFLOP/s float32 without TF32, over 3.35 TB/s).
+RIDGE_FLOPS_PER_BYTE = {torch.bfloat16: 295, torch.float16: 295, torch.float32: 20}
+
+
+# The "recompute" chunks and tiles are at least this many times the size at which their GEMM's FLOPs take as
+# long as its re-read operand's bytes (headroom for the bytes it also writes).
+RIDGE_HEADROOM = 2
+
+
+def recompute_chunk_tokens(n_classes, dtype, chunk_size=None):
+    """Tokens per "recompute" (and loss-only) forward chunk: chunk_size, or as many as fit DEFAULT_CHUNK_BYTES
+    but at least RIDGE_HEADROOM * ridge * e / 2 (590 for bf16/fp16, 80 for float32): a chunk of r tokens
+    re-reads the weight (V H e bytes) for 2 r H V FLOPs, 2 r / e FLOPs per byte."""
+    if chunk_size is not None:
+        return chunk_size
+    fit = _chunk_elements(dtype, None, n_classes, DEFAULT_CHUNK_BYTES) // max(n_classes, 1)
+    return max(1, fit, RIDGE_HEADROOM * RIDGE_FLOPS_PER_BYTE[dtype] * (torch.finfo(dtype).bits // 8) // 2)
+
+
+def recompute_tile_classes(n_tokens, n_classes, dtype, chunk_size=None):
+    """Classes per "recompute" backward tile: as many logits as chunk_size tokens' (default: DEFAULT_CHUNK_BYTES),
+    but by default at least RIDGE_HEADROOM * 4 * ridge (2360 for bf16/fp16, 160 for float32): a tile of c
+    classes reads and writes the float32 dX (8 N H bytes) for the 2 N H c FLOPs of its dX GEMM, c / 4 per byte."""
+    fit = max(1, _chunk_elements(dtype, chunk_size, n_classes, DEFAULT_CHUNK_BYTES) // max(n_tokens, 1))
+    return fit if chunk_size is not None else max(fit, RIDGE_HEADROOM * 4 * RIDGE_FLOPS_PER_BYTE[dtype])
+
+
+def chunked_budget(n_tokens, hidden_size, n_classes, dtype):
+    """Transient bytes of one "chunked" step: DEFAULT_CHUNK_BYTES, or more when dX + float32 dW are large."""
+    held = n_tokens * hidden_size * (torch.finfo(dtype).bits // 8) + n_classes * hidden_size * 4
     return max(DEFAULT_CHUNK_BYTES, int(held * CHUNKED_TRANSIENT_FRACTION))
+
+
+def _chunked_budget(hidden, weight):
+    return chunked_budget(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype)
 
 
 def _chunk_elements(dtype, chunk_size, n_classes, budget):
@@ -134,10 +177,6 @@ def _logits(hidden_rows, weight_rows, bias_rows):
     if bias_rows is None:
         return hidden_rows @ weight_rows.t()
     return torch.addmm(bias_rows, hidden_rows, weight_rows.t())
-
-
-def _float32(tensor):
-    return tensor if tensor.dtype == torch.float32 else tensor.float()
 
 
 # float32 as two int16 halves in memory order: on a little-endian machine (x86, ARM, CUDA devices)
@@ -261,9 +300,12 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
     loss_rows, _ = row_kernels(hidden, _OP)
     check_targets_if_cpu(backend, target, cfg)
     n_tokens = hidden.shape[0]
-    budget = DEFAULT_CHUNK_BYTES if grads is None else _chunked_budget(hidden, weight)
-    rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, budget) // cfg.n_classes)
-    scratch_bytes = _split_scratch_bytes(budget)
+    if grads is None:
+        rows_per_chunk = recompute_chunk_tokens(cfg.n_classes, hidden.dtype, chunk_size)
+    else:
+        budget = _chunked_budget(hidden, weight)
+        rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, budget) // cfg.n_classes)
+        scratch_bytes = _split_scratch_bytes(budget)
     denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
     ce = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     z = torch.empty_like(ce) if cfg.z_loss else None
@@ -302,8 +344,7 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
     """Vocabulary-tiled backward from the saved logsumexp; returns (dX, dW, dB), None where not needed."""
     _, grad_rows = row_kernels(hidden, _OP)
     n_tokens = hidden.shape[0]
-    cols_per_tile = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, DEFAULT_CHUNK_BYTES)
-                        // max(n_tokens, 1))
+    cols_per_tile = recompute_tile_classes(n_tokens, cfg.n_classes, hidden.dtype, chunk_size)
     loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
     needs_hidden, needs_weight, needs_bias = needs
     half = hidden.dtype != torch.float32
@@ -316,18 +357,19 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
         end = min(start + cols_per_tile, cfg.n_classes)
         weight_rows = weight[start:end]
         logits = _logits(hidden, weight_rows, None if bias is None else bias[start:end])
-        # Half inputs: the gradient goes to a float32 tile that dX and dB use unrounded;
-        # dW (one GEMM over all tokens, in the weight's dtype) reads it rounded, in the logits buffer.
-        grad_tile = logits if not half else torch.empty_like(logits, dtype=torch.float32)
+        # The GEMMs take the gradient rounded once to the input dtype (as eager's do), in the logits
+        # buffer: half operands, float32 accumulation (dX over the tiles in float32). Half inputs with
+        # a bias: the gradient goes to a float32 tile first, so that dB sums unrounded values.
+        grad_tile = torch.empty_like(logits, dtype=torch.float32) if half and needs_bias else logits
         grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=start)
         if needs_bias:
             grad_bias[start:end] = grad_tile.sum(0, dtype=torch.float64)  # as eager's CPU sum
+        rounded = logits if grad_tile is logits else logits.copy_(grad_tile)
         if needs_hidden:
-            grad_hidden.addmm_(grad_tile, _float32(weight_rows))
+            addmm_float32_(grad_hidden, rounded, weight_rows)
         if needs_weight:
-            rounded = logits.copy_(grad_tile) if half else logits
             torch.mm(rounded.t(), hidden, out=grad_weight[start:end])
-        del logits, grad_tile
+        del logits, grad_tile, rounded
     if grad_hidden is not None and half:
         grad_hidden = grad_hidden.to(hidden.dtype)
     return grad_hidden, grad_weight, grad_bias
@@ -501,11 +543,29 @@ def _validate(hidden, weight, bias, strategy, chunk_size, reduction):
                          'forward, before the per-token incoming gradient exists); use strategy="recompute"')
 
 
-def pick_strategy(strategy, n_tokens, hidden_size, grad_needed, reduction):
-    """The documented "auto" rule: chunked iff grads are needed, tokens >= hidden size and the loss is scalar."""
+def _chunked_weight_grad_bytes(n_tokens, hidden_size, n_classes, dtype):
+    """HBM bytes of "chunked"'s dW updates at its default chunks: one pass over the float32 accumulator per
+    chunk; a pass moves 16 bytes per element for the bfloat16 halves (float32 update block written and
+    read, halves read and written), 8 for a float32 accumulator (read and written)."""
+    budget = chunked_budget(n_tokens, hidden_size, n_classes, dtype)
+    rows = max(1, _chunk_elements(dtype, None, n_classes, budget) // max(n_classes, 1))
+    passes = -(-n_tokens // rows)
+    per_element = 16 if dtype == torch.bfloat16 and _SPLIT_BFLOAT16 else 8
+    return passes * per_element * n_classes * hidden_size
+
+
+def pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, grad_needed, reduction):
+    """The documented "auto" rule. "chunked" iff gradients are needed, the loss is scalar, tokens >= hidden
+    size (the N x H dX it holds is then no bigger than the work saved) and its dW passes cost less than
+    the GEMM "recompute" adds (2 N H V FLOPs) on an H100: bytes * RIDGE_FLOPS_PER_BYTE[dtype] < FLOPs.
+    Else "recompute"."""
     if strategy != "auto":
         return strategy
-    return "chunked" if (grad_needed and n_tokens >= hidden_size and reduction != "none") else "recompute"
+    if not grad_needed or n_tokens < hidden_size or reduction == "none":
+        return "recompute"
+    extra_gemm_flops = 2 * n_tokens * hidden_size * n_classes
+    dw_pass_bytes = _chunked_weight_grad_bytes(n_tokens, hidden_size, n_classes, dtype)
+    return "chunked" if dw_pass_bytes * RIDGE_FLOPS_PER_BYTE[dtype] < extra_gemm_flops else "recompute"
 
 
 def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None, ignore_index=-100,
@@ -522,7 +582,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             :func:`memkernels.ops.cross_entropy.cross_entropy`.
         strategy: "auto", "chunked" or "recompute" (see the module docstring).
         chunk_size: tokens per logits chunk; default: as many as fit the transient budget (16 MiB;
-            for "chunked" at least 1/8 of dX + float32 dW, see the module docstring).
+            for "chunked" at least 1/8 of dX + float32 dW; for "recompute" at least 590 tokens per chunk
+            and 2360 classes per backward tile for half inputs, 80 and 160 for float32; see the module
+            docstring).
     Returns:
         float32 loss (shape of ``target`` for reduction "none", else 0-d), or
         ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached).
@@ -547,7 +609,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
                reduction, chunk_size or 0)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
-    chosen = pick_strategy(strategy, n_tokens, hidden_size, grad_needed, reduction)
+    chosen = pick_strategy(strategy, n_tokens, hidden_size, weight.shape[0], hidden.dtype, grad_needed, reduction)
     if chosen == "chunked" and grad_needed:
         loss, z, *_ = apply_op(_chunked_op, _ChunkedFunction, hidden2d, weight, target, bias, class_weight,
                                *options, *needs)

@@ -20,6 +20,8 @@ shapes of real models, in bf16 and fp32:
 - **Tensor-core eligibility**: each matmul's operand dtypes (aten and ``tl.dot``); a float32
   operand on half inputs is flagged.
 - **Host syncs**: aten ops that read device memory back to the host (:data:`SYNC_OPS`).
+- **Step**: for an op that moves backward's work into its forward (linear-CE's ``"chunked"``),
+  a "step" row adds forward and backward up, so that strategies and eager compare as a whole.
 - **Occupancy** (``--occupancy``): blocks per SM on sm_80 / sm_90 from the registers and
   shared memory that :mod:`memkernels.aot` compiles (ptxas), see :func:`blocks_per_sm`.
 - **Predicted time, a model**: the sum over launches of max(bytes / HBM bandwidth,
@@ -87,7 +89,8 @@ SYNC_OPS = frozenset({
     "unique", "_unique", "_unique2", "unique_consecutive", "unique_dim", "repeat_interleave", "allclose",
     "masked_scatter", "bincount", "histc", "argwhere", "_assert_async", "cpu",
 })
-MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "mv", "addmv", "dot", "_scaled_mm"})
+MATMUL_OPS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "mv", "addmv", "dot", "_scaled_mm",
+                        "addmm_", "baddbmm_", "addbmm_", "addmv_"})
 # aten ops that allocate or relabel memory without moving data.
 FREE_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach",
                       "lift_fresh", "set_", "resize_", "_reshape_alias", "alias", "_unsafe_view"})
@@ -422,6 +425,15 @@ def _footprint(tensor):
     return elements * tensor.element_size() if tensor.numel() else 0
 
 
+def _without_out_dtype(schema, args):
+    """Positional args without ``out_dtype`` (mm.dtype_out, addmm.dtype_out): flop formulas take shapes only."""
+    names = [a.name for a in schema.arguments]
+    if "out_dtype" not in names or names.index("out_dtype") >= len(args):
+        return args
+    position = names.index("out_dtype")
+    return args[:position] + args[position + 1:]
+
+
 def _make_dispatch_mode():
     import torch
     from torch._library.custom_ops import OPDEFS
@@ -447,15 +459,21 @@ def _make_dispatch_mode():
             if name in FREE_OPS or (not schema.is_mutable and any(
                     r.alias_info is not None for r in schema.returns)):
                 return out  # a view or an allocation
-            written = set()
-            for argument, value in zip(schema.arguments, list(args) + [kwargs.get(a.name) for a in
-                                                                     schema.arguments[len(args):]]):
-                if argument.alias_info is not None and argument.alias_info.is_write and isinstance(
-                        value, torch.Tensor):
-                    written.add(id(value))
+            destinations = [value for argument, value in zip(
+                schema.arguments, list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]])
+                if argument.alias_info is not None and argument.alias_info.is_write
+                and isinstance(value, torch.Tensor)]
+            written = {id(t) for t in destinations}
             read_tensors = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
-            skip_destination = name in WRITE_ONLY_DESTINATION or schema.overload_name.startswith("out")
-            read = sum(_footprint(t) for t in read_tensors if not (skip_destination and id(t) in written))
+            # "out" overloads (out, dtype_out, ...) write their destination without reading it; a tensor that is
+            # also an input (addmm's accumulator passed as self and out) is still read once as that input
+            skip_destination = name in WRITE_ONLY_DESTINATION or schema.overload_name.endswith("out")
+            read_once = list(read_tensors)
+            if skip_destination:
+                for destination in destinations:
+                    last = max(i for i, t in enumerate(read_once) if t is destination)
+                    del read_once[last]
+            read = sum(_footprint(t) for t in read_once)
             outputs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
             if name in EAGER_KERNELS:  # an aten op that CUDA runs as several kernels
                 recorder.counts.launches.extend(Launch("aten", kernel, hbm_bytes=moved, requested_bytes=moved)
@@ -474,9 +492,10 @@ def _make_dispatch_mode():
                 formula = flop_registry.get(getattr(torch.ops.aten, base))
             if formula is not None:
                 precision = _PRECISION.get(str(read_tensors[0].dtype), "fp32") if read_tensors else "fp32"
-                if matmul_dtypes and len(set(matmul_dtypes[0])) > 1:
-                    precision = "fp32"
-                flops[precision] = int(formula(*args, **kwargs, out_val=out))
+                if matmul_dtypes:  # the operands' precision, not an accumulator's
+                    precision = matmul_dtypes[0][0] if len(set(matmul_dtypes[0])) == 1 else "fp32"
+                flops[precision] = int(formula(*_without_out_dtype(schema, args), **{
+                    k: v for k, v in kwargs.items() if k != "out_dtype"}, out_val=out))
             recorder.counts.launches.append(Launch("aten", name, hbm_bytes=bytes_moved, requested_bytes=bytes_moved,
                                                    flops=flops, matmul_dtypes=matmul_dtypes,
                                                    sync=name in SYNC_OPS))
@@ -560,6 +579,9 @@ class Case:
     minimum: object  # minimum(shape, element_bytes) -> {"forward": (bytes, flops), "backward": (bytes, flops)}
     extra_launches: object = None  # extra_launches(shape, dtype) -> {(kind, name): (launches, bytes)} not at small shapes
     setup: object = None  # setup(shape) -> context manager that makes the op take a fit variable's value
+    real_shape: object = None  # real_shape(shape, dtype, phase) -> the shape with the op's own value of each
+    #                            fit variable that is not a size (linear-CE's chunks C)
+    step_row: bool = False  # also print forward + backward (an op that moves backward's work into its forward)
 
 
 def _torch():
@@ -644,7 +666,11 @@ def _cross_entropy_minimum(shape, e):
     return {"forward": (n * v * e + n * 8 + 4, 0), "backward": (n * v * e + n * 8 + 4 + n * v * e, 0)}
 
 
-def _linear_ce_problem(shape, dtype, impl):
+def _linear_ce_problem(strategy):
+    return lambda shape, dtype, impl: _linear_ce_call(shape, dtype, impl, strategy)
+
+
+def _linear_ce_call(shape, dtype, impl, strategy):
     torch = _torch()
     import torch.nn.functional as F
     from memkernels import functional
@@ -656,7 +682,7 @@ def _linear_ce_problem(shape, dtype, impl):
     def forward():
         if impl == "memkernels":
             options = {"chunk_size": -(-n // chunk)} if chunk else {}
-            return (functional.linear_cross_entropy(hidden, weight, target, strategy="chunked", **options),)
+            return (functional.linear_cross_entropy(hidden, weight, target, strategy=strategy, **options),)
         if impl == "liger":
             with _liger_linear_ce_chunks(chunk) if chunk else contextlib.nullcontext():
                 return (_liger().transformers.LigerFusedLinearCrossEntropyLoss()(weight, hidden, target),)
@@ -671,14 +697,31 @@ def _linear_ce_minimum(shape, e):
     return {"forward": (inputs + 4, 6 * n * h * v), "backward": (4 + n * h * e + v * h * e, 0)}
 
 
+def _linear_ce_recompute_minimum(shape, e):
+    n, h, v = shape["N"], shape["H"], shape["V"]
+    inputs = n * h * e + v * h * e + n * 8
+    # forward: the inputs, the loss, the logits GEMM; backward: the incoming gradient, the inputs again and the
+    # saved (max, log-sum) pair per token, dX and dW written, their two GEMMs (the recomputed logits are extra)
+    return {"forward": (inputs + 4, 2 * n * h * v),
+            "backward": (4 + inputs + n * 8 + n * h * e + v * h * e, 4 * n * h * v)}
+
+
+def _linear_ce_recompute_real_shape(shape, dtype, phase):
+    """The real shape with C = the forward's token chunks, or the backward's vocabulary tiles (the op's rule;
+    at the fitted shapes chunk_size = ceil(N / C) gives C of each)."""
+    from memkernels.ops import linear_cross_entropy as lce
+    n, v = shape["N"], shape["V"]
+    if phase == "forward":
+        return dict(shape, C=-(-n // lce.recompute_chunk_tokens(v, dtype)))
+    return dict(shape, C=-(-v // lce.recompute_tile_classes(n, v, dtype)))
+
+
 def _linear_ce_chunks(shape, dtype):
     """Chunks (C) and split-accumulator blocks per chunk that linear_cross_entropy uses by default."""
     torch = _torch()
     from memkernels.ops import linear_cross_entropy as lce
     n, h, v = shape["N"], shape["H"], shape["V"]
-    element = torch.finfo(dtype).bits // 8
-    held = n * h * element + v * h * 4
-    budget = max(lce.DEFAULT_CHUNK_BYTES, int(held * lce.CHUNKED_TRANSIENT_FRACTION))
+    budget = lce.chunked_budget(n, h, v, dtype)
     rows = max(1, lce._chunk_elements(dtype, None, v, budget) // v)
     chunks = -(-n // rows)
     blocks = 1
@@ -692,19 +735,24 @@ def _linear_ce_chunks(shape, dtype):
 def _wide_split_blocks(shape):
     """Small shapes: the split accumulator's elementwise kernel in blocks of 64 Ki elements instead of
     1 Ki (the same loads and stores, masks honoured, in 64 times fewer interpreted programs), and dW
-    in one row block per chunk (the real shape's extra blocks are added by _linear_ce_extra_launches)."""
+    in one row block per chunk (the real shape's extra blocks are added by _linear_ce_extra_launches).
+    float32 dX in one GEMM per chunk, as on a GPU (the CPU's class blocks summed in float64 are a
+    CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
     from memkernels.ops import linear_cross_entropy as lce
-    original = lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE
-    lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = 1 << 16, 1 << 20
+    original = lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK
+    lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK = 1 << 16, 1 << 20, 1 << 62
     try:
         yield
     finally:
-        lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE = original
+        lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK = original
 
 
-def _linear_ce_real_shape(shape, dtype, impl="memkernels"):
-    if impl == "liger":
-        return dict(shape, C=_liger_linear_ce_chunk_count(shape["N"], shape["H"], shape["V"]))
+def _liger_linear_ce_real_shape(shape):
+    """Liger's fused linear-CE at its own chunk count (the same for both of memkernels' strategies)."""
+    return dict(shape, C=_liger_linear_ce_chunk_count(shape["N"], shape["H"], shape["V"]))
+
+
+def _linear_ce_real_shape(shape, dtype, phase):
     chunks, _ = _linear_ce_chunks(shape, dtype)
     return dict(shape, C=chunks)
 
@@ -885,11 +933,14 @@ def cases():
     for v, model in ((32000, "Llama-2"), (128256, "Llama-3"), (256000, "Gemma")):
         result.append(Case("cross_entropy", f"V={v} ({model})", {"N": _TOKENS, "V": v}, ("N",), {"N": (2, 4)},
                            ({"N": 5},), _cross_entropy_problem, _cross_entropy_minimum))
-    result.append(Case("linear_cross_entropy", "Llama-3-8B head H=4096 V=128256",
-                       {"N": _TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
-                       {"N": (16, 32), "H": (16, 32), "C": (1, 2)},
-                       ({"N": 48, "H": 48, "C": 3},), _linear_ce_problem, _linear_ce_minimum,
-                       _linear_ce_extra_launches, setup=_wide_split_blocks))
+    for strategy, minimum, extra, real_shape in (
+            ("recompute", _linear_ce_recompute_minimum, None, _linear_ce_recompute_real_shape),
+            ("chunked", _linear_ce_minimum, _linear_ce_extra_launches, _linear_ce_real_shape)):
+        result.append(Case("linear_cross_entropy", f"Llama-3-8B head, {strategy}",
+                           {"N": _TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
+                           {"N": (16, 32), "H": (16, 32), "C": (1, 2)},
+                           ({"N": 48, "H": 48, "C": 3},), _linear_ce_problem(strategy), minimum,
+                           extra, setup=_wide_split_blocks, real_shape=real_shape, step_row=True))
     for label, k, n in (("GPT-2 MLP down 3072->768", 3072, 768), ("Llama-3-8B MLP down 14336->4096", 14336, 4096)):
         result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
@@ -1085,10 +1136,13 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
               for values in itertools.product(*(case.fit_values[v] for v in variables))]
     checks = [dict(case.shape, **c) for c in case.check_values]
     runs = [measure_fn(case, s, dtype, impl) for s in shapes + checks]
-    real = _linear_ce_real_shape(case.shape, dtype, impl) if "C" in variables else case.shape
     design = _design(shapes, variables)
     results = {}
     for phase in ("forward", "backward"):
+        if impl == "liger" and "C" in variables:
+            real = _liger_linear_ce_real_shape(case.shape)
+        else:
+            real = case.real_shape(case.shape, dtype, phase) if case.real_shape else case.shape
         summaries = [_summaries(run[phase]) for run in runs]
         keys = sorted(set().union(*summaries))
         targets = np.array([[s.get(k, 0) for k in keys] for s in summaries[:len(shapes)]], dtype=np.float64)
@@ -1186,15 +1240,33 @@ def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=N
                 except Exception as error:  # noqa: BLE001 - a Liger kernel the interpreter cannot run
                     if progress:
                         progress(f"  Liger's {case.op} not counted: {type(error).__name__}: {str(error)[:200]}")
-            real = _linear_ce_real_shape(case.shape, dtype) if "C" in case.variables else case.shape
-            minimum = case.minimum(real, torch.finfo(dtype).bits // 8)
+            minimum = case.minimum(case.shape, torch.finfo(dtype).bits // 8)
             new_rows = [Row(case.op, case.label, dtype_name, phase, ours[phase], *minimum[phase],
                             theirs[phase] if theirs else None, liger_result[phase] if liger_result else None)
                         for phase in ("forward", "backward")]
+            if case.step_row:
+                new_rows.append(step_row(*new_rows))
             rows += new_rows
             if on_rows:
                 on_rows(new_rows)
     return rows
+
+
+def _step(forward, backward):
+    """forward + backward as one PassResult (kernels keyed by pass, so each keeps its own launch size)."""
+    if forward is None or backward is None:
+        return None
+    kernels = {(phase,) + key: value for phase, result in (("forward", forward), ("backward", backward))
+               for key, value in result.kernels.items()}
+    return PassResult(kernels, sorted(set(forward.matmul_dtypes) | set(backward.matmul_dtypes)),
+                      forward.syncs + backward.syncs)
+
+
+def step_row(forward, backward):
+    """The 'step' row: a forward Row and its backward Row added up (bytes, FLOPs, launches, model times)."""
+    return Row(forward.op, forward.label, forward.dtype, "step", _step(forward.result, backward.result),
+               forward.minimum_bytes + backward.minimum_bytes, forward.minimum_flops + backward.minimum_flops,
+               _step(forward.eager, backward.eager), _step(forward.liger, backward.liger))
 
 
 _LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy",
