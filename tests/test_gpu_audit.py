@@ -454,6 +454,6 @@ def test_liger_kernels_count_through_the_interpreter():
     assert _triton(run["forward"]) == (1, 3 * n * h * e + n * 4, 2 * n * h * e + h * e + n * 4)
     assert interpreter._implicit_cvt is original
     # Liger's fused linear-CE at the fit's chunk count; at Llama-3-8B's head its own rule gives 32 chunks
-    run = gpu_audit.measure(CASES["linear_cross_entropy"], dict(N=16, H=16, V=40, C=2), torch.bfloat16, "liger")
+    run = gpu_audit.measure(LINEAR_CE["recompute"], dict(N=16, H=16, V=40, C=2), torch.bfloat16, "liger")
     assert [x.name for x in run["forward"].launches if x.kind == "triton"] == ["liger_cross_entropy_kernel"] * 2
     assert gpu_audit._liger_linear_ce_chunk_count(8192, 4096, 128256) == 32
