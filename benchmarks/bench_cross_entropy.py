@@ -124,7 +124,7 @@ def timing_section(configs, repeats=10):
                     times.append(begin.elapsed_time(end))
             row.append(f"{label} {sorted(times)[len(times) // 2]:.2f}")
         print(f"N={n_tokens} H={hidden_size} V={n_classes} {dtype}: " + " | ".join(row))
-        # the model counts the chunked strategy and eager with the logits upcast (Hugging Face's loss)
+        # the model counts the strategy "auto" picks here and eager with the logits upcast (Hugging Face's loss)
         print("  " + prediction_line("linear_cross_entropy", {"N": n_tokens, "H": hidden_size, "V": n_classes}, dtype,
                                      torch.cuda.get_device_name()))
 

@@ -442,6 +442,17 @@ def test_prediction_names_what_it_cannot_model():
         gpu_audit.case_at("softmax", {})
 
 
+def test_case_at_linear_cross_entropy_takes_the_strategy_auto_picks():
+    """The benchmarks' prediction lines model what the op runs: "auto" picks recompute for bf16 and chunked
+    for fp32 at Llama-3-8B's head (pick_strategy's count), and recompute when tokens < hidden size."""
+    head = {"N": 8192, "H": 4096, "V": 128256}
+    assert gpu_audit.case_at("linear_cross_entropy", head, "bf16").real_shape.__name__ == \
+        "_linear_ce_recompute_real_shape"
+    assert gpu_audit.case_at("linear_cross_entropy", head, "fp32").real_shape.__name__ == "_linear_ce_real_shape"
+    assert gpu_audit.case_at("linear_cross_entropy", dict(head, N=1024), "fp32").real_shape.__name__ == \
+        "_linear_ce_recompute_real_shape"
+
+
 def test_liger_kernels_count_through_the_interpreter():
     """Liger's column (bench extra): its norm kernels take a Python float eps, which triton 3.9's interpreter
     passes unwrapped; the audit's Liger runner wraps it (and replaces libdevice's empty stubs), then undoes it."""

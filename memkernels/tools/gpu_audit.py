@@ -1319,9 +1319,10 @@ def format_table(rows, header=True, footer=True):
 # Predictions at a benchmark's own shape
 
 
-def case_at(op, shape):
-    """The op's first audited case (gated_linear: SwiGLU; linear_cross_entropy: chunked) at ``shape``, a
-    dict of some of its shape variables (the others keep the case's values)."""
+def case_at(op, shape, dtype="bf16"):
+    """The op's audited case at ``shape``, a dict of some of its shape variables (the others keep the case's
+    values): gated_linear's SwiGLU; for linear_cross_entropy the strategy its "auto" rule picks at that shape
+    and ``dtype``."""
     import dataclasses
     matches = [c for c in cases() if c.op == op]
     if not matches:
@@ -1332,6 +1333,12 @@ def case_at(op, shape):
     if unknown:
         raise ValueError(f"memkernels.gpu_audit: {op}'s shape has variables {', '.join(sorted(case.shape))}, not "
                          f"{', '.join(unknown)}")
+    if op == "linear_cross_entropy":
+        from memkernels.ops.linear_cross_entropy import pick_strategy
+        full = dict(case.shape, **shape)
+        strategy = pick_strategy("auto", full["N"], full["H"], full["V"], getattr(_torch(), _DTYPES[dtype]),
+                                 True, "mean")
+        case = next(c for c in matches if c.label.endswith(strategy))
     return dataclasses.replace(case, label=",".join(f"{k}={v}" for k, v in shape.items()),
                                shape=dict(case.shape, **shape))
 
@@ -1341,7 +1348,7 @@ def predict(op, shape, dtype="bf16", impls=("memkernels", "eager")):
     :func:`case_at`) for each of ``impls`` ("memkernels", "eager", "liger"). Needs ``TRITON_INTERPRET=1``
     (:func:`prediction_line` runs it in a child process)."""
     torch = _torch()
-    case = case_at(op, shape)
+    case = case_at(op, shape, dtype)
     torch_dtype = getattr(torch, _DTYPES[dtype])
     out = {}
     for impl in impls:
