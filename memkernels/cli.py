@@ -89,9 +89,9 @@ def run_report(args):
     import torch
 
     from memkernels._backend import get_backend, resolve
-    from memkernels.tools.estimate import breakdown_chart, estimate
+    from memkernels.tools.estimate import breakdown_chart, estimate, estimate_table
     from memkernels.models import TransformerLM, load_config, synthetic_batch
-    from memkernels.tools.profile import _table, compare_steps, format_bytes
+    from memkernels.tools.profile import compare_steps
 
     load_config(args.model)  # a bad --model or --out fails now, not after the training step
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -152,11 +152,7 @@ def run_report(args):
         first = estimates[0][1]
         print(f"{first.model}: {first.num_parameters / 1e9:.2f}B parameters, per-GPU batch {args.batch} x seq "
               f"{args.seq}{f', {args.shard}-way sharded' if args.shard > 1 else ''}, AdamW")
-        header = ["configuration", "params", "grads", "master", "optimizer", "activations", "logits", "FSDP",
-                  "total"]
-        rows = [[label.replace("\n", " ")] + [format_bytes(v) for v in result.breakdown().values()]
-                + [format_bytes(result.total)] for label, result in estimates]
-        print(_table(header, rows))
+        print(estimate_table(estimates))
 
     _progress(4, total, f"writing {args.out}")
     if estimates:

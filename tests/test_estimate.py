@@ -211,3 +211,21 @@ def test_memkernels_estimate_equals_cpu_measurement_of_the_applied_model(family)
     assert fused.activations + fused.logits_loss == meter.new_bytes
     plain = estimate(config, batch=2, seq=40, dtype="fp32")
     assert fused.activations + fused.logits_loss < plain.activations + plain.logits_loss
+
+
+def test_estimate_table_has_a_column_per_part_and_the_total_last():
+    """The report's table: every part of the breakdown under its own header, the total in the total column
+    (a part added to the breakdown once pushed the total out of the table, under a shifted header)."""
+    from memkernels.tools.estimate import _PARTS, estimate_table
+    from memkernels.tools.profile import format_bytes
+
+    plain = estimate("gpt2", batch=1, seq=32)
+    accumulated = estimate("gpt2", batch=1, seq=32, grad_accumulation="fp32")
+    header, rule, *rows = estimate_table([("plain", plain), ("fp32\naccumulation", accumulated)]).splitlines()
+    assert header.split()[-3:] == ["grad", "accum", "total"] and len(rows) == 2
+    assert rows[0].startswith("plain") and rows[1].startswith("fp32 accumulation")
+    for row, result in zip(rows, (plain, accumulated)):
+        assert row.endswith(format_bytes(result.total))
+        assert row.count(" B") + row.count("iB") == len(_PARTS) + 1
+    assert accumulated.grad_accum_buffer > 0 and rows[1].rstrip().endswith(format_bytes(accumulated.total))
+

@@ -62,6 +62,10 @@ _LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights
            "optimizer_state": "optimizer state", "activations": "activations", "logits_loss": "logits / loss",
            "fsdp_buffers": "FSDP gather buffers",
            "grad_accum_buffer": "fp32 grad accumulation"}
+# The same parts as narrow table columns (estimate_table).
+_COLUMNS = {"parameters": "params", "gradients": "grads", "master_weights": "master", "optimizer_state": "optimizer",
+            "activations": "activations", "logits_loss": "logits", "fsdp_buffers": "FSDP",
+            "grad_accum_buffer": "grad accum"}
 FINETUNE_MODES = ("full", "lora", "qlora")
 # QLoRA's NF4 base weights: 4 bits per weight, plus the double-quantized absmax constants
 # (one 8-bit constant per 64-weight block, one fp32 constant per 256 of those).
@@ -455,6 +459,14 @@ def fitting_options(model_or_config, gpu_bytes, **kwargs):
             continue
         rows.append({"name": name, "cost": cost, "total": total, "fits": total <= gpu_bytes, "error": None})
     return rows
+
+
+def estimate_table(estimates):
+    """A text table of ``[(label, MemoryEstimate), ...]``: one row each, a column per part, then the total."""
+    header = ["configuration"] + [_COLUMNS[part] for part in _PARTS] + ["total"]
+    rows = [[label.replace("\n", " ")] + [format_bytes(getattr(result, part)) for part in _PARTS]
+            + [format_bytes(result.total)] for label, result in estimates]
+    return _table(header, rows)
 
 
 def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
