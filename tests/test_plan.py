@@ -60,16 +60,29 @@ def _step(model, ids):
     return meter.peak_bytes, counter.get_total_flops(), grads
 
 
+def _reference_and_every_layer(build, dtype):
+    """(ids, the unplanned model, its _step, the _step of the same model with every layer recomputed)."""
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    reference = build(dtype)
+    base = _step(reference, ids)
+    every_layer = build(dtype)
+    plan_apply.apply_placement(every_layer, [OPTION_BY_NAME["recompute layer"]] * 6)
+    return ids, reference, base, _step(every_layer, ids)
+
+
+def _assert_planned_step(peak, grads, placement, budget, base_grads, where):
+    """A planned model's step: peak <= budget, within 10% of the plan's prediction, gradients bitwise equal."""
+    assert peak <= budget, (where, peak, budget)
+    assert abs(peak - placement.predicted_peak) <= 0.10 * placement.predicted_peak, (where, peak,
+                                                                                     placement.predicted_peak)
+    for name, grad in grads.items():
+        assert torch.equal(grad, base_grads[name]), (where, name)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
 def test_placement_real_runs(build, dtype):
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    reference = build(dtype)
-    base_peak, base_flops, base_grads = _step(reference, ids)
-
-    every_layer = build(dtype)
-    plan_apply.apply_placement(every_layer, [OPTION_BY_NAME["recompute layer"]] * 6)
-    _, every_flops, _ = _step(every_layer, ids)
+    ids, reference, (base_peak, base_flops, base_grads), (_, every_flops, _) = _reference_and_every_layer(build, dtype)
     every_recompute = every_flops - base_flops
     assert every_recompute > 0
 
@@ -83,16 +96,13 @@ def test_placement_real_runs(build, dtype):
         assert len(report.wrapped) == sum(len(c.actions) for c in placement.choices)
         peak, flops, grads = _step(model, ids)
         where = f"{fraction:.0%} budget: {placement.describe()}"
-        assert peak <= budget, where
-        assert abs(peak - placement.predicted_peak) <= 0.10 * placement.predicted_peak, (where, peak,
-                                                                                         placement.predicted_peak)
+        # recompute replays the same dropout masks: bitwise-equal gradients
+        _assert_planned_step(peak, grads, placement, budget, base_grads, where)
         recompute = flops - base_flops
         assert recompute == placement.recompute_flops, where
         assert recompute <= every_recompute, where
         if fraction in (0.5, 0.75):
             assert recompute < every_recompute, where
-        for name, grad in grads.items():  # recompute replays the same dropout masks: bitwise-equal gradients
-            assert torch.equal(grad, base_grads[name]), (where, name)
         peaks.append(peak)
     assert peaks == sorted(peaks, reverse=True), peaks  # lower budget, never a higher peak
 
@@ -343,12 +353,7 @@ def test_planned_offload_fits_budget_on_simulated_device(simulated_device, build
     """A budget below what recomputing every layer reaches: only a plan that offloads fits it.
     Applied with memkernels.apply and run on the simulated device, its peak is <= the budget and
     within 10% of the prediction, and its gradients equal the unplanned model's (dropout on in GPT-2)."""
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
-    reference = build(dtype)
-    base_peak, _, base_grads = _step(reference, ids)
-    every_layer = build(dtype)
-    plan_apply.apply_placement(every_layer, [OPTION_BY_NAME["recompute layer"]] * 6)
-    every_peak, _, _ = _step(every_layer, ids)
+    ids, reference, (_, _, base_grads), (every_peak, _, _) = _reference_and_every_layer(build, dtype)
     budget = int(0.95 * every_peak)
     assert not place(reference, batch=BATCH, seq=SEQ, budget=budget).fits
     placement = place(reference, batch=BATCH, seq=SEQ, budget=budget, offload=True)
@@ -358,12 +363,7 @@ def test_planned_offload_fits_budget_on_simulated_device(simulated_device, build
     report = memkernels.apply(model, placement)
     _copies_keep_up(model, report.offload)
     peak, _, grads = _step(model, ids)
-    where = placement.describe()
-    assert peak <= budget, (where, peak, budget)
-    assert abs(peak - placement.predicted_peak) <= 0.10 * placement.predicted_peak, (where, peak,
-                                                                                     placement.predicted_peak)
-    for name, grad in grads.items():
-        assert torch.equal(grad, base_grads[name]), (where, name)
+    _assert_planned_step(peak, grads, placement, budget, base_grads, placement.describe())
     report.offload.close()
 
 
