@@ -68,10 +68,30 @@ def test_layer_norm_counts():
     assert len(run["backward"].launches) == 2
 
 
+def test_layer_norm_rows_up_to_8192_read_once():
+    """LayerNorm rows of 4096 < H <= 8192 (one block, group sums): x and dy come from HBM once; the
+    second read of a row for dx hits the program's recent bytes, and each program's dw/db partial
+    row is written by its first group and read and written by each later one (L2 traffic)."""
+    n, h, p, e = 131, 4100, 2, 2
+    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS
+    groups = -(-((n + 1) // p) // BWD_GROUP_ROWS)  # program 0's rows, in groups: 3 here, the last short
+    assert groups == 3
+    run = _measure("layer_norm", N=n, H=h, P=p)
+    stats = 2 * n * 4  # fp32 mean and rstd, one of each per row
+    partial_rows = 2 * 2 * h * 4  # dw and db, sum and compensation
+    # per row: the weight, x and dy twice (sums, then dx), mean and rstd; dx out; the partial rows
+    # written once per group and read back for every group after the first
+    requested = 6 * n * h * e + stats + n * h * e + p * (groups + groups - 1) * partial_rows
+    hbm = 2 * n * h * e + h * e + stats + n * h * e + p * partial_rows
+    reduction = p * partial_rows + 2 * h * e
+    assert _triton(run["backward"]) == (2, requested + reduction, hbm + reduction)
+    assert _aten(run["backward"]) == []
+
+
 def test_layer_norm_wide_rows_write_each_partial_once():
-    """Rows wider than the single-pass block (LayerNorm: 4096) take two passes; the dw/db partials
-    stay in registers per column chunk and are written once, not read and written per row."""
-    n, h, p, e, chunks = 4, 4100, 2, 2, 2
+    """Rows wider than the widest block (8192) take two passes; the dw/db partials stay in
+    registers per column chunk (4096 wide) and are written once, not read and written per row."""
+    n, h, p, e, chunks = 4, 8200, 2, 2, 3
     run = _measure("layer_norm", N=n, H=h, P=p)
     stats = 2 * n * 4  # fp32 mean and rstd, one of each per row
     # pass 1, per row: the weight, x and dy over all chunks, mean and rstd; stores the two row sums

@@ -178,6 +178,18 @@ def test_only_requested_gradients(backend, needs):
     assert len(report.rows) == 1 + len(needs.split("+"))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_group_sums_over_many_rows(backend, dtype):
+    """4096 < H <= 8192 with a bias gradient: plain sums over groups of BWD_GROUP_ROWS rows, folded
+    into compensated partial rows. Each interpreter program here gets three groups, the last short."""
+    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, _backward_config
+    hidden, programs = 4500, 4  # programs: _norm_kernels._num_programs under the interpreter
+    assert _backward_config(hidden, True)[3] == BWD_GROUP_ROWS  # the path under test
+    rows = 2 * programs * BWD_GROUP_ROWS + 5
+    x = leaf(rows, hidden, dtype=dtype, shift=3.0)
+    check_against_reference(layer_norm, layer_norm_eager, (x, *_params(hidden, dtype), 1e-5))
+
+
 @pytest.mark.parametrize("hidden", [300, 5000])
 def test_weight_and_bias_gradients_are_bitwise_deterministic(backend, hidden):
     x = leaf(41, hidden, dtype=torch.float16)

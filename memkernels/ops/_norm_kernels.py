@@ -14,7 +14,14 @@ writing them once to its own row of an fp32 buffer, which a second kernel
 reduces in a fixed order (no atomics: deterministic). The sums are
 compensated (Kahan): a program adds up M / P rows one after another, and a
 plain fp32 running sum would lose a few ulps more than eager PyTorch's
-pairwise reduction.
+pairwise reduction. Where the compensations do not fit in registers beside
+the row (LayerNorm's dw and db at 4096 < H <= 8192), a program keeps plain
+sums of groups of BWD_GROUP_ROWS of its rows and folds each group into its
+compensated partial row in memory: a plain sum of at most 32 terms, then
+Kahan across groups. To fit, it takes the row's two sums, drops the row and
+reads it again for dx (from L1/L2: HBM sees the row once, where the chunked
+walk of wider rows reads it twice). memory_efficient mode's x̂ recovery still
+spills there, so it keeps the chunked walk.
 """
 import torch
 import triton
@@ -29,10 +36,16 @@ from memkernels.ops._device_guard import on_tensor_device
 # (16384 spills in LayerNorm). Backward, which also carries dy, x̂ and the
 # compensated dw (and db) accumulators: 8192 with 32 warps without a bias
 # gradient (RMSNorm: 62-64 registers, the most 32 warps allow), 4096 with one
-# (LayerNorm at 8192 spills 36-180 bytes with 32 warps, the most a block has).
+# (LayerNorm at 8192 spills 36-180 bytes with 32 warps, the most a block has). LayerNorm rows of
+# 4096 < H <= 8192 keep plain group sums in registers instead (BWD_GROUP_ROWS rows a group): 64
+# registers, no spills, except memory_efficient (120-208 bytes), which loops.
 # Wider rows loop over chunks of 4096 (the loop at 8192 spills 400-700 bytes on sm_90).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
 BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
+# Rows per group: one group per program at 8192 tokens on an H100 (31 rows each), so the fold
+# costs no read there; on longer batches each further group reads and writes the program's
+# partial rows once (4 x H x 4 bytes), against 32 rows of x and dy that a second pass would read.
+BWD_GROUP_ROWS = 32
 # The dw/db reduction: programs of BLOCK_H columns (coalesced 128-byte rows of the partials;
 # 128 programs at H = 4096), each summing BLOCK_P partial rows per step.
 REDUCE_BLOCK_P, REDUCE_BLOCK_H, REDUCE_WARPS = 32, 32, 4
@@ -45,10 +58,12 @@ def _round(value, dtype):
 
 
 @triton.jit
-def _load_scale(W, cols, mask, offset, dtype, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
-    """W' = offset + w in fp32 ([BLOCK]); 1 without a weight; rounded to dtype in casting "none"."""
+def _load_scale(W, cols, mask, offset, dtype, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                RELOAD: tl.constexpr = False):
+    """W' = offset + w in fp32 ([BLOCK]); 1 without a weight; rounded to dtype in casting "none".
+    RELOAD: a second read of the same bytes that the compiler must not merge with the first."""
     if HAS_WEIGHT:
-        scale = tl.load(W + cols, mask=mask, other=1.0).to(tl.float32) + offset
+        scale = tl.load(W + cols, mask=mask, other=1.0, volatile=RELOAD).to(tl.float32) + offset
         if CASTING == 0:
             scale = _round(scale, dtype)
     else:
@@ -190,9 +205,9 @@ def _kahan_add(total, compensation, term):
 
 @triton.jit
 def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
-               HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr):
+               HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, RELOAD: tl.constexpr = False):
     """x̂ for one chunk: (s - mean) * rstd, or (y - b) / W' with unrecoverable columns from FALLBACK."""
-    saved = tl.load(SAVED + cols, mask=mask, other=0.0).to(tl.float32)
+    saved = tl.load(SAVED + cols, mask=mask, other=0.0, volatile=RELOAD).to(tl.float32)
     if MEMORY_EFFICIENT:
         if HAS_BIAS:
             saved -= tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
@@ -208,6 +223,20 @@ def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
 
 
 @triton.jit
+def _fold_group(PARTIAL, group, cols, mask, H, first):
+    """Add a group's plain sum into a program's compensated partial row ([2, H]: sum, compensation);
+    the program's first group writes it (no read, no zero fill)."""
+    if first:
+        tl.store(PARTIAL + cols, group, mask=mask)
+        tl.store(PARTIAL + H + cols, tl.zeros_like(group), mask=mask)
+    else:
+        total, compensation = _kahan_add(tl.load(PARTIAL + cols, mask=mask, other=0.0),
+                                         tl.load(PARTIAL + H + cols, mask=mask, other=0.0), group)
+        tl.store(PARTIAL + cols, total, mask=mask)
+        tl.store(PARTIAL + H + cols, compensation, mask=mask)
+
+
+@triton.jit
 def _row_stats(MEAN, RSTD, row, UNCENTERED: tl.constexpr):
     """(mean, rstd) of one row; mean is 0 when x̂ does not need it (RMSNorm, or recovered from y)."""
     if UNCENTERED:
@@ -215,6 +244,61 @@ def _row_stats(MEAN, RSTD, row, UNCENTERED: tl.constexpr):
     else:
         mean = tl.load(MEAN + row)
     return mean, tl.load(RSTD + row)
+
+
+@triton.jit
+def _single_pass_row(row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps, offset,
+                     cols, mask, dw_sum, dw_comp, db_sum, db_comp,
+                     IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
+                     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, COMPENSATED: tl.constexpr):
+    """One register-resident row of the backward: adds its dy * x̂ and dy to the dw/db sums (Kahan
+    when COMPENSATED, else plain; the compensations are passed through) and stores its dx."""
+    offs = row * H
+    dtype = DY.dtype.element_ty
+    # The weight is read again for every row (from L1/L2): holding it across rows costs
+    # BLOCK / threads registers, which the widest single-pass block cannot spare.
+    scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+    mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS or MEMORY_EFFICIENT)
+    xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
+                      HAS_BIAS, MEMORY_EFFICIENT)
+    dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
+    # dw and db first: dy is then dead across the row sums below (fewer live registers).
+    if COMPUTE_DW:
+        if COMPENSATED:
+            dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
+        else:
+            dw_sum += dy * xhat
+    if COMPUTE_DB:
+        if COMPENSATED:
+            db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
+        else:
+            db_sum += dy
+    if COMPUTE_DX:
+        g = dy * scale
+        inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
+        if IS_RMS:
+            # One column: inner = g (1 - x̂²), which cancels when x̂² is near 1;
+            # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
+            one_minus_square = tl.where(xhat * xhat > 0.5, eps * rstd * rstd, 1.0 - xhat * xhat)
+            inner = tl.where(H == 1, g * one_minus_square, inner)
+        elif COMPENSATED:
+            inner -= tl.sum(g, axis=0) / H
+        else:
+            # Group sums hold no compensations, yet the row and two sums barely fit: take the
+            # sums, drop the row, and read it again (from L1) for dx.
+            mean_g_xhat = tl.sum(g * xhat, axis=0) / H
+            mean_g = tl.sum(g, axis=0) / H
+            scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT, True)
+            xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
+                              HAS_BIAS, MEMORY_EFFICIENT, True)
+            g = tl.load(DY + offs + cols, mask=mask, other=0.0, volatile=True).to(tl.float32) * scale
+            inner = g - xhat * mean_g_xhat - mean_g
+        dx = inner * rstd
+        if HAS_DRESIDUAL:
+            dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
+    return dw_sum, dw_comp, db_sum, db_comp
 
 
 @triton.jit
@@ -236,6 +320,7 @@ def _norm_bwd_kernel(
     IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    GROUP_ROWS: tl.constexpr,
 ):
     # Program p handles rows p, p + P, p + 2P, ... and owns row p of the partial
     # sums: a fixed reduction order, so dw/db are bitwise deterministic.
@@ -250,44 +335,38 @@ def _norm_bwd_kernel(
 
     if SINGLE_PASS:
         mask = cols < H
-        dw_sum = tl.zeros([BLOCK], tl.float32)
-        dw_comp = tl.zeros([BLOCK], tl.float32)
-        db_sum = tl.zeros([BLOCK], tl.float32)
-        db_comp = tl.zeros([BLOCK], tl.float32)
-        for row in range(pid, M, programs):
-            offs = row * H
-            # The weight is read again for every row (from L1/L2): holding it across rows costs
-            # BLOCK / threads registers, which the widest single-pass block cannot spare.
-            scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
-            mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
-            xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
-                              HAS_BIAS, MEMORY_EFFICIENT)
-            dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
-            # dw and db first: dy is then dead across the row sums below (fewer live registers).
+        if GROUP_ROWS == 0:
+            dw_sum = tl.zeros([BLOCK], tl.float32)
+            dw_comp = tl.zeros([BLOCK], tl.float32)
+            db_sum = tl.zeros([BLOCK], tl.float32)
+            db_comp = tl.zeros([BLOCK], tl.float32)
+            for row in range(pid, M, programs):
+                dw_sum, dw_comp, db_sum, db_comp = _single_pass_row(
+                    row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps, offset,
+                    cols, mask, dw_sum, dw_comp, db_sum, db_comp, IS_RMS, CASTING, HAS_WEIGHT, HAS_BIAS,
+                    HAS_DRESIDUAL, MEMORY_EFFICIENT, COMPUTE_DX, COMPUTE_DW, COMPUTE_DB, True)
             if COMPUTE_DW:
-                dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
+                tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
+                tl.store(DW_PARTIAL + H + cols, dw_comp, mask=mask)
             if COMPUTE_DB:
-                db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
-            if COMPUTE_DX:
-                g = dy * scale
-                inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
-                if IS_RMS:
-                    # One column: inner = g (1 - x̂²), which cancels when x̂² is near 1;
-                    # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
-                    one_minus_square = tl.where(xhat * xhat > 0.5, eps * rstd * rstd, 1.0 - xhat * xhat)
-                    inner = tl.where(H == 1, g * one_minus_square, inner)
-                else:
-                    inner -= tl.sum(g, axis=0) / H
-                dx = inner * rstd
-                if HAS_DRESIDUAL:
-                    dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
-                tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
-        if COMPUTE_DW:
-            tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
-            tl.store(DW_PARTIAL + H + cols, dw_comp, mask=mask)
-        if COMPUTE_DB:
-            tl.store(DB_PARTIAL + cols, db_sum, mask=mask)
-            tl.store(DB_PARTIAL + H + cols, db_comp, mask=mask)
+                tl.store(DB_PARTIAL + cols, db_sum, mask=mask)
+                tl.store(DB_PARTIAL + H + cols, db_comp, mask=mask)
+        else:
+            # Plain sums over GROUP_ROWS of this program's rows, each group folded into the
+            # program's compensated partial row in memory (the compensations need no registers).
+            stride = programs * GROUP_ROWS
+            for first in range(pid, M, stride):
+                dw_sum = tl.zeros([BLOCK], tl.float32)
+                db_sum = tl.zeros([BLOCK], tl.float32)
+                for row in range(first, tl.minimum(first + stride, M), programs):
+                    dw_sum, no_comp, db_sum, no_comp = _single_pass_row(
+                        row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps, offset,
+                        cols, mask, dw_sum, 0.0, db_sum, 0.0, IS_RMS, CASTING, HAS_WEIGHT, HAS_BIAS,
+                        HAS_DRESIDUAL, MEMORY_EFFICIENT, COMPUTE_DX, COMPUTE_DW, COMPUTE_DB, False)
+                if COMPUTE_DW:
+                    _fold_group(DW_PARTIAL, dw_sum, cols, mask, H, first == pid)
+                if COMPUTE_DB:
+                    _fold_group(DB_PARTIAL, db_sum, cols, mask, H, first == pid)
     else:
         # Wide rows. Pass 1 takes each row's two sums over all its chunks into ROW_SUMS. Pass 2
         # walks the columns chunk by chunk, each chunk over all of this program's rows, so the
@@ -384,13 +463,16 @@ def _launch_config(hidden, max_block, elements_per_warp):
     return block, num_warps, hidden <= max_block
 
 
-def _backward_config(hidden, with_db):
-    """(BLOCK, num_warps, SINGLE_PASS) of the backward: one block per row up to its widest
-    spill-free block, else chunks of BWD_MAX_BLOCK_WITH_DB."""
-    if hidden <= (BWD_MAX_BLOCK_WITH_DB if with_db else BWD_MAX_BLOCK):
-        return _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+def _backward_config(hidden, with_db, memory_efficient=False):
+    """(BLOCK, num_warps, SINGLE_PASS, GROUP_ROWS) of the backward: one block per row up to its widest
+    spill-free block (with a bias gradient past BWD_MAX_BLOCK_WITH_DB: group sums, GROUP_ROWS > 0,
+    except in memory_efficient mode, whose x̂ recovery spills there), else chunks of BWD_MAX_BLOCK_WITH_DB."""
+    grouped = with_db and not memory_efficient and BWD_MAX_BLOCK_WITH_DB < hidden <= BWD_MAX_BLOCK
+    if hidden <= (BWD_MAX_BLOCK_WITH_DB if with_db else BWD_MAX_BLOCK) or grouped:
+        block, num_warps, _ = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
+        return block, num_warps, True, BWD_GROUP_ROWS if grouped else 0
     block, num_warps, _ = _launch_config(BWD_MAX_BLOCK_WITH_DB, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP)
-    return block, num_warps, False
+    return block, num_warps, False, 0
 
 
 def _register_cap(num_warps):
@@ -458,7 +540,7 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     ``dx_out`` may be dy itself: every program reads a row chunk of dy before writing dx there.
     """
     rows, hidden = dy.shape
-    block, num_warps, single_pass = _backward_config(hidden, needs_db)
+    block, num_warps, single_pass, group_rows = _backward_config(hidden, needs_db, memory_efficient)
     programs = max(_num_programs(rows, dy.device), 1)
     dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
     dw = torch.empty_like(weight) if needs_dw else None
@@ -483,7 +565,8 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
         IS_RMS=is_rms, CASTING=casting, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
         COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
-        BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps, maxnreg=_register_cap(num_warps),
+        BLOCK=block, SINGLE_PASS=single_pass, GROUP_ROWS=group_rows, num_warps=num_warps,
+        maxnreg=_register_cap(num_warps),
     )
     if needs_dw or needs_db:
         _norm_reduce_partials_kernel[(triton.cdiv(hidden, REDUCE_BLOCK_H),)](
@@ -496,53 +579,57 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
 
 
 def _aot_variants():
-    """Launch variants for memkernels.aot: the widest register-resident row (BLOCK = max block, single
-    pass) and looping rows (H > max block, e.g. 16384), for every dtype and both norms as drop-ins use
-    them (plain, weights in x's dtype or fp32), and feature-heavy combinations (residual,
-    memory_efficient, casting modes)."""
+    """Launch variants for memkernels.aot: the widest register-resident row ("single": BLOCK = the
+    widest block holding Kahan sums, 8192, or 4096 with a bias gradient), LayerNorm's group-sum rows
+    ("grouped": 8192 with a bias gradient) and looping rows ("loop": H > 8192, e.g. 16384), for every
+    dtype and both norms as drop-ins use them (plain, weights in x's dtype or fp32), and feature-heavy
+    combinations (residual, memory_efficient, casting modes)."""
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    plain = [  # (dtype, param dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass)
-        (dtype, param_dtype, is_rms, 1 if is_rms else 2, False, True, not is_rms, False, single_pass)
+    plain = [  # (dtype, param dtype, is_rms, casting, residual, weight, bias, memory_efficient, width)
+        (dtype, param_dtype, is_rms, 1 if is_rms else 2, False, True, not is_rms, False, width)
         for dtype in short for param_dtype in dict.fromkeys((dtype, torch.float32))
-        for is_rms in (True, False) for single_pass in (True, False)
+        for is_rms in (True, False) for width in ("single", "loop") + (() if is_rms else ("grouped",))
     ]
     features = [
-        (torch.bfloat16, torch.bfloat16, True, 1, True, True, False, False, True),
-        (torch.bfloat16, torch.bfloat16, True, 1, False, True, False, True, True),
-        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, False, True),
-        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, True, False),
-        (torch.bfloat16, torch.bfloat16, True, 0, True, True, False, False, False),
-        (torch.bfloat16, torch.float32, True, 1, True, True, False, True, False),
-        (torch.float16, torch.float16, False, 2, False, True, True, True, True),
-        (torch.float32, torch.float32, True, 2, True, True, False, False, True),
-        (torch.float32, torch.float32, False, 2, True, True, True, True, False),
+        (torch.bfloat16, torch.bfloat16, True, 1, True, True, False, False, "single"),
+        (torch.bfloat16, torch.bfloat16, True, 1, False, True, False, True, "single"),
+        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, False, "single"),
+        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, True, "loop"),
+        (torch.bfloat16, torch.bfloat16, True, 0, True, True, False, False, "loop"),
+        (torch.bfloat16, torch.float32, True, 1, True, True, False, True, "loop"),
+        (torch.float16, torch.float16, False, 2, False, True, True, True, "single"),
+        (torch.float16, torch.float16, False, 2, True, True, True, False, "grouped"),
+        (torch.float32, torch.float32, True, 2, True, True, False, False, "single"),
+        (torch.float32, torch.float32, False, 2, True, True, True, True, "loop"),
     ]
+    hidden_of = {"single": lambda bias: BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK,
+                 "grouped": lambda bias: BWD_MAX_BLOCK, "loop": lambda bias: 2 * BWD_MAX_BLOCK}
     forward, backward = [], []
-    for dtype, param_dtype, is_rms, casting, residual, weight, bias, memory_efficient, single_pass in plain + features:
+    for dtype, param_dtype, is_rms, casting, residual, weight, bias, memory_efficient, width in plain + features:
         t, p = "*" + short[dtype], "*" + short[param_dtype]
         label = (f"{short[dtype]}{'' if param_dtype == dtype else '-w' + short[param_dtype]}"
                  f"-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
-                 f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}"
-                 f"-{'single' if single_pass else 'loop'}")
+                 f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}-{width}")
         fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
-        widest = BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK
-        bwd_block, bwd_warps, _ = _backward_config(widest if single_pass else 2 * widest, bias)
+        bwd_block, bwd_warps, single_pass, group_rows = _backward_config(hidden_of[width](bias), bias,
+                                                                         memory_efficient)
         common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
                   "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
-        forward.append({
-            "signature": {"X": t, "RESIDUAL": t, "RESIDUAL_OUT": t, "W": p, "B": p, "Y": t, "MEAN": "*fp32",
-                          "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "H": "i32", "K": "i32",
-                          "eps": "fp32", "offset": "fp32"},
-            "constexprs": {**common, "HAS_RESIDUAL": residual, "STORE_MEAN": not is_rms and not memory_efficient,
-                           "BLOCK": fwd_block},
-            "num_warps": fwd_warps, "num_stages": 1, "label": f"{label}{fwd_block}"})
+        if width != "grouped":  # its forward is the "single" one
+            forward.append({
+                "signature": {"X": t, "RESIDUAL": t, "RESIDUAL_OUT": t, "W": p, "B": p, "Y": t, "MEAN": "*fp32",
+                              "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "H": "i32", "K": "i32",
+                              "eps": "fp32", "offset": "fp32"},
+                "constexprs": {**common, "HAS_RESIDUAL": residual,
+                               "STORE_MEAN": not is_rms and not memory_efficient, "BLOCK": fwd_block},
+                "num_warps": fwd_warps, "num_stages": 1, "label": f"{label}{fwd_block}"})
         backward.append({
             "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": p, "B": p, "MEAN": "*fp32",
                           "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
                           "DB_PARTIAL": "*fp32", "ROW_SUMS": "*fp32", "M": "i32", "H": "i32", "K": "i32",
                           "eps": "fp32", "offset": "fp32"},
             "constexprs": {**common, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True, "COMPUTE_DW": weight,
-                           "COMPUTE_DB": bias, "BLOCK": bwd_block},
+                           "COMPUTE_DB": bias, "BLOCK": bwd_block, "GROUP_ROWS": group_rows},
             "num_warps": bwd_warps, "num_stages": 1, "options": {"maxnreg": _register_cap(bwd_warps)},
             "label": f"{label}{bwd_block}"})
     reduce = [
