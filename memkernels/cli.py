@@ -20,6 +20,7 @@ itself in ``_SUBCOMMANDS``.
 import argparse
 import copy
 import os
+import re
 import sys
 
 from memkernels.tools.sizes import MEMORY_FORMS, SizeError, format_size, parse_device_size
@@ -339,6 +340,14 @@ def _add_explain(subparsers):
 
 # ----------------------------------------------------------------------------- plan
 
+# plan()'s errors start "plan(argument=value): ..."; the CLI says "--flag value: ..." instead.
+_PLAN_ARGUMENT = re.compile(r"^plan\((\w+)=(.*?)\):")
+_PLAN_FLAGS = {"model": "--model", "gpu_mem": "--gpu-mem", "seq": "--seq", "gpus": "--gpus",
+               "global_batch_tokens": "--global-tokens", "host_mem": "--host-mem", "dtype": "--dtype",
+               "optimizer": "--optimizer", "finetune": "--finetune", "lora_rank": "--lora-rank",
+               "zero_stage": "--zero-stage"}
+
+
 def _add_plan(subparsers):
     """``memkernels plan``: the decision flow automated (logic in memkernels.tools.plan)."""
     from memkernels.tools.estimate import DTYPES, FINETUNE_MODES, OPTIMIZERS
@@ -372,10 +381,14 @@ def _add_plan(subparsers):
         gpu_mem = parse_device_size(args.gpu_mem, what="--gpu-mem")
         host_mem = None if args.host_mem is None else parse_size(args.host_mem, what="--host-mem")
         tokens = None if args.global_tokens is None else parse_count(args.global_tokens, what="--global-tokens")
-        result = plan(args.model, gpu_mem=gpu_mem, seq=args.seq, gpus=args.gpus,
-                      global_batch_tokens=tokens, host_mem=host_mem, dtype=args.dtype,
-                      optimizer=args.optimizer, finetune=args.finetune, lora_rank=args.lora_rank,
-                      kernels=not args.no_kernels, zero_stage=args.zero_stage)
+        try:
+            result = plan(args.model, gpu_mem=gpu_mem, seq=args.seq, gpus=args.gpus,
+                          global_batch_tokens=tokens, host_mem=host_mem, dtype=args.dtype,
+                          optimizer=args.optimizer, finetune=args.finetune, lora_rank=args.lora_rank,
+                          kernels=not args.no_kernels, zero_stage=args.zero_stage)
+        except ValueError as error:  # plan() names its Python argument; the user typed a flag
+            raise ValueError(_PLAN_ARGUMENT.sub(lambda m: f"{_PLAN_FLAGS.get(m[1], m[1])} {m[2]}:", str(error),
+                                                count=1)) from error
         print(json.dumps(result.to_dict(), indent=2) if args.json else result.table())
         return 0
 

@@ -284,17 +284,20 @@ def test_cli_plan_json_and_error():
 
 @pytest.mark.parametrize("args, argument", [
     (["--gpu-mem", "80"], "--gpu-mem"),  # a bare number: GB or GiB?
-    (["--gpu-mem", "2GB"], "gpu_mem"),  # below the model state of the leanest configuration
-    (["--seq", "0"], "seq"),
-    (["--seq", "-4"], "seq"),
-    (["--global-tokens", "4M"], "global_batch_tokens"),  # not a multiple of seq x gpus = 4096
-    (["--finetune", "lorra"], "finetune"),
+    (["--gpu-mem", "2GB"], "--gpu-mem"),  # below the model state of the leanest configuration
+    (["--seq", "0"], "--seq"),
+    (["--seq", "-4"], "--seq"),
+    (["--global-tokens", "4M"], "--global-tokens"),  # not a multiple of seq x gpus = 4096
+    (["--finetune", "lorra"], "--finetune"),
+    (["--zero-stage", "7"], "--zero-stage"),
 ])
 def test_cli_plan_bad_input_one_line(args, argument):
+    """The error names the flag the user typed, not plan()'s Python argument."""
     command = ["plan", "--model", "llama-2-7b", "--gpu-mem", "24GB", "--seq", "4096"] + args
     bad = subprocess.run([sys.executable, "-m", "memkernels.cli"] + command, capture_output=True, text=True)
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and argument in lines[0], bad.stderr
+    assert "plan(" not in lines[0] and "_" not in lines[0].split(": ")[2], lines[0]  # "--flag value"
     assert any(verb in lines[0] for verb in ("use ", "must be", "give ", "write ")), lines[0]  # it says the fix
 
 
