@@ -602,8 +602,6 @@ def _aot_variants():
         (torch.float32, torch.float32, True, 2, True, True, False, False, "single"),
         (torch.float32, torch.float32, False, 2, True, True, True, True, "loop"),
     ]
-    hidden_of = {"single": lambda bias: BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK,
-                 "grouped": lambda bias: BWD_MAX_BLOCK, "loop": lambda bias: 2 * BWD_MAX_BLOCK}
     forward, backward = [], []
     for dtype, param_dtype, is_rms, casting, residual, weight, bias, memory_efficient, width in plain + features:
         t, p = "*" + short[dtype], "*" + short[param_dtype]
@@ -611,8 +609,9 @@ def _aot_variants():
                  f"-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
                  f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}-{width}")
         fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
-        bwd_block, bwd_warps, single_pass, group_rows = _backward_config(hidden_of[width](bias), bias,
-                                                                         memory_efficient)
+        hidden = {"single": BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK, "grouped": BWD_MAX_BLOCK,
+                  "loop": 2 * BWD_MAX_BLOCK}[width]
+        bwd_block, bwd_warps, single_pass, group_rows = _backward_config(hidden, bias, memory_efficient)
         common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
                   "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
         if width != "grouped":  # its forward is the "single" one
