@@ -452,6 +452,8 @@ def test_prediction_line_is_the_audit_model_at_the_benchmarks_shape(monkeypatch)
 
 def test_prediction_names_what_it_cannot_model():
     assert gpu_audit.model_gpu("NVIDIA A100-SXM4-80GB") == "A100-80GB"
+    assert gpu_audit.model_gpu("NVIDIA H200") == "H200-SXM"
+    assert gpu_audit.model_gpu("NVIDIA H200 NVL") is None  # 600 W less, other clocks
     assert gpu_audit.model_gpu("NVIDIA H100 PCIe") is None  # 2.0 TB/s, not the SXM board's 3.35
     assert gpu_audit.model_gpu("NVIDIA A100-PCIE-40GB") is None
     assert gpu_audit.model_gpu("NVIDIA L4") is None

@@ -36,6 +36,24 @@ def test_extension_links_neither_torch_nor_cuda():
         assert forbidden not in out, f"{os.path.basename(ext.__file__)} links {forbidden}:\n{out}"
 
 
+def test_extension_uses_no_iostreams():
+    """On an H200 machine (Ubuntu 24.04, Python 3.12.3, torch 2.11.0+cu130 imported first) the pool's
+    out-of-memory message, built with std::ostringstream, crashed in libstdc++'s numeric insertion:
+    under torch the process's locale machinery is not the pool's to rely on. Messages are built with
+    std::string / std::to_string / snprintf (csrc/common/check.hpp), so _C imports nothing of iostreams."""
+    import memkernels._C as ext
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("nm not available")
+    out = subprocess.run([nm, "-D", "-C", "--undefined-only", ext.__file__], capture_output=True, text=True,
+                         check=True).stdout
+    used = [line.split()[-1] for line in out.splitlines()
+            if re.search(r"std::(basic_ostream|ostream|basic_ios|ios_base|locale|basic_stringbuf|"
+                         r"__cxx11::basic_ostringstream|basic_istream)", line)]
+    assert not used, f"{os.path.basename(ext.__file__)} uses iostreams: {used}"
+
+
 @pytest.mark.slow
 def test_wheel_builds_in_a_venv_without_torch(tmp_path):
     env_dir = tmp_path / "venv"

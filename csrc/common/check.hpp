@@ -2,9 +2,14 @@
 // C API) are separate from internal invariants: the first becomes a ValueError
 // that names the argument and the fix, the second a RuntimeError that says it
 // is a memkernels bug.
+//
+// No iostreams anywhere in the C++ core: messages are built with std::string and
+// std::to_string. On an H200 machine (Ubuntu 24.04, Python 3.12.3, torch
+// 2.11.0+cu130 imported first) every message formatted through std::ostringstream's
+// numeric insertion crashed inside libstdc++'s locale machinery (the signature of
+// pytorch/pytorch#109923); tests/test_packaging.py keeps iostreams out of _C.
 #pragma once
 
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -32,9 +37,7 @@ struct out_of_memory : std::runtime_error {
 
 namespace detail {
 inline std::string where(const char* file, int line) {
-  std::ostringstream os;
-  os << " [" << file << ":" << line << "]";
-  return os.str();
+  return std::string(" [") + file + ":" + std::to_string(line) + "]";
 }
 }  // namespace detail
 

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <sstream>
 
 #include "common/check.hpp"
 
@@ -16,10 +15,9 @@ std::string format_bytes(std::int64_t bytes) {
   double value = double(bytes);
   int unit = 0;
   while (std::fabs(value) >= 1024.0 && unit < 4) value /= 1024.0, ++unit;
-  std::ostringstream os;
-  os.precision(unit == 0 ? 0 : 2);
-  os << std::fixed << value << " " << units[unit];
-  return os.str();
+  char text[48];
+  std::snprintf(text, sizeof text, "%.*f %s", unit == 0 ? 0 : 2, value, units[unit]);
+  return text;
 }
 
 std::size_t round_up(std::size_t n, std::size_t unit) { return (n + unit - 1) / unit * unit; }
@@ -600,18 +598,19 @@ std::size_t DevicePool::release_expandable() {
 
 std::string DevicePool::oom_message(std::size_t requested, std::size_t segment_bytes) {
   DeviceStats s = stats_locked();
-  std::ostringstream os;
-  os << "memkernels: out of memory on device " << device_ << ": tried to allocate " << format_bytes(requested)
-     << " (a segment of " << format_bytes(segment_bytes) << "). Device total "
-     << format_bytes(std::int64_t(upstream_->total_memory(device_)));
-  if (s.memory_cap) os << ", memory cap " << format_bytes(s.memory_cap);
-  os << "; reserved " << format_bytes(s.total.reserved_bytes.current) << " in " << s.total.segment_count.current
-     << " segments, allocated " << format_bytes(s.total.allocated_bytes.current) << " (requested "
-     << format_bytes(s.total.requested_bytes.current) << "), cached free " << format_bytes(s.free_bytes)
-     << " (largest free block " << format_bytes(s.largest_free_block) << ", fragmentation "
-     << int(100.0 * s.fragmentation() + 0.5) << "%). Cached segments were released and the allocation retried ("
-     << s.num_alloc_retries << " retries, " << s.num_ooms << " OOMs so far).";
-  return os.str();
+  std::string text = "memkernels: out of memory on device " + std::to_string(device_) + ": tried to allocate " +
+                     format_bytes(requested) + " (a segment of " + format_bytes(segment_bytes) + "). Device total " +
+                     format_bytes(std::int64_t(upstream_->total_memory(device_)));
+  if (s.memory_cap) text += ", memory cap " + format_bytes(s.memory_cap);
+  text += "; reserved " + format_bytes(s.total.reserved_bytes.current) + " in " +
+          std::to_string(s.total.segment_count.current) + " segments, allocated " +
+          format_bytes(s.total.allocated_bytes.current) + " (requested " +
+          format_bytes(s.total.requested_bytes.current) + "), cached free " + format_bytes(s.free_bytes) +
+          " (largest free block " + format_bytes(s.largest_free_block) + ", fragmentation " +
+          std::to_string(int(100.0 * s.fragmentation() + 0.5)) +
+          "%). Cached segments were released and the allocation retried (" + std::to_string(s.num_alloc_retries) +
+          " retries, " + std::to_string(s.num_ooms) + " OOMs so far).";
+  return text;
 }
 
 // ---------------------------------------------------------------- malloc / free

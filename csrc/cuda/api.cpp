@@ -14,7 +14,6 @@
 #include <cstdlib>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <vector>
 
 #include "sim/sim.hpp"
@@ -95,9 +94,9 @@ std::vector<std::string> toolkit_cudart_paths() {
 }
 
 std::string join(const std::vector<std::string>& parts, const char* sep) {
-  std::ostringstream os;
-  for (std::size_t i = 0; i < parts.size(); ++i) os << (i ? sep : "") << parts[i];
-  return os.str();
+  std::string text;
+  for (std::size_t i = 0; i < parts.size(); ++i) text += (i ? sep : "") + parts[i];
+  return text;
 }
 
 // Driver symbols: cuGetProcAddress(name, &fn, CUDA_VERSION, ...) returns the
@@ -153,50 +152,48 @@ RealLoad load_real() {
   Library libcuda = open_first({kLibcudaSoname}, {}, libcuda_tried);
 
   // What went wrong, driver first: it is the usual culprit.
-  std::ostringstream driver_problem, runtime_problem;
-  std::ostringstream found;
+  std::string driver_problem, runtime_problem, found;
   if (libcuda.handle) {
-    found << "libcuda: " << libcuda.path;
+    found += "libcuda: " + libcuda.path;
     std::vector<std::string> missing;
     resolve_driver(out.table, libcuda.handle, missing);
     if (!missing.empty()) {
-      driver_problem << "libcuda at " << libcuda.path << " lacks " << join(missing, ", ") << "; ";
+      driver_problem += "libcuda at " + libcuda.path + " lacks " + join(missing, ", ") + "; ";
     } else if (CUresult err = out.table.cuInit(0); err != CUDA_SUCCESS) {
       const char* name = nullptr;
       out.table.cuGetErrorName(err, &name);
-      driver_problem << "cuInit(0) returned " << (name ? name : "an unknown error") << " ("
-                     << static_cast<int>(err) << "); ";
+      driver_problem += std::string("cuInit(0) returned ") + (name ? name : "an unknown error") + " (" +
+                        std::to_string(static_cast<int>(err)) + "); ";
     }
   } else {
-    driver_problem << "tried " << join(libcuda_tried, ", ") << "; ";
+    driver_problem += "tried " + join(libcuda_tried, ", ") + "; ";
   }
   if (cudart.handle) {
-    found << (libcuda.handle ? "; " : "") << "libcudart: " << cudart.path;
+    found += (libcuda.handle ? "; libcudart: " : "libcudart: ") + cudart.path;
     std::vector<std::string> missing;
     resolve_runtime(out.table, cudart.handle, missing);
     if (!missing.empty()) {
-      runtime_problem << "libcudart at " << cudart.path << " lacks " << join(missing, ", ") << " (too old?); ";
+      runtime_problem += "libcudart at " + cudart.path + " lacks " + join(missing, ", ") + " (too old?); ";
     } else {
       // Without a usable driver the runtime says so here (insufficient
       // driver / no device): the first call that needs libcuda.
       int count = 0;
       cudaError_t err = out.table.cudaGetDeviceCount(&count);
       if (err != cudaSuccess)
-        runtime_problem << "cudaGetDeviceCount returned " << out.table.cudaGetErrorName(err) << " ("
-                        << out.table.cudaGetErrorString(err) << "); ";
+        runtime_problem += std::string("cudaGetDeviceCount returned ") + out.table.cudaGetErrorName(err) + " (" +
+                           out.table.cudaGetErrorString(err) + "); ";
       else if (count == 0)
-        runtime_problem << "cudaGetDeviceCount found no CUDA device; ";
+        runtime_problem += "cudaGetDeviceCount found no CUDA device; ";
       out.info.device_count = count;
       out.table.cudaDriverGetVersion(&out.info.runtime_driver_version);
     }
   } else {
-    runtime_problem << "no CUDA runtime library: tried " << join(cudart_tried, ", ") << "; ";
+    runtime_problem += "no CUDA runtime library: tried " + join(cudart_tried, ", ") + "; ";
   }
 
-  const std::string problems = driver_problem.str() + runtime_problem.str();
+  const std::string problems = driver_problem + runtime_problem;
   if (!problems.empty()) {
-    const std::string where = found.str();
-    out.error = "no CUDA driver/library: " + problems + (where.empty() ? "" : "found " + where + "; ") + kInstallHint;
+    out.error = "no CUDA driver/library: " + problems + (found.empty() ? "" : "found " + found + "; ") + kInstallHint;
     return out;
   }
   out.info.cudart_path = cudart.path;
@@ -215,9 +212,9 @@ const Api& table_for(Backend backend) {
 }
 
 [[noreturn]] void throw_with(const std::string& call, int code, const char* name, const char* text) {
-  std::ostringstream os;
-  os << call << " failed: " << (name ? name : "unknown error") << " (" << code << "): " << (text ? text : "");
-  throw call_error(os.str(), code, call);
+  throw call_error(call + " failed: " + (name ? name : "unknown error") + " (" + std::to_string(code) + "): " +
+                       (text ? text : ""),
+                   code, call);
 }
 
 }  // namespace

@@ -72,6 +72,9 @@ GPUS = {
                          40 * 2**20),
     "H100-SXM": GpuSpec("H100-SXM", 3.35e12, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 34e12},
                         50 * 2**20),
+    # The H100's chip with HBM3e: the same peaks, 4.8 TB/s.
+    "H200-SXM": GpuSpec("H200-SXM", 4.8e12, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 34e12},
+                        50 * 2**20),
 }
 # Host-side cost of one kernel launch on an idle stream (typical CUDA figure, a model constant).
 LAUNCH_OVERHEAD_S = 4e-6
@@ -1361,7 +1364,9 @@ def predict(op, shape, dtype="bf16", impls=("memkernels", "eager")):
 def model_gpu(device_name):
     """The :data:`GPUS` entry that models a CUDA device name, or None: only the boards whose datasheet figures
     :data:`GPUS` holds ("NVIDIA H100 80GB HBM3" is the SXM board; H100 PCIe / NVL and A100 40GB / PCIe have
-    other bandwidths and peaks)."""
+    other bandwidths and peaks; "NVIDIA H200" is the SXM board, "NVIDIA H200 NVL" is not)."""
+    if device_name == "NVIDIA H200":
+        return "H200-SXM"
     if "H100" in device_name and "HBM3" in device_name and not any(m in device_name for m in ("PCIe", "NVL")):
         return "H100-SXM"
     if "A100-SXM4-80GB" in device_name:
