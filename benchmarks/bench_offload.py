@@ -2,8 +2,12 @@
 
 A stack of transformer blocks (bf16 autocast) is trained for a few steps with
 and without memkernels.OffloadActivations; for each it prints the median step
-time and the device memory still allocated at the end of forward (what the
-saved activations occupy), from torch.cuda's own counters.
+time and, from torch.cuda's own counters, the device memory allocated between
+steps, at the end of forward (weights, input and what the saved activations
+occupy) and at the step's peak. All three are absolute: the first GPU run (H200)
+measured "resident" as a difference from a base taken before the context was
+entered, and printed -3195 MiB and "173% saved", because the base held memory
+the offload context released at its entry.
 
 Needs a CUDA GPU: without one it prints that it skipped and exits 0 (the
 simulated-device measurements live in tests/test_offload.py).
@@ -43,17 +47,20 @@ def timed(model, x, steps, context):
     return statistics.median(times[1:])
 
 
-def resident_after_forward(model, x, context):
-    """Device bytes allocated by forward and still held when it ends (saved activations)."""
+def memory_of_a_step(model, x, context):
+    """Absolute device bytes allocated: before forward (left by the previous step), at forward's end
+    (after the offload copies completed: their device buffers are freed then), and the step's peak."""
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
     loss = step(model, x, context)
     if hasattr(context, "wait_for_offloads"):
-        context.wait_for_offloads()  # device copies are freed once their D2H copy completed
-    resident = torch.cuda.memory_allocated() - base
+        context.wait_for_offloads()
+    after_forward = torch.cuda.memory_allocated()
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return resident
+    torch.cuda.synchronize()
+    return {"before": before, "after_forward": after_forward, "peak": torch.cuda.max_memory_allocated()}
 
 
 def main():
@@ -77,17 +84,21 @@ def main():
     model = build(args.layers, args.dim, args.heads)
     x = torch.randn(args.batch, args.seq, args.dim, device="cuda", requires_grad=True)
     plain = contextlib.nullcontext()
-    base_time, base_resident = timed(model, x, args.steps, plain), resident_after_forward(model, x, plain)
+    base_time, base = timed(model, x, args.steps, plain), memory_of_a_step(model, x, plain)
     offload = memkernels.OffloadActivations()
-    off_time, off_resident = timed(model, x, args.steps, offload), resident_after_forward(model, x, offload)
+    off_time, off = timed(model, x, args.steps, offload), memory_of_a_step(model, x, offload)
     stats = offload.stats()
     offload.close()
-    print(f"{args.layers} blocks, dim {args.dim}, batch {args.batch} x seq {args.seq}, bf16 autocast")
-    print(f"{'':24}{'step ms':>10}{'resident after fwd MiB':>26}")
-    print(f"{'without offload':24}{base_time * 1e3:10.1f}{base_resident / 2**20:26.1f}")
-    print(f"{'OffloadActivations':24}{off_time * 1e3:10.1f}{off_resident / 2**20:26.1f}")
-    print(f"step-time overhead {off_time / base_time - 1:+.1%}; activation memory saved "
-          f"{1 - off_resident / base_resident:.1%}; pinned pool {stats['pinned_bytes'] / 2**20:.0f} MiB, "
+    mib = 2**20
+    print(f"{args.layers} blocks, dim {args.dim}, batch {args.batch} x seq {args.seq}, bf16 autocast; "
+          "device MiB allocated (torch.cuda counters)")
+    print(f"{'':24}{'step ms':>10}{'between steps':>15}{'after forward':>15}{'step peak':>11}")
+    for label, t, m in (("without offload", base_time, base), ("OffloadActivations", off_time, off)):
+        print(f"{label:24}{t * 1e3:10.1f}{m['before'] / mib:15.1f}{m['after_forward'] / mib:15.1f}"
+              f"{m['peak'] / mib:11.1f}")
+    print(f"step-time overhead {off_time / base_time - 1:+.1%}; allocated after forward "
+          f"{(base['after_forward'] - off['after_forward']) / mib:+.0f} MiB less, step peak "
+          f"{(base['peak'] - off['peak']) / mib:+.0f} MiB less; pinned pool {stats['pinned_bytes'] / mib:.0f} MiB, "
           f"prefetch hits {stats['prefetch_hits']}, restores on demand {stats['restores_on_demand']}")
 
 

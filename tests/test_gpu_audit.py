@@ -3,6 +3,8 @@
 The pins are derived element by element in the comments: an extra tl.load, a float32 matmul on
 half inputs or a host sync in any op changes a pinned number and fails here.
 """
+import subprocess
+
 import pytest
 import torch
 
@@ -448,6 +450,20 @@ def test_prediction_line_is_the_audit_model_at_the_benchmarks_shape(monkeypatch)
                     + part("eager", eager))
     monkeypatch.delenv("TRITON_INTERPRET")
     assert gpu_audit.prediction_line("rms_norm", shape, torch.bfloat16, "NVIDIA H100 80GB HBM3") == line
+
+
+def test_prediction_that_cannot_be_counted_says_why_instead_of_aborting_the_benchmark(monkeypatch):
+    """On the H200 machine (triton 3.6) the interpreted child failed: the benchmark's measured times must
+    still print, beside a line saying why the model is missing."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+
+    def failed_child(argv, **kwargs):
+        return subprocess.CompletedProcess(argv, 1, stdout="", stderr="Traceback ...\nTypeError: no scalar here\n")
+
+    monkeypatch.setattr(gpu_audit.subprocess, "run", failed_child)
+    line = gpu_audit.prediction_line("rms_norm", {"N": 16, "H": 32}, "bf16", "NVIDIA H100 80GB HBM3")
+    assert line.startswith("audit model: counting rms_norm at {'N': 16, 'H': 32} failed")
+    assert line.endswith("TypeError: no scalar here; no prediction printed")
 
 
 def test_prediction_names_what_it_cannot_model():

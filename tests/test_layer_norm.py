@@ -19,6 +19,9 @@ from norm_cases import (DTYPES, SHAPES, assert_drop_in, eager_add_then, leaf,  #
 
 
 def layer_norm_eager(x, weight, bias, eps=1e-5):
+    if x.is_cuda and weight is not None and weight.dtype != x.dtype:
+        # CUDA's F.layer_norm refuses mixed dtypes; the CPU kernel computes them in float32 and rounds once
+        return F.layer_norm(x.float(), weight.shape, weight, bias, eps).to(x.dtype)
     return F.layer_norm(x, weight.shape, weight, bias, eps)
 
 
@@ -47,7 +50,7 @@ class _EagerMemoryEfficientLayerNorm(torch.autograd.Function):
     def backward(ctx, dy):
         from memkernels.reference._norm import CASTING_MODES, unrecoverable_columns
         s, y, mean, rstd, weight, bias = ctx.saved_tensors
-        kept = torch.zeros(weight.shape, dtype=torch.bool)
+        kept = torch.zeros(weight.shape, dtype=torch.bool, device=weight.device)
         kept[unrecoverable_columns(weight, bias, 0.0, CASTING_MODES["gemma"], s.dtype)] = True
         x_hat = torch.where(kept, (s - mean) * rstd, (y - bias) / weight)
         dx_hat = dy * weight

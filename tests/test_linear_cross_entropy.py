@@ -10,6 +10,8 @@ from memkernels.ops.linear_cross_entropy import linear_cross_entropy, pick_strat
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
 
+from backends import triton_device
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPTIONS = {
     "plain": {},
@@ -327,9 +329,11 @@ def test_out_of_range_target_raises_on_the_cpu_reference():
 def test_out_of_range_target_gives_nan_on_the_triton_path(strategy):
     memkernels.set_backend("triton")
     try:
-        hidden = torch.randn(3, 4, requires_grad=True)
-        weight = torch.randn(9, 4, requires_grad=True)
-        loss = linear_cross_entropy(hidden, weight, torch.tensor([0, 9, -100]), strategy=strategy, reduction="sum")
+        device = triton_device()
+        hidden = torch.randn(3, 4, device=device, requires_grad=True)
+        weight = torch.randn(9, 4, device=device, requires_grad=True)
+        loss = linear_cross_entropy(hidden, weight, torch.tensor([0, 9, -100], device=device), strategy=strategy,
+                                    reduction="sum")
         assert torch.isnan(loss)
         loss.backward()
         assert torch.isnan(hidden.grad[1]).all() and torch.isfinite(hidden.grad[[0, 2]]).all()
