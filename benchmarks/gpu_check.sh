@@ -10,7 +10,11 @@
 # Steps, all written to one results file:
 #   1. build and install this working tree: pip install --no-build-isolation --no-deps
 #   2. the test suite without the Triton interpreter: the kernels run on the GPU
-#      (tests/backends.py puts the "triton" tests' tensors on CUDA)
+#      (tests/backends.py puts the "triton" tests' tensors on CUDA), on $MEMKERNELS_GPU_CHECK_WORKERS
+#      xdist workers (default 8): on the H200 the kernel test files alone ran past 4 minutes on 10
+#      workers (Triton compiles every variant, the GEMMs autotune). Each failure is appended to
+#      RESULTS_FILE.failures as it happens (MEMKERNELS_FAILURE_LOG): a lease that ends mid-run
+#      loses pytest's summary, not the failures.
 #   3. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
 #      test does not select the simulated device itself)
 #   4. every benchmark: each GPU timing section prints the audit's model prediction at its own
@@ -42,8 +46,11 @@ step() {  # step LABEL COMMAND...: run it, log it, count a failure
         step "build requirements" pip install --no-index --find-links "$WHEELS" setuptools wheel pybind11 ninja
     fi
     step "install" pip install --no-build-isolation --no-deps -e .
-    step "tests on the GPU" python -m pytest tests -q -p no:randomly -n 0
-    step "allocator and offload on CUDA" env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly -n 0 \
+    export MEMKERNELS_FAILURE_LOG="$RESULTS.failures"
+    : > "$MEMKERNELS_FAILURE_LOG"
+    WORKERS=${MEMKERNELS_GPU_CHECK_WORKERS:-8}
+    step "tests on the GPU" python -m pytest tests -q -p no:randomly -n "$WORKERS"
+    step "allocator and offload on CUDA" env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly -n "$WORKERS" \
         tests/test_allocator.py tests/test_allocator_install.py tests/test_offload.py tests/test_offload_engine.py
     for bench in benchmarks/bench_*.py; do
         step "$(basename "$bench")" python "$bench"

@@ -128,6 +128,18 @@ def pytest_configure(config):
         raise pytest.UsageError(problem)
 
 
+def pytest_runtest_logreport(report):
+    """MEMKERNELS_FAILURE_LOG=path: append each failure (node id, last lines of its report) as it happens.
+
+    benchmarks/gpu_check.sh sets it: a device lease can end mid-run, and the first GPU run (H200) lost
+    pytest's end-of-run summary that way; failures written as they happen survive."""
+    path = os.environ.get("MEMKERNELS_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):  # xdist: the controller writes
+        lines = str(report.longrepr).splitlines()[-30:]
+        with open(path, "a") as log:
+            log.write(f"==== {report.nodeid} [{report.when}]\n" + "\n".join(lines) + "\n")
+
+
 if os.environ.get("TRITON_INTERPRET") == "1" and not interpreter_triton_problem(_installed_triton_version() or ""):
     _patch_interpreter_builder("create_dot", _bf16_dot_shim)
     _patch_interpreter_builder("cast_impl", _bf16_rounding_shim)

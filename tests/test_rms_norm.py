@@ -181,7 +181,7 @@ def test_saved_bytes_rms_norm_is_4_per_token(backend, dtype):
     assert saved.new_bytes == 4 * rows  # the fp32 rstd and nothing else
     assert saved.aliased_bytes == x.untyped_storage().nbytes() + weight.untyped_storage().nbytes()
     # Hugging Face's composed RMSNorm (Llama's), for contrast, saves more than the input and rstd. (nn.RMSNorm
-    # on CUDA is a fused kernel since torch 2.8 that saves rstd only, like this op: measured on an H200.)
+    # on CUDA is a fused kernel that saves rstd only, like this op: torch 2.11 on an H200.)
     with SavedBytesMeter() as eager_saved:
         rms_norm_eager(x, weight)
     assert eager_saved.new_bytes > saved.new_bytes

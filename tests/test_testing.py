@@ -303,3 +303,21 @@ def test_accuracy_checks_pass_under_the_default_cpu_capability():
                          capture_output=True, text=True, env=env, cwd=os.path.dirname(tests_dir), timeout=600)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " passed" in run.stdout and "failed" not in run.stdout
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_failure_log_is_written_as_failures_happen(tmp_path, workers):
+    """benchmarks/gpu_check.sh's MEMKERNELS_FAILURE_LOG (tests/conftest.py): each failure once, with its
+    message, with or without xdist; passing tests leave nothing."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))
+    planted = tmp_path / "test_planted.py"
+    planted.write_text("def test_fails():\n    assert 1 == 2, 'planted failure'\n\n\ndef test_passes():\n    pass\n")
+    log = tmp_path / "failures.txt"
+    env = dict(os.environ, MEMKERNELS_FAILURE_LOG=str(log),
+               PYTHONPATH=os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                          "-n", str(workers), "-c", os.devnull, "--rootdir", str(tmp_path), str(planted)],
+                         env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout + run.stderr
+    text = log.read_text()
+    assert text.count("==== ") == 1 and "test_planted.py::test_fails [call]" in text and "planted failure" in text
