@@ -202,8 +202,61 @@ def gpu_section(tokens, hidden):
         print()
 
 
+def host_time_section(tokens, hidden, calls=200, device="cuda"):
+    """CPU time per call of each layer of FusedRMSNorm's path, issued without waiting for the GPU.
+
+    On the H200 a forward + backward step took 1.2-1.5 ms of host time where its kernels took ~0.1 ms
+    (docs/gpu-runs.md); the same Python path with the launches stubbed costs ~0.2 ms on a CPU. These rows
+    split the rest: an empty Triton kernel's launch, memkernels' launcher, the custom op, the module, the
+    step. A row well above the one before it is where the time goes."""
+    import time
+
+    import triton
+
+    from memkernels.ops import _norm_kernels, _norm_ops
+
+    def wait():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    @triton.jit
+    def _empty_kernel(X):  # X: [1] any dtype, never read
+        pass
+
+    x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
+    module = memkernels.FusedRMSNorm(hidden, eps=1e-6, dtype=torch.bfloat16, device=device)
+    eager = nn.RMSNorm(hidden, eps=1e-6, dtype=torch.bfloat16, device=device)
+    grad = torch.randn_like(x)
+    no_columns = x.new_empty(0, dtype=torch.int64)
+    rows = {
+        "empty Triton kernel launch": lambda: _empty_kernel[(1,)](x),
+        "memkernels launcher (norm_forward)": lambda: _norm_kernels.norm_forward(
+            x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, no_columns),
+        "custom op norm_fwd, no grad": lambda: _norm_ops.norm_fwd(
+            x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, False, "triton"),
+        "FusedRMSNorm forward, grad": lambda: module(x),
+        "FusedRMSNorm forward + backward": lambda: module(x).backward(grad),
+        "eager nn.RMSNorm forward + backward": lambda: eager(x).backward(grad),
+    }
+    print(f"Host time per call, bf16 [{tokens}, {hidden}] (CPU time to issue, GPU not awaited in the loop)")
+    for label, call in rows.items():
+        call()
+        wait()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        issued = (time.perf_counter() - start) / calls
+        wait()
+        waited = (time.perf_counter() - start) / calls
+        print(f"  {label:<40}{issued * 1e6:9.1f} us issued{waited * 1e6:9.1f} us with the GPU's wait")
+        x.grad = None
+        module.weight.grad = eager.weight.grad = None
+
+
 def main():
     memory_section(ARGS.tokens, ARGS.hidden, ARGS.backend)
+    if torch.cuda.is_available():
+        host_time_section(ARGS.tokens, ARGS.hidden)  # first: seconds, where gpu_section compiles for minutes
     gpu_section(ARGS.tokens, ARGS.hidden)
 
 
