@@ -175,6 +175,9 @@ class AotReport:
     # Vectorized global reads in the PTX: ld.global.v2/.v4, and the 8- or 16-byte cp.async copies
     # that pipelined (num_stages > 1) tl.dot operands are loaded with on sm_80+.
     vector_loads: int = -1
+    # fma instructions in the PTX: multiplies and adds the compiler contracted (unless the variant
+    # compiles with enable_fp_fusion=False), plus any explicit tl.fma or libdevice ones.
+    fused_multiply_adds: int = -1
     compile_seconds: float = 0.0
     error: str = ""
 
@@ -187,6 +190,7 @@ class AotReport:
         return not self.error and self.spills == 0
 
 
+_FMA = re.compile(r"\bfma\.rn")
 _VECTOR_LOAD = re.compile(r"\bld\.global(?:\.[a-z0-9_]+)*\.v[24]\.")
 _VECTOR_ASYNC_COPY = re.compile(  # cp.async... [shared], [global], <bytes>
     r"\bcp\.async(?:\.[a-z0-9_]+)*\.shared\.global\s+\[[^\]]*\],\s*\[[^\]]*\],\s*(?:0x10|0x8|16|8)\b")
@@ -283,6 +287,7 @@ def compile_kernel(kernel, variant, arch, *, name=None):
     report.shared_bytes = static_smem + compiled.metadata.shared
     ptx = compiled.asm["ptx"]
     report.vector_loads = len(_VECTOR_LOAD.findall(ptx)) + len(_VECTOR_ASYNC_COPY.findall(ptx))
+    report.fused_multiply_adds = len(_FMA.findall(ptx))
     if cubin_registers != registers:
         report.error = f"ptxas -v says {registers} registers, the cubin {cubin_registers}"
     elif report.shared_bytes > MAX_SHARED_BYTES_PER_BLOCK.get(arch, float("inf")):

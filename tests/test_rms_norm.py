@@ -426,6 +426,38 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills():
     assert len(reports) == 2 * sum(map(len, variants))
     failed = [(r.kernel, r.variant, r.arch, r.spills, r.error) for r in reports if not r.ok]
     assert not failed, failed
+    # No contracted multiply-add in the backward (the H200's LayerNorm dx at H = 1 came from one) nor in
+    # the reduction; only the group-sum rows keep contraction (they would spill without it).
+    contracted = [(r.kernel, r.variant, r.arch, r.fused_multiply_adds) for r in reports
+                  if r.kernel in ("norm_bwd", "norm_reduce_partials") and "grouped" not in r.variant
+                  and r.fused_multiply_adds != 0]
+    assert not contracted, contracted
+    assert all(r.fused_multiply_adds > 0 for r in reports if "grouped" in r.variant)
+
+
+def test_launches_compile_without_contraction(monkeypatch):
+    """The launchers pass what the AOT variants above compile with: enable_fp_fusion=False."""
+    from backends import use_backend
+    from memkernels.ops import _norm_kernels
+
+    seen = {}
+
+    class Recorder:
+        def __init__(self, name):
+            self.name, self.kernel = name, getattr(_norm_kernels, name)
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen[self.name] = kwargs.get("enable_fp_fusion")
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    for name in ("_norm_fwd_kernel", "_norm_bwd_kernel", "_norm_reduce_partials_kernel"):
+        monkeypatch.setattr(_norm_kernels, name, Recorder(name))
+    with use_backend("triton"):
+        x, weight = leaf(3, 64, dtype=torch.float32), leaf(64, dtype=torch.float32)
+        rms_norm(x, weight).sum().backward()
+    assert seen == dict.fromkeys(("_norm_fwd_kernel", "_norm_bwd_kernel", "_norm_reduce_partials_kernel"), False)
 
 
 # --- reference path: row blocks, peak memory --------------------------------------------------

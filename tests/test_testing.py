@@ -313,7 +313,8 @@ def test_failure_log_is_written_as_failures_happen(tmp_path, workers):
     planted = tmp_path / "test_planted.py"
     planted.write_text("def test_fails():\n    assert 1 == 2, 'planted failure'\n\n\ndef test_passes():\n    pass\n")
     log = tmp_path / "failures.txt"
-    env = dict(os.environ, MEMKERNELS_FAILURE_LOG=str(log),
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not this run's xdist worker
+    env.update(MEMKERNELS_FAILURE_LOG=str(log),
                PYTHONPATH=os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                           "-n", str(workers), "-c", os.devnull, "--rootdir", str(tmp_path), str(planted)],

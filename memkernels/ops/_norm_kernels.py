@@ -482,6 +482,20 @@ def _register_cap(num_warps):
     return min(65536 // (32 * num_warps), 255)
 
 
+# Launches (and AOT variants) compile without floating-point contraction: a * b + c stays a rounded
+# multiply and an add, as in the Triton interpreter where the accuracy tests run. On the H200 a
+# contracted g * w - mean(g * w) kept the product's rounding error and left 3.9e-6 in a LayerNorm dx
+# that is exactly 0 (docs/gpu-runs.md). The kernels are bound by memory: the FMAs they give up cost
+# no time. One exception: LayerNorm's group-sum rows (GROUP_ROWS > 0) keep contraction, without
+# which their 16-bit variants spill 8-16 B on sm_90 at the 64-register cap of 32 warps.
+_LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+
+
+def _backward_options(group_rows):
+    """The backward launch's compile options: _LAUNCH_OPTIONS, except for group-sum rows."""
+    return {} if group_rows else _LAUNCH_OPTIONS
+
+
 def _placeholder(reference):
     """A one-element tensor for pointer arguments a kernel variant never dereferences."""
     return torch.empty(1, dtype=reference.dtype, device=reference.device)
@@ -519,7 +533,7 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
         hidden, unsafe_cols.numel(), eps, offset,
         IS_RMS=is_rms, CASTING=casting, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
         HAS_BIAS=bias is not None, STORE_MEAN=store_mean, MEMORY_EFFICIENT=memory_efficient,
-        BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps,
+        BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps, **_LAUNCH_OPTIONS,
     )
     return y, residual_out, mean, rstd, fallback
 
@@ -566,14 +580,14 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
         HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
         COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
         BLOCK=block, SINGLE_PASS=single_pass, GROUP_ROWS=group_rows, num_warps=num_warps,
-        maxnreg=_register_cap(num_warps),
+        maxnreg=_register_cap(num_warps), **_backward_options(group_rows),
     )
     if needs_dw or needs_db:
         _norm_reduce_partials_kernel[(triton.cdiv(hidden, REDUCE_BLOCK_H),)](
             dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
             dw if needs_dw else unused, db if needs_db else unused, programs, hidden,
             COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=REDUCE_BLOCK_H,
-            num_warps=REDUCE_WARPS,
+            num_warps=REDUCE_WARPS, **_LAUNCH_OPTIONS,
         )
     return dx, dw, db
 
@@ -621,7 +635,8 @@ def _aot_variants():
                               "eps": "fp32", "offset": "fp32"},
                 "constexprs": {**common, "HAS_RESIDUAL": residual,
                                "STORE_MEAN": not is_rms and not memory_efficient, "BLOCK": fwd_block},
-                "num_warps": fwd_warps, "num_stages": 1, "label": f"{label}{fwd_block}"})
+                "num_warps": fwd_warps, "num_stages": 1, "options": dict(_LAUNCH_OPTIONS),
+                "label": f"{label}{fwd_block}"})
         backward.append({
             "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": p, "B": p, "MEAN": "*fp32",
                           "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
@@ -629,12 +644,14 @@ def _aot_variants():
                           "eps": "fp32", "offset": "fp32"},
             "constexprs": {**common, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True, "COMPUTE_DW": weight,
                            "COMPUTE_DB": bias, "BLOCK": bwd_block, "GROUP_ROWS": group_rows},
-            "num_warps": bwd_warps, "num_stages": 1, "options": {"maxnreg": _register_cap(bwd_warps)},
+            "num_warps": bwd_warps, "num_stages": 1,
+            "options": {"maxnreg": _register_cap(bwd_warps), **_backward_options(group_rows)},
             "label": f"{label}{bwd_block}"})
     reduce = [
         {"signature": {"DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32", "DW": p, "DB": p, "programs": "i32", "H": "i32"},
          "constexprs": {"COMPUTE_DW": True, "COMPUTE_DB": bias, "BLOCK_P": REDUCE_BLOCK_P, "BLOCK_H": REDUCE_BLOCK_H},
-         "num_warps": REDUCE_WARPS, "num_stages": 1, "label": f"{name}-{'dw-db' if bias else 'dw'}"}
+         "num_warps": REDUCE_WARPS, "num_stages": 1, "options": dict(_LAUNCH_OPTIONS),
+         "label": f"{name}-{'dw-db' if bias else 'dw'}"}
         for p, name in (("*fp32", "fp32"), ("*bf16", "bf16"), ("*fp16", "fp16")) for bias in (False, True)
     ]
     return forward, backward, reduce
