@@ -276,7 +276,8 @@ def _single_pass_row(row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALL
             db_sum += dy
     if COMPUTE_DX:
         g = dy * scale
-        inner = g - xhat * (tl.sum(g * xhat, axis=0) / H)
+        mean_g_xhat = tl.sum(g * xhat, axis=0) / H
+        inner = g - xhat * mean_g_xhat
         if IS_RMS:
             # One column: inner = g (1 - x̂²), which cancels when x̂² is near 1;
             # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
@@ -287,7 +288,6 @@ def _single_pass_row(row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALL
         else:
             # Group sums hold no compensations, yet the row and two sums barely fit: take the
             # sums, drop the row, and read it again (from L1) for dx.
-            mean_g_xhat = tl.sum(g * xhat, axis=0) / H
             mean_g = tl.sum(g, axis=0) / H
             scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT, True)
             xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
