@@ -25,6 +25,11 @@ Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
     them in bf16, and on the reference path its row-block temporaries, at most
     TEMPORARY_BUDGET_BYTES), with by how much; else "MISSED".
 
+Host time: CPU time per call of each layer of FusedRMSNorm's path (launch, launcher, custom op,
+its eager twin, module, step) beside eager nn.RMSNorm's step: on a GPU at [tokens, hidden]; with
+--backend triton on a CPU at [8, 64] with the norm kernels' launches stubbed out (memkernels'
+Python path alone).
+
 GPU timing (only with CUDA): forward+backward GB/s of memkernels (Triton) vs eager
 and torch.compile'd eager; otherwise the section says it skipped.
 """
@@ -206,9 +211,11 @@ def host_time_section(tokens, hidden, calls=200, device="cuda"):
     """CPU time per call of each layer of FusedRMSNorm's path, issued without waiting for the GPU.
 
     On the H200 a forward + backward step took 1.2-1.5 ms of host time where its kernels took ~0.1 ms
-    (docs/gpu-runs.md); the same Python path with the launches stubbed costs ~0.2 ms on a CPU. These rows
-    split the rest: an empty Triton kernel's launch, memkernels' launcher, the custom op, the module, the
-    step. A row well above the one before it is where the time goes."""
+    (docs/gpu-runs.md). These rows split it: an empty Triton kernel's launch, memkernels' launcher, the
+    custom op (what torch.compile runs) and its autograd.Function twin (what eager mode runs,
+    memkernels/ops/_custom_op.py), the module, the step. A row well above the one before it is where
+    the time goes. On the CPU (``device="cpu"``, the Triton interpreter) the norm kernels' launches are
+    stubbed out, so the rows are memkernels' Python path alone, beside eager nn.RMSNorm's CPU step."""
     import time
 
     import triton
@@ -223,6 +230,17 @@ def host_time_section(tokens, hidden, calls=200, device="cuda"):
     def _empty_kernel(X):  # X: [1] any dtype, never read
         pass
 
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    stubbed = {}
+    if device == "cpu":
+        memkernels.set_backend("triton")  # CPU tensors take the Triton path only when it is forced
+        stubbed = {name: getattr(_norm_kernels, name) for name in dir(_norm_kernels)
+                   if name.startswith("_norm_") and name.endswith("_kernel")}
+        for name in stubbed:
+            setattr(_norm_kernels, name, _NoLaunch())
     x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device, requires_grad=True)
     module = memkernels.FusedRMSNorm(hidden, eps=1e-6, dtype=torch.bfloat16, device=device)
     eager = nn.RMSNorm(hidden, eps=1e-6, dtype=torch.bfloat16, device=device)
@@ -234,29 +252,42 @@ def host_time_section(tokens, hidden, calls=200, device="cuda"):
             x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, no_columns),
         "custom op norm_fwd, no grad": lambda: _norm_ops.norm_fwd(
             x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, False, "triton"),
+        "its eager twin, no grad": lambda: _norm_ops._NormFunction.apply(
+            x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, False, "triton"),
         "FusedRMSNorm forward, grad": lambda: module(x),
         "FusedRMSNorm forward + backward": lambda: module(x).backward(grad),
         "eager nn.RMSNorm forward + backward": lambda: eager(x).backward(grad),
     }
-    print(f"Host time per call, bf16 [{tokens}, {hidden}] (CPU time to issue, GPU not awaited in the loop)")
-    for label, call in rows.items():
-        call()
-        wait()
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        issued = (time.perf_counter() - start) / calls
-        wait()
-        waited = (time.perf_counter() - start) / calls
-        print(f"  {label:<40}{issued * 1e6:9.1f} us issued{waited * 1e6:9.1f} us with the GPU's wait")
-        x.grad = None
-        module.weight.grad = eager.weight.grad = None
+    if device == "cpu":
+        del rows["empty Triton kernel launch"]  # the interpreter runs it: not a launch's cost
+    print(f"Host time per call, bf16 [{tokens}, {hidden}] on {device} (CPU time to issue, GPU not awaited in the "
+          f"loop{'; norm kernel launches stubbed out' if stubbed else ''})")
+    try:
+        for label, call in rows.items():
+            for _ in range(10):
+                call()
+            wait()
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            issued = (time.perf_counter() - start) / calls
+            wait()
+            waited = (time.perf_counter() - start) / calls
+            print(f"  {label:<40}{issued * 1e6:9.1f} us issued{waited * 1e6:9.1f} us with the GPU's wait")
+            x.grad = None
+            module.weight.grad = eager.weight.grad = None
+    finally:
+        for name, kernel in stubbed.items():
+            setattr(_norm_kernels, name, kernel)
+        memkernels.set_backend("auto")
 
 
 def main():
     memory_section(ARGS.tokens, ARGS.hidden, ARGS.backend)
     if torch.cuda.is_available():
         host_time_section(ARGS.tokens, ARGS.hidden)  # first: seconds, where gpu_section compiles for minutes
+    elif ARGS.backend == "triton":  # the interpreter: memkernels' Python path with the launches stubbed
+        host_time_section(8, 64, calls=2000, device="cpu")
     gpu_section(ARGS.tokens, ARGS.hidden)
 
 

@@ -62,6 +62,7 @@ def current_device(monkeypatch):
             state["current"] = previous
 
     monkeypatch.setattr(_device_guard.torch.cuda, "device", device)
+    monkeypatch.setattr(_device_guard.torch.cuda, "current_device", lambda: state["current"])
     return state
 
 
@@ -88,3 +89,16 @@ def test_the_real_launchers_carry_the_guard():
     for launcher in (_norm_kernels.norm_forward, _norm_kernels.norm_backward, cross_entropy._launch,
                      gelu_linear.act_gemm, linear_cross_entropy._add_to_split_float32_triton):
         assert getattr(launcher, "device_guarded", False), launcher.__name__
+
+
+def test_a_tensor_on_the_current_device_launches_without_switching(current_device):
+    seen = []
+
+    @on_tensor_device
+    def launcher(x):
+        seen.append(current_device["current"])
+        return x
+
+    current_device["current"] = 1
+    launcher(torch.zeros(4).as_subclass(_OnCuda1))
+    assert seen == [1] and current_device["entered"] == []  # no device switch, and none needed

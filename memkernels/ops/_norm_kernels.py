@@ -23,6 +23,8 @@ reads it again for dx (from L1/L2: HBM sees the row once, where the chunked
 walk of wider rows reads it twice). memory_efficient mode's x̂ recovery still
 spills there, so it keeps the chunked walk.
 """
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -458,7 +460,7 @@ def _norm_reduce_partials_kernel(
 
 def _launch_config(hidden, max_block, elements_per_warp):
     """(BLOCK, num_warps, SINGLE_PASS) for rows of ``hidden`` elements."""
-    block = min(triton.next_power_of_2(hidden), max_block)
+    block = min(1 << (hidden - 1).bit_length(), max_block)  # next power of 2; triton's costs ~1.5 us a call
     num_warps = min(max(block // elements_per_warp, 1), 32)
     return block, num_warps, hidden <= max_block
 
@@ -496,9 +498,15 @@ def _backward_options(group_rows):
     return {} if group_rows else _LAUNCH_OPTIONS
 
 
+@functools.lru_cache(maxsize=None)
+def _placeholder_of(dtype, device):
+    return torch.empty(1, dtype=dtype, device=device)
+
+
 def _placeholder(reference):
-    """A one-element tensor for pointer arguments a kernel variant never dereferences."""
-    return torch.empty(1, dtype=reference.dtype, device=reference.device)
+    """A one-element tensor for pointer arguments a kernel variant never dereferences: one per dtype
+    and device, kept (an allocation per launch costs host time), never written."""
+    return _placeholder_of(reference.dtype, reference.device)
 
 
 def _slots(unsafe_cols, hidden, device):
@@ -542,8 +550,14 @@ def _num_programs(rows, device):
     """Backward programs: two per SM on a GPU; under the interpreter a few, so that each
     program still sums several rows as it does on a GPU."""
     if device.type == "cuda":
-        return min(rows, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+        return min(rows, 2 * _multiprocessors(device.index))
     return min(rows, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(index):
+    """SMs of CUDA device ``index`` (asked once: get_device_properties costs microseconds a call)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 @on_tensor_device

@@ -1,11 +1,12 @@
-"""RMSNorm / LayerNorm as torch.library custom ops with registered autograd.
+"""RMSNorm / LayerNorm as torch.library custom ops with their autograd (memkernels/ops/_custom_op.py).
 
 ``memkernels::norm_fwd`` and ``memkernels::norm_bwd`` (and
 ``memkernels::norm_bwd_into_dy``, the opt-in in-place backward) are opaque to
 torch.compile (fake implementations give the shapes), so a compiled model
-keeps the fused kernels whole with no graph break. ``register_autograd``
-wraps them in a torch.autograd.Function whose saved tensors go through
-``ctx.save_for_backward``, where saved_tensors_hooks (memkernels.meters,
+keeps the fused kernels whole with no graph break. In eager mode the same
+implementations run through their autograd.Function twin, without the custom
+op's dispatch (host time; see _custom_op). Either way the saved tensors go
+through ``ctx.save_for_backward``, where saved_tensors_hooks (memkernels.meters,
 activation offload) see them.
 
 Each op runs the Triton kernels (memkernels/ops/_norm_kernels.py) or the
@@ -23,6 +24,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memkernels import _backend
 from memkernels.ops import _autocast
+from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.reference import _norm as reference
 
 try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
@@ -177,11 +179,10 @@ def _refresh_pending():
 register_optimizer_step_post_hook(_mark_stepped_parameters)
 
 
-@torch.library.custom_op("memkernels::norm_fwd", mutates_args=())
-def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], eps: float, offset: float, is_rms: bool, casting: int,
-             memory_efficient: bool, in_place: bool, backend: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_forward(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional[torch.Tensor],
+                  bias: Optional[torch.Tensor], eps: float, offset: float, is_rms: bool, casting: int,
+                  memory_efficient: bool, in_place: bool, backend: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (y, residual_out, mean, rstd, unrecoverable_cols, fallback); absent ones are empty.
 
     ``in_place`` is a backward option (write dx into dy's buffer when safe), carried here
@@ -198,8 +199,7 @@ def norm_fwd(x: torch.Tensor, residual: Optional[torch.Tensor], weight: Optional
             _empty(x) if fallback is None else fallback)
 
 
-@norm_fwd.register_fake
-def _norm_fwd_fake(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, in_place, backend):
+def _norm_forward_fake(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, in_place, backend):
     rows = x.shape[0]
     unrecoverable = torch.library.get_ctx().new_dynamic_size() if memory_efficient else 0
     return (torch.empty_like(x), torch.empty_like(x) if residual is not None else _empty(x),
@@ -208,13 +208,12 @@ def _norm_fwd_fake(x, residual, weight, bias, eps, offset, is_rms, casting, memo
             x.new_empty((rows, unrecoverable)) if memory_efficient else _empty(x))
 
 
-@torch.library.custom_op("memkernels::norm_bwd", mutates_args=())
-def norm_bwd(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
-             mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
-             bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
-             eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
-             needs_dx: bool, needs_dw: bool, needs_db: bool, backend: str
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_backward(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
+                   mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
+                   bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
+                   eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
+                   needs_dx: bool, needs_dw: bool, needs_db: bool, backend: str
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Returns (dx, dw, db); gradients not asked for are empty."""
     dx, dw, db = _implementation(backend).norm_backward(
         dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
@@ -223,24 +222,35 @@ def norm_bwd(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: tor
             _empty(dy) if db is None else db)
 
 
-@torch.library.custom_op("memkernels::norm_bwd_into_dy", mutates_args=("dy",))
-def norm_bwd_into_dy(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
-                     mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
-                     bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
-                     eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
-                     needs_dw: bool, needs_db: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_bwd that writes dx over dy (each row is read before it is written). Returns (dw, db)."""
+def _norm_backward_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
+                        is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db, backend):
+    return (torch.empty_like(dy) if needs_dx else _empty(dy),
+            torch.empty_like(weight) if needs_dw else _empty(dy),
+            torch.empty_like(bias) if needs_db else _empty(dy))
+
+
+def _norm_backward_into_dy(dy: torch.Tensor, dresidual_out: Optional[torch.Tensor], saved: torch.Tensor,
+                           mean: Optional[torch.Tensor], rstd: torch.Tensor, weight: Optional[torch.Tensor],
+                           bias: Optional[torch.Tensor], unsafe_cols: torch.Tensor, fallback: Optional[torch.Tensor],
+                           eps: float, offset: float, is_rms: bool, casting: int, memory_efficient: bool,
+                           needs_dw: bool, needs_db: bool, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """_norm_backward that writes dx over dy (each row is read before it is written). Returns (dw, db)."""
     _, dw, db = _implementation(backend).norm_backward(
         dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offset, is_rms, casting,
         memory_efficient, unsafe_cols, fallback, True, needs_dw, needs_db, dx_out=dy)
     return _empty(dy) if dw is None else dw, _empty(dy) if db is None else db
 
 
-@norm_bwd_into_dy.register_fake
-def _norm_bwd_into_dy_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
-                           is_rms, casting, memory_efficient, needs_dw, needs_db, backend):
+def _norm_backward_into_dy_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps,
+                                offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend):
     return (torch.empty_like(weight) if needs_dw else _empty(dy),
             torch.empty_like(bias) if needs_db else _empty(dy))
+
+
+norm_fwd = custom_op("memkernels::norm_fwd", _norm_forward, _norm_forward_fake)
+norm_bwd = custom_op("memkernels::norm_bwd", _norm_backward, _norm_backward_fake)
+norm_bwd_into_dy = custom_op("memkernels::norm_bwd_into_dy", _norm_backward_into_dy, _norm_backward_into_dy_fake,
+                             mutates_args=("dy",))
 
 
 def _private_gradient(dy):
@@ -258,14 +268,6 @@ def _private_gradient(dy):
             and dy.is_contiguous() and base.is_contiguous() and base.shape == dy.shape
             and base.data_ptr() == dy.data_ptr() and base._use_count() == 2
             and torch._C._storage_Use_Count(base.untyped_storage()._cdata) <= 3)
-
-
-@norm_bwd.register_fake
-def _norm_bwd_fake(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps, offset,
-                   is_rms, casting, memory_efficient, needs_dx, needs_dw, needs_db, backend):
-    return (torch.empty_like(dy) if needs_dx else _empty(dy),
-            torch.empty_like(weight) if needs_dw else _empty(dy),
-            torch.empty_like(bias) if needs_db else _empty(dy))
 
 
 def _setup_context(ctx, inputs, output):
@@ -287,38 +289,46 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
-    saved, mean, rstd, weight, bias, unsafe_cols, fallback = ctx.saved_tensors
-    in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = \
-        ctx.options
-    needs_x, needs_residual, needs_w, needs_b = ctx.needs_input_grad[:4]
-    needs_dx = needs_x or needs_residual
-    needs_dw = has_weight and needs_w
-    needs_db = has_bias and needs_b
-    if not (needs_dx or needs_dw or needs_db):
-        return (None,) * 11
-    if unsafe_cols is None:
-        unsafe_cols = rstd.new_empty(0, dtype=torch.int64)
-    if dy is None:  # only residual_out reached the loss: y's gradient is zero
-        dy = torch.zeros_like(saved)
-    dresidual_out = dresidual_out.contiguous() if has_residual and dresidual_out is not None else None
-    if in_place and needs_dx and _private_gradient(dy):
-        dw, db = norm_bwd_into_dy(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback, eps,
-                                  offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend)
-        dx = dy
-    else:
-        dx, dw, db = norm_bwd(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
-                              fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
-                              needs_db, backend)
-    # x and residual get the same gradient tensor, as eager's add gives both its inputs; when both
-    # are leaves, normalize() routes residual through _SeparateGradient so their .grads do not share.
-    return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
-            db if needs_db else None) + (None,) * 7
+def _backward_with(backward, backward_into_dy):
+    """The norm's backward formula over ``backward`` and ``backward_into_dy``: the custom ops
+    under torch.compile, their implementations in eager mode."""
+
+    def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
+        saved, mean, rstd, weight, bias, unsafe_cols, fallback = ctx.saved_tensors
+        in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = \
+            ctx.options
+        needs_x, needs_residual, needs_w, needs_b = ctx.needs_input_grad[:4]
+        needs_dx = needs_x or needs_residual
+        needs_dw = has_weight and needs_w
+        needs_db = has_bias and needs_b
+        if not (needs_dx or needs_dw or needs_db):
+            return (None,) * 11
+        if unsafe_cols is None:
+            unsafe_cols = rstd.new_empty(0, dtype=torch.int64)
+        if dy is None:  # only residual_out reached the loss: y's gradient is zero
+            dy = torch.zeros_like(saved)
+        dresidual_out = dresidual_out.contiguous() if has_residual and dresidual_out is not None else None
+        if in_place and needs_dx and _private_gradient(dy):
+            dw, db = backward_into_dy(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback,
+                                      eps, offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend)
+            dx = dy
+        else:
+            dx, dw, db = backward(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
+                                  fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
+                                  needs_db, backend)
+        # x and residual get the same gradient tensor, as eager's add gives both its inputs; when both
+        # are leaves, normalize() routes residual through _SeparateGradient so their .grads do not share.
+        return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
+                db if needs_db else None) + (None,) * 7
+
+    return _backward
 
 
-torch.library.register_autograd("memkernels::norm_fwd", _backward, setup_context=_setup_context)
+_NormFunction = autograd_pair(norm_fwd, _norm_forward, _setup_context,
+                              _backward_with(norm_bwd, norm_bwd_into_dy),
+                              _backward_with(_norm_backward, _norm_backward_into_dy))
 # PyTorch's autocast policy for layer_norm and rms_norm: float32 on CUDA, the inputs' dtype on CPU.
-_autocast.register("memkernels::norm_fwd", {"cpu": None, "cuda": "fp32"}, positions=(0, 1, 2, 3))
+_autocast.register(norm_fwd._qualname, {"cpu": None, "cuda": "fp32"}, positions=(0, 1, 2, 3))
 
 
 class _SeparateGradient(torch.autograd.Function):
@@ -406,7 +416,7 @@ def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_m
     residual2d = residual.reshape(-1, hidden).contiguous() if residual is not None else None
     if residual is not None and _gradient_goes_to_a_leaf(x) and _gradient_goes_to_a_leaf(residual):
         residual2d = _SeparateGradient.apply(residual2d)
-    y, residual_out, *_ = norm_fwd(x2d, residual2d, weight, bias, eps, offset, is_rms,
+    y, residual_out, *_ = apply_op(norm_fwd, _NormFunction, x2d, residual2d, weight, bias, eps, offset, is_rms,
                                    reference.CASTING_MODES[casting_mode], bool(memory_efficient), bool(in_place),
                                    backend)
     y = y.view(x.shape)

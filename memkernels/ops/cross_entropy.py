@@ -43,6 +43,7 @@ from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
 from memkernels.ops import _autocast
+from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
                                    reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.reference import cross_entropy as reference
@@ -339,39 +340,6 @@ def _forward(logits, target, cfg, reduction, backend):
     ce, z, lse = loss_rows(logits, target, cfg)
     loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
     return loss, z_loss, lse
-
-
-def custom_op(name, impl, fake):
-    """Register ``impl`` as the torch.library custom op ``name`` (what torch.compile keeps whole)."""
-    op = torch.library.custom_op(name, impl, mutates_args=())
-    op.register_fake(fake)
-    return op
-
-
-def autograd_pair(op, impl, setup_context, op_backward, eager_backward):
-    """Give ``op`` its autograd formula, and return the same formula as an autograd.Function for eager.
-
-    Eager calls run the Function: the chunk buffers it allocates then pass through the
-    dispatcher where tools (memkernels.meters, profilers) see them, which a custom op's
-    insides do not; torch.compile sees the op (see :func:`apply_op`).
-    """
-    op.register_autograd(op_backward, setup_context=setup_context)
-    return type(f"{op._name.split('::')[-1]}_function", (torch.autograd.Function,), {
-        "forward": staticmethod(impl),
-        "setup_context": staticmethod(setup_context),
-        "backward": staticmethod(eager_backward),
-    })
-
-
-def apply_op(op, function, *args):
-    """The custom op while torch.compile traces; its autograd.Function twin in eager mode.
-
-    Both follow the op's autocast policy (see :mod:`memkernels.ops._autocast`): the op at its
-    autocast dispatch key, the Function through the same policy.
-    """
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return _autocast.call(op._qualname, function.apply, *args)
 
 
 def _cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],

@@ -74,7 +74,8 @@ from memkernels.ops import _autocast
 from memkernels.ops._half_gemm import addmm_float32_, mm_float32
 from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
                                    reduce_rows, reduction_denominators, validate_loss_args)
-from memkernels.ops.cross_entropy import apply_op, autograd_pair, custom_op, row_kernels
+from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
+from memkernels.ops.cross_entropy import row_kernels
 
 @triton.jit
 def _add_to_split_float32_kernel(

@@ -1,0 +1,58 @@
+"""The one way memkernels registers an op with its autograd: a custom op for torch.compile, its
+autograd.Function twin for eager mode.
+
+:func:`custom_op` registers the forward (and each backward step) as a ``torch.library`` custom op
+with a fake implementation: torch.compile keeps it whole, with no graph break. :func:`autograd_pair`
+gives that op its autograd formula and returns the same formula as an ``autograd.Function``.
+:func:`apply_op` runs the op while torch.compile traces and the Function in eager mode.
+
+Why a twin in eager mode: a custom op call passes through the dispatcher twice (its autograd
+kernel, then its backend kernel) and through torch.library's Python wrappers, about 60 us of host
+time per forward + backward on a fast CPU (``benchmarks/bench_rms_norm.py``, host-time rows),
+where a norm's kernels take 10-100 us of GPU time: on the H200 a FusedRMSNorm step was host-bound
+at 4-6x eager's step (docs/gpu-runs.md). The Function runs the same implementation directly, and
+the buffers it allocates pass through the dispatcher where memory meters and profilers see them,
+which a custom op's insides do not. Both follow the op's autocast policy
+(:mod:`memkernels.ops._autocast`): the op at its autocast dispatch key, the Function through
+:func:`memkernels.ops._autocast.call`.
+"""
+import torch
+
+from memkernels.ops import _autocast
+
+
+def custom_op(name, impl, fake, mutates_args=()):
+    """Register ``impl`` (type-annotated) as the torch.library custom op ``name`` with ``fake`` as
+    its fake (meta) implementation; returns the op."""
+    op = torch.library.custom_op(name, impl, mutates_args=mutates_args)
+    op.register_fake(fake)
+    return op
+
+
+def autograd_pair(op, impl, setup_context, op_backward, eager_backward):
+    """Give ``op`` its autograd formula, and return the same formula as an autograd.Function.
+
+    ``impl`` is the op's implementation and ``setup_context`` is shared. ``op_backward`` runs
+    under torch.compile and calls the backward custom ops; ``eager_backward`` calls their
+    implementations directly.
+    """
+    op.register_autograd(op_backward, setup_context=setup_context)
+
+    # One forward(ctx, ...) that sets the context up itself: given a separate setup_context,
+    # Function.apply binds every call's arguments through inspect.signature (~30 us of host time).
+    def forward(ctx, *args):
+        output = impl(*args)
+        setup_context(ctx, args, output)
+        return output
+
+    return type(f"{op._name.split('::')[-1]}_function", (torch.autograd.Function,), {
+        "forward": staticmethod(forward),
+        "backward": staticmethod(eager_backward),
+    })
+
+
+def apply_op(op, function, *args):
+    """The custom op while torch.compile traces; its autograd.Function twin in eager mode."""
+    if torch.compiler.is_compiling():
+        return op(*args)
+    return _autocast.call(op._qualname, function.apply, *args)

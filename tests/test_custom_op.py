@@ -1,0 +1,78 @@
+"""memkernels/ops/_custom_op.py: each op is a custom op under torch.compile and its
+autograd.Function twin in eager mode, with one formula for both.
+
+The twin exists for host time (a custom op's dispatch cost ~60 us per norm forward + backward;
+benchmarks/bench_rms_norm.py prints the split on a GPU), so these tests pin what keeps it cheap
+and equal: eager calls dispatch no memkernels op, the Functions define no separate setup_context
+(Function.apply would bind every call's arguments through inspect.signature), and the custom op's
+registered autograd gives the same gradients, bit for bit, as the twin.
+"""
+import pytest
+import torch
+from torch.autograd.function import _is_setup_context_defined
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memkernels.ops import _norm_ops, cross_entropy as cross_entropy_module, linear_cross_entropy as lce_module
+from memkernels.ops.cross_entropy import cross_entropy
+from memkernels.ops.layer_norm import add_layer_norm
+from memkernels.ops.rms_norm import rms_norm
+
+TWINS = {
+    "norm": _norm_ops._NormFunction,
+    "cross_entropy": cross_entropy_module._CrossEntropyFunction,
+    "linear_cross_entropy recompute": lce_module._RecomputeFunction,
+    "linear_cross_entropy chunked": lce_module._ChunkedFunction,
+}
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_the_eager_twin_sets_its_context_up_inside_forward(name):
+    assert not _is_setup_context_defined(TWINS[name].setup_context), (
+        f"{name}: a separate setup_context makes Function.apply call inspect.signature on every call")
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(f"{func.namespace}::{func._opname}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_eager_calls_dispatch_no_custom_op():
+    x = torch.randn(6, 16, requires_grad=True)
+    weight = torch.randn(16, requires_grad=True)
+    logits = torch.randn(6, 11, requires_grad=True)
+    target = torch.randint(0, 11, (6,))
+    with _Ops() as seen:
+        rms_norm(x, weight).sum().backward()
+        y, _ = add_layer_norm(x, x.detach(), weight)
+        y.sum().backward()
+        cross_entropy(logits, target).backward()
+    memkernels_ops = [name for name in seen.names if name.startswith("memkernels::")]
+    assert not memkernels_ops and "aten::mul" in seen.names  # the implementations ran, op by op
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_the_custom_op_and_its_twin_give_the_same_gradients(memory_efficient, in_place):
+    torch.manual_seed(0)
+    x = torch.randn(5, 24, dtype=torch.float64)
+    residual = torch.randn(5, 24, dtype=torch.float64)
+    weight = torch.randn(24, dtype=torch.float64)
+    bias = torch.randn(24, dtype=torch.float64)
+    grad = torch.randn(5, 24, dtype=torch.float64)
+    args = (1e-6, 0.0, False, 1, memory_efficient, in_place, "torch")
+
+    def run(call):
+        leaves = [t.clone().requires_grad_() for t in (x, residual, weight, bias)]
+        y, residual_out, *_ = call(*leaves, *args)
+        (y * grad).sum().backward(retain_graph=True)
+        return [y.detach(), residual_out.detach()] + [leaf.grad for leaf in leaves]
+
+    through_op = run(_norm_ops.norm_fwd)
+    through_twin = run(_norm_ops._NormFunction.apply)
+    for a, b in zip(through_op, through_twin):
+        assert torch.equal(a, b)
