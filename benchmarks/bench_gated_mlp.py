@@ -17,7 +17,9 @@ including the parameter gradients), for
 Targets (exit status 1 if one is missed): memkernels saves <= 50% of eager's bytes and <= 67% of
 Liger's; recompute saves 0 new bytes; each memkernels peak <= eager's.
 
-Timing (only with a CUDA device): TFLOP/s of the whole MLP forward+backward against eager.
+Timing (only with a CUDA device): TFLOP/s of the whole MLP forward+backward against eager, with
+FusedGatedMLP's PyTorch path on the same CUDA tensors beside it (backend "torch": cuBLAS GEMMs,
+the same saved tensors), the candidate for CUDA if the Triton act-GEMM stays slower.
 On a CPU the default shape takes minutes (nine 2048 x 4096 x 14336 GEMMs per step and dtype).
 """
 import argparse
@@ -27,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import memkernels
 from memkernels._backend import resolve
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.nn.mlp import FusedGatedMLP
@@ -147,7 +150,8 @@ def timing_table(tokens, hidden, intermediate):
 
     print(f"\nSwiGLU MLP fwd+bwd timing on {torch.cuda.get_device_name()}: {tokens} tokens, "
           f"{hidden} -> 2 x {intermediate} -> {hidden}")
-    print(f"{'dtype':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'recompute TFLOP/s':>19}")
+    print(f"{'dtype':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'recompute TFLOP/s':>19}"
+          f"{'torch path TFLOP/s':>20}")
     flops = 3 * 2.0 * tokens * hidden * intermediate * 3  # three GEMMs forward, twice that backward
     for dtype in (torch.bfloat16, torch.float16):
         linear = dict(bias=False, device="cuda", dtype=dtype)
@@ -160,9 +164,18 @@ def timing_table(tokens, hidden, intermediate):
         for model in (eager, FusedGatedMLP.from_module(eager), FusedGatedMLP.from_module(eager, recompute=True)):
             row.append(triton.testing.do_bench(lambda: model(x).backward(grad_out),  # noqa: B023
                                                grad_to_none=[x, *model.parameters()]))
+        # The PyTorch path on the same CUDA tensors (cuBLAS GEMMs, the same saved tensors).
+        memkernels.set_backend("torch")
+        try:
+            fused = FusedGatedMLP.from_module(eager)
+            row.append(triton.testing.do_bench(lambda: fused(x).backward(grad_out),
+                                               grad_to_none=[x, *fused.parameters()]))
+        finally:
+            memkernels.set_backend("auto")
         print(f"{str(dtype).replace('torch.', ''):<10}{flops / row[0] * 1e-9:>15.1f}{flops / row[1] * 1e-9:>20.1f}"
-              f"{flops / row[2] * 1e-9:>19.1f}")
-        print(f"  measured ms, fwd+bwd: eager {row[0]:.3f}, memkernels {row[1]:.3f}, recompute {row[2]:.3f}")
+              f"{flops / row[2] * 1e-9:>19.1f}{flops / row[3] * 1e-9:>20.1f}")
+        print(f"  measured ms, fwd+bwd: eager {row[0]:.3f}, memkernels {row[1]:.3f}, recompute {row[2]:.3f}, "
+              f"torch path {row[3]:.3f}")
         # the model's memkernels is FusedGatedMLP without recompute (gpu_audit's first gated_mlp case)
         print("  " + prediction_line("gated_mlp", {"M": tokens, "K": intermediate, "N": hidden}, dtype,
                                      torch.cuda.get_device_name()))

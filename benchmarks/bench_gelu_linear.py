@@ -9,7 +9,9 @@ parameter gradients). The target is
 FusedMLP saving at most 55% of eager's bytes; the exit status is 1 if it does not.
 
 Timing (only with a CUDA device): TFLOP/s of gelu_linear against eager
-F.linear(F.gelu(x), W, b) on the fc2 GEMM, forward and forward+backward.
+F.linear(F.gelu(x), W, b) on the fc2 GEMM, forward and forward+backward; and of gelu_linear's
+PyTorch path on the same CUDA tensors (backend="torch": cuBLAS GEMMs on row / column slabs of
+gelu(x), the same saved bytes), the candidate for CUDA if the Triton act-GEMM stays slower.
 """
 import argparse
 import sys
@@ -74,7 +76,8 @@ def timing_table(tokens, hidden, ffn):
     from memkernels.tools.gpu_audit import prediction_line
 
     print(f"\nfc2 GEMM timing on {torch.cuda.get_device_name()}: [{tokens}, {ffn}] -> {hidden}")
-    print(f"{'dtype':<10}{'pass':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'speedup':>9}")
+    print(f"{'dtype':<10}{'pass':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'speedup':>9}"
+          f"{'torch path TFLOP/s':>20}")
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(tokens, ffn, device="cuda", dtype=dtype, requires_grad=True)
         weight = (torch.randn(hidden, ffn, device="cuda", dtype=dtype) * ffn ** -0.5).requires_grad_()
@@ -83,7 +86,8 @@ def timing_table(tokens, hidden, ffn):
         flops_forward = 2.0 * tokens * ffn * hidden
         milliseconds = {}
         for name, fn in (("eager", lambda: F.linear(F.gelu(x), weight, bias)),
-                         ("memkernels", lambda: gelu_linear(x, weight, bias))):
+                         ("memkernels", lambda: gelu_linear(x, weight, bias)),
+                         ("torch path", lambda: gelu_linear(x, weight, bias, backend="torch"))):
             milliseconds[name] = (
                 triton.testing.do_bench(fn),
                 triton.testing.do_bench(lambda: fn().backward(grad_out), grad_to_none=[x, weight, bias]),
@@ -91,9 +95,10 @@ def timing_table(tokens, hidden, ffn):
         for index, (label, flops) in enumerate((("fwd", flops_forward), ("fwd+bwd", 3 * flops_forward))):
             eager_ms, ours_ms = milliseconds["eager"][index], milliseconds["memkernels"][index]
             print(f"{str(dtype).replace('torch.', ''):<10}{label:<10}{flops / eager_ms * 1e-9:>15.1f}"
-                  f"{flops / ours_ms * 1e-9:>20.1f}{eager_ms / ours_ms:>8.2f}x")
+                  f"{flops / ours_ms * 1e-9:>20.1f}{eager_ms / ours_ms:>8.2f}x"
+                  f"{flops / milliseconds['torch path'][index] * 1e-9:>20.1f}")
         print(f"  measured ms, fwd+bwd: eager {milliseconds['eager'][1]:.3f}, memkernels "
-              f"{milliseconds['memkernels'][1]:.3f}")
+              f"{milliseconds['memkernels'][1]:.3f}, torch path {milliseconds['torch path'][1]:.3f}")
         print("  " + prediction_line("gelu_linear", {"M": tokens, "K": ffn, "N": hidden}, dtype,
                                      torch.cuda.get_device_name()))
 
