@@ -76,3 +76,27 @@ def test_the_custom_op_and_its_twin_give_the_same_gradients(memory_efficient, in
     through_twin = run(_norm_ops._NormFunction.apply)
     for a, b in zip(through_op, through_twin):
         assert torch.equal(a, b)
+
+
+def test_norms_on_meta_take_the_custom_op_and_its_fake():
+    """memkernels.tools profile models on ``meta``: the norm's fake gives the kernels' outputs at
+    once, where its PyTorch path would loop over row blocks of shapes alone (seconds per layer)."""
+    x = torch.randn(6, 16, device="meta", requires_grad=True)
+    weight = torch.randn(16, device="meta", requires_grad=True)
+    with _Ops() as seen:
+        rms_norm(x, weight).sum().backward()
+    assert {"memkernels::norm_fwd", "memkernels::norm_bwd"} <= set(seen.names)
+    assert x.grad.shape == x.shape and weight.grad.shape == weight.shape
+
+
+def test_a_double_backward_raises_as_through_the_custom_op():
+    """The kernels compute no second derivative: a double backward must fail loudly, not drop the
+    norm's or the loss's second-order terms from a sum that has others (a gradient penalty)."""
+    x = torch.randn(4, 8, requires_grad=True)
+    weight = torch.randn(8, requires_grad=True)
+    logits = torch.randn(4, 5, requires_grad=True)
+    target = torch.randint(0, 5, (4,))
+    for output, leaf in ((rms_norm(x, weight).pow(2).sum(), x), (cross_entropy(logits, target), logits)):
+        grad, = torch.autograd.grad(output, leaf, create_graph=True)
+        with pytest.raises(RuntimeError, match="has no second derivative"):
+            (grad.sum() + leaf.pow(2).sum()).backward()

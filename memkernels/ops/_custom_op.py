@@ -47,12 +47,48 @@ def autograd_pair(op, impl, setup_context, op_backward, eager_backward):
 
     return type(f"{op._name.split('::')[-1]}_function", (torch.autograd.Function,), {
         "forward": staticmethod(forward),
-        "backward": staticmethod(eager_backward),
+        "backward": staticmethod(_first_order_only(op, eager_backward)),
     })
 
 
-def apply_op(op, function, *args):
-    """The custom op while torch.compile traces; its autograd.Function twin in eager mode."""
-    if torch.compiler.is_compiling():
+def _first_order_only(op, backward):
+    """``backward`` whose gradients, under create_graph=True, raise when differentiated again.
+
+    The kernels compute no second derivative. Through the custom op a double backward raises (its
+    backward op has no autograd); the twin must not instead drop the op's second-order terms from
+    a sum that has others (a gradient penalty). ``once_differentiable`` is not enough: it marks the
+    gradients only when an incoming gradient requires grad, and a loss's incoming gradient is a
+    constant.
+    """
+    message = (f"{op._qualname} has no second derivative: its backward is not differentiable (create_graph=True "
+               "through it, then a backward through the gradients it gave)").encode()
+
+    def first_order_backward(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        tensors = [index for index, output in enumerate(outputs) if isinstance(output, torch.Tensor)]
+        raise_on_backward = torch._C._functions.DelayedError(message, len(tensors))
+        raising = raise_on_backward(*[outputs[index].detach().requires_grad_() for index in tensors])
+        raising = raising if isinstance(raising, tuple) else (raising,)
+        outputs = list(outputs)
+        for index, tensor in zip(tensors, raising):
+            outputs[index] = tensor
+        return tuple(outputs)
+
+    return first_order_backward
+
+
+def apply_op(op, function, *args, fake_on_meta=False):
+    """The custom op while torch.compile traces; its autograd.Function twin in eager mode.
+
+    ``fake_on_meta``: on ``meta`` tensors (memkernels.tools' profiles of a model that was never
+    allocated) run the custom op, whose fake implementation gives the kernels' outputs at once, for
+    an op whose PyTorch path would loop over row blocks of shapes alone (a norm at [8192, 8192]:
+    1.8 s on meta against 1 ms) and whose kernels hold no transient worth counting. The losses keep
+    their twin there: their chunk buffers are what a profile must see.
+    """
+    if torch.compiler.is_compiling() or (fake_on_meta and _autocast.device_type_of(args) == "meta"):
         return op(*args)
     return _autocast.call(op._qualname, function.apply, *args)

@@ -418,6 +418,6 @@ def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_m
         residual2d = _SeparateGradient.apply(residual2d)
     y, residual_out, *_ = apply_op(norm_fwd, _NormFunction, x2d, residual2d, weight, bias, eps, offset, is_rms,
                                    reference.CASTING_MODES[casting_mode], bool(memory_efficient), bool(in_place),
-                                   backend)
+                                   backend, fake_on_meta=True)
     y = y.view(x.shape)
     return y, (residual_out.view(x.shape) if residual is not None else None)

@@ -75,7 +75,8 @@ from memkernels.ops._half_gemm import addmm_float32_, mm_float32
 from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
                                    reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.ops.cross_entropy import row_kernels
+from memkernels.ops.cross_entropy import _cast_rne, row_kernels
+
 
 @triton.jit
 def _add_to_split_float32_kernel(
@@ -115,6 +116,68 @@ aot.register(_add_to_split_float32_kernel, name="add_to_split_float32", variants
      "label": f"bf16-halves{suffix}", "aligned": aligned}
     for suffix, aligned in (("", ()), ("-aligned", tuple(_SPLIT_SIGNATURE)))
 ])
+
+
+@triton.jit
+def _scale_kernel(
+    x_ptr,  # (n,) float16, or int16: the bits of bfloat16 values; scaled in place
+    scale_ptr,  # (1,) float32: the incoming gradient
+    n_elements,
+    BLOCK: tl.constexpr,
+    BFLOAT16_BITS: tl.constexpr,
+):
+    # x * scale taken in float32 and rounded once (to nearest even) into x's dtype. bfloat16 goes
+    # through its bits: widening them is exact everywhere, where the interpreter's bfloat16 load
+    # gets subnormals wrong.
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n_elements
+    scale = tl.load(scale_ptr)
+    if BFLOAT16_BITS:
+        x = (tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        tl.store(x_ptr + offsets, _cast_rne(x * scale, tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+    else:
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+        tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)
+
+
+_SCALE_BLOCK = 1024
+
+
+@on_tensor_device
+def _scale_triton(tensor, scale):
+    """tensor (any shape, contiguous, float16 / bfloat16) *= scale (0-d float32 on its device)."""
+    n_elements = tensor.numel()
+    bfloat16 = tensor.dtype == torch.bfloat16
+    if n_elements:
+        _scale_kernel[(triton.cdiv(n_elements, _SCALE_BLOCK),)](
+            tensor.view(torch.int16) if bfloat16 else tensor, scale, n_elements, BLOCK=_SCALE_BLOCK,
+            BFLOAT16_BITS=bfloat16, num_warps=4)
+
+
+aot.register(_scale_kernel, name="scale_in_float32", variants=[
+    {"signature": {"x_ptr": pointer, "scale_ptr": "*fp32", "n_elements": "i32"},
+     "constexprs": {"BLOCK": _SCALE_BLOCK, "BFLOAT16_BITS": bits}, "num_warps": 4, "num_stages": 1,
+     "label": label}
+    for label, pointer, bits in (("bf16", "*i16", True), ("fp16", "*fp16", False))
+])
+
+
+def _scale_in_float32_(tensor, scale):
+    """tensor *= scale (0-d float32), the product taken in float32 and rounded once to tensor's dtype.
+
+    ``tensor.mul_(scale)`` does that on the CPU (a CPU scale is read as a float32 scalar), but a CUDA
+    kernel casts a float32 CUDA operand to a half tensor's dtype first: the incoming gradient would
+    be rounded to bfloat16 before the product (the H200 run's chunked_backward_only_scales[bf16]).
+    Reading the scale on the host instead would synchronize.
+    """
+    if tensor.dtype not in (torch.float16, torch.bfloat16):
+        return tensor.mul_(scale)
+    if tensor.is_contiguous() and resolve(tensor, "linear_cross_entropy") == "triton":
+        _scale_triton(tensor, scale)
+        return tensor
+    if scale.device.type == "cpu":
+        return tensor.mul_(scale)
+    return tensor.copy_(tensor.float().mul_(scale))  # the PyTorch path on a GPU: one float32 copy
 
 
 STRATEGIES = ("auto", "chunked", "recompute")
@@ -502,8 +565,7 @@ def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
     needs_hidden, needs_weight, needs_bias = ctx.needs
     scale = grad_loss.float()
     # In place: these buffers exist only for this backward (a second backward trips the version check).
-    # A float32 0-d scale: the product is taken in float32 and rounded once to dX's dtype.
-    grad_hidden = grad_hidden.mul_(scale) if needs_hidden else None
+    grad_hidden = _scale_in_float32_(grad_hidden, scale) if needs_hidden else None
     grad_weight = (_finish_weight_grad(grad_weight_high, grad_weight_low, scale, weight_dtype, ctx.scratch_bytes)
                    if needs_weight else None)
     grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None

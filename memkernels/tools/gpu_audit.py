@@ -1426,7 +1426,8 @@ def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")
 
 # Each audited op's kernels by their memkernels.aot names (--occupancy with --op compiles only these).
 _AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd") for op in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")},
-                "cross_entropy": ("cross_entropy",), "linear_cross_entropy": ("cross_entropy", "add_to_split_float32"),
+                "cross_entropy": ("cross_entropy",),
+                "linear_cross_entropy": ("cross_entropy", "add_to_split_float32", "scale_in_float32"),
                 "gelu_linear": ("gelu_linear",), "gated_linear": ("gated_linear",), "gated_mlp": ("gated_linear",)}
 
 
