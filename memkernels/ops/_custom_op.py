@@ -67,10 +67,10 @@ def _first_order_only(op, backward):
                "through it, then a backward through the gradients it gave)").encode()
 
     def first_order_backward(ctx, *grads):
+        if not torch.is_grad_enabled():  # a plain backward
+            return backward(ctx, *grads)
         with torch.no_grad():
             outputs = backward(ctx, *grads)
-        if not torch.is_grad_enabled():
-            return outputs
         tensors = [index for index, output in enumerate(outputs) if isinstance(output, torch.Tensor)]
         raise_on_backward = torch._C._functions.DelayedError(message, len(tensors))
         raising = raise_on_backward(*[outputs[index].detach().requires_grad_() for index in tensors])

@@ -498,15 +498,11 @@ def _backward_options(group_rows):
     return {} if group_rows else _LAUNCH_OPTIONS
 
 
-@functools.lru_cache(maxsize=None)
-def _placeholder_of(dtype, device):
-    return torch.empty(1, dtype=dtype, device=device)
-
-
 def _placeholder(reference):
-    """A one-element tensor for pointer arguments a kernel variant never dereferences: one per dtype
-    and device, kept (an allocation per launch costs host time), never written."""
-    return _placeholder_of(reference.dtype, reference.device)
+    """A one-element tensor for pointer arguments a kernel variant never dereferences. A fresh one
+    per launch: one kept across calls would be an allocation that outlives the op, seen by memory
+    meters and the allocator's statistics in whichever call made it."""
+    return torch.empty(1, dtype=reference.dtype, device=reference.device)
 
 
 def _slots(unsafe_cols, hidden, device):
