@@ -87,7 +87,8 @@ def test_the_real_launchers_carry_the_guard():
     from memkernels.ops import _norm_kernels, cross_entropy, gelu_linear, linear_cross_entropy
 
     for launcher in (_norm_kernels.norm_forward, _norm_kernels.norm_backward, cross_entropy._launch,
-                     gelu_linear.act_gemm, linear_cross_entropy._add_to_split_float32_triton):
+                     gelu_linear.act_gemm, linear_cross_entropy._add_to_split_float32_triton,
+                     linear_cross_entropy._scale_triton):
         assert getattr(launcher, "device_guarded", False), launcher.__name__
 
 
