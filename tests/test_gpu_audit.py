@@ -502,6 +502,16 @@ def test_liger_kernels_count_through_the_interpreter():
     # forward: x, the weight once per row (in L2 after the first), y, rstd (fp32)
     assert _triton(run["forward"]) == (1, 3 * n * h * e + n * 4, 2 * n * h * e + h * e + n * 4)
     assert interpreter._implicit_cvt is original
+    # backward at the fit's P programs (Liger's grid is the device's SM count, 1 off a GPU): each program
+    # writes its float32 dw partial row, which torch's sum reads back
+    from liger_kernel.ops import rms_norm
+    liger_backward = rms_norm.rms_norm_backward
+    for p in (1, 3):
+        run = gpu_audit.measure(CASES["rms_norm"], dict(N=6, H=h, P=p), torch.bfloat16, "liger")
+        kernel, = (x for x in run["backward"].launches if x.kind == "triton")
+        assert kernel.programs == p
+        assert [x.hbm_bytes for x in run["backward"].launches if x.name == "sum"] == [p * h * 4 + h * 4]
+    assert rms_norm.rms_norm_backward is liger_backward  # put back
     # Liger's fused linear-CE at the fit's chunk count; at Llama-3-8B's head its own rule gives 32 chunks
     run = gpu_audit.measure(LINEAR_CE["recompute"], dict(N=16, H=16, V=40, C=2), torch.bfloat16, "liger")
     assert [x.name for x in run["forward"].launches if x.kind == "triton"] == ["liger_cross_entropy_kernel"] * 2

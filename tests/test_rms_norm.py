@@ -433,6 +433,27 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills():
                   and r.fused_multiply_adds != 0]
     assert not contracted, contracted
     assert all(r.fused_multiply_adds > 0 for r in reports if "grouped" in r.variant)
+    # A backward block of 32 warps is alone on its SM (_programs_per_sm): a second block of 1024
+    # threads would need at most 32 registers a thread.
+    warps = {v["label"]: v["num_warps"] for v in _norm_kernels._BACKWARD_VARIANTS}
+    crowded = [(r.variant, r.arch, r.registers) for r in reports
+               if r.kernel == "norm_bwd" and warps[r.variant] == 32 and r.registers <= 32]
+    assert not crowded, crowded
+
+
+def test_backward_grid_is_the_programs_an_sm_holds(monkeypatch):
+    """One program per SM for 32-warp blocks (rows from 4096: any more would run in a second wave and
+    write more dw/db partial rows), two for smaller blocks; never more programs than rows."""
+    from memkernels.ops import _norm_kernels
+    monkeypatch.setattr(_norm_kernels, "_multiprocessors", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+
+    def programs(rows, hidden, with_db):
+        return _norm_kernels._num_programs(rows, cuda, _norm_kernels._backward_config(hidden, with_db)[1])
+    assert programs(8192, 8192, False) == programs(8192, 4096, True) == programs(8192, 5000, True) == 132
+    assert programs(8192, 16384, True) == 132  # chunked rows: blocks of 4096
+    assert programs(8192, 2048, False) == programs(8192, 1024, True) == 264
+    assert programs(100, 1024, False) == 100
 
 
 def test_launches_compile_without_contraction(monkeypatch):

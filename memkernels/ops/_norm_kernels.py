@@ -542,11 +542,19 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
     return y, residual_out, mean, rstd, fallback
 
 
-def _num_programs(rows, device):
-    """Backward programs: two per SM on a GPU; under the interpreter a few, so that each
-    program still sums several rows as it does on a GPU."""
+def _programs_per_sm(num_warps):
+    """Backward programs per SM: as many as can be resident at once, at most two. A block of 32 warps
+    (rows from 4096 up) is alone on its SM: two of its 1024 threads' blocks would need at most 32
+    registers a thread, and the backward uses 40-64. A second program per SM would only run after
+    the first, in a second wave, and double the dw/db partial rows written and read."""
+    return 1 if num_warps >= 32 else 2
+
+
+def _num_programs(rows, device, num_warps):
+    """Backward programs: _programs_per_sm per SM on a GPU; under the interpreter a few, so that
+    each program still sums several rows as it does on a GPU."""
     if device.type == "cuda":
-        return min(rows, 2 * _multiprocessors(device.index))
+        return min(rows, _programs_per_sm(num_warps) * _multiprocessors(device.index))
     return min(rows, 4)
 
 
@@ -565,7 +573,7 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     """
     rows, hidden = dy.shape
     block, num_warps, single_pass, group_rows = _backward_config(hidden, needs_db, memory_efficient)
-    programs = max(_num_programs(rows, dy.device), 1)
+    programs = max(_num_programs(rows, dy.device, num_warps), 1)
     dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
     dw = torch.empty_like(weight) if needs_dw else None
     db = torch.empty_like(bias) if needs_db else None

@@ -41,6 +41,7 @@ held-out count is an error, never a silent estimate.
 """
 import argparse
 import contextlib
+import inspect
 import itertools
 import math
 import os
@@ -586,6 +587,8 @@ class Case:
     setup: object = None  # setup(shape) -> context manager that makes the op take a fit variable's value
     real_shape: object = None  # real_shape(shape, dtype, phase) -> the shape with the op's own value of each
     #                            fit variable that is not a size (linear-CE's chunks C)
+    liger_setup: object = None  # liger_setup(shape) -> context manager: the same for Liger's op
+    liger_real_shape: object = None  # liger_real_shape(shape) -> the shape with Liger's own values
     step_row: bool = False  # also print forward + backward (an op that moves backward's work into its forward)
 
 
@@ -900,8 +903,15 @@ def _gated_mlp_minimum(shape, e):
 _TOKENS = 8192  # tokens per step at the real shapes (e.g. 4 sequences of 2048)
 
 
-# Norm backward programs on a GPU: two per SM (memkernels.ops._norm_kernels._num_programs); H100 SXM has 132.
-_NORM_BACKWARD_PROGRAMS = 2 * 132
+# SMs of the H100 SXM: the norm backwards' grids at the real shape are a multiple of it.
+_H100_SMS = 132
+
+
+def _norm_backward_programs(hidden, is_rms):
+    """memkernels' norm backward programs on an H100 at rows of ``hidden`` (_norm_kernels._num_programs)."""
+    from memkernels.ops import _norm_kernels
+    num_warps = _norm_kernels._backward_config(hidden, not is_rms)[1]
+    return _norm_kernels._programs_per_sm(num_warps) * _H100_SMS
 
 
 @contextlib.contextmanager
@@ -910,11 +920,44 @@ def _norm_programs(shape):
     default is a fixed few). Each program owns one float32 row of dw/db partial sums."""
     from memkernels.ops import _norm_kernels
     original = _norm_kernels._num_programs
-    _norm_kernels._num_programs = lambda rows, device: min(rows, shape["P"])
+    _norm_kernels._num_programs = lambda rows, device, num_warps: min(rows, shape["P"])
     try:
         yield
     finally:
         _norm_kernels._num_programs = original
+
+
+# Liger's norm backwards, each with one program per SM, one float32 partial row (of dw, and of db) each.
+_LIGER_NORM_BACKWARDS = (("rms_norm", "rms_norm_backward"), ("fused_add_rms_norm", "fused_add_rms_norm_backward"),
+                         ("layer_norm", "layer_norm_backward"))
+
+
+@contextlib.contextmanager
+def _liger_norm_programs(shape):
+    """Give Liger's norm backwards ``shape["P"]`` programs. Their grid is the device's SM count, which they
+    ask only of a CUDA (XPU, NPU) tensor and take as 1 otherwise: counted on the CPU as they are, their
+    partial rows would be an H100's 132 short. Each function is rebuilt from its own source with that one
+    line (``sm_count = 1``) made the fit's value, and put back afterwards."""
+    import importlib
+    patched = []  # (module, name, original)
+    try:
+        for module_name, name in _LIGER_NORM_BACKWARDS:
+            module = importlib.import_module(f"liger_kernel.ops.{module_name}")
+            original = getattr(module, name)
+            source = inspect.getsource(original)
+            if source.count("    sm_count = 1\n") != 1:
+                raise RuntimeError(f"memkernels.gpu_audit: liger_kernel.ops.{module_name}.{name} no longer sets "
+                                   "'sm_count = 1' once; its grid cannot be set for the count")
+            namespace = dict(vars(module), _AUDIT_PROGRAMS=shape["P"])
+            code = compile(source.replace("    sm_count = 1\n", "    sm_count = _AUDIT_PROGRAMS\n"),
+                           inspect.getsourcefile(original), "exec")
+            exec(code, namespace)  # noqa: S102 - Liger's own function, one constant changed
+            setattr(module, name, namespace[name])
+            patched.append((module, name, original))
+        yield
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
 
 
 def _norm_cases():
@@ -925,10 +968,11 @@ def _norm_cases():
             # At least 8 rows per program, as at the real shape (31): a wide row's second pass then
             # re-reads rows from beyond the program's L2 share at the small shapes too, so the counts
             # are the polynomial the fit assumes.
-            cases.append(Case(op, f"H={h}", {"N": _TOKENS, "H": h, "P": _NORM_BACKWARD_PROGRAMS}, ("N", "P"),
-                              {"N": (32, 64), "P": (2, 4)}, ({"N": 48, "P": 3},),
+            cases.append(Case(op, f"H={h}", {"N": _TOKENS, "H": h, "P": _norm_backward_programs(h, is_rms)},
+                              ("N", "P"), {"N": (32, 64), "P": (2, 4)}, ({"N": 48, "P": 3},),
                               _norm_problem(op, is_rms, residual), _norm_minimum(is_rms, residual),
-                              setup=_norm_programs))
+                              setup=_norm_programs, liger_setup=_liger_norm_programs,
+                              liger_real_shape=lambda shape: dict(shape, P=_H100_SMS)))
     return cases
 
 
@@ -945,7 +989,8 @@ def cases():
                            {"N": _TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
                            {"N": (16, 32), "H": (16, 32), "C": (1, 2)},
                            ({"N": 48, "H": 48, "C": 3},), _linear_ce_problem(strategy), minimum,
-                           extra, setup=_wide_split_blocks, real_shape=real_shape, step_row=True))
+                           extra, setup=_wide_split_blocks, real_shape=real_shape, step_row=True,
+                           liger_real_shape=_liger_linear_ce_real_shape))
     for label, k, n in (("GPT-2 MLP down 3072->768", 3072, 768), ("Llama-3-8B MLP down 14336->4096", 14336, 4096)):
         result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
@@ -1040,8 +1085,10 @@ def measure(case, shape, dtype, impl="memkernels"):
     memkernels.set_backend("triton" if impl == "memkernels" else "auto")
     try:
         problem = case.build(shape, dtype, impl)
+        liger = impl == "liger"
         with case.setup(shape) if case.setup else contextlib.nullcontext(), \
-                _liger_interpreter_shim() if impl == "liger" else contextlib.nullcontext():
+                _liger_interpreter_shim() if liger else contextlib.nullcontext(), \
+                case.liger_setup(shape) if liger and case.liger_setup else contextlib.nullcontext():
             with count() as forward:
                 outputs = problem.forward()
             with count() as backward:
@@ -1144,8 +1191,8 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
     design = _design(shapes, variables)
     results = {}
     for phase in ("forward", "backward"):
-        if impl == "liger" and "C" in variables:
-            real = _liger_linear_ce_real_shape(case.shape)
+        if impl == "liger" and case.liger_real_shape:
+            real = case.liger_real_shape(case.shape)
         else:
             real = case.real_shape(case.shape, dtype, phase) if case.real_shape else case.shape
         summaries = [_summaries(run[phase]) for run in runs]
