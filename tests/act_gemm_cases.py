@@ -1,4 +1,5 @@
 """Helpers shared by the tests of the activation GEMM kernel's ops (gelu_linear, gated_linear)."""
+import contextlib
 
 
 class KernelChoiceLog:
@@ -32,3 +33,33 @@ def compile_recording_ops(fn):
     compiled = torch.compile(fn, fullgraph=True,
                              backend=aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward")))
     return compiled, graph_ops
+
+
+
+@contextlib.contextmanager
+def step_log(monkeypatch, steps, matmuls=False):
+    """Yields a list that records, in order, each of ``steps``' (an op module's ``_STEPS``)
+    implementations run inside the block as ``(step name, backend)``, and with ``matmuls`` the aten
+    matmuls run outside them. In eager mode the ops call their steps' implementations directly
+    (memkernels/ops/_custom_op.py), so the record is taken there; a step's own matmuls (the torch
+    backend's) are not listed."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    calls = []
+
+    class MatmulLog(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] in ("mm", "addmm", "addmm_"):
+                calls.append(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    for step in steps.values():
+        for attribute, backend in (("triton_impl", "triton"), ("reference_impl", "torch")):
+            def recorded(*args, _run=getattr(step, attribute), _entry=(step.name.split("::")[1], backend)):
+                calls.append(_entry)
+                with _disable_current_modes():
+                    return _run(*args)
+            monkeypatch.setattr(step, attribute, recorded)
+    with MatmulLog() if matmuls else contextlib.nullcontext():
+        yield calls

@@ -13,7 +13,10 @@ from torch.autograd.function import _is_setup_context_defined
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memkernels.ops import _norm_ops, cross_entropy as cross_entropy_module, linear_cross_entropy as lce_module
+from memkernels.ops import gated_linear as gated_module, gelu_linear as gelu_module
 from memkernels.ops.cross_entropy import cross_entropy
+from memkernels.ops.gated_linear import gated_linear
+from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.ops.layer_norm import add_layer_norm
 from memkernels.ops.rms_norm import rms_norm
 
@@ -22,6 +25,8 @@ TWINS = {
     "cross_entropy": cross_entropy_module._CrossEntropyFunction,
     "linear_cross_entropy recompute": lce_module._RecomputeFunction,
     "linear_cross_entropy chunked": lce_module._ChunkedFunction,
+    "gelu_linear": gelu_module._GeLULinearFunction,
+    "gated_linear": gated_module._GatedLinearFunction,
 }
 
 
@@ -46,11 +51,14 @@ def test_eager_calls_dispatch_no_custom_op():
     weight = torch.randn(16, requires_grad=True)
     logits = torch.randn(6, 11, requires_grad=True)
     target = torch.randint(0, 11, (6,))
+    down = torch.randn(5, 16, requires_grad=True)
     with _Ops() as seen:
         rms_norm(x, weight).sum().backward()
         y, _ = add_layer_norm(x, x.detach(), weight)
         y.sum().backward()
         cross_entropy(logits, target).backward()
+        gelu_linear(x, down, backend="torch").sum().backward()
+        gated_linear(x, x * 2, down, backend="torch").sum().backward()
     memkernels_ops = [name for name in seen.names if name.startswith("memkernels::")]
     assert not memkernels_ops and "aten::mul" in seen.names  # the implementations ran, op by op
 
@@ -96,7 +104,10 @@ def test_a_double_backward_raises_as_through_the_custom_op():
     weight = torch.randn(8, requires_grad=True)
     logits = torch.randn(4, 5, requires_grad=True)
     target = torch.randint(0, 5, (4,))
-    for output, leaf in ((rms_norm(x, weight).pow(2).sum(), x), (cross_entropy(logits, target), logits)):
+    down = torch.randn(3, 8, requires_grad=True)
+    for output, leaf in ((rms_norm(x, weight).pow(2).sum(), x), (cross_entropy(logits, target), logits),
+                         (gelu_linear(x, down, backend="torch").pow(2).sum(), x),
+                         (gated_linear(x, x, down, backend="torch").pow(2).sum(), x)):
         grad, = torch.autograd.grad(output, leaf, create_graph=True)
         with pytest.raises(RuntimeError, match="has no second derivative"):
             (grad.sum() + leaf.pow(2).sum()).backward()

@@ -5,14 +5,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from memkernels.meters import SavedBytesMeter
 from memkernels.nn.mlp import FusedGatedMLP
+from memkernels.ops import gated_linear as gated_module
 from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
 from memkernels.testing import check_against_reference
 
-from act_gemm_cases import KernelChoiceLog, compile_recording_ops
+from act_gemm_cases import KernelChoiceLog, compile_recording_ops, step_log
 
 triton = pytest.importorskip("triton")
 
@@ -192,45 +192,32 @@ def test_prune_keeps_the_gated_configs():
                 assert kept == set(op.GATED_CONFIGS[role, operand, aligned]) != set(), (role, operand, aligned)
 
 
-class _OpLog(TorchDispatchMode):
-    """Names of the memkernels custom ops and aten matmuls dispatched inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "memkernels" or func.__name__.split(".")[0] in ("mm", "addmm", "addmm_"):
-            self.calls.append(func.__name__.split(".")[0])
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("needed", [(True, False, False, False), (False, True, False, False),
                                     (False, False, True, False), (False, False, False, True)],
                          ids=["gate", "up", "weight", "bias"])
-def test_backward_computes_only_needed_grads(backend, needed):
+def test_backward_computes_only_needed_grads(backend, needed, monkeypatch):
     gate, up, weight, bias = make_inputs((9,), 24, 40, torch.float32)
     for tensor, needs in zip((gate, up, weight, bias), needed):
         tensor.requires_grad_(needs)
     y = gated_linear(gate, up, weight, bias)
-    with _OpLog() as log:
+    with step_log(monkeypatch, gated_module._STEPS, matmuls=True) as log:
         y.backward(torch.ones_like(y))
-    expected = (["gated_linear_grad_inputs"] if needed[0] or needed[1] else []) + (
-        ["gated_linear_grad_weight"] if needed[2] else [])
-    assert log.calls == expected
+    expected = ([("gated_linear_grad_inputs", backend)] if needed[0] or needed[1] else []) + (
+        [("gated_linear_grad_weight", backend)] if needed[2] else [])
+    assert log == expected
     assert (gate.grad is not None, up.grad is not None, weight.grad is not None, bias.grad is not None) == needed
 
 
-def test_recompute_runs_two_extra_gemms_not_three(backend):
+def test_recompute_runs_two_extra_gemms_not_three(backend, monkeypatch):
     # backward recomputes gate and up (two GEMMs), never the down projection's forward
     module = FusedGatedMLP(16, 40, recompute=True)
     x = torch.randn(5, 16, requires_grad=True)
     y = module(x)
-    with _OpLog() as log:
+    with step_log(monkeypatch, gated_module._STEPS, matmuls=True) as log:
         y.backward(torch.ones_like(y))
-    assert log.calls == ["mm", "mm",  # gate and up recomputed
-                         "gated_linear_grad_inputs", "gated_linear_grad_weight",  # no "gated_linear" forward
-                         "mm", "mm", "addmm_", "mm"]  # dx and dW of gate, dx accumulated and dW of up
+    assert log == ["mm", "mm",  # gate and up recomputed
+                   ("gated_linear_grad_inputs", backend), ("gated_linear_grad_weight", backend),  # no forward
+                   "mm", "mm", "addmm_", "mm"]  # dx and dW of gate, dx accumulated and dW of up
 
 
 def test_empty_batch(backend):

@@ -5,15 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import memkernels
 from memkernels.meters import SavedBytesMeter
 from memkernels.nn.mlp import FusedMLP, GeLULinear
+from memkernels.ops import gelu_linear as gelu_module
 from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.testing import check_against_reference
 
-from act_gemm_cases import KernelChoiceLog, compile_recording_ops
+from act_gemm_cases import KernelChoiceLog, compile_recording_ops, step_log
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -182,40 +182,27 @@ def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment():
             assert kept[False] == set(op.MISALIGNED_CONFIGS[role, operand]) != set(), (role, operand)
 
 
-class _OpLog(TorchDispatchMode):
-    """(name, backend argument) of the memkernels custom ops dispatched inside the block."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "memkernels":
-            self.calls.append((func.__name__.split(".")[0], args[-1]))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("requires_grad", [(True, False, False), (False, True, False), (False, False, True)],
                          ids=["x", "weight", "bias"])
-def test_backward_computes_only_needed_grads(backend, requires_grad):
+def test_backward_computes_only_needed_grads(backend, requires_grad, monkeypatch):
     inputs = make_inputs((9,), 24, 40, torch.float32, requires_grad=requires_grad)
     check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs)
     x, weight, bias = inputs
     y = gelu_linear(x, weight, bias)
-    with _OpLog() as log:  # both backends go through the custom ops: see which ones ran
+    with step_log(monkeypatch, gelu_module._STEPS) as log:  # see which backward GEMMs ran, on which backend
         y.backward(torch.ones_like(y))
     expected = [(name, backend) for name, needed in (("gelu_linear_grad_input", requires_grad[0]),
                                                      ("gelu_linear_grad_weight", requires_grad[1])) if needed]
-    assert log.calls == expected
+    assert log == expected
 
 
-def test_explicit_backend_overrides_global():
+def test_explicit_backend_overrides_global(monkeypatch):
     memkernels.set_backend("triton" if INTERPRETED else "torch")
     try:
         x, weight, bias = make_inputs((4,), 16, 8, torch.float32)
-        with _OpLog() as log:
+        with step_log(monkeypatch, gelu_module._STEPS) as log:
             gelu_linear(x, weight, bias, backend="torch")
-        assert log.calls == [("gelu_linear", "torch")]
+        assert log == [("gelu_linear", "torch")]
     finally:
         memkernels.set_backend("auto")
 

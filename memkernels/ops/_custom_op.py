@@ -1,8 +1,7 @@
-"""How the norms and the losses register an op with its autograd: a custom op for torch.compile,
-its autograd.Function twin for eager mode. (gelu_linear and gated_linear still run an
-autograd.Function whose GEMM steps are custom ops, in eager mode too: their GEMMs take
-milliseconds, the dispatch tens of microseconds. Moving them here is what remains of making this
-the one way.)
+"""How every memkernels op registers itself with its autograd: a custom op for torch.compile, its
+autograd.Function twin for eager mode (the norms, the losses, gelu_linear, gated_linear). The one
+composite, gated_mlp_recompute (three GEMMs, two of them PyTorch's), is an autograd.Function over
+gated_linear's steps, which are these custom ops while torch.compile traces it.
 
 :func:`custom_op` registers the forward (and each backward step) as a ``torch.library`` custom op
 with a fake implementation: torch.compile keeps it whole, with no graph break. :func:`autograd_pair`
@@ -24,10 +23,11 @@ import torch
 from memkernels.ops import _autocast
 
 
-def custom_op(name, impl, fake, mutates_args=()):
-    """Register ``impl`` (type-annotated) as the torch.library custom op ``name`` with ``fake`` as
-    its fake (meta) implementation; returns the op."""
-    op = torch.library.custom_op(name, impl, mutates_args=mutates_args)
+def custom_op(name, impl, fake, mutates_args=(), schema=None):
+    """Register ``impl`` as the torch.library custom op ``name`` with ``fake`` as its fake (meta)
+    implementation; returns the op. Its schema is inferred from ``impl``'s type annotations, or
+    given as ``schema`` (e.g. ``"(Tensor x, str backend) -> Tensor"``)."""
+    op = torch.library.custom_op(name, impl, mutates_args=mutates_args, schema=schema)
     op.register_fake(fake)
     return op
 

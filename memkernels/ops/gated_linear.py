@@ -13,7 +13,7 @@ The GEMMs are gelu_linear's kernel (memkernels/ops/gelu_linear.py: one kernel, s
 constexpr flags) with GATED=True; this file adds the launchers, custom ops, autograd and the public
 function. :class:`GatedMLPRecomputeFunction` is the whole MLP saving only its input x.
 
-File order: launchers → custom ops → autograd.Functions → public function.
+File order: launchers → custom ops → autograd → public functions.
 """
 import functools
 
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from memkernels import aot
 from memkernels.ops import _autocast
+from memkernels.ops._custom_op import apply_op, autograd_pair
 from memkernels._backend import resolve, triton_interpreted
 from memkernels.ops.gelu_linear import _TRITON_DTYPES, _Step, _act_gemm_kernel, _empty_problem, act_gemm, aot_variants
 from memkernels.reference import gated_linear as reference
@@ -67,15 +68,39 @@ def _grad_weight_triton(grad_out2d, gate2d, up2d, activation):
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops: opaque to torch.compile, with fake (meta) implementations; the last argument,
-# ``backend``, picks the Triton launcher or the PyTorch reference (see gelu_linear._Step).
+# Custom ops (memkernels/ops/_custom_op.py, as in gelu_linear): the whole op with its autograd, and its
+# backward GEMMs; the last argument, ``backend``, picks the Triton launcher or the PyTorch reference.
+
+
+def _halves(gate_up):
+    """(gate, up) 2-D views of a packed [..., 2*I] tensor: first half gate."""
+    gate_up2d = gate_up.reshape(-1, gate_up.shape[-1])
+    width = gate_up2d.shape[1] // 2
+    return gate_up2d[:, :width], gate_up2d[:, width:]
+
+
+def _operands(gate, up):
+    """2-D gate and up; ``up`` None means ``gate`` is the packed gate_up."""
+    if up is None:
+        return _halves(gate)
+    return gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
+
+
+def _on_operands(forward):
+    """``forward`` of 2-D gate and up applied to [..., I] ones (or a packed [..., 2*I] gate_up and up
+    None): [..., N] out (a view of [M, N])."""
+    def flattened(gate, up, *rest):
+        out = forward(*_operands(gate, up), *rest)
+        return out.view(*gate.shape[:-1], out.shape[-1])
+    return flattened
+
 
 _STEPS = {
     "forward": _Step(
         "gated_linear",
-        "(Tensor gate2d, Tensor up2d, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor",
-        _forward_triton, reference.forward,
-        lambda gate2d, up2d, weight, bias, activation: gate2d.new_empty(gate2d.shape[0], weight.shape[0])),
+        "(Tensor gate, Tensor? up, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor",
+        _on_operands(_forward_triton), _on_operands(reference.forward),
+        lambda gate, up, weight, bias, activation: gate.new_empty(*gate.shape[:-1], weight.shape[0])),
     "grad_inputs": _Step(
         "gated_linear_grad_inputs",
         "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, str backend)"
@@ -95,27 +120,8 @@ _autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda":
                    positions=(0, 1, 2, 3))
 
 
-def _run(step, backend, *args):
-    """One GEMM step, through its custom op on both backends, in eager mode as under torch.compile."""
-    return _STEPS[step].custom_op(*args, backend)
-
-
 # --------------------------------------------------------------------------------------------
 # Autograd
-
-
-def _halves(gate_up):
-    """(gate, up) 2-D views of a packed [..., 2*I] tensor: first half gate."""
-    gate_up2d = gate_up.reshape(-1, gate_up.shape[-1])
-    width = gate_up2d.shape[1] // 2
-    return gate_up2d[:, :width], gate_up2d[:, width:]
-
-
-def _operands(gate, up):
-    """2-D gate and up; ``up`` None means ``gate`` is the packed gate_up."""
-    if up is None:
-        return _halves(gate)
-    return gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
 
 
 def _bias_grad(grad_out2d):
@@ -123,48 +129,65 @@ def _bias_grad(grad_out2d):
     return grad_out2d.sum(0, dtype=torch.promote_types(grad_out2d.dtype, torch.float32)).to(grad_out2d.dtype)
 
 
-def _down_backward(ctx, grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, needs_bias):
+def _down_backward(step, backend, activation, grad_out2d, gate2d, up2d, weight, packed, needs_inputs,
+                   needs_weight, needs_bias):
     """(gradients of gate and up: [one [M, 2*I] tensor] if packed else [d_gate, d_up]; dW; db) of the gated
-    down projection, each only when needed."""
+    down projection, each only when needed; ``step(name)`` is the backward GEMM to call."""
     grads = grad_weight = grad_bias = None
     if needs_inputs:
-        grads = _run("grad_inputs", ctx.backend, grad_out2d, gate2d, up2d, weight, packed, ctx.activation)
+        grads = step("grad_inputs")(grad_out2d, gate2d, up2d, weight, packed, activation, backend)
     if needs_weight:
-        grad_weight = _run("grad_weight", ctx.backend, grad_out2d, gate2d, up2d, ctx.activation)
+        grad_weight = step("grad_weight")(grad_out2d, gate2d, up2d, activation, backend)
     if needs_bias:
         grad_bias = _bias_grad(grad_out2d)
     return grads, grad_weight, grad_bias
 
 
-class GatedLinearFunction(torch.autograd.Function):
-    """y = (act(gate) * up) @ weight.T + bias, saving only gate and up (and the weight parameter).
+def _custom_ops(name):
+    return _STEPS[name].custom_op
 
-    ``up`` None: ``gate`` is the packed [..., 2*I] gate_up, saved as one tensor.
-    """
 
-    @staticmethod
-    def forward(ctx, gate, up, weight, bias, activation, backend):
-        gate2d, up2d = _operands(gate, up)
-        out = _run("forward", backend, gate2d, up2d, weight, bias, activation)
-        ctx.save_for_backward(gate, up, weight)
-        ctx.has_bias = bias is not None
-        ctx.activation = activation
-        ctx.backend = backend
-        return out.view(*gate.shape[:-1], weight.shape[0])
+def _implementations(name):
+    return _STEPS[name].implementation
 
-    @staticmethod
+
+def _traced_or_eager(name):
+    """The custom op while torch.compile traces, its implementation in eager mode (for the recompute
+    MLP's Function, which calls the steps itself)."""
+    return (_custom_ops if torch.compiler.is_compiling() else _implementations)(name)
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves only gate and up, or the packed gate_up (and the weight parameter)."""
+    gate, up, weight, bias, activation, backend = inputs
+    ctx.save_for_backward(gate, up, weight)
+    ctx.has_bias = bias is not None
+    ctx.activation = activation
+    ctx.backend = backend
+
+
+def _backward_with(step):
+    """gated_linear's backward over ``step(name)``: the custom ops under torch.compile, their
+    implementations in eager mode."""
+
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
         gate2d, up2d = _operands(gate, up)
         needs = ctx.needs_input_grad
         grads, grad_weight, grad_bias = _down_backward(
-            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight, up is None,
-            needs[0] or needs[1], needs[2], ctx.has_bias and needs[3])
+            step, ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight,
+            up is None, needs[0] or needs[1], needs[2], ctx.has_bias and needs[3])
         grad_gate = grad_up = None
         if grads is not None:
             grad_gate = grads[0].view(gate.shape) if needs[0] else None
             grad_up = grads[1].view(up.shape) if up is not None and needs[1] else None
         return grad_gate, grad_up, grad_weight, grad_bias, None, None
+
+    return backward
+
+
+_GatedLinearFunction = autograd_pair(_STEPS["forward"].custom_op, _STEPS["forward"].implementation, _setup_context,
+                                     _backward_with(_custom_ops), _backward_with(_implementations))
 
 
 class GatedMLPRecomputeFunction(torch.autograd.Function):
@@ -178,7 +201,7 @@ class GatedMLPRecomputeFunction(torch.autograd.Function):
     def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, backend):
         x2d = x.reshape(-1, x.shape[-1])
         gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
-        out = _run("forward", backend, gate2d, up2d, down_weight, down_bias, activation)
+        out = _traced_or_eager("forward")(gate2d, up2d, down_weight, down_bias, activation, backend)
         ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
         ctx.has_down_bias = down_bias is not None
         ctx.activation = activation
@@ -193,8 +216,8 @@ class GatedMLPRecomputeFunction(torch.autograd.Function):
         projections_need = any(needs[:5])
         gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
         grads, grad_down_weight, grad_down_bias = _down_backward(
-            ctx, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, down_weight, up_weight is None,
-            projections_need, needs[5], ctx.has_down_bias and needs[6])
+            _traced_or_eager, ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d,
+            down_weight, up_weight is None, projections_need, needs[5], ctx.has_down_bias and needs[6])
         del gate2d, up2d  # the recomputed activations go before the projections' gradients come
         grad_x = grad_gate_weight = grad_gate_bias = grad_up_weight = grad_up_bias = None
         if projections_need:
@@ -314,8 +337,8 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
             raise ValueError(f"{owner}: gate_up must be a tensor of shape [..., 2 * intermediate_size] (an even "
                              f"last dim), got {tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else gate_up}")
         _check_weight(weight, bias, gate_up.shape[-1] // 2, gate_up, owner)
-        return GatedLinearFunction.apply(gate_up, None, weight, bias, activation,
-                                         _resolve_backend(backend, gate_up, owner))
+        return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate_up, None, weight, bias, activation,
+                        _resolve_backend(backend, gate_up, owner))
     if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor) or gate.dim() < 1:
         raise ValueError(f"{owner}: gate and up must be tensors of shape [..., intermediate_size] "
                          "(or pass gate_up= for the packed form)")
@@ -323,7 +346,8 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
         raise ValueError(f"{owner}: gate has shape {tuple(gate.shape)} but up {tuple(up.shape)}; they must match")
     _check_tensor("up", up, gate, owner)
     _check_weight(weight, bias, gate.shape[-1], gate, owner)
-    return GatedLinearFunction.apply(gate, up, weight, bias, activation, _resolve_backend(backend, gate, owner))
+    return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate, up, weight, bias, activation,
+                    _resolve_backend(backend, gate, owner))
 
 
 def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *,

@@ -15,8 +15,8 @@ operands (dy.T, W.T, a non-contiguous weight) are read in place. The same kernel
 serves memkernels/ops/gated_linear.py (SwiGLU / GeGLU, flag GATED): the activated
 operand is then act(gate) * up, and the dx epilogue writes both halves' gradients.
 
-File order: jit helpers → kernel → launchers → custom ops → autograd.Function →
-public function.
+File order: jit helpers → kernel → launchers → custom ops → autograd → public
+function.
 """
 
 import functools
@@ -29,6 +29,7 @@ from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve, triton_interpreted
 from memkernels.ops import _autocast
+from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.reference import gelu_linear as reference
 
 APPROXIMATIONS = ("none", "tanh")
@@ -484,29 +485,40 @@ def _grad_weight_triton(grad_out2d, x2d, approximate):
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops: opaque to torch.compile, with fake (meta) implementations. Each runs the Triton
-# launcher or the PyTorch reference according to its last argument, ``backend``, which the
-# caller has resolved to "triton" or "torch".
+# Custom ops (memkernels/ops/_custom_op.py): the whole op as a custom op with its autograd, opaque to
+# torch.compile, whose backward calls the backward GEMMs as custom ops; in eager mode an
+# autograd.Function twin runs the same implementations directly. Each takes ``backend`` last, "triton"
+# (the launcher) or "torch" (the PyTorch reference), resolved by the caller.
 
 
 class _Step:
-    """One GEMM of the op as a custom op, with the reference it falls back to."""
+    """One step of the op (a GEMM, or the whole forward) as a custom op, with the reference it falls
+    back to; :meth:`implementation` is what the custom op runs, for the eager twin to call directly."""
 
     def __init__(self, name, schema, triton_impl, reference_impl, fake_impl):
-        def impl(*args):
-            *operands, backend = args
-            return (triton_impl if backend == "triton" else reference_impl)(*operands)
-
-        self.custom_op = torch.library.custom_op(f"memkernels::{name}", impl, mutates_args=(), schema=schema)
-        self.custom_op.register_fake(lambda *args: fake_impl(*args[:-1]))
+        self.triton_impl, self.reference_impl = triton_impl, reference_impl
+        self.custom_op = custom_op(f"memkernels::{name}", self.implementation,
+                                   lambda *args: fake_impl(*args[:-1]), schema=schema)
         self.name = self.custom_op._qualname
+
+    def implementation(self, *args):
+        *operands, backend = args
+        return (self.triton_impl if backend == "triton" else self.reference_impl)(*operands)
+
+
+def _on_last_dim(forward):
+    """``forward`` of 2-D [M, K] operands applied to [..., K] ones: [..., N] out (a view of [M, N])."""
+    def flattened(x, *rest):
+        out = forward(x.reshape(-1, x.shape[-1]), *rest)
+        return out.view(*x.shape[:-1], out.shape[-1])
+    return flattened
 
 
 _STEPS = {
     "forward": _Step(
-        "gelu_linear", "(Tensor x2d, Tensor weight, Tensor? bias, str approximate, str backend) -> Tensor",
-        _forward_triton, reference.forward,
-        lambda x2d, weight, bias, approximate: x2d.new_empty(x2d.shape[0], weight.shape[0])),
+        "gelu_linear", "(Tensor x, Tensor weight, Tensor? bias, str approximate, str backend) -> Tensor",
+        _on_last_dim(_forward_triton), _on_last_dim(reference.forward),
+        lambda x, weight, bias, approximate: x.new_empty(*x.shape[:-1], weight.shape[0])),
     "grad_input": _Step(
         "gelu_linear_grad_input",
         "(Tensor grad_out2d, Tensor x2d, Tensor weight, str approximate, str backend) -> Tensor",
@@ -526,38 +538,40 @@ _autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda":
 # Autograd
 
 
-def _run(step, backend, *args):
-    """One GEMM step, through its custom op on both backends, in eager mode as under torch.compile."""
-    return _STEPS[step].custom_op(*args, backend)
+def _setup_context(ctx, inputs, output):
+    """Saves only x (and the weight parameter)."""
+    x, weight, bias, approximate, backend = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+    ctx.approximate = approximate
+    ctx.backend = backend
 
 
-class GeLULinearFunction(torch.autograd.Function):
-    """y = gelu(x) @ weight.T + bias, saving only x (and the weight parameter)."""
+def _backward_with(grad_input, grad_weight):
+    """gelu_linear's backward over the two backward GEMMs: the custom ops under torch.compile, their
+    implementations in eager mode."""
 
-    @staticmethod
-    def forward(ctx, x, weight, bias, approximate, backend):
-        x2d = x.reshape(-1, x.shape[-1])
-        out = _run("forward", backend, x2d, weight, bias, approximate)
-        ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
-        ctx.approximate = approximate
-        ctx.backend = backend
-        return out.view(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
         x2d = x.reshape(-1, x.shape[-1])
         grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = grad_weight = grad_bias = None
+        grad_x = grad_w = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = _run("grad_input", ctx.backend, grad_out2d, x2d, weight, ctx.approximate).view(x.shape)
+            grad_x = grad_input(grad_out2d, x2d, weight, ctx.approximate, ctx.backend).view(x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = _run("grad_weight", ctx.backend, grad_out2d, x2d, ctx.approximate)
+            grad_w = grad_weight(grad_out2d, x2d, ctx.approximate, ctx.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             # one fp32 reduction over tokens, cast once: deterministic, no atomics
             grad_bias = grad_out2d.sum(0, dtype=torch.float32).to(grad_out.dtype)
-        return grad_x, grad_weight, grad_bias, None, None
+        return grad_x, grad_w, grad_bias, None, None
+
+    return backward
+
+
+_GeLULinearFunction = autograd_pair(
+    _STEPS["forward"].custom_op, _STEPS["forward"].implementation, _setup_context,
+    _backward_with(_STEPS["grad_input"].custom_op, _STEPS["grad_weight"].custom_op),
+    _backward_with(_STEPS["grad_input"].implementation, _STEPS["grad_weight"].implementation))
 
 
 # --------------------------------------------------------------------------------------------
@@ -622,4 +636,4 @@ def _gelu_linear(x, weight, bias, *, approximate, backend):
     if backend == "triton" and x.dtype not in _TRITON_DTYPES:
         raise ValueError(f"gelu_linear: x is {x.dtype}; the Triton backend takes float32, float16 or "
                          "bfloat16 (use backend='torch' for other dtypes)")
-    return GeLULinearFunction.apply(x, weight, bias, approximate, backend)
+    return apply_op(_STEPS["forward"].custom_op, _GeLULinearFunction, x, weight, bias, approximate, backend)
