@@ -42,8 +42,8 @@ def reduction_denominators(target, cfg, reduction):
     for ``mean`` like PyTorch; the kernels select (never multiply) the ignored
     rows' zero gradient, so the gradient stays 0 as in PyTorch.
     """
-    one = torch.ones(1, dtype=torch.float64, device=target.device)
     if reduction != "mean":
+        one = torch.ones(1, dtype=torch.float64, device=target.device)
         return one, one
     valid = target != cfg.ignore_index
     count = valid.sum(dtype=torch.float64).reshape(1)
@@ -56,31 +56,35 @@ def reduction_denominators(target, cfg, reduction):
 def reduce_rows(ce, z, denominators, reduction):
     """Combine per-row terms into the loss; returns (loss, z_loss) (z_loss zero-size when unused)."""
     if reduction == "none":
-        return (ce if z is None else ce + z), (z if z is not None else ce.new_zeros(0))
+        return (ce if z is None else ce + z), (z if z is not None else ce.new_empty(0))
     # Accumulated in float64 (N values: cheap anywhere), as eager PyTorch does on the CPU.
     ce_denominator, z_denominator = denominators
     total = ce.sum(dtype=torch.float64) / ce_denominator[0]
     if z is None:
-        return total.float(), ce.new_zeros(0)
+        return total.float(), ce.new_empty(0)
     z_total = z.sum(dtype=torch.float64) / z_denominator[0]
     return (total + z_total).float(), z_total.float()
 
 
-def grad_scales(grad_loss, denominators, reduction):
-    """(loss_scale, z_scale) for the gradient kernels: d(loss)/d(row term) times the incoming gradient."""
+def grad_scales(grad_loss, denominators, reduction, cfg):
+    """(loss_scale, z_scale) for the gradient kernels: d(loss)/d(row term) times the incoming gradient.
+    z_scale is None without a z-loss (the kernels never read it): each scale costs launches."""
     grad_loss = grad_loss.float()
     if reduction == "none":
-        return grad_loss.contiguous(), grad_loss.contiguous()
+        grad_loss = grad_loss.contiguous()
+        return grad_loss, grad_loss if cfg.z_loss else None
     ce_denominator, z_denominator = denominators
-    grad_loss = grad_loss.double()  # float64 quotient, rounded once to float32
-    return (grad_loss / ce_denominator).float(), (grad_loss / z_denominator).float()
+    # A 0-d float32 over a (1,) float64 denominator divides in float64 (a dimensioned operand's dtype
+    # wins over a 0-d one's): the quotient is rounded once, to float32, with no launch for a cast.
+    grad_loss = grad_loss.reshape(())
+    return (grad_loss / ce_denominator).float(), (grad_loss / z_denominator).float() if cfg.z_loss else None
 
 
 def forward_grad_scales(target, cfg, reduction):
     """Denominators and the scales for gradients computed in the forward (incoming gradient 1)."""
     denominators = reduction_denominators(target, cfg, reduction)
     one = torch.ones((), dtype=torch.float64, device=target.device)
-    return denominators, grad_scales(one, denominators, "sum" if reduction == "none" else reduction)
+    return denominators, grad_scales(one, denominators, "sum" if reduction == "none" else reduction, cfg)
 
 
 def validate_loss_args(target, n_classes, n_rows, *, ignore_index, label_smoothing, reduction, softcap, z_loss,

@@ -361,7 +361,7 @@ def _cross_entropy_backward(grad_loss: torch.Tensor, logits: torch.Tensor, targe
                             label_smoothing: float, softcap: float, z_loss: float, reduction: str) -> torch.Tensor:
     cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     _, grad_rows = row_kernels(logits, "cross_entropy")
-    loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
+    loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
     grad = torch.empty_like(logits)
     grad_rows(logits, target, lse, cfg, grad, loss_scale, z_scale)
     return grad
@@ -374,6 +374,8 @@ def _cross_entropy_backward_fake(grad_loss, logits, target, lse, class_weight, i
 
 def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
+    # Their gradients arrive as None instead of zero tensors: autograd would launch a fill for each.
+    ctx.set_materialize_grads(False)
     logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction = inputs
     ctx.save_for_backward(logits, target, output[2], class_weight)
     ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction)

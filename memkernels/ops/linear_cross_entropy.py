@@ -370,7 +370,10 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
         budget = _chunked_budget(hidden, weight)
         rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, budget) // cfg.n_classes)
         scratch_bytes = _split_scratch_bytes(budget)
-    denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
+    if grads is None:
+        denominators = reduction_denominators(target, cfg, reduction)
+    else:
+        denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
     ce = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     z = torch.empty_like(ce) if cfg.z_loss else None
     lse = torch.empty(n_tokens, 2, dtype=torch.float32, device=hidden.device)
@@ -409,7 +412,7 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
     _, grad_rows = row_kernels(hidden, _OP)
     n_tokens = hidden.shape[0]
     cols_per_tile = recompute_tile_classes(n_tokens, cfg.n_classes, hidden.dtype, chunk_size)
-    loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction)
+    loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
     needs_hidden, needs_weight, needs_bias = needs
     half = hidden.dtype != torch.float32
     grad_hidden = None
@@ -490,6 +493,8 @@ def _recompute_backward_fake(grad_loss, hidden, weight, target, bias, lse, class
 
 def _recompute_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
+    # Their gradients arrive as None instead of zero tensors: autograd would launch a fill for each.
+    ctx.set_materialize_grads(False)
     hidden, weight, target, bias, class_weight, *options = inputs
     ctx.save_for_backward(hidden, weight, target, bias, class_weight, output[2])
     ctx.options = tuple(options)
