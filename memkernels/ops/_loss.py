@@ -81,10 +81,13 @@ def grad_scales(grad_loss, denominators, reduction, cfg):
 
 
 def forward_grad_scales(target, cfg, reduction):
-    """Denominators and the scales for gradients computed in the forward (incoming gradient 1)."""
+    """Denominators and the scales for gradients computed in the forward: grad_scales with an incoming
+    gradient of 1, i.e. each denominator's float64 reciprocal rounded once to float32 (two launches
+    where a ones tensor, its cast and the division took four)."""
     denominators = reduction_denominators(target, cfg, reduction)
-    one = torch.ones((), dtype=torch.float64, device=target.device)
-    return denominators, grad_scales(one, denominators, "sum" if reduction == "none" else reduction, cfg)
+    ce_denominator, z_denominator = denominators
+    return denominators, (ce_denominator.reciprocal().float(),
+                          z_denominator.reciprocal().float() if cfg.z_loss else None)
 
 
 def validate_loss_args(target, n_classes, n_rows, *, ignore_index, label_smoothing, reduction, softcap, z_loss,
