@@ -524,3 +524,14 @@ def test_liger_kernels_count_through_the_interpreter():
     run = gpu_audit.measure(LINEAR_CE["recompute"], dict(N=16, H=16, V=40, C=2), torch.bfloat16, "liger")
     assert [x.name for x in run["forward"].launches if x.kind == "triton"] == ["liger_cross_entropy_kernel"] * 2
     assert gpu_audit._liger_linear_ce_chunk_count(8192, 4096, 128256) == 32
+
+
+@pytest.mark.parametrize("strategy", ["chunked", "recompute"])
+def test_linear_cross_entropy_counts_fit_their_held_out_shape(strategy):
+    """The audit's fit (exact, checked at a held-out shape) must hold for each strategy at small
+    vocabularies too: a kernel whose grid is cdiv(N * H, block) (dX's float32 scaling) broke it for
+    "chunked" until its small-shape block covered N * H in one program."""
+    import dataclasses
+    case = dataclasses.replace(LINEAR_CE[strategy], shape=dict(LINEAR_CE[strategy].shape, V=300))
+    result = gpu_audit.fit(case, torch.bfloat16)
+    assert result["forward"].launches > 0 and result["backward"].launches > 0

@@ -741,18 +741,23 @@ def _linear_ce_chunks(shape, dtype):
 
 @contextlib.contextmanager
 def _wide_split_blocks(shape):
-    """Small shapes: the split accumulator's elementwise kernel in blocks of 64 Ki elements instead of
-    1 Ki (the same loads and stores, masks honoured, in 64 times fewer interpreted programs), and dW
-    in one row block per chunk (the real shape's extra blocks are added by _linear_ce_extra_launches).
-    float32 dX in one GEMM per chunk, as on a GPU (the CPU's class blocks summed in float64 are a
-    CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
+    """Small shapes: the split accumulator's and the dX scaling's elementwise kernels in blocks of
+    64 Ki elements instead of 1 Ki (the same loads and stores, masks honoured, in one program: with
+    1 Ki a program, the scaling's per-program read of the 4-byte scale would count cdiv(N * H, 1024)
+    times, which is no polynomial in N and H; it hits L2 either way, so its HBM bytes are the same),
+    and dW in one row block per chunk (the real shape's extra blocks are added by
+    _linear_ce_extra_launches). float32 dX in one GEMM per chunk, as on a GPU (the CPU's class
+    blocks summed in float64 are a CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
     from memkernels.ops import linear_cross_entropy as lce
-    original = lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK
-    lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK = 1 << 16, 1 << 20, 1 << 62
+    names = ("_SPLIT_BLOCK", "_SCALE_BLOCK", "SPLIT_SCRATCH_SHARE", "HIDDEN_GRAD_VOCAB_BLOCK")
+    original = [getattr(lce, name) for name in names]
+    for name, value in zip(names, (1 << 16, 1 << 16, 1 << 20, 1 << 62)):
+        setattr(lce, name, value)
     try:
         yield
     finally:
-        lce._SPLIT_BLOCK, lce.SPLIT_SCRATCH_SHARE, lce.HIDDEN_GRAD_VOCAB_BLOCK = original
+        for name, value in zip(names, original):
+            setattr(lce, name, value)
 
 
 def _liger_linear_ce_real_shape(shape):
