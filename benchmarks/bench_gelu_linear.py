@@ -12,6 +12,11 @@ Timing (only with a CUDA device): TFLOP/s of gelu_linear against eager
 F.linear(F.gelu(x), W, b) on the fc2 GEMM, forward and forward+backward; and of gelu_linear's
 PyTorch path on the same CUDA tensors (backend="torch": cuBLAS GEMMs on row / column slabs of
 gelu(x), the same saved bytes), the candidate for CUDA if the Triton act-GEMM stays slower.
+
+Host time (any device): CPU time per forward + backward of gelu_linear and gated_linear at a tiny
+shape, through the custom op with its autograd (what torch.compile keeps) and through its
+autograd.Function twin (what eager mode runs; memkernels/ops/_custom_op.py), beside eager's. On
+the CPU the torch backend runs, so the rows include its small GEMMs.
 """
 import argparse
 import sys
@@ -103,6 +108,41 @@ def timing_table(tokens, hidden, ffn):
                                      torch.cuda.get_device_name()))
 
 
+def host_time_table(device, calls=300):
+    """CPU time per forward + backward, issued without waiting for the GPU in the loop."""
+    import time
+
+    from memkernels.ops import gated_linear as gated_module, gelu_linear as gelu_module
+
+    backend = "triton" if device == "cuda" else "torch"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    x = torch.randn(4, 16, device=device, dtype=dtype, requires_grad=True)
+    up = torch.randn(4, 16, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
+    gelu_op, gated_op = gelu_module._STEPS["forward"].custom_op, gated_module._STEPS["forward"].custom_op
+    rows = {
+        "gelu_linear: custom op": lambda: gelu_op(x, weight, None, "none", backend),
+        "gelu_linear: eager twin (what runs)": lambda: gelu_module._GeLULinearFunction.apply(
+            x, weight, None, "none", backend),
+        "eager F.linear(F.gelu(x))": lambda: F.linear(F.gelu(x), weight),
+        "gated_linear: custom op": lambda: gated_op(x, up, weight, None, "silu", backend),
+        "gated_linear: eager twin (what runs)": lambda: gated_module._GatedLinearFunction.apply(
+            x, up, weight, None, "silu", backend),
+        "eager F.linear(F.silu(gate) * up)": lambda: F.linear(F.silu(x) * up, weight),
+    }
+    print(f"\nHost time per forward + backward, [4, 16] x [8, 16] {dtype} on {device}, backend {backend} "
+          "(CPU time to issue; the GPU is not awaited in the loop)")
+    for label, call in rows.items():
+        for _ in range(20):
+            call().sum().backward()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call().sum().backward()
+        print(f"  {label:<40}{(time.perf_counter() - start) / calls * 1e6:9.1f} us")
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -112,6 +152,7 @@ def main(argv=None):
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ok = memory_table(args.tokens, args.hidden, args.ffn, device)
+    host_time_table(device)
     if device == "cuda":
         timing_table(args.tokens, args.hidden, args.ffn)
     else:
