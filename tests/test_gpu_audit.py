@@ -447,6 +447,9 @@ def test_prediction_line_is_the_audit_model_at_the_benchmarks_shape(monkeypatch)
     shape = {"N": 16, "H": 128}
     case = gpu_audit.case_at("rms_norm", shape)
     assert case.shape == {"N": 16, "H": 128, "P": CASES["rms_norm"].shape["P"]}
+    # the backward's programs are those of the benchmark's rows (two per SM below 32 warps), not the case's
+    assert CASES["rms_norm"].shape["P"] == 132
+    assert case.real_shape(case.shape, torch.bfloat16, "backward")["P"] == 264
     ours, eager = gpu_audit.fit(case, torch.bfloat16), gpu_audit.exact(case, torch.bfloat16)
     h100 = gpu_audit.GPUS["H100-SXM"]
 

@@ -919,6 +919,12 @@ def _norm_backward_programs(hidden, is_rms):
     return _norm_kernels._programs_per_sm(num_warps) * _H100_SMS
 
 
+def _norm_real_shape(is_rms):
+    """The shape with the backward's programs at its own H (case_at moves H: a benchmark's rows of 1024
+    run two programs per SM where the case's 4096 run one)."""
+    return lambda shape, dtype, phase: dict(shape, P=_norm_backward_programs(shape["H"], is_rms))
+
+
 @contextlib.contextmanager
 def _norm_programs(shape):
     """Give the norm backward ``shape["P"]`` programs (the GPU's count at the real shape; the interpreter's
@@ -976,7 +982,8 @@ def _norm_cases():
             cases.append(Case(op, f"H={h}", {"N": _TOKENS, "H": h, "P": _norm_backward_programs(h, is_rms)},
                               ("N", "P"), {"N": (32, 64), "P": (2, 4)}, ({"N": 48, "P": 3},),
                               _norm_problem(op, is_rms, residual), _norm_minimum(is_rms, residual),
-                              setup=_norm_programs, liger_setup=_liger_norm_programs,
+                              setup=_norm_programs, real_shape=_norm_real_shape(is_rms),
+                              liger_setup=_liger_norm_programs,
                               liger_real_shape=lambda shape: dict(shape, P=_H100_SMS)))
     return cases
 
