@@ -63,3 +63,22 @@ def step_log(monkeypatch, steps, matmuls=False):
             monkeypatch.setattr(step, attribute, recorded)
     with MatmulLog() if matmuls else contextlib.nullcontext():
         yield calls
+
+
+def gemm_sum_lengths(inputs):
+    """check_against_reference's ``sum_length`` for ``act(*inputs[:-2]) @ weight.T + bias``, with
+    ``inputs`` ending in (weight [N, K], bias [N] or None): the output sums K products (and the
+    bias), each activation input's gradient N, the weight's and the bias's gradients one term per
+    token (M). Declared so that the floor admits any order of those sums: on a GPU the Triton GEMM
+    adds a tile's K products in one running total, cuBLAS and the CPU's BLAS in blocks, and in
+    float32 the first was 3-9x eager's error at K = 131-3072 on the H200 (docs/gpu-runs.md)."""
+    *activation_inputs, weight, bias = inputs
+    out_features, in_features = weight.shape
+    tokens = activation_inputs[0].numel() // activation_inputs[0].shape[-1]
+    lengths = {"output[0]": in_features + (bias is not None)}
+    lengths.update({f"grad inputs[{index}]": out_features
+                    for index, tensor in enumerate(activation_inputs) if tensor.requires_grad})
+    for index, tensor in enumerate((weight, bias), start=len(activation_inputs)):
+        if tensor is not None and tensor.requires_grad:
+            lengths[f"grad inputs[{index}]"] = tokens
+    return lengths

@@ -3,8 +3,9 @@
 PyTorch's CPU policy (aten/src/ATen/autocast_mode.cpp): mm/addmm/linear run in the region's
 dtype, cross-entropy in float32, layer_norm and rms_norm on their inputs as they are. The
 judge is memkernels.testing's rule: the op under autocast against eager under autocast, both
-against the float64 truth (float64 is never autocast). CUDA autocast needs a GPU and is not
-run here: the same registration serves it (memkernels/ops/_autocast.py).
+against the float64 truth (float64 is never autocast). CUDA autocast needs a GPU: on a machine
+with one, gelu_linear's "triton" case runs under it; the same registration serves every op
+(memkernels/ops/_autocast.py).
 """
 import pytest
 import torch
@@ -17,12 +18,14 @@ from memkernels.ops.linear_cross_entropy import linear_cross_entropy
 from memkernels.ops.rms_norm import rms_norm
 from memkernels.testing import check_against_reference
 
+from backends import triton_device
+
 LOW = (torch.bfloat16, torch.float16)
 
 
-def _under_autocast(function, dtype):
+def _under_autocast(function, dtype, device_type="cpu"):
     def run(*args, **kwargs):
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast(device_type, dtype=dtype):
             return function(*args, **kwargs)
     run.__name__ = f"{getattr(function, '__name__', 'op')}[autocast {dtype}]"
     return run
@@ -35,17 +38,18 @@ def _eager_gelu_linear(x, weight, bias, approximate="none"):
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_gelu_linear_computes_in_the_autocast_dtype(dtype, backend):
-    x = torch.randn(5, 7, 48, requires_grad=True)
-    weight = torch.randn(40, 48, requires_grad=True)
-    bias = torch.randn(40, requires_grad=True)
-    with torch.autocast("cpu", dtype=dtype):
+    device = triton_device() if backend == "triton" else "cpu"  # CUDA autocast where a GPU runs Triton
+    x = torch.randn(5, 7, 48, device=device, requires_grad=True)
+    weight = torch.randn(40, 48, device=device, requires_grad=True)
+    bias = torch.randn(40, device=device, requires_grad=True)
+    with torch.autocast(device, dtype=dtype):
         out = gelu_linear(x, weight, bias, backend=backend)
         expected = _eager_gelu_linear(x, weight, bias)
     assert out.dtype == expected.dtype == dtype  # the GEMM ran in the region's dtype, as F.linear's does
     out.float().sum().backward()
     assert (x.grad.dtype, weight.grad.dtype, bias.grad.dtype) == (torch.float32,) * 3
-    check_against_reference(_under_autocast(lambda *a: gelu_linear(*a, backend=backend), dtype),
-                            _under_autocast(_eager_gelu_linear, dtype),
+    check_against_reference(_under_autocast(lambda *a: gelu_linear(*a, backend=backend), dtype, device),
+                            _under_autocast(_eager_gelu_linear, dtype, device),
                             (x.detach().requires_grad_(), weight.detach().requires_grad_(),
                              bias.detach().requires_grad_()))
 

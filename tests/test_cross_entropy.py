@@ -11,6 +11,8 @@ from memkernels.ops.cross_entropy import _cast_rne, cross_entropy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
 
+from backends import triton_device, use_backend
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["none", "mean", "sum"]
 # Option sets: each feature alone, then all together (class weights included).
@@ -131,16 +133,13 @@ def test_out_of_range_target_raises_on_the_cpu_reference():
 
 def test_out_of_range_target_gives_nan_rows_on_the_triton_path():
     # The GPU contract (no host sync): NaN loss and gradient for the bad row only.
-    memkernels.set_backend("triton")
-    try:
+    with use_backend("triton"):
         logits = torch.randn(3, 10, requires_grad=True)
         loss = cross_entropy(logits, torch.tensor([1, 12, -100]), reduction="none")
         assert torch.isnan(loss[1]) and torch.isfinite(loss[0]) and loss[2] == 0
         loss.sum().backward()
         assert torch.isnan(logits.grad[1]).all() and torch.isfinite(logits.grad[[0, 2]]).all()
         assert torch.isnan(cross_entropy(logits.detach(), torch.tensor([1, 10, 2])))
-    finally:
-        memkernels.set_backend("auto")
 
 
 def test_saves_only_lse_beyond_its_inputs(backend):
@@ -370,9 +369,11 @@ def _cast_rne_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 
 
 def _cast_rne_bfloat16(x):
-    out = torch.empty(x.shape, dtype=torch.bfloat16)
-    _cast_rne_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
-    return out
+    """x rounded by the kernel where Triton runs (CUDA, or the interpreter on the CPU); returned on x's device."""
+    source = x.to(triton_device())
+    out = torch.empty(x.shape, dtype=torch.bfloat16, device=source.device)
+    _cast_rne_kernel[(1,)](source, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    return out.to(x.device)
 
 
 @pytest.mark.parametrize("name", list(NAN_BITS))

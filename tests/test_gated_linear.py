@@ -12,7 +12,7 @@ from memkernels.ops import gated_linear as gated_module
 from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
 from memkernels.testing import check_against_reference
 
-from act_gemm_cases import KernelChoiceLog, compile_recording_ops, step_log
+from act_gemm_cases import KernelChoiceLog, compile_recording_ops, gemm_sum_lengths, step_log
 
 triton = pytest.importorskip("triton")
 
@@ -71,7 +71,7 @@ def _functions(packed):
 def test_matches_float64(backend, dtype, activation, has_bias, packed):
     fn, eager = _functions(packed)
     inputs = make_inputs((3, 7), 53, 61, dtype, bias=has_bias, packed=packed)
-    check_against_reference(fn, eager, inputs, kwargs={"activation": activation})
+    check_against_reference(fn, eager, inputs, kwargs={"activation": activation}, sum_length=gemm_sum_lengths(inputs))
 
 
 # (leading dims, I, out features): every compared tensor has ~30+ elements (see test_gelu_linear.py)
@@ -93,7 +93,8 @@ SHAPES = [
                                                        (torch.float16, "gelu", False)], ids=str)
 def test_shapes_match_float64(backend, dtype, activation, packed, shape):
     fn, eager = _functions(packed)
-    check_against_reference(fn, eager, make_inputs(*shape, dtype, packed=packed), kwargs={"activation": activation})
+    inputs = make_inputs(*shape, dtype, packed=packed)
+    check_against_reference(fn, eager, inputs, kwargs={"activation": activation}, sum_length=gemm_sum_lengths(inputs))
 
 
 # The down projection of real models (H out, I = ratio * H in), a few tokens: the interpreter is slow.
@@ -104,8 +105,9 @@ MODEL_WIDTH_CASES = [(torch.bfloat16, "silu", 512, 1792), (torch.float16, "gelu_
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype, activation, hidden, width", MODEL_WIDTH_CASES, ids=str)
 def test_matches_float64_model_widths(backend, dtype, activation, hidden, width):
-    check_against_reference(fused_gated_linear, eager_gated_linear, make_inputs((3,), width, hidden, dtype),
-                            kwargs={"activation": activation})
+    inputs = make_inputs((3,), width, hidden, dtype)
+    check_against_reference(fused_gated_linear, eager_gated_linear, inputs, kwargs={"activation": activation},
+                            sum_length=gemm_sum_lengths(inputs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -116,7 +118,8 @@ def test_strided_operands(backend, dtype):
     weight = (torch.randn(47, 29) * 47 ** -0.5).to(dtype).t().requires_grad_()
     bias = torch.randn(29).to(dtype).requires_grad_()
     assert not gate.is_contiguous() and not up.is_contiguous() and not weight.is_contiguous()
-    check_against_reference(fused_gated_linear, eager_gated_linear, [gate, up, weight, bias])
+    check_against_reference(fused_gated_linear, eager_gated_linear, [gate, up, weight, bias],
+                            sum_length=gemm_sum_lengths([gate, up, weight, bias]))
 
 
 def eager_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation="silu"):

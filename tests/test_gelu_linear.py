@@ -13,7 +13,7 @@ from memkernels.ops import gelu_linear as gelu_module
 from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.testing import check_against_reference
 
-from act_gemm_cases import KernelChoiceLog, compile_recording_ops, step_log
+from act_gemm_cases import KernelChoiceLog, compile_recording_ops, gemm_sum_lengths, step_log
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
@@ -111,7 +111,8 @@ SHAPES = [  # (leading dims, in_features K, out_features N)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_matches_float64(backend, dtype, approximate, has_bias, shape):
     inputs = make_inputs(*shape, dtype, bias=has_bias)
-    check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs, kwargs={"approximate": approximate})
+    check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs, kwargs={"approximate": approximate},
+                            sum_length=gemm_sum_lengths(inputs))
 
 
 # Every dtype with both widths and both approximations, without the full product: each
@@ -127,7 +128,8 @@ MLP_WIDTH_CASES = [
 def test_matches_float64_mlp_widths(backend, dtype, approximate, hidden):
     # fc2 of a transformer MLP: K = 4 * hidden in, hidden out. Few rows: the interpreter is slow.
     inputs = make_inputs((3,), 4 * hidden, hidden, dtype)
-    check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs, kwargs={"approximate": approximate})
+    check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs, kwargs={"approximate": approximate},
+                            sum_length=gemm_sum_lengths(inputs))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -137,7 +139,8 @@ def test_strided_weight_and_input(backend, dtype):
     weight = (torch.randn(47, 29) * 47 ** -0.5).to(dtype).t().requires_grad_()
     bias = torch.randn(29).to(dtype).requires_grad_()
     assert not weight.is_contiguous() and not x.is_contiguous()
-    check_against_reference(fused_gelu_linear, eager_gelu_linear, [x, weight, bias])
+    check_against_reference(fused_gelu_linear, eager_gelu_linear, [x, weight, bias],
+                            sum_length=gemm_sum_lengths([x, weight, bias]))
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="drives the kernels through the interpreter on CPU tensors")
@@ -186,7 +189,7 @@ def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment():
                          ids=["x", "weight", "bias"])
 def test_backward_computes_only_needed_grads(backend, requires_grad, monkeypatch):
     inputs = make_inputs((9,), 24, 40, torch.float32, requires_grad=requires_grad)
-    check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs)
+    check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs, sum_length=gemm_sum_lengths(inputs))
     x, weight, bias = inputs
     y = gelu_linear(x, weight, bias)
     with step_log(monkeypatch, gelu_module._STEPS) as log:  # see which backward GEMMs ran, on which backend

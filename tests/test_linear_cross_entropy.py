@@ -444,7 +444,7 @@ def test_scale_kernel_rounds_the_float32_product_once(dtype, n_elements):
     bits = torch.randint(-2**15, 2**15, (n_elements,), dtype=torch.int16)
     x = bits.view(dtype).clone()
     x[:4] = torch.tensor([0.0, -0.0, float("inf"), torch.finfo(dtype).max])[:n_elements]
-    scale = torch.tensor(-1.37)
+    x, scale = x.to(triton_device()), torch.tensor(-1.37, device=triton_device())
     expected = (x.float() * scale).to(dtype)
     lce._scale_triton(x, scale)
     finite = ~expected.isnan()

@@ -54,6 +54,67 @@ def test_extension_uses_no_iostreams():
     assert not used, f"{os.path.basename(ext.__file__)} uses iostreams: {used}"
 
 
+
+# The standard names the C++ core uses, and the header that declares each. libstdc++ 13 (GCC 13)
+# no longer includes <system_error> through <thread>/<mutex>: sim.cpp's catch of std::system_error
+# built with GCC 12 here and stopped the build on the H200 machine's GCC 13.3 (docs/gpu-runs.md).
+_STD_HEADERS = {
+    r"\bstd::(system_error|error_code|errc|generic_category|system_category)\b": "system_error",
+    r"\bstd::u?int(8|16|32|64)_t\b|\bstd::u?intptr_t\b": "cstdint",
+    r"\bstd::(snprintf|fprintf|fputs|fflush|fopen|fclose)\b": "cstdio",
+    r"\bstd::(string|to_string|stoull|stoll)\b": "string",
+    r"\bstd::(runtime_error|invalid_argument|logic_error|out_of_range|overflow_error)\b": "stdexcept",
+    r"\bstd::(bad_alloc|nothrow)\b": "new",
+    r"\bstd::vector\b": "vector", r"\bstd::unordered_map\b": "unordered_map",
+    r"\bstd::unordered_set\b": "unordered_set",
+    r"\bstd::(map|multimap)\b": "map", r"\bstd::(set|multiset)\b": "set", r"\bstd::deque\b": "deque",
+    r"\bstd::(mutex|lock_guard|unique_lock|scoped_lock|once_flag|call_once|recursive_mutex)\b": "mutex",
+    r"\bstd::condition_variable\b": "condition_variable", r"\bstd::thread\b": "thread",
+    r"\bstd::atomic\b": "atomic", r"\bstd::function\b": "functional",
+    r"\bstd::(unique_ptr|shared_ptr|make_unique|make_shared|weak_ptr)\b": "memory",
+    r"\bstd::(sort|stable_sort|min_element|max_element|find_if|lower_bound|upper_bound|clamp|remove_if)\b": "algorithm",
+    r"\bstd::(optional|nullopt)\b": "optional", r"\bstd::(memcpy|memset|strlen|strcmp|strerror|memcmp)\b": "cstring",
+    r"\bstd::numeric_limits\b": "limits", r"\bstd::chrono\b": "chrono", r"\bstd::array\b": "array",
+    r"\bstd::(tuple|tie|make_tuple)\b": "tuple", r"\bstd::(fabs|sqrt|log2|ceil|floor|pow|isfinite|lround)\b": "cmath",
+    r"\bstd::(getenv|strtoull|strtol|abort)\b": "cstdlib", r"\bstd::(accumulate|iota)\b": "numeric",
+    r"\bstd::string_view\b": "string_view",
+    r"\bstd::(mt19937|mt19937_64|uniform_int_distribution|random_device)\b": "random",
+}
+
+
+def test_cpp_sources_include_the_header_of_every_standard_name_they_use():
+    """Each C++ file includes (itself or through the project headers it includes) the standard
+    header of every std:: name it uses: a name reached only through another standard header builds
+    with one libstdc++ and not with the next."""
+    files = glob.glob(os.path.join(ROOT, "csrc", "**", "*.[ch]pp"), recursive=True)
+    parsed = {}
+    for path in files:
+        text = _read(path)
+        code = re.sub(r"//[^\n]*|/\*.*?\*/|\"(\\.|[^\"\\])*\"", "", text, flags=re.S)
+        parsed[path] = (set(re.findall(r"#include\s+<([^>]+)>", text)), re.findall(r'#include\s+"([^"]+)"', text), code)
+
+    def standard_headers(path, seen):
+        if path in seen:
+            return set()
+        seen.add(path)
+        headers = set(parsed[path][0])
+        for name in parsed[path][1]:
+            for candidate in (os.path.join(os.path.dirname(path), name), os.path.join(ROOT, "csrc", name)):
+                if candidate in parsed:
+                    headers |= standard_headers(candidate, seen)
+                    break
+        return headers
+
+    missing = {}
+    for path in sorted(parsed):
+        have = standard_headers(path, set())
+        lacking = sorted({header for pattern, header in _STD_HEADERS.items()
+                          if header not in have and re.search(pattern, parsed[path][2])})
+        if lacking:
+            missing[os.path.relpath(path, ROOT)] = lacking
+    assert not missing, f"C++ files use standard names whose header they do not include: {missing}"
+
+
 @pytest.mark.slow
 def test_wheel_builds_in_a_venv_without_torch(tmp_path):
     env_dir = tmp_path / "venv"

@@ -24,10 +24,25 @@ _POLICIES = {}
 _LIBRARIES = []
 
 
+def _has_autocast(device_type):
+    try:
+        return torch.amp.is_autocast_available(device_type)
+    except RuntimeError:  # a device type this build of torch does not know
+        return False
+
+
+# Device types with an autocast mode, asked once here: torch.compile in torch 2.11 cannot trace
+# torch.amp.is_autocast_available (a pybind builtin: "Attempted to call function marked as
+# skipped", seen on the H200), and _enabled runs inside every compiled memkernels module.
+_AUTOCAST_DEVICE_TYPES = frozenset(
+    device_type for device_type in ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "xla", "maia",
+                                    torch._C._get_privateuse1_backend_name())
+    if _has_autocast(device_type))
+
+
 def _enabled(device_type):
     """Whether an autocast region is active for ``device_type`` (meta and other devices have none)."""
-    return (device_type is not None and torch.amp.is_autocast_available(device_type)
-            and torch.is_autocast_enabled(device_type))
+    return device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
 
 
 def _target_dtype(policy, device_type):

@@ -34,15 +34,22 @@ from memkernels.ops._device_guard import on_tensor_device
 
 # Widest row chunk held in registers, and elements per warp; wider rows loop.
 # Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
-# variant compiles with no spills on sm_80 and sm_90: forward 8192 with 32 warps
-# (16384 spills in LayerNorm). Backward, which also carries dy, x̂ and the
+# variant compiles with no spills on sm_80 and sm_90: forward 8192 (8 warps; 32 in
+# looping rows; 16384 spills in LayerNorm). Backward, which also carries dy, x̂ and the
 # compensated dw (and db) accumulators: 8192 with 32 warps without a bias
 # gradient (RMSNorm: 62-64 registers, the most 32 warps allow), 4096 with one
 # (LayerNorm at 8192 spills 36-180 bytes with 32 warps, the most a block has). LayerNorm rows of
 # 4096 < H <= 8192 keep plain group sums in registers instead (BWD_GROUP_ROWS rows a group): 64
 # registers, no spills, except memory_efficient (120-208 bytes), which loops.
 # Wider rows loop over chunks of 4096 (the loop at 8192 spills 400-700 bytes on sm_90).
-FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP = 8192, 256
+# Warps per row, measured on the H200 (docs/gpu-runs.md, 2026-11-26 second run): the forward at
+# 1024 elements a warp past 4 warps (4 warps at 4096, 8 at 8192; 256 a warp below) took a bf16
+# [8192, 4096] RMSNorm from 40 to 33 us and [8192, 8192] from 93 to 65 (LayerNorm 50 -> 36,
+# 112 -> 72; float32 within 2 us) against 256 a warp, whose 16-bit rows gave each thread 8-byte
+# loads. The backward stays at 128 a warp: 16-bit rows at 256 (16 warps at 4096) were 7-10 us
+# faster on the H200, but spill 8-12 bytes on sm_90 at 16 warps' 128-register cap (LayerNorm with a
+# residual, looping rows).
+FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP, FWD_SMALL_ELEMENTS_PER_WARP = 8192, 1024, 256
 BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
 # Rows per group: one group per program at 8192 tokens on an H100 (31 rows each), so the fold
 # costs no read there; on longer batches each further group reads and writes the program's
@@ -465,6 +472,16 @@ def _launch_config(hidden, max_block, elements_per_warp):
     return block, num_warps, hidden <= max_block
 
 
+def _forward_config(hidden):
+    """(BLOCK, num_warps, SINGLE_PASS) of the forward: FWD_SMALL_ELEMENTS_PER_WARP elements a warp up
+    to 4 warps (rows to 1024), FWD_ELEMENTS_PER_WARP past them. Rows wider than FWD_MAX_BLOCK loop
+    at FWD_SMALL_ELEMENTS_PER_WARP (32 warps): LayerNorm's loop spills 8-32 bytes at 8 warps."""
+    block, num_warps, single_pass = _launch_config(hidden, FWD_MAX_BLOCK, FWD_SMALL_ELEMENTS_PER_WARP)
+    if single_pass:
+        num_warps = max(min(num_warps, block // FWD_ELEMENTS_PER_WARP), min(num_warps, 4))
+    return block, num_warps, single_pass
+
+
 def _backward_config(hidden, with_db, memory_efficient=False):
     """(BLOCK, num_warps, SINGLE_PASS, GROUP_ROWS) of the backward: one block per row up to its widest
     spill-free block (with a bias gradient past BWD_MAX_BLOCK_WITH_DB: group sums, GROUP_ROWS > 0,
@@ -516,7 +533,7 @@ def _slots(unsafe_cols, hidden, device):
 def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory_efficient, unsafe_cols):
     """Triton forward on [M, H] contiguous tensors; same contract as reference.norm_forward."""
     rows, hidden = x.shape
-    block, num_warps, single_pass = _launch_config(hidden, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
+    block, num_warps, single_pass = _forward_config(hidden)
     y = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else None
     store_mean = not is_rms and not memory_efficient
@@ -546,7 +563,8 @@ def _programs_per_sm(num_warps):
     """Backward programs per SM: as many as can be resident at once, at most two. A block of 32 warps
     (rows from 4096 up) is alone on its SM: two of its 1024 threads' blocks would need at most 32
     registers a thread, and the backward uses 40-64. A second program per SM would only run after
-    the first, in a second wave, and double the dw/db partial rows written and read."""
+    the first, in a second wave, and double the dw/db partial rows written and read (on the H200,
+    one per SM took the dw/db reduction from 10 to 4 us and the step 5-14 us down, docs/gpu-runs.md)."""
     return 1 if num_warps >= 32 else 2
 
 
@@ -640,7 +658,7 @@ def _aot_variants():
         label = (f"{short[dtype]}{'' if param_dtype == dtype else '-w' + short[param_dtype]}"
                  f"-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
                  f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}-{width}")
-        fwd_block, fwd_warps, _ = _launch_config(FWD_MAX_BLOCK, FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP)
+        fwd_block, fwd_warps, _ = _forward_config(2 * FWD_MAX_BLOCK if width == "loop" else FWD_MAX_BLOCK)
         hidden = {"single": BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK, "grouped": BWD_MAX_BLOCK,
                   "loop": 2 * BWD_MAX_BLOCK}[width]
         bwd_block, bwd_warps, single_pass, group_rows = _backward_config(hidden, bias, memory_efficient)
