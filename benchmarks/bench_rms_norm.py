@@ -30,6 +30,11 @@ its eager twin, module, step) beside eager nn.RMSNorm's step: on a GPU at [token
 --backend triton on a CPU at [8, 64] with the norm kernels' launches stubbed out (memkernels'
 Python path alone).
 
+GPU kernel time (only with CUDA): microseconds of GPU kernels per forward and per backward
+(torch.profiler, no host time) of eager, memkernels and Liger-Kernel (when installed) at
+[tokens, hidden] for RMSNorm and LayerNorm. With --sweep-backward, the backward's warps per row and
+programs per SM over H = 1024..8192 instead, with each compiled variant's registers and spills.
+
 GPU timing (only with CUDA): forward+backward GB/s of memkernels (Triton) vs eager
 and torch.compile'd eager; otherwise the section says it skipped.
 """
@@ -50,6 +55,8 @@ def _parse():
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--backend", choices=["torch", "triton"], default="torch",
                         help="memkernels path on the CPU: PyTorch reference (default) or Triton interpreter")
+    parser.add_argument("--sweep-backward", action="store_true",
+                        help="GPU only: sweep the norm backward's warps per row and programs per SM, then exit")
     return parser.parse_args()
 
 
@@ -207,6 +214,107 @@ def gpu_section(tokens, hidden):
         print()
 
 
+def _kernel_microseconds(step, iters=20):
+    """{kernel name: GPU microseconds per call of ``step``}, from torch.profiler (kernels only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    return {event.key: event.self_device_time_total / iters for event in prof.key_averages()
+            if event.self_device_time_total > 0}
+
+
+def _liger_modules(hidden, dtype):
+    """Liger-Kernel's RMSNorm and LayerNorm, or Nones when it is not installed."""
+    try:
+        from liger_kernel.transformers import LigerLayerNorm, LigerRMSNorm
+    except ImportError:
+        return None, None
+    return (LigerRMSNorm(hidden, eps=1e-6).to("cuda", dtype), LigerLayerNorm(hidden).to("cuda", dtype))
+
+
+def kernel_time_section(tokens, hidden):
+    """GPU kernel time per forward and per backward: eager, memkernels, Liger (torch.profiler)."""
+    print(f"GPU kernel time, [{tokens}, {hidden}], {torch.cuda.get_device_name()} (torch.profiler: us of GPU "
+          "kernels per call, no host time)")
+    header = f"{'':<32}{'dtype':<10}{'forward':>9}{'backward':>10}{'step':>9}"
+    print(header)
+    print("-" * len(header))
+    for dtype in (torch.bfloat16, torch.float32):
+        groups = _groups(hidden, dtype, "cuda")
+        liger = _liger_modules(hidden, dtype)
+        for (_, modules), liger_module, label in ((groups[0][1], liger[0], "Liger LigerRMSNorm"),
+                                                  (groups[2][1], liger[1], "Liger LigerLayerNorm")):
+            rows = modules[:2] + ([(label, liger_module)] if liger_module is not None else [])
+            for name, module in rows:
+                x = torch.randn(tokens, hidden, dtype=dtype, device="cuda", requires_grad=True)
+                grad = torch.randn_like(x)
+
+                def forward():
+                    with torch.no_grad():
+                        module(x)
+
+                def step():
+                    x.grad = None
+                    for parameter in module.parameters():
+                        parameter.grad = None
+                    module(x).backward(grad)
+                forward_us = sum(_kernel_microseconds(forward).values())
+                step_us = sum(_kernel_microseconds(step).values())
+                print(f"{name:<32}{str(dtype).replace('torch.', ''):<10}{forward_us:>9.1f}"
+                      f"{step_us - forward_us:>10.1f}{step_us:>9.1f}")
+        print()
+    if _liger_modules(hidden, torch.float32)[0] is None:
+        print("Liger rows: skipped (liger-kernel is not installed; pip install liger-kernel --no-deps)\n")
+
+
+def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
+    """The norm backward's kernel time per launch configuration: elements per warp (so warps per row)
+    and programs per SM, with the registers and spills of each compiled variant."""
+    from memkernels.ops import _norm_kernels
+
+    defaults = (_norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels._programs_per_sm)
+    print(f"Norm backward sweep, {tokens} rows, {torch.cuda.get_device_name()} (us of GPU kernels per backward)")
+    for dtype in (torch.bfloat16, torch.float32):
+        for hidden in hidden_sizes:
+            groups = _groups(hidden, dtype, "cuda")
+            for name, module in (groups[0][1][1], groups[2][1][1]):
+                x = torch.randn(tokens, hidden, dtype=dtype, device="cuda", requires_grad=True)
+                grad = torch.randn_like(x)
+                with torch.no_grad():
+                    forward_us = sum(_kernel_microseconds(lambda: module(x)).values())
+                for per_warp in (128, 256, 512):
+                    for per_sm in (1, 2):
+                        _norm_kernels.BWD_ELEMENTS_PER_WARP = per_warp
+                        _norm_kernels._programs_per_sm = lambda num_warps, n=per_sm: n
+                        warps = _norm_kernels._backward_config(hidden, "LayerNorm" in name)[1]
+
+                        def step():
+                            x.grad = None
+                            for parameter in module.parameters():
+                                parameter.grad = None
+                            module(x).backward(grad)
+                        try:
+                            backward_us = sum(_kernel_microseconds(step).values()) - forward_us
+                            print(f"  {name.split()[-1]:<16}{hidden:>6} {str(dtype).replace('torch.', ''):<9}"
+                                  f"{warps:>3} warps {per_sm} per SM {backward_us:9.1f} us")
+                        finally:
+                            _norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels._programs_per_sm = defaults
+    try:  # triton's per-device kernel cache: (kernels by key, ...) in triton 3.6
+        compiled = [k for cache in _norm_kernels._norm_bwd_kernel.device_caches.values() for k in cache[0].values()]
+    except (AttributeError, IndexError, TypeError) as error:
+        print(f"  registers and spills: not read from this triton's kernel cache ({error!r})")
+        return
+    for kernel in compiled:
+        print(f"  compiled backward: {kernel.metadata.num_warps} warps, {kernel.n_regs} registers, "
+              f"{kernel.n_spills} spills")
+
+
 def host_time_section(tokens, hidden, calls=200, device="cuda"):
     """CPU time per call of each layer of FusedRMSNorm's path, issued without waiting for the GPU.
 
@@ -283,9 +391,15 @@ def host_time_section(tokens, hidden, calls=200, device="cuda"):
 
 
 def main():
+    if ARGS.sweep_backward:
+        if not torch.cuda.is_available():
+            sys.exit("--sweep-backward needs a CUDA GPU")
+        sweep_backward(ARGS.tokens)
+        return
     memory_section(ARGS.tokens, ARGS.hidden, ARGS.backend)
     if torch.cuda.is_available():
         host_time_section(ARGS.tokens, ARGS.hidden)  # first: seconds, where gpu_section compiles for minutes
+        kernel_time_section(ARGS.tokens, ARGS.hidden)
     elif ARGS.backend == "triton":  # the interpreter: memkernels' Python path with the launches stubbed
         host_time_section(8, 64, calls=2000, device="cpu")
     gpu_section(ARGS.tokens, ARGS.hidden)
