@@ -456,10 +456,10 @@ def test_backward_grid_is_the_programs_an_sm_holds(monkeypatch):
     assert programs(100, 1024, False) == 100
 
 
-def test_forward_warps_give_each_thread_wide_loads():
-    """The forward's warps per row: 256 elements a warp up to 4 warps, then 1024 (on the H200, 8-byte
-    loads of 16-bit rows at 256 a warp made a [8192, 4096] bf16 forward 40 us against 33), 32 warps
-    for rows that loop (LayerNorm's loop spills with fewer)."""
+def test_forward_warps_per_row():
+    """The forward's warps per row: 256 elements a warp up to 4 warps, then 1024 (on the H200, 256 a
+    warp, one 16-byte load of a 16-bit row in flight per thread, made a [8192, 4096] bf16 forward
+    40 us against 33), 32 warps for rows that loop (LayerNorm's loop spills with fewer)."""
     from memkernels.ops._norm_kernels import _forward_config
     warps = {hidden: _forward_config(hidden)[1] for hidden in (64, 512, 1024, 2048, 4096, 5000, 8192, 16384)}
     assert warps == {64: 1, 512: 2, 1024: 4, 2048: 4, 4096: 4, 5000: 8, 8192: 8, 16384: 32}

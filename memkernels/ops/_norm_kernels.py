@@ -45,8 +45,9 @@ from memkernels.ops._device_guard import on_tensor_device
 # Warps per row, measured on the H200 (docs/gpu-runs.md, 2026-11-26 second run): the forward at
 # 1024 elements a warp past 4 warps (4 warps at 4096, 8 at 8192; 256 a warp below) took a bf16
 # [8192, 4096] RMSNorm from 40 to 33 us and [8192, 8192] from 93 to 65 (LayerNorm 50 -> 36,
-# 112 -> 72; float32 within 2 us) against 256 a warp, whose 16-bit rows gave each thread 8-byte
-# loads. The backward stays at 128 a warp: 16-bit rows at 256 (16 warps at 4096) were 7-10 us
+# 112 -> 72; float32 within 2 us) against 256 a warp, where each thread held 8 elements of a row:
+# one 16-byte load in flight of a 16-bit row (32 bytes of a float32 one), against 4 now, and the
+# row's sums reduced across 16-32 warps. The backward stays at 128 a warp: 16-bit rows at 256 (16 warps at 4096) were 7-10 us
 # faster on the H200, but spill 8-12 bytes on sm_90 at 16 warps' 128-register cap (LayerNorm with a
 # residual, looping rows).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP, FWD_SMALL_ELEMENTS_PER_WARP = 8192, 1024, 256
