@@ -147,3 +147,17 @@ def test_every_forward_op_has_a_kernel_at_both_autocast_keys(op):
     """The CUDA key cannot run here (no GPU); at least the registration that serves it must exist."""
     for key in ("AutocastCPU", "AutocastCUDA"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
+
+
+def test_autocast_check_calls_nothing_torch_compile_cannot_trace(monkeypatch):
+    """ops/_autocast._enabled runs inside every compiled memkernels module. torch 2.11's dynamo cannot
+    trace torch.amp.is_autocast_available (a pybind builtin: "Attempted to call function marked as
+    skipped" broke every fullgraph test on the H200), so it is asked once at import, not per call."""
+    from memkernels.ops import _autocast
+
+    def untraceable(device_type):
+        raise AssertionError("torch.amp.is_autocast_available called per call")
+    monkeypatch.setattr(torch.amp, "is_autocast_available", untraceable)
+    assert not _autocast._enabled("cpu") and not _autocast._enabled("meta") and not _autocast._enabled(None)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _autocast._enabled("cpu")
