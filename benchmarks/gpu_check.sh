@@ -7,20 +7,25 @@
 # build requirements (setuptools, wheel, pybind11, ninja) come from wheels in
 # $MEMKERNELS_WHEELS (default benchmarks/wheels; fill it elsewhere with
 # `pip download -d benchmarks/wheels setuptools wheel pybind11 ninja`) unless already installed.
-# Steps, all written to one results file:
+# Steps, in the order of what a short lease should see first, all written to one results file:
 #   1. build and install this working tree: pip install --no-build-isolation --no-deps
-#   2. the test suite without the Triton interpreter: the kernels run on the GPU
-#      (tests/backends.py puts the "triton" tests' tensors on CUDA), on $MEMKERNELS_GPU_CHECK_WORKERS
-#      xdist workers (default 8): on the H200 the kernel test files alone ran past 4 minutes on 10
-#      workers (Triton compiles every variant, the GEMMs autotune). Each failure is appended to
-#      RESULTS_FILE.failures as it happens (MEMKERNELS_FAILURE_LOG): a lease that ends mid-run
-#      loses pytest's summary, not the failures.
-#   3. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
+#   2. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
 #      test does not select the simulated device itself)
+#   3. the test suite without the Triton interpreter: the kernels run on the GPU
+#      (tests/backends.py puts the "triton" tests' tensors on CUDA), on $MEMKERNELS_GPU_CHECK_WORKERS
+#      xdist workers (default 8). Each failure is appended to RESULTS_FILE.failures as it happens
+#      (MEMKERNELS_FAILURE_LOG): a step cut short loses pytest's summary, not the failures.
 #   4. every benchmark: each GPU timing section prints the audit's model prediction at its own
 #      shape under each measured time (gpu_audit.prediction_line); then the audit's full table
 #      (python -m memkernels.tools.gpu_audit)
-# Without a GPU it says so and exits 0. Exit status: the number of failed steps.
+# MEMKERNELS_GPU_CHECK_SECONDS=N bounds the whole run to N seconds (default: no bound): each step
+# runs under `timeout` with what is left, the suite with at most half of it and each benchmark with
+# at most a tenth, so that a lease of 15 minutes still reaches the benchmarks. On the H200 (15
+# minutes, docs/gpu-runs.md) the build took 15-20 s, the allocator tests about a minute, the
+# kernel test files alone more than 4 minutes on 10 workers (Triton compiles every variant, the
+# GEMMs autotune), the benchmarks' GPU sections 10-60 s each.
+# Without a GPU it says so and exits 0. Exit status: the number of failed or cut steps.
+# Unverified: no run of this script has reached a GPU yet (its steps ran there one by one).
 set -u
 cd "$(dirname "$0")/.."
 RESULTS=${1:-gpu_check_results.txt}
@@ -30,34 +35,52 @@ if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
     exit 0
 fi
 unset TRITON_INTERPRET
+BUDGET=${MEMKERNELS_GPU_CHECK_SECONDS:-0}
 failed=0
-step() {  # step LABEL COMMAND...: run it, log it, count a failure
+step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE: its part of what is left
+    local label=$1 share=$2 limit=()
+    shift 2
+    if [ "$BUDGET" -gt 0 ]; then
+        local left=$((BUDGET - SECONDS))
+        if [ "$left" -le 5 ]; then
+            echo; echo "== SKIPPED (time budget spent): $label"; failed=$((failed + 1)); return
+        fi
+        limit=(timeout "$((left / share > 5 ? left / share : 5))")
+    fi
     echo
-    echo "== $1: ${*:2}"
-    "${@:2}" || { echo "== FAILED: $1"; failed=$((failed + 1)); }
+    echo "== $label: $*${limit[0]+ (limit ${limit[1]} s)}"
+    ${limit[0]+"${limit[@]}"} "$@"
+    local status=$?
+    if [ "$status" -ne 0 ]; then
+        [ "$status" -eq 124 ] && echo "== CUT at its time limit: $label"
+        echo "== FAILED: $label"; failed=$((failed + 1))
+    fi
 }
 {
-    echo "memkernels gpu_check, $(date -u)"
+    echo "memkernels gpu_check, $(date -u)$([ "$BUDGET" -gt 0 ] && echo ", time budget $BUDGET s")"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
     python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'triton', triton.__version__, torch.cuda.get_device_name())"
     WHEELS=${MEMKERNELS_WHEELS:-benchmarks/wheels}
     if [ -d "$WHEELS" ]; then
-        step "build requirements" pip install --no-index --find-links "$WHEELS" setuptools wheel pybind11 ninja
+        step "build requirements" 1 pip install --no-index --find-links "$WHEELS" setuptools wheel pybind11 ninja
     fi
-    step "install" pip install --no-build-isolation --no-deps -e .
+    step "install" 1 pip install --no-build-isolation --no-deps -e .
     export MEMKERNELS_FAILURE_LOG="$RESULTS.failures"
     : > "$MEMKERNELS_FAILURE_LOG"
     WORKERS=${MEMKERNELS_GPU_CHECK_WORKERS:-8}
-    step "tests on the GPU" python -m pytest tests -q -p no:randomly -n "$WORKERS"
-    step "allocator and offload on CUDA" env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly -n "$WORKERS" \
-        tests/test_allocator.py tests/test_allocator_install.py tests/test_offload.py tests/test_offload_engine.py
-    for bench in benchmarks/bench_*.py; do
-        step "$(basename "$bench")" python "$bench"
+    step "allocator and offload on CUDA" 4 env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly \
+        -n "$WORKERS" tests/test_allocator.py tests/test_allocator_install.py tests/test_device_pool.py \
+        tests/test_offload.py tests/test_offload_engine.py
+    step "tests on the GPU" 2 python -m pytest tests -q -p no:randomly -n "$WORKERS"
+    # the benchmarks with GPU sections first; bench_allocator, bench_gpu_audit, bench_monitor and
+    # bench_plan run on the CPU wherever they run
+    for bench in rms_norm gelu_linear gated_mlp cross_entropy offload allocator gpu_audit monitor plan; do
+        step "bench_$bench.py" 10 python "benchmarks/bench_$bench.py"
     done
-    step "model prediction" python -m memkernels.tools.gpu_audit
+    step "model prediction" 1 python -m memkernels.tools.gpu_audit
     echo
-    echo "gpu_check: $failed step(s) failed"
+    echo "gpu_check: $failed step(s) failed or were cut"
 } 2>&1 | tee "$RESULTS"
 echo "gpu_check: results in $RESULTS"
-exit "$(grep -c '^== FAILED' "$RESULTS")"
+exit "$(grep -c '^== \(FAILED\|SKIPPED\)' "$RESULTS")"
