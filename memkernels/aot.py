@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 from memkernels._backend import triton_interpreted
 
-__all__ = ["register", "registered", "compile_kernel", "check", "AotReport", "ARCHS"]
+__all__ = ["register", "registered", "expected_compiles", "compile_kernel", "check", "AotReport", "ARCHS"]
 
 ARCHS = (80, 90)
 # Largest shared memory one block may use (opt-in), per compute capability,
@@ -54,7 +54,9 @@ VARIANT_KEYS = {"signature", "constexprs", "num_warps", "num_stages", "label"}
 # aligned, integers multiples of 16). The JIT specializes on exactly this at launch,
 # and it decides whether loads vectorize, so a check without it compiles code that
 # only misaligned inputs would run.
-OPTIONAL_VARIANT_KEYS = {"options", "aligned"}
+# "archs": the compute capabilities the launcher uses the variant on (default: every one
+# checked), e.g. (90,) for tiles chosen only on Hopper.
+OPTIONAL_VARIANT_KEYS = {"options", "aligned", "archs"}
 
 
 @dataclass
@@ -108,6 +110,9 @@ def _validate_variant(name, index, variant):
     not_runtime = [a for a in aligned if a not in variant["signature"] or a in variant["constexprs"]]
     if not_runtime:
         raise ValueError(f"{where}['aligned']: {not_runtime} are not run-time arguments in 'signature'")
+    archs = variant.get("archs", ARCHS)
+    if not isinstance(archs, (list, tuple)) or not archs or not all(isinstance(a, int) and a >= 70 for a in archs):
+        raise ValueError(f"{where}['archs']={archs!r}: expected compute capabilities as ints, e.g. (90,)")
 
 
 def register(kernel, *, name, variants):
@@ -119,9 +124,10 @@ def register(kernel, *, name, variants):
       name: unique kernel name in reports.
       variants: list of dicts ``{"signature": {arg: type}, "constexprs": {arg: value},
         "num_warps": int, "num_stages": int, "label": str}`` and optionally
-        ``"options"`` (extra ``triton.compile`` options) and ``"aligned"``
+        ``"options"`` (extra ``triton.compile`` options), ``"aligned"``
         (argument names assumed divisible by 16, as the JIT specializes them
-        at launch: 16-byte aligned pointers, integers that are multiples of 16).
+        at launch: 16-byte aligned pointers, integers that are multiples of 16)
+        and ``"archs"`` (the compute capabilities it is launched on; default all).
         ``signature`` and
         ``constexprs`` are as for ``triton.compiler.ASTSource``; constexpr
         arguments may be left out of ``signature``.
@@ -158,6 +164,12 @@ def register(kernel, *, name, variants):
 def registered():
     """{name: (module, qualname, [variant labels])} of everything registered in this process."""
     return {e.name: (e.module, e.qualname, [v["label"] for v in e.variants]) for e in _REGISTRY.values()}
+
+
+def expected_compiles(names=None, archs=ARCHS):
+    """{(name, label, arch)}: what check(names, archs) compiles, each variant on the archs it targets."""
+    return {(e.name, v["label"], arch) for e in _select(names) for v in e.variants
+            for arch in archs if arch in v.get("archs", archs)}
 
 
 @dataclass
@@ -317,7 +329,8 @@ def _validate_archs(archs):
 
 def _compile_entries(entries, archs):
     return [compile_kernel(entry.kernel, variant, arch, name=entry.name)
-            for entry in entries for variant in entry.variants for arch in archs]
+            for entry in entries for variant in entry.variants for arch in archs
+            if arch in variant.get("archs", archs)]
 
 
 def _subprocess_env():

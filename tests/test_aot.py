@@ -123,6 +123,8 @@ def test_register_rejects_bad_variants():
         aot.register(kernel, name="bad", variants=[dict(good, aligned=["BLOCK"])])
     with pytest.raises(TypeError, match="list of argument names"):
         aot.register(kernel, name="bad", variants=[dict(good, aligned="x_ptr")])
+    with pytest.raises(ValueError, match=r"\['archs'\]=\('sm_90',\)"):
+        aot.register(kernel, name="bad", variants=[dict(good, archs=("sm_90",))])
 
     def local_kernel(x_ptr):
         return x_ptr
@@ -130,6 +132,16 @@ def test_register_rejects_bad_variants():
     with pytest.raises(ValueError, match="top level"):
         aot.register(local_kernel, name="bad", variants=[good])
     assert "bad" not in aot.registered()
+
+
+def test_a_variant_compiles_only_for_the_archs_it_names():
+    good = {"signature": {"x_ptr": "*fp32"}, "constexprs": {"BLOCK": 64}, "num_warps": 4, "num_stages": 1}
+    aot.register(aot_example_kernels.scale_kernel, name="example_scale_archs",
+                 variants=[dict(good, label="everywhere"), dict(good, label="hopper only", archs=(90,))])
+    assert aot.expected_compiles(["example_scale_archs"]) == {
+        ("example_scale_archs", "everywhere", 80), ("example_scale_archs", "everywhere", 90),
+        ("example_scale_archs", "hopper only", 90)}
+    assert aot.expected_compiles(["example_scale_archs"], archs=(80,)) == {("example_scale_archs", "everywhere", 80)}
 
 
 def test_unknown_names_and_bad_archs():

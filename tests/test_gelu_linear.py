@@ -1,6 +1,8 @@
 """gelu_linear, GeLULinear and FusedMLP against eager PyTorch in float64, and their memory contract."""
 import os
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -164,10 +166,13 @@ def test_misaligned_launches_use_the_spill_free_configs(monkeypatch, tokens, in_
     assert log == [aligned] * 3  # forward, dx and dW launches
 
 
-def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment():
+@pytest.mark.parametrize("hopper", [False, True], ids=["sm80", "sm90"])
+def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment(monkeypatch, hopper):
     from memkernels.ops import gelu_linear as op
 
-    shapes = op._CONFIGS + sum(op._IEEE_CONFIGS.values(), ()) + sum(op.MISALIGNED_CONFIGS.values(), ())
+    monkeypatch.setattr(op, "_on_hopper", lambda tensor: hopper)
+    shapes = (op._CONFIGS + sum(op._IEEE_CONFIGS.values(), ()) + sum(op.MISALIGNED_CONFIGS.values(), ())
+              + sum(op.HOPPER_CONFIGS.values(), ()))
     configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
                for bm, bn, bk, w, s in dict.fromkeys(shapes)]
     for dtype, precision, operand in [(torch.bfloat16, "tf32", "bf16"), (torch.float16, "tf32", "fp16"),
@@ -180,9 +185,22 @@ def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment():
                                                          ACT_GRAD_EPILOGUE=flags[1], GATED=False,
                                                          INPUT_PRECISION=precision)}
                     for aligned in (True, False)}
-            expected_aligned = op._IEEE_CONFIGS[role] if precision == "ieee" else op._CONFIGS
-            assert kept[True] == set(expected_aligned), (role, operand)
+            expected_aligned = set(op._IEEE_CONFIGS[role] if precision == "ieee" else op._CONFIGS)
+            if hopper and operand in ("bf16", "fp16"):  # BLOCK_K = 64 tiles, only on sm_90
+                expected_aligned |= set(op.HOPPER_CONFIGS[role, operand, False])
+                assert all(shape[2] == 64 for shape in op.HOPPER_CONFIGS[role, operand, False])
+            assert kept[True] == expected_aligned, (role, operand)
             assert kept[False] == set(op.MISALIGNED_CONFIGS[role, operand]) != set(), (role, operand)
+
+
+def test_only_an_sm90_gpu_counts_as_hopper(monkeypatch):
+    from memkernels.ops import gelu_linear as op
+
+    assert not op._on_hopper(torch.empty(1))  # the CPU, and the interpreter
+    cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
+    for capability, hopper in (((8, 0), False), ((9, 0), True), ((10, 0), False), ((12, 0), False)):
+        monkeypatch.setattr(op, "_compute_capability", lambda index, c=capability: c)
+        assert op._on_hopper(cuda) is hopper, capability
 
 
 @pytest.mark.parametrize("requires_grad", [(True, False, False), (False, True, False), (False, False, True)],

@@ -169,6 +169,22 @@ GATED_CONFIGS = {
     **{(role, "fp32-ieee", False): _GATED_MISALIGNED_IEEE for role in ("fwd", "dx", "dw")},
 }
 
+# Hopper (sm_90) launches of aligned 16-bit operands also try BLOCK_K = 64 tiles for its warpgroup
+# MMAs. On the H200 the act-GEMM's best tile of _CONFIGS ran fc2 [4096, 4096] -> 1024 at 0.34x
+# cuBLAS and the SwiGLU MLP at 0.65x (docs/gpu-runs.md); none of these compiled then. They compile
+# without spills on sm_90 only (128x128x64 forwards spill 152 bytes on sm_80), so only Hopper
+# launches offer them to the autotuner, which keeps them only where they are faster; gated dx
+# tiles stop at 128x64 (128x128x64 spills 536 bytes there). Not yet timed on a GPU.
+_HOPPER_TILES = ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4))
+_HOPPER_DW = _HOPPER_TILES + ((256, 128, 64, 8, 3),)
+HOPPER_CONFIGS = {
+    **{(role, operand, gated): _HOPPER_TILES for role in ("fwd", "dx") for operand in ("bf16", "fp16")
+       for gated in (False, True)},
+    **{("dx", operand, True): ((128, 64, 64, 8, 3), (64, 128, 64, 8, 3)) for operand in ("bf16", "fp16")},
+    **{("dw", operand, gated): _HOPPER_DW for operand in ("bf16", "fp16") for gated in (False, True)},
+}
+HOPPER_ARCH = 90
+
 
 def _role(act_on_b, act_grad_epilogue):
     return "dw" if act_on_b else "dx" if act_grad_epilogue else "fwd"
@@ -195,17 +211,22 @@ def _operand_name(dtype_name, input_precision):
     return "fp32-ieee" if input_precision == "ieee" else dtype_name
 
 
-def _configs_for(role, operand, aligned=True, gated=False):
+def _configs_for(role, operand, aligned=True, gated=False, hopper=False):
     """Tile shapes for one GEMM role ("fwd", "dx", "dw") and operand kind (see _operand_name).
 
     ``aligned=False``: those that compile without spills when the JIT cannot assume 16-divisible
     pointers, strides and sizes (see _jit_sees_aligned). ``gated``: the gated_linear launches,
-    which load a second (up) tile with each activated one (GATED_CONFIGS)."""
+    which load a second (up) tile with each activated one (GATED_CONFIGS). ``hopper``: a launch on
+    an sm_90 GPU, which adds HOPPER_CONFIGS to aligned 16-bit launches."""
     if gated:
-        return GATED_CONFIGS[role, operand, aligned]
-    if not aligned:
-        return MISALIGNED_CONFIGS[role, operand]
-    return _IEEE_CONFIGS[role] if operand == "fp32-ieee" else _CONFIGS
+        shapes = GATED_CONFIGS[role, operand, aligned]
+    elif not aligned:
+        shapes = MISALIGNED_CONFIGS[role, operand]
+    else:
+        shapes = _IEEE_CONFIGS[role] if operand == "fp32-ieee" else _CONFIGS
+    if hopper and aligned:
+        shapes = shapes + HOPPER_CONFIGS.get((role, operand, gated), ())
+    return shapes
 
 
 # Under the interpreter, one config: autotuning would run every config through slow Python.
@@ -223,7 +244,7 @@ def _autotune_configs():
         shapes = [_INTERPRETER_CONFIG]
     else:
         shapes = dict.fromkeys(_CONFIGS + sum(_IEEE_CONFIGS.values(), ()) + sum(MISALIGNED_CONFIGS.values(), ())
-                               + sum(GATED_CONFIGS.values(), ()))
+                               + sum(GATED_CONFIGS.values(), ()) + sum(HOPPER_CONFIGS.values(), ()))
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": _GROUP_M},
                       num_warps=warps, num_stages=stages)
@@ -231,11 +252,27 @@ def _autotune_configs():
     ]
 
 
+@functools.lru_cache(maxsize=None)
+def _compute_capability(index):
+    """(major, minor) of CUDA device ``index`` (asked once per device)."""
+    return torch.cuda.get_device_capability(index)
+
+
+def _on_hopper(tensor):
+    """Whether ``tensor`` lives on an sm_90 GPU (not under the interpreter, not on later archs,
+    for which HOPPER_CONFIGS were never compiled)."""
+    if tensor.device.type != "cuda":
+        return False
+    major, minor = _compute_capability(tensor.device.index)
+    return major * 10 + minor == HOPPER_ARCH
+
+
 def _prune_configs(configs, named_args, *, aligned, **kwargs):
-    """Keep the tile shapes of this launch's role, operands and alignment (see _configs_for)."""
+    """Keep the tile shapes of this launch's role, operands, alignment and GPU (see _configs_for)."""
     role = _role(kwargs["ACT_ON_B"], kwargs["ACT_GRAD_EPILOGUE"])
-    operand = _operand_name(_DTYPE_NAMES[named_args["a_ptr"].dtype], kwargs["INPUT_PRECISION"])
-    wanted = set(_configs_for(role, operand, aligned, kwargs["GATED"]))
+    a = named_args["a_ptr"]
+    operand = _operand_name(_DTYPE_NAMES[a.dtype], kwargs["INPUT_PRECISION"])
+    wanted = set(_configs_for(role, operand, aligned, kwargs["GATED"], _on_hopper(a)))
     return [c for c in configs
             if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps, c.num_stages) in wanted]
 
@@ -384,7 +421,9 @@ def aot_variants(gated=False):
                                "misaligned": []}
             for alignment, assumed in specializations.items():
                 tiles = _configs_for(role, operand, aligned=alignment == "aligned", gated=gated)
-                for block_m, block_n, block_k, warps, stages in tiles:
+                on_hopper = _configs_for(role, operand, alignment == "aligned", gated, hopper=True)
+                hopper_only = [shape for shape in on_hopper if shape not in tiles]
+                for block_m, block_n, block_k, warps, stages in (*tiles, *hopper_only):
                     constexprs = dict(flags, GATED=gated, ACTIVATION="gelu", INPUT_PRECISION=precision,
                                       BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=_GROUP_M)
                     constexprs.update({name: 1 for name in unit_strides})
@@ -393,6 +432,8 @@ def aot_variants(gated=False):
                         "constexprs": constexprs, "num_warps": warps, "num_stages": stages,
                         "aligned": assumed,
                         "label": f"{role} {operand} {block_m}x{block_n}x{block_k} w{warps} s{stages} {alignment}",
+                        **({"archs": (HOPPER_ARCH,)} if (block_m, block_n, block_k, warps, stages) in hopper_only
+                           else {}),
                     })
     return variants
 
