@@ -47,9 +47,9 @@ from memkernels.ops._device_guard import on_tensor_device
 # [8192, 4096] RMSNorm from 40 to 33 us and [8192, 8192] from 93 to 65 (LayerNorm 50 -> 36,
 # 112 -> 72; float32 within 2 us) against 256 a warp, where each thread held 8 elements of a row:
 # one 16-byte load in flight of a 16-bit row (32 bytes of a float32 one), against 4 now, and the
-# row's sums reduced across 16-32 warps. The backward stays at 128 a warp: 16-bit rows at 256 (16 warps at 4096) were 7-10 us
-# faster on the H200, but spill 8-12 bytes on sm_90 at 16 warps' 128-register cap (LayerNorm with a
-# residual, looping rows).
+# row's sums reduced across 16-32 warps. The backward stays at 128 a warp: 16-bit rows at 256
+# (16 warps at 4096) were 7-10 us faster on the H200, but spill 8-12 bytes on sm_90 at 16 warps'
+# 128-register cap (LayerNorm with a residual, looping rows).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP, FWD_SMALL_ELEMENTS_PER_WARP = 8192, 1024, 256
 BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
 # Rows per group: one group per program at 8192 tokens on an H100 (31 rows each), so the fold

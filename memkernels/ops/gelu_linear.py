@@ -171,7 +171,7 @@ GATED_CONFIGS = {
 
 # Hopper (sm_90) launches of aligned 16-bit operands also try BLOCK_K = 64 tiles for its warpgroup
 # MMAs. On the H200 the act-GEMM's best tile of _CONFIGS ran fc2 [4096, 4096] -> 1024 at 0.34x
-# cuBLAS and the SwiGLU MLP at 0.65x (docs/gpu-runs.md); none of these compiled then. They compile
+# cuBLAS and the SwiGLU MLP at 0.65x (docs/gpu-runs.md), without these among its candidates. They compile
 # without spills on sm_90 only (128x128x64 forwards spill 152 bytes on sm_80), so only Hopper
 # launches offer them to the autotuner, which keeps them only where they are faster; gated dx
 # tiles stop at 128x64 (128x128x64 spills 536 bytes there). Not yet timed on a GPU.
