@@ -33,6 +33,7 @@ import memkernels
 from memkernels._backend import resolve
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.nn.mlp import FusedGatedMLP
+from memkernels.ops.gelu_linear import chosen_tiles
 
 TARGET_VS_EAGER = 0.50
 TARGET_VS_LIGER = 0.67
@@ -179,6 +180,7 @@ def timing_table(tokens, hidden, intermediate):
         # the model's memkernels is FusedGatedMLP without recompute (gpu_audit's first gated_mlp case)
         print("  " + prediction_line("gated_mlp", {"M": tokens, "K": intermediate, "N": hidden}, dtype,
                                      torch.cuda.get_device_name()))
+    print("autotuned tiles:\n  " + "\n  ".join(chosen_tiles()))
 
 
 def main(argv=None):

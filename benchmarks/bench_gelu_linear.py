@@ -28,7 +28,7 @@ from torch import nn
 from memkernels._backend import resolve
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.nn.mlp import FusedMLP
-from memkernels.ops.gelu_linear import gelu_linear
+from memkernels.ops.gelu_linear import chosen_tiles, gelu_linear
 
 TARGET_SAVED_RATIO = 0.55
 
@@ -106,6 +106,7 @@ def timing_table(tokens, hidden, ffn):
               f"{milliseconds['memkernels'][1]:.3f}, torch path {milliseconds['torch path'][1]:.3f}")
         print("  " + prediction_line("gelu_linear", {"M": tokens, "K": ffn, "N": hidden}, dtype,
                                      torch.cuda.get_device_name()))
+    print("autotuned tiles:\n  " + "\n  ".join(chosen_tiles()))
 
 
 def host_time_table(device, calls=300):

@@ -415,3 +415,25 @@ def test_autotune_key_buckets_the_token_count():
     assert module._tuning_sizes("dx", 5, 3072) == (64, 3072)
     assert module._tuning_sizes("dw", 768, 1000) == (768, 1024)  # dW: the tokens are K
     assert module._tuning_sizes("fwd", 1025, 768) != module._tuning_sizes("fwd", 1000, 768)
+
+
+def test_chosen_tiles_names_each_tuned_launch_and_the_hopper_tiles(monkeypatch):
+    """The benchmarks' GPU sections print what the autotuners chose (are the Hopper tiles ever
+    faster?). Under the interpreter nothing is tuned; a tuned entry is read from the autotuner's cache
+    key (its key arguments in order, then the dtypes)."""
+    from memkernels.ops import gelu_linear as op
+
+    for tuner in op._AUTOTUNED.values():
+        monkeypatch.setattr(tuner, "cache", {})
+    assert op.chosen_tiles() == []
+    hopper = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3)
+    plain = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4)
+    key = ("TUNE_M", "N", "TUNE_K", "ACT_ON_A", "ACT_ON_B", "ACT_GRAD_EPILOGUE", "GATED")
+    assert list(op._AUTOTUNED[True].keys[:7]) == list(key)
+    monkeypatch.setattr(op._AUTOTUNED[True], "cache", {
+        (4096, 1024, 4096, True, False, False, False, False, "gelu", "tf32", "torch.bfloat16"): hopper})
+    monkeypatch.setattr(op._AUTOTUNED[False], "cache", {
+        (64, 40, 64, False, True, False, True, False, "silu", "tf32", "torch.float16"): plain})
+    assert op.chosen_tiles() == [
+        "fwd M<=4096 N=1024 K<=4096 (aligned): 128x128x64 w8 s3 (Hopper tile)",
+        "dw gated M<=64 N=40 K<=64 (misaligned): 64x64x32 w4 s4"]

@@ -382,6 +382,25 @@ def _autotuned(aligned):
 _AUTOTUNED = {True: _autotuned(aligned=True), False: _autotuned(aligned=False)}
 
 
+def chosen_tiles():
+    """What the autotuners chose so far in this process, for the benchmarks' GPU sections: a line per
+    tuned launch shape, "role [gated] M<=.. N=.. K=.. (aligned|misaligned): BMxBNxBK wW sS", with
+    "(Hopper tile)" where the choice is one of HOPPER_CONFIGS. Empty under the interpreter (one
+    config, nothing tuned)."""
+    hopper = {shape for shapes in HOPPER_CONFIGS.values() for shape in shapes}
+    lines = []
+    for aligned, tuner in _AUTOTUNED.items():
+        for key, config in tuner.cache.items():
+            # the autotuner's key: its key arguments in order, then the tensor arguments' dtypes
+            tune_m, n, tune_k, _, act_on_b, act_grad_epilogue, gated = key[:7]
+            shape = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps,
+                     config.num_stages)
+            lines.append(f"{_role(act_on_b, act_grad_epilogue)}{' gated' if gated else ''} M<={tune_m} N={n} "
+                         f"K<={tune_k} ({'aligned' if aligned else 'misaligned'}): {shape[0]}x{shape[1]}x{shape[2]} "
+                         f"w{shape[3]} s{shape[4]}{' (Hopper tile)' if shape in hopper else ''}")
+    return lines
+
+
 # --------------------------------------------------------------------------------------------
 # Ahead-of-time compile check (memkernels.aot): every tile shape of each GEMM role, for each
 # operand dtype (fp32 at both dot precisions), with the exact-erf GeLU (the heaviest activation), in
