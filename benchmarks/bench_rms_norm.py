@@ -229,6 +229,16 @@ def _kernel_microseconds(step, iters=20):
             if event.self_device_time_total > 0}
 
 
+def _train_step(module, x, grad):
+    """One forward + backward of ``module`` on ``x``, its gradients cleared first (no accumulation kernel)."""
+    def step():
+        x.grad = None
+        for parameter in module.parameters():
+            parameter.grad = None
+        module(x).backward(grad)
+    return step
+
+
 def _liger_modules(hidden, dtype):
     """Liger-Kernel's RMSNorm and LayerNorm, or Nones when it is not installed."""
     try:
@@ -245,31 +255,26 @@ def kernel_time_section(tokens, hidden):
     header = f"{'':<32}{'dtype':<10}{'forward':>9}{'backward':>10}{'step':>9}"
     print(header)
     print("-" * len(header))
+    liger_installed = True
     for dtype in (torch.bfloat16, torch.float32):
         groups = _groups(hidden, dtype, "cuda")
         liger = _liger_modules(hidden, dtype)
+        liger_installed = liger[0] is not None
         for (_, modules), liger_module, label in ((groups[0][1], liger[0], "Liger LigerRMSNorm"),
                                                   (groups[2][1], liger[1], "Liger LigerLayerNorm")):
-            rows = modules[:2] + ([(label, liger_module)] if liger_module is not None else [])
+            rows = modules[:2] + ([(label, liger_module)] if liger_installed else [])
             for name, module in rows:
                 x = torch.randn(tokens, hidden, dtype=dtype, device="cuda", requires_grad=True)
-                grad = torch.randn_like(x)
 
                 def forward():
                     with torch.no_grad():
                         module(x)
-
-                def step():
-                    x.grad = None
-                    for parameter in module.parameters():
-                        parameter.grad = None
-                    module(x).backward(grad)
                 forward_us = sum(_kernel_microseconds(forward).values())
-                step_us = sum(_kernel_microseconds(step).values())
+                step_us = sum(_kernel_microseconds(_train_step(module, x, torch.randn_like(x))).values())
                 print(f"{name:<32}{str(dtype).replace('torch.', ''):<10}{forward_us:>9.1f}"
                       f"{step_us - forward_us:>10.1f}{step_us:>9.1f}")
         print()
-    if _liger_modules(hidden, torch.float32)[0] is None:
+    if not liger_installed:
         print("Liger rows: skipped (liger-kernel is not installed; pip install liger-kernel --no-deps)\n")
 
 
@@ -285,7 +290,7 @@ def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
             groups = _groups(hidden, dtype, "cuda")
             for name, module in (groups[0][1][1], groups[2][1][1]):
                 x = torch.randn(tokens, hidden, dtype=dtype, device="cuda", requires_grad=True)
-                grad = torch.randn_like(x)
+                step = _train_step(module, x, torch.randn_like(x))
                 with torch.no_grad():
                     forward_us = sum(_kernel_microseconds(lambda: module(x)).values())
                 for per_warp in (128, 256, 512):
@@ -293,12 +298,6 @@ def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
                         _norm_kernels.BWD_ELEMENTS_PER_WARP = per_warp
                         _norm_kernels._programs_per_sm = lambda num_warps, n=per_sm: n
                         warps = _norm_kernels._backward_config(hidden, "LayerNorm" in name)[1]
-
-                        def step():
-                            x.grad = None
-                            for parameter in module.parameters():
-                                parameter.grad = None
-                            module(x).backward(grad)
                         try:
                             backward_us = sum(_kernel_microseconds(step).values()) - forward_us
                             print(f"  {name.split()[-1]:<16}{hidden:>6} {str(dtype).replace('torch.', ''):<9}"

@@ -1,6 +1,5 @@
 """gelu_linear, GeLULinear and FusedMLP against eager PyTorch in float64, and their memory contract."""
 import os
-
 import types
 
 import pytest

@@ -54,7 +54,6 @@ def test_extension_uses_no_iostreams():
     assert not used, f"{os.path.basename(ext.__file__)} uses iostreams: {used}"
 
 
-
 # The standard names the C++ core uses, and the header that declares each. libstdc++ 13 (GCC 13)
 # no longer includes <system_error> through <thread>/<mutex>: sim.cpp's catch of std::system_error
 # built with GCC 12 here and stopped the build on the H200 machine's GCC 13.3 (docs/gpu-runs.md).

@@ -391,12 +391,13 @@ def chosen_tiles():
     lines = []
     for aligned, tuner in _AUTOTUNED.items():
         for key, config in tuner.cache.items():
-            # the autotuner's key: its key arguments in order, then the tensor arguments' dtypes
-            tune_m, n, tune_k, _, act_on_b, act_grad_epilogue, gated = key[:7]
+            # the autotuner's key: its key arguments in order (tuner.keys), then the tensors' dtypes
+            args = dict(zip(tuner.keys, key))
             shape = (config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.kwargs["BLOCK_K"], config.num_warps,
                      config.num_stages)
-            lines.append(f"{_role(act_on_b, act_grad_epilogue)}{' gated' if gated else ''} M<={tune_m} N={n} "
-                         f"K<={tune_k} ({'aligned' if aligned else 'misaligned'}): {shape[0]}x{shape[1]}x{shape[2]} "
+            lines.append(f"{_role(args['ACT_ON_B'], args['ACT_GRAD_EPILOGUE'])}{' gated' if args['GATED'] else ''} "
+                         f"M<={args['TUNE_M']} N={args['N']} K<={args['TUNE_K']} "
+                         f"({'aligned' if aligned else 'misaligned'}): {shape[0]}x{shape[1]}x{shape[2]} "
                          f"w{shape[3]} s{shape[4]}{' (Hopper tile)' if shape in hopper else ''}")
     return lines
 
