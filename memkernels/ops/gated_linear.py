@@ -24,7 +24,8 @@ from memkernels import aot
 from memkernels.ops import _autocast
 from memkernels.ops._custom_op import apply_op, autograd_pair
 from memkernels._backend import resolve, triton_interpreted
-from memkernels.ops.gelu_linear import _TRITON_DTYPES, _Step, _act_gemm_kernel, _empty_problem, act_gemm, aot_variants
+from memkernels.ops.gelu_linear import (_TRITON_DTYPES, _Step, _act_gemm_kernel, _empty_problem, act_gemm, aot_variants,
+                                        _bias_grad)
 from memkernels.reference import gated_linear as reference
 from memkernels.reference.gated_linear import ACTIVATIONS
 
@@ -122,11 +123,6 @@ _autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda":
 
 # --------------------------------------------------------------------------------------------
 # Autograd
-
-
-def _bias_grad(grad_out2d):
-    # one fp32 (float64 stays float64) reduction over tokens, cast once: deterministic, no atomics
-    return grad_out2d.sum(0, dtype=torch.promote_types(grad_out2d.dtype, torch.float32)).to(grad_out2d.dtype)
 
 
 def _down_backward(step, backend, activation, grad_out2d, gate2d, up2d, weight, packed, needs_inputs,

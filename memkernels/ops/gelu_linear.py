@@ -608,6 +608,12 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
 
 
+def _bias_grad(grad_out2d):
+    """The bias gradient of a linear layer: grad_out2d [M, N] summed over its M tokens into [N], in one
+    float32 reduction (float64 stays float64) cast once: deterministic, no atomics."""
+    return grad_out2d.sum(0, dtype=torch.promote_types(grad_out2d.dtype, torch.float32)).to(grad_out2d.dtype)
+
+
 def _backward_with(grad_input, grad_weight):
     """gelu_linear's backward over the two backward GEMMs: the custom ops under torch.compile, their
     implementations in eager mode."""
@@ -622,8 +628,7 @@ def _backward_with(grad_input, grad_weight):
         if ctx.needs_input_grad[1]:
             grad_w = grad_weight(grad_out2d, x2d, ctx.approximate, ctx.backend)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            # one fp32 reduction over tokens, cast once: deterministic, no atomics
-            grad_bias = grad_out2d.sum(0, dtype=torch.float32).to(grad_out.dtype)
+            grad_bias = _bias_grad(grad_out2d)
         return grad_x, grad_w, grad_bias, None, None
 
     return backward

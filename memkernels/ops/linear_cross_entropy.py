@@ -409,9 +409,14 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
 
 def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size, reduction, needs):
     """Vocabulary-tiled backward from the saved logsumexp; returns (dX, dW, dB), None where not needed."""
-    _, grad_rows = row_kernels(hidden, _OP)
+    loss_rows, grad_rows = row_kernels(hidden, _OP)
     n_tokens = hidden.shape[0]
     cols_per_tile = recompute_tile_classes(n_tokens, cfg.n_classes, hidden.dtype, chunk_size)
+    # One tile holds every class: its logsumexp is taken from the recomputed logits in the same launch
+    # (the loss kernel with a gradient buffer: one more read of the tile) rather than from the forward's,
+    # which a GPU rounds through a GEMM of another shape. The softmax then sums to 1 over exactly the
+    # logits the gradient multiplies: with one class p = 1 and the gradient is 0, as eager's.
+    whole_rows = cols_per_tile >= cfg.n_classes
     loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
     needs_hidden, needs_weight, needs_bias = needs
     half = hidden.dtype != torch.float32
@@ -428,7 +433,10 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
         # buffer: half operands, float32 accumulation (dX over the tiles in float32). Half inputs with
         # a bias: the gradient goes to a float32 tile first, so that dB sums unrounded values.
         grad_tile = torch.empty_like(logits, dtype=torch.float32) if half and needs_bias else logits
-        grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=start)
+        if whole_rows:
+            loss_rows(logits, target, cfg, grad=grad_tile, loss_scale=loss_scale, z_scale=z_scale)
+        else:
+            grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=start)
         if needs_bias:
             grad_bias[start:end] = grad_tile.sum(0, dtype=torch.float64)  # as eager's CPU sum
         rounded = logits if grad_tile is logits else logits.copy_(grad_tile)

@@ -994,13 +994,15 @@ def cases():
     for v, model in ((32000, "Llama-2"), (128256, "Llama-3"), (256000, "Gemma")):
         result.append(Case("cross_entropy", f"V={v} ({model})", {"N": _TOKENS, "V": v}, ("N",), {"N": (2, 4)},
                            ({"N": 5},), _cross_entropy_problem, _cross_entropy_minimum))
-    for strategy, minimum, extra, real_shape in (
-            ("recompute", _linear_ce_recompute_minimum, None, _linear_ce_recompute_real_shape),
-            ("chunked", _linear_ce_minimum, _linear_ce_extra_launches, _linear_ce_real_shape)):
+    # recompute fits over 2-4 vocabulary tiles: a backward with one tile takes its logsumexp from the
+    # logits it recomputes (one more read of them), the real head's 55 tiles the forward's
+    for strategy, chunks, minimum, extra, real_shape in (
+            ("recompute", (2, 3, 4), _linear_ce_recompute_minimum, None, _linear_ce_recompute_real_shape),
+            ("chunked", (1, 2, 3), _linear_ce_minimum, _linear_ce_extra_launches, _linear_ce_real_shape)):
         result.append(Case("linear_cross_entropy", f"Llama-3-8B head, {strategy}",
                            {"N": _TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
-                           {"N": (16, 32), "H": (16, 32), "C": (1, 2)},
-                           ({"N": 48, "H": 48, "C": 3},), _linear_ce_problem(strategy), minimum,
+                           {"N": (16, 32), "H": (16, 32), "C": chunks[:2]},
+                           ({"N": 48, "H": 48, "C": chunks[2]},), _linear_ce_problem(strategy), minimum,
                            extra, setup=_wide_split_blocks, real_shape=real_shape, step_row=True,
                            liger_real_shape=_liger_linear_ce_real_shape))
     for label, k, n in (("GPT-2 MLP down 3072->768", 3072, 768), ("Llama-3-8B MLP down 14336->4096", 14336, 4096)):
