@@ -2,10 +2,16 @@
 
 What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=False``):
 
-- norms: ``nn.LayerNorm`` → ``FusedLayerNorm``; ``nn.RMSNorm`` and the RMSNorm
-  classes of Hugging Face's Llama, Mistral and Qwen2 → ``FusedRMSNorm``
-  (Llama casting: normalize in fp32, cast, then scale); Gemma's RMSNorm →
-  ``FusedRMSNorm(offset=1, casting_mode="gemma")`` (scale by 1 + weight in fp32).
+- norms: ``nn.LayerNorm`` → ``FusedLayerNorm``; ``nn.RMSNorm`` → ``FusedRMSNorm``;
+  any other class named ``...RMSNorm`` (Hugging Face has one per family) →
+  ``FusedRMSNorm`` with the offset and casting mode of the formula its forward
+  computes: Llama's (normalize in fp32, cast, then scale: Llama, Mistral, Qwen 2/3,
+  Phi-3, Granite, DeepSeek-V3), Gemma's (scale by 1 + weight in fp32: Gemma 1-3) or
+  OLMo-2's (scale in fp32, then cast: OLMo-2, GPT-OSS). The formula is found once
+  per class by running its forward on a CPU copy with random weights, in float32
+  and bfloat16, and comparing bit for bit (:data:`RMS_NORM_FORMULAS`); a class
+  that computes none of them, needs more than one input or holds more than its
+  weight is left alone and listed as skipped, with the reason.
 - GELU MLPs: memkernels' own ``MLP`` → ``FusedMLP``; Hugging Face GPT-2's
   Conv1D MLP and BERT's intermediate/output pair → the same MLP computed with
   ``gelu_linear`` (the activated tensor is never stored).
@@ -61,8 +67,14 @@ from memkernels.tools.profile import _table, ledger_forward
 
 __all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 
-_LLAMA_STYLE_NORMS = ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm")
-_GEMMA_NORMS = ("GemmaRMSNorm",)
+# An RMSNorm class of a model library (Hugging Face has one per family, ~180 in transformers 5) is
+# fused when its forward computes, bit for bit on probe inputs, one of these (offset, casting_mode)
+# formulas of FusedRMSNorm (see _rms_norm_formula).
+RMS_NORM_FORMULAS = {
+    (0.0, "llama"): "x̂ cast to the input dtype, then times the weight (Llama, Mistral, Qwen, Phi-3, Granite)",
+    (1.0, "gemma"): "x̂ times (1 + weight) in float32, then cast (Gemma 1-3)",
+    (0.0, "gemma"): "x̂ times the weight in float32, then cast (OLMo-2, GPT-OSS)",
+}
 # Hugging Face activation classes → nn.GELU(approximate=...) they compute.
 _HF_GELUS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh",
              "PytorchGELUTanh": "tanh", "FastGELUActivation": "tanh"}
@@ -89,6 +101,9 @@ CAUSAL_LM_HEADS = {
     "Qwen3ForCausalLM": LMHead(),
     "GemmaForCausalLM": LMHead(),
     "Gemma2ForCausalLM": LMHead(softcap="final_logit_softcapping"),
+    "Gemma3ForCausalLM": LMHead(softcap="final_logit_softcapping"),
+    "Olmo2ForCausalLM": LMHead(),
+    "Phi3ForCausalLM": LMHead(),
     "GPT2LMHeadModel": LMHead(),
     "GraniteForCausalLM": LMHead(logit_scale=lambda config: 1.0 / config.logits_scaling),
     "CohereForCausalLM": LMHead(logit_scale=lambda config: config.logit_scale),
@@ -370,8 +385,62 @@ def _max_positions(model):
 # ----------------------------------------------------------------------------- apply
 
 def _norm_kind(module):
-    """Whether ``module`` is a norm apply() replaces (exactly one of the known classes)."""
-    return type(module) in (nn.LayerNorm, nn.RMSNorm) or type(module).__name__ in _LLAMA_STYLE_NORMS + _GEMMA_NORMS
+    """Whether ``module`` is a norm apply() considers: torch's own, or a class named ...RMSNorm (not
+    memkernels' own: fused already)."""
+    from memkernels.nn.norms import FusedRMSNorm
+
+    return type(module) in (nn.LayerNorm, nn.RMSNorm) or (
+        type(module).__name__.lower().endswith("rmsnorm") and not isinstance(module, FusedRMSNorm))
+
+
+_PROBED_FORMULAS = {}  # class -> (offset, casting_mode) or the reason it matches none
+
+
+def _rms_norm_formula(module):
+    """(offset, casting_mode) of FusedRMSNorm that computes what ``module``'s class computes, or a string
+    saying why none does. Decided once per class, by running its forward on a CPU copy with random
+    weights (never the module itself: no hooks fire, no device work) in float32 and bfloat16 and
+    comparing bit for bit with each formula of RMS_NORM_FORMULAS written as such a class writes it."""
+    cls = type(module)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    weight = getattr(module, "weight", None)
+    if (not isinstance(weight, torch.Tensor) or weight.dim() != 1 or dict(module.named_parameters()).keys() != {"weight"}
+            or next(module.buffers(), None) is not None or next(module.children(), None) is not None):
+        return (f"{cls.__name__} is not a weight-only RMSNorm (one 1-D weight, no other parameters, buffers or "
+                "submodules)")
+    if not isinstance(eps, float):
+        return f"{cls.__name__} keeps its epsilon in neither .variance_epsilon nor .eps as a float"
+    if cls not in _PROBED_FORMULAS:
+        _PROBED_FORMULAS[cls] = _probe_rms_norm(module, weight.shape[0])
+    return _PROBED_FORMULAS[cls]
+
+
+def _probe_rms_norm(module, hidden):
+    generator = torch.Generator().manual_seed(0)
+    probe = object.__new__(type(module))
+    probe.__dict__.update(module.__dict__)
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    matching = set(RMS_NORM_FORMULAS)
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(hidden, generator=generator).to(dtype)
+        probe._parameters = {"weight": nn.Parameter(weight, requires_grad=False)}
+        # rows at mean squares ~1, ~eps (where eps is half of the denominator) and ~100
+        x = (torch.randn(3, hidden, generator=generator) * torch.tensor([[1.0], [max(eps, 1e-12) ** 0.5], [10.0]])).to(dtype)
+        try:
+            with torch.no_grad():
+                got = probe(x)
+        except Exception as error:  # a forward that needs more than x (a gate, a residual) is not this norm
+            return f"{type(module).__name__}'s forward did not run on a lone input: {type(error).__name__}: {error}"
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        expected = {(0.0, "llama"): weight * h.to(dtype), (1.0, "gemma"): (h * (1.0 + weight.float())).to(dtype),
+                    (0.0, "gemma"): (weight * h).to(dtype)}
+        matching = {f for f in matching if isinstance(got, torch.Tensor) and got.dtype == expected[f].dtype
+                    and torch.equal(got, expected[f])}
+    if not matching:
+        return (f"{type(module).__name__}'s forward is none of the RMSNorm formulas memkernels fuses "
+                "(memkernels.patch.RMS_NORM_FORMULAS), checked bit for bit in float32 and bfloat16")
+    return min(matching)
 
 
 def _mlp_blockers(kind, module):
@@ -416,6 +485,9 @@ def _plan(model, norms, mlp, loss, report):
         if norms and _norm_kind(module):
             kind = "norm"
             why = _why_not_plain(module, (type(module),), "the norm")
+            if why is None and type(module) not in (nn.LayerNorm, nn.RMSNorm):
+                formula = _rms_norm_formula(module)
+                why = formula if isinstance(formula, str) else None
         elif mlp and isinstance(module, MLP):
             kind = "mlp"
             why = "activation is not GELU" if _gelu_approximation(module.act) is None else None
@@ -457,13 +529,13 @@ def _set_child(model, name, new):
 
 
 def _fused_norm(module, fused_layer_norm, fused_rms_norm):
-    cls_name = type(module).__name__
     if isinstance(module, nn.LayerNorm):
         new = fused_layer_norm.from_module(module)
-    elif cls_name in _GEMMA_NORMS:
-        new = fused_rms_norm.from_module(module, offset=1.0, casting_mode="gemma")
-    else:
+    elif isinstance(module, nn.RMSNorm):
         new = fused_rms_norm.from_module(module, casting_mode="llama")
+    else:
+        offset, casting_mode = _rms_norm_formula(module)
+        new = fused_rms_norm.from_module(module, offset=offset, casting_mode=casting_mode)
     # Share, don't copy: keeps optimizers, tied weights and FSDP/DDP registrations valid.
     if module.weight is not None:
         new.weight = module.weight

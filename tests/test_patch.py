@@ -31,13 +31,38 @@ def _qwen2():
     return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(num_key_value_heads=2, **COMMON))
 
 
-def _gemma():
-    model = transformers.GemmaForCausalLM(transformers.GemmaConfig(num_key_value_heads=1, head_dim=16, **COMMON))
-    with torch.no_grad():  # Gemma initializes its norm weights to 0 (scale 1 + w): make the offset matter
+def _qwen3():  # also RMSNorms over each head's queries and keys (q_norm, k_norm)
+    return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(num_key_value_heads=2, head_dim=16, **COMMON))
+
+
+def _with_random_norm_weights(model):
+    """Gemma initializes its norm weights to 0 (scale 1 + w), the others to 1: make the weights matter."""
+    with torch.no_grad():
         for module in model.modules():
-            if type(module).__name__ == "GemmaRMSNorm":
+            if type(module).__name__.endswith("RMSNorm"):
                 module.weight.normal_(0, 0.1)
     return model
+
+
+def _gemma():
+    return _with_random_norm_weights(
+        transformers.GemmaForCausalLM(transformers.GemmaConfig(num_key_value_heads=1, head_dim=16, **COMMON)))
+
+
+def _gemma3():
+    # a softcap small enough to bend these logits
+    config = transformers.Gemma3TextConfig(num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5, **COMMON)
+    return _with_random_norm_weights(transformers.Gemma3ForCausalLM(config))
+
+
+def _olmo2():  # its RMSNorm scales in float32, then casts
+    return _with_random_norm_weights(transformers.Olmo2ForCausalLM(transformers.Olmo2Config(
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0, **COMMON)))
+
+
+def _phi3():  # packed gate_up_proj
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(
+        num_key_value_heads=2, pad_token_id=0, bos_token_id=0, eos_token_id=0, **COMMON))
 
 
 def _gpt2():
@@ -54,7 +79,8 @@ def _tiny_lm():
     return TransformerLM(config)
 
 
-HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "gemma": _gemma, "gpt2": _gpt2}
+HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma, "gemma3": _gemma3, "olmo2": _olmo2,
+             "phi3": _phi3, "gpt2": _gpt2}
 ALL_MODELS = dict(HF_MODELS, memkernels_tiny_lm=_tiny_lm)
 
 
@@ -263,3 +289,56 @@ def test_bert_feed_forward_is_fused_with_parity():
     before = activation_ledger(model, input_ids=ids).by_category()["mlp"]
     after = activation_ledger(patched, input_ids=ids).by_category()["mlp"]
     assert after < before
+
+
+def _norm_class(family, module_name):
+    import importlib
+    return getattr(importlib.import_module(f"transformers.models.{family}.modeling_{family}"), module_name)
+
+
+@pytest.mark.parametrize("family,name,formula", [
+    ("llama", "LlamaRMSNorm", (0.0, "llama")), ("qwen3", "Qwen3RMSNorm", (0.0, "llama")),
+    ("phi3", "Phi3RMSNorm", (0.0, "llama")), ("gemma", "GemmaRMSNorm", (1.0, "gemma")),
+    ("gemma3", "Gemma3RMSNorm", (1.0, "gemma")), ("olmo2", "Olmo2RMSNorm", (0.0, "gemma")),
+    ("gpt_oss", "GptOssRMSNorm", (0.0, "gemma"))])
+def test_each_hugging_face_rms_norm_is_fused_with_the_formula_its_forward_computes(family, name, formula):
+    from memkernels.patch import _rms_norm_formula
+
+    norm = _norm_class(family, name)(24, eps=1e-5)
+    weight = norm.weight.detach().clone()
+    assert _rms_norm_formula(norm) == formula
+    assert torch.equal(norm.weight, weight)  # the probe ran on a copy
+
+
+class _HalfPrecisionRMSNorm(torch.nn.Module):
+    """An RMSNorm computed in the input's dtype: none of the fused formulas."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+        self.eps = eps
+
+    def forward(self, x):
+        return self.weight.to(x.dtype) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
+class _GatedRMSNorm(_HalfPrecisionRMSNorm):
+    def forward(self, x, gate):
+        return super().forward(x) * torch.sigmoid(gate)
+
+
+class _BiasedRMSNorm(_HalfPrecisionRMSNorm):
+    def __init__(self, hidden):
+        super().__init__(hidden)
+        self.bias = torch.nn.Parameter(torch.zeros(hidden))
+
+
+@pytest.mark.parametrize("norm,reason", [
+    (_HalfPrecisionRMSNorm(16), "none of the RMSNorm formulas memkernels fuses"),
+    (_GatedRMSNorm(16), "did not run on a lone input: TypeError"),
+    (_BiasedRMSNorm(16), "not a weight-only RMSNorm")])
+def test_an_rms_norm_computing_something_else_is_left_alone_with_the_reason(norm, reason):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), norm)
+    report = apply(model, measure=False)
+    assert model[1] is norm and report.replaced == []
+    assert [(s["type"], reason in s["reason"]) for s in report.skipped] == [(type(norm).__name__, True)]
