@@ -428,7 +428,7 @@ def _probe_rms_norm(module, hidden):
         x = (torch.randn(3, hidden, generator=generator) * torch.tensor([[1.0], [max(eps, 1e-12) ** 0.5], [10.0]])).to(dtype)
         try:
             with torch.no_grad():
-                got = probe(x)
+                got = probe.forward(x)  # not __call__: no global module hooks fire
         except Exception as error:  # a forward that needs more than x (a gate, a residual) is not this norm
             return f"{type(module).__name__}'s forward did not run on a lone input: {type(error).__name__}: {error}"
         h = x.float()
