@@ -7,11 +7,13 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   ``FusedRMSNorm`` with the offset and casting mode of the formula its forward
   computes: Llama's (normalize in fp32, cast, then scale: Llama, Mistral, Qwen 2/3,
   Phi-3, Granite, DeepSeek-V3), Gemma's (scale by 1 + weight in fp32: Gemma 1-3) or
-  OLMo-2's (scale in fp32, then cast: OLMo-2, GPT-OSS). The formula is found once
-  per class by running its forward on a CPU copy with random weights, in float32
-  and bfloat16, and comparing bit for bit (:data:`RMS_NORM_FORMULAS`); a class
-  that computes none of them, needs more than one input or holds more than its
-  weight is left alone and listed as skipped, with the reason.
+  OLMo-2's (scale in fp32, then cast: OLMo-2, GPT-OSS); a class named ``...LayerNorm``
+  that normalizes in fp32 and casts once (Cohere's, without a bias) → ``FusedLayerNorm``.
+  The formula is found once per class by running its forward on a CPU copy with
+  random weights, in float32 and bfloat16, and comparing bit for bit
+  (:data:`NORM_FORMULAS`); a class that computes none of them, needs more than one
+  input or holds more than its 1-D weight (and bias) is left alone and listed as
+  skipped, with the reason.
 - GELU MLPs: memkernels' own ``MLP`` → ``FusedMLP``; Hugging Face GPT-2's
   Conv1D MLP and BERT's intermediate/output pair → the same MLP computed with
   ``gelu_linear`` (the activated tensor is never stored).
@@ -67,13 +69,16 @@ from memkernels.tools.profile import _table, ledger_forward
 
 __all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 
-# An RMSNorm class of a model library (Hugging Face has one per family, ~180 in transformers 5) is
-# fused when its forward computes, bit for bit on probe inputs, one of these (offset, casting_mode)
-# formulas of FusedRMSNorm (see _rms_norm_formula).
-RMS_NORM_FORMULAS = {
-    (0.0, "llama"): "x̂ cast to the input dtype, then times the weight (Llama, Mistral, Qwen, Phi-3, Granite)",
-    (1.0, "gemma"): "x̂ times (1 + weight) in float32, then cast (Gemma 1-3)",
-    (0.0, "gemma"): "x̂ times the weight in float32, then cast (OLMo-2, GPT-OSS)",
+# A norm class of a model library (Hugging Face has an RMSNorm per family, ~180 in transformers 5) is
+# fused when its forward computes, bit for bit on probe inputs, one of these formulas, keyed by the
+# fused norm ("rms": FusedRMSNorm, "layer": FusedLayerNorm), offset and casting_mode (see _norm_formula).
+NORM_FORMULAS = {
+    ("rms", 0.0, "llama"): "RMS-normalized in float32, cast to the input dtype, then times the weight (Llama, "
+                           "Mistral, Qwen 2/3, Phi-3, Granite, DeepSeek-V3)",
+    ("rms", 1.0, "gemma"): "RMS-normalized in float32, times (1 + weight) in float32, then cast (Gemma 1-3)",
+    ("rms", 0.0, "gemma"): "RMS-normalized in float32, times the weight in float32, then cast (OLMo-2, GPT-OSS)",
+    ("layer", 0.0, "gemma"): "mean-centred and normalized in float32, times the weight (plus the bias) in float32, "
+                             "then cast (Cohere)",
 }
 # Hugging Face activation classes → nn.GELU(approximate=...) they compute.
 _HF_GELUS = {"GELUActivation": "none", "NewGELUActivation": "tanh", "GELUTanh": "tanh",
@@ -385,61 +390,74 @@ def _max_positions(model):
 # ----------------------------------------------------------------------------- apply
 
 def _norm_kind(module):
-    """Whether ``module`` is a norm apply() considers: torch's own, or a class named ...RMSNorm (not
-    memkernels' own: fused already)."""
-    from memkernels.nn.norms import FusedRMSNorm
+    """Whether ``module`` is a norm apply() considers: torch's own, or a class named ...RMSNorm or
+    ...LayerNorm (not memkernels' own: fused already)."""
+    from memkernels.nn.norms import FusedLayerNorm, FusedRMSNorm
 
+    name = type(module).__name__.lower()
     return type(module) in (nn.LayerNorm, nn.RMSNorm) or (
-        type(module).__name__.lower().endswith("rmsnorm") and not isinstance(module, FusedRMSNorm))
+        name.endswith(("rmsnorm", "layernorm")) and not isinstance(module, (FusedRMSNorm, FusedLayerNorm)))
 
 
-_PROBED_FORMULAS = {}  # class -> (offset, casting_mode) or the reason it matches none
+_PROBED_FORMULAS = {}  # class -> its key of NORM_FORMULAS, or the reason it matches none
 
 
-def _rms_norm_formula(module):
-    """(offset, casting_mode) of FusedRMSNorm that computes what ``module``'s class computes, or a string
+def _norm_formula(module):
+    """The key of NORM_FORMULAS whose fused norm computes what ``module``'s class computes, or a string
     saying why none does. Decided once per class, by running its forward on a CPU copy with random
     weights (never the module itself: no hooks fire, no device work) in float32 and bfloat16 and
-    comparing bit for bit with each formula of RMS_NORM_FORMULAS written as such a class writes it."""
+    comparing bit for bit with each formula written as such a class writes it."""
     cls = type(module)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    weight = getattr(module, "weight", None)
-    if (not isinstance(weight, torch.Tensor) or weight.dim() != 1 or dict(module.named_parameters()).keys() != {"weight"}
+    parameters = dict(module.named_parameters())
+    if (parameters.keys() not in ({"weight"}, {"weight", "bias"}) or any(p.dim() != 1 for p in parameters.values())
             or next(module.buffers(), None) is not None or next(module.children(), None) is not None):
-        return (f"{cls.__name__} is not a weight-only RMSNorm (one 1-D weight, no other parameters, buffers or "
-                "submodules)")
+        return (f"{cls.__name__} is not a norm over the last dimension with a 1-D weight (and bias) alone (no "
+                "other parameters, buffers or submodules)")
     if not isinstance(eps, float):
         return f"{cls.__name__} keeps its epsilon in neither .variance_epsilon nor .eps as a float"
     if cls not in _PROBED_FORMULAS:
-        _PROBED_FORMULAS[cls] = _probe_rms_norm(module, weight.shape[0])
+        _PROBED_FORMULAS[cls] = _probe_norm(module, eps, sorted(parameters), parameters["weight"].shape[0])
     return _PROBED_FORMULAS[cls]
 
 
-def _probe_rms_norm(module, hidden):
+def _formulas(x, weight, bias, eps):
+    """Each NORM_FORMULAS entry's output for ``x``, computed in the op order the classes it names use."""
+    dtype, h = x.dtype, x.float()
+    outputs = {}
+    if bias is None:
+        rms = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        outputs.update({("rms", 0.0, "llama"): weight * rms.to(dtype),
+                        ("rms", 1.0, "gemma"): (rms * (1.0 + weight.float())).to(dtype),
+                        ("rms", 0.0, "gemma"): (weight * rms).to(dtype)})
+    centered = h - h.mean(-1, keepdim=True)
+    layer = weight.float() * (centered * torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps))
+    outputs[("layer", 0.0, "gemma")] = (layer if bias is None else layer + bias.float()).to(dtype)
+    return outputs
+
+
+def _probe_norm(module, eps, names, hidden):
     generator = torch.Generator().manual_seed(0)
     probe = object.__new__(type(module))
     probe.__dict__.update(module.__dict__)
-    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
-    matching = set(RMS_NORM_FORMULAS)
+    matching = set(NORM_FORMULAS)
     for dtype in (torch.float32, torch.bfloat16):
-        weight = torch.randn(hidden, generator=generator).to(dtype)
-        probe._parameters = {"weight": nn.Parameter(weight, requires_grad=False)}
-        # rows at mean squares ~1, ~eps (where eps is half of the denominator) and ~100
-        x = (torch.randn(3, hidden, generator=generator) * torch.tensor([[1.0], [max(eps, 1e-12) ** 0.5], [10.0]])).to(dtype)
+        values = {name: torch.randn(hidden, generator=generator).to(dtype) for name in names}
+        probe._parameters = {name: nn.Parameter(value, requires_grad=False) for name, value in values.items()}
+        # rows at mean squares ~1, ~eps (where eps is half of the denominator) and ~100, off-centre
+        scale = torch.tensor([[1.0], [max(eps, 1e-12) ** 0.5], [10.0]])
+        x = (torch.randn(3, hidden, generator=generator).add(0.5) * scale).to(dtype)
         try:
             with torch.no_grad():
                 got = probe.forward(x)  # not __call__: no global module hooks fire
         except Exception as error:  # a forward that needs more than x (a gate, a residual) is not this norm
             return f"{type(module).__name__}'s forward did not run on a lone input: {type(error).__name__}: {error}"
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-        expected = {(0.0, "llama"): weight * h.to(dtype), (1.0, "gemma"): (h * (1.0 + weight.float())).to(dtype),
-                    (0.0, "gemma"): (weight * h).to(dtype)}
-        matching = {f for f in matching if isinstance(got, torch.Tensor) and got.dtype == expected[f].dtype
-                    and torch.equal(got, expected[f])}
+        expected = _formulas(x, values["weight"], values.get("bias"), eps)
+        matching = {f for f in matching & expected.keys() if isinstance(got, torch.Tensor)
+                    and got.dtype == expected[f].dtype and torch.equal(got, expected[f])}
     if not matching:
-        return (f"{type(module).__name__}'s forward is none of the RMSNorm formulas memkernels fuses "
-                "(memkernels.patch.RMS_NORM_FORMULAS), checked bit for bit in float32 and bfloat16")
+        return (f"{type(module).__name__}'s forward is none of the norm formulas memkernels fuses "
+                "(memkernels.patch.NORM_FORMULAS), checked bit for bit in float32 and bfloat16")
     return min(matching)
 
 
@@ -486,7 +504,7 @@ def _plan(model, norms, mlp, loss, report):
             kind = "norm"
             why = _why_not_plain(module, (type(module),), "the norm")
             if why is None and type(module) not in (nn.LayerNorm, nn.RMSNorm):
-                formula = _rms_norm_formula(module)
+                formula = _norm_formula(module)
                 why = formula if isinstance(formula, str) else None
         elif mlp and isinstance(module, MLP):
             kind = "mlp"
@@ -529,13 +547,14 @@ def _set_child(model, name, new):
 
 
 def _fused_norm(module, fused_layer_norm, fused_rms_norm):
-    if isinstance(module, nn.LayerNorm):
+    if type(module) is nn.LayerNorm:
         new = fused_layer_norm.from_module(module)
-    elif isinstance(module, nn.RMSNorm):
+    elif type(module) is nn.RMSNorm:
         new = fused_rms_norm.from_module(module, casting_mode="llama")
     else:
-        offset, casting_mode = _rms_norm_formula(module)
-        new = fused_rms_norm.from_module(module, offset=offset, casting_mode=casting_mode)
+        kind, offset, casting_mode = _norm_formula(module)
+        new = (fused_rms_norm.from_module(module, offset=offset, casting_mode=casting_mode) if kind == "rms"
+               else fused_layer_norm.from_module(module))
     # Share, don't copy: keeps optimizers, tied weights and FSDP/DDP registrations valid.
     if module.weight is not None:
         new.weight = module.weight

@@ -297,20 +297,20 @@ def _norm_class(family, module_name):
 
 
 @pytest.mark.parametrize("family,name,formula", [
-    ("llama", "LlamaRMSNorm", (0.0, "llama")), ("qwen3", "Qwen3RMSNorm", (0.0, "llama")),
-    ("phi3", "Phi3RMSNorm", (0.0, "llama")), ("gemma", "GemmaRMSNorm", (1.0, "gemma")),
-    ("gemma3", "Gemma3RMSNorm", (1.0, "gemma")), ("olmo2", "Olmo2RMSNorm", (0.0, "gemma")),
-    ("gpt_oss", "GptOssRMSNorm", (0.0, "gemma"))])
-def test_each_hugging_face_rms_norm_is_fused_with_the_formula_its_forward_computes(family, name, formula):
-    from memkernels.patch import _rms_norm_formula
+    ("llama", "LlamaRMSNorm", ("rms", 0.0, "llama")), ("qwen3", "Qwen3RMSNorm", ("rms", 0.0, "llama")),
+    ("phi3", "Phi3RMSNorm", ("rms", 0.0, "llama")), ("gemma", "GemmaRMSNorm", ("rms", 1.0, "gemma")),
+    ("gemma3", "Gemma3RMSNorm", ("rms", 1.0, "gemma")), ("olmo2", "Olmo2RMSNorm", ("rms", 0.0, "gemma")),
+    ("gpt_oss", "GptOssRMSNorm", ("rms", 0.0, "gemma")), ("cohere", "CohereLayerNorm", ("layer", 0.0, "gemma"))])
+def test_each_hugging_face_norm_is_fused_with_the_formula_its_forward_computes(family, name, formula):
+    from memkernels.patch import _norm_formula
 
     norm = _norm_class(family, name)(24, eps=1e-5)
     weight = norm.weight.detach().clone()
-    assert _rms_norm_formula(norm) == formula
+    assert _norm_formula(norm) == formula
     assert torch.equal(norm.weight, weight)  # the probe ran on a copy
 
 
-class _HalfPrecisionRMSNorm(torch.nn.Module):
+class _HalfPrecisionRMSNorm(torch.nn.Module):  # the name apply() probes
     """An RMSNorm computed in the input's dtype: none of the fused formulas."""
 
     def __init__(self, hidden, eps=1e-6):
@@ -333,11 +333,17 @@ class _BiasedRMSNorm(_HalfPrecisionRMSNorm):
         self.bias = torch.nn.Parameter(torch.zeros(hidden))
 
 
+class _PerHeadLayerNorm(torch.nn.LayerNorm):  # a [heads, head_dim] weight, as Cohere's q/k norms have
+    def __init__(self):
+        super().__init__((4, 4))
+
+
 @pytest.mark.parametrize("norm,reason", [
-    (_HalfPrecisionRMSNorm(16), "none of the RMSNorm formulas memkernels fuses"),
+    (_HalfPrecisionRMSNorm(16), "none of the norm formulas memkernels fuses"),
+    (_BiasedRMSNorm(16), "none of the norm formulas memkernels fuses"),
     (_GatedRMSNorm(16), "did not run on a lone input: TypeError"),
-    (_BiasedRMSNorm(16), "not a weight-only RMSNorm")])
-def test_an_rms_norm_computing_something_else_is_left_alone_with_the_reason(norm, reason):
+    (_PerHeadLayerNorm(), "with a 1-D weight (and bias) alone")])
+def test_a_norm_computing_something_else_is_left_alone_with_the_reason(norm, reason):
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), norm)
     report = apply(model, measure=False)
     assert model[1] is norm and report.replaced == []
