@@ -444,9 +444,10 @@ def _probe_norm(module, eps, names, hidden):
     for dtype in (torch.float32, torch.bfloat16):
         values = {name: torch.randn(hidden, generator=generator).to(dtype) for name in names}
         probe._parameters = {name: nn.Parameter(value, requires_grad=False) for name, value in values.items()}
-        # rows at mean squares ~1, ~eps (where eps is half of the denominator) and ~100, off-centre
+        # rows at mean squares ~1, ~eps (where eps is half of the denominator) and ~100, off-centre; 3-D, so that
+        # a norm over another dimension (a channels-first LayerNorm) shows
         scale = torch.tensor([[1.0], [max(eps, 1e-12) ** 0.5], [10.0]])
-        x = (torch.randn(3, hidden, generator=generator).add(0.5) * scale).to(dtype)
+        x = (torch.randn(2, 3, hidden, generator=generator).add(0.5) * scale).to(dtype)
         try:
             with torch.no_grad():
                 got = probe.forward(x)  # not __call__: no global module hooks fire

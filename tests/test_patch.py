@@ -342,7 +342,9 @@ class _PerHeadLayerNorm(torch.nn.LayerNorm):  # a [heads, head_dim] weight, as C
     (_HalfPrecisionRMSNorm(16), "none of the norm formulas memkernels fuses"),
     (_BiasedRMSNorm(16), "none of the norm formulas memkernels fuses"),
     (_GatedRMSNorm(16), "did not run on a lone input: TypeError"),
-    (_PerHeadLayerNorm(), "with a 1-D weight (and bias) alone")])
+    (_PerHeadLayerNorm(), "with a 1-D weight (and bias) alone"),
+    # normalizes dimension 1 of [batch, channels, height, width]: the probe's 3-D input shows it
+    (_norm_class("convnext", "ConvNextLayerNorm")(16, data_format="channels_first"), "did not run on a lone input")])
 def test_a_norm_computing_something_else_is_left_alone_with_the_reason(norm, reason):
     model = torch.nn.Sequential(torch.nn.Linear(16, 16), norm)
     report = apply(model, measure=False)
