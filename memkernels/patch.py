@@ -7,7 +7,7 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   ``FusedRMSNorm`` with the offset and casting mode of the formula its forward
   computes: Llama's (normalize in fp32, cast, then scale: Llama, Mistral, Qwen 2/3,
   Phi-3, Granite, DeepSeek-V3), Gemma's (scale by 1 + weight in fp32: Gemma 1-3) or
-  OLMo-2's (scale in fp32, then cast: OLMo-2, GPT-OSS); a class named ``...LayerNorm``
+  OLMo-2's (scale in fp32, then cast: OLMo-2, GPT-OSS, Gemma 4); a class named ``...LayerNorm``
   that normalizes in fp32 and casts once (Cohere's, without a bias) → ``FusedLayerNorm``.
   The formula is found once per class by running its forward on a CPU copy with
   random weights, in float32 and bfloat16, and comparing bit for bit
@@ -76,7 +76,8 @@ NORM_FORMULAS = {
     ("rms", 0.0, "llama"): "RMS-normalized in float32, cast to the input dtype, then times the weight (Llama, "
                            "Mistral, Qwen 2/3, Phi-3, Granite, DeepSeek-V3)",
     ("rms", 1.0, "gemma"): "RMS-normalized in float32, times (1 + weight) in float32, then cast (Gemma 1-3)",
-    ("rms", 0.0, "gemma"): "RMS-normalized in float32, times the weight in float32, then cast (OLMo-2, GPT-OSS)",
+    ("rms", 0.0, "gemma"): "RMS-normalized in float32, times the weight in float32, then cast (OLMo-2, GPT-OSS, "
+                           "Gemma 4)",
     ("layer", 0.0, "gemma"): "mean-centred and normalized in float32, times the weight (plus the bias) in float32, "
                              "then cast (Cohere)",
 }
@@ -107,6 +108,7 @@ CAUSAL_LM_HEADS = {
     "GemmaForCausalLM": LMHead(),
     "Gemma2ForCausalLM": LMHead(softcap="final_logit_softcapping"),
     "Gemma3ForCausalLM": LMHead(softcap="final_logit_softcapping"),
+    "Gemma4ForCausalLM": LMHead(softcap="final_logit_softcapping"),
     "Olmo2ForCausalLM": LMHead(),
     "Phi3ForCausalLM": LMHead(),
     "GPT2LMHeadModel": LMHead(),
@@ -410,6 +412,9 @@ def _norm_formula(module):
     cls = type(module)
     eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
     parameters = dict(module.named_parameters())
+    if not parameters:
+        return (f"{cls.__name__} has no weight (an unweighted norm): fused norms take their normalized shape from "
+                "the weight")
     if (parameters.keys() not in ({"weight"}, {"weight", "bias"}) or any(p.dim() != 1 for p in parameters.values())
             or next(module.buffers(), None) is not None or next(module.children(), None) is not None):
         return (f"{cls.__name__} is not a norm over the last dimension with a 1-D weight (and bias) alone (no "

@@ -24,7 +24,7 @@ datasets = pytest.importorskip("datasets")
 from memkernels import patch  # noqa: E402
 from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
 from memkernels.patch import CAUSAL_LM_HEADS, apply  # noqa: E402
-from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gemma3, _gpt2, _llama,  # noqa: E402
+from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gemma3, _gemma4, _gpt2, _llama,  # noqa: E402
                         _loss_and_grads, _olmo2, _phi3, _qwen2, _qwen3)
 
 
@@ -50,7 +50,8 @@ def _cohere():  # logits * 0.25
 # Every causal-LM family apply() patches, by the class name CAUSAL_LM_HEADS lists.
 FAMILIES = {"LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
             "Qwen3ForCausalLM": _qwen3, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma2,
-            "Gemma3ForCausalLM": _gemma3, "Olmo2ForCausalLM": _olmo2, "Phi3ForCausalLM": _phi3,
+            "Gemma3ForCausalLM": _gemma3, "Gemma4ForCausalLM": _gemma4, "Olmo2ForCausalLM": _olmo2,
+            "Phi3ForCausalLM": _phi3,
             "GPT2LMHeadModel": _gpt2, "GraniteForCausalLM": _granite, "CohereForCausalLM": _cohere}
 # The Trainer matrix runs these in the default selection (LoRA through GPT-2 in fp32 only) and the rest as slow
 # tests; so do the head checks of the families whose head is plain Llama's.
@@ -69,8 +70,7 @@ def test_every_family_apply_patches_is_tested_here():
 @pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in PLAIN_LLAMA_HEADS else f
                                     for f in sorted(FAMILIES)])
 def test_every_head_gives_the_unpatched_loss_and_gradients(family):
-    """Granite's logits_scaling, Cohere's logit_scale and Gemma2's and Gemma3's softcaps are part of the fused
-    loss."""
+    """Granite's logits_scaling, Cohere's logit_scale and the softcaps of Gemma 2-4 are part of the fused loss."""
     model = FAMILIES[family]().train()
     patched = copy.deepcopy(model)
     report = apply(patched, measure=False)

@@ -39,7 +39,7 @@ def _with_random_norm_weights(model):
     """Gemma initializes its norm weights to 0 (scale 1 + w), the others to 1: make the weights matter."""
     with torch.no_grad():
         for module in model.modules():
-            if type(module).__name__.endswith("RMSNorm"):
+            if type(module).__name__.endswith("RMSNorm") and getattr(module, "weight", None) is not None:
                 module.weight.normal_(0, 0.1)
     return model
 
@@ -53,6 +53,12 @@ def _gemma3():
     # a softcap small enough to bend these logits
     config = transformers.Gemma3TextConfig(num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5, **COMMON)
     return _with_random_norm_weights(transformers.Gemma3ForCausalLM(config))
+
+
+def _gemma4():  # its norms scale by the weight in float32 (not 1 + w); its v_norm has no weight
+    config = transformers.Gemma4TextConfig(num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
+                                           pad_token_id=0, bos_token_id=0, eos_token_id=0, **COMMON)
+    return _with_random_norm_weights(transformers.Gemma4ForCausalLM(config))
 
 
 def _olmo2():  # its RMSNorm scales in float32, then casts
@@ -79,7 +85,8 @@ def _tiny_lm():
     return TransformerLM(config)
 
 
-HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma, "gemma3": _gemma3, "olmo2": _olmo2,
+HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma, "gemma3": _gemma3, "gemma4": _gemma4,
+             "olmo2": _olmo2,
              "phi3": _phi3, "gpt2": _gpt2}
 ALL_MODELS = dict(HF_MODELS, memkernels_tiny_lm=_tiny_lm)
 
@@ -300,7 +307,8 @@ def _norm_class(family, module_name):
     ("llama", "LlamaRMSNorm", ("rms", 0.0, "llama")), ("qwen3", "Qwen3RMSNorm", ("rms", 0.0, "llama")),
     ("phi3", "Phi3RMSNorm", ("rms", 0.0, "llama")), ("gemma", "GemmaRMSNorm", ("rms", 1.0, "gemma")),
     ("gemma3", "Gemma3RMSNorm", ("rms", 1.0, "gemma")), ("olmo2", "Olmo2RMSNorm", ("rms", 0.0, "gemma")),
-    ("gpt_oss", "GptOssRMSNorm", ("rms", 0.0, "gemma")), ("cohere", "CohereLayerNorm", ("layer", 0.0, "gemma"))])
+    ("gpt_oss", "GptOssRMSNorm", ("rms", 0.0, "gemma")), ("gemma4", "Gemma4RMSNorm", ("rms", 0.0, "gemma")),
+    ("cohere", "CohereLayerNorm", ("layer", 0.0, "gemma"))])
 def test_each_hugging_face_norm_is_fused_with_the_formula_its_forward_computes(family, name, formula):
     from memkernels.patch import _norm_formula
 
