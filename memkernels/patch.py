@@ -17,7 +17,7 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
 - GELU MLPs: memkernels' own ``MLP`` → ``FusedMLP``; Hugging Face GPT-2's
   Conv1D MLP and BERT's intermediate/output pair → the same MLP computed with
   ``gelu_linear`` (the activated tensor is never stored).
-- gated MLPs (SwiGLU / GeGLU: Llama, Mistral, Qwen2/3, Gemma 1/2/3, Phi-3's packed
+- gated MLPs (SwiGLU / GeGLU: Llama, Mistral, Qwen2/3, Gemma 1-4, OLMo-2, Phi-3's packed
   ``gate_up_proj``, memkernels' own ``GatedMLP``) → ``gated_linear`` for the down
   projection: gate and up are saved, act(gate) * up never is. ``mlp="recompute"``
   saves only the MLP's input and recomputes gate and up in backward (plain Linear
