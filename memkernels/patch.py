@@ -6,7 +6,7 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   any other class named ``...RMSNorm`` (Hugging Face has one per family) →
   ``FusedRMSNorm`` with the offset and casting mode of the formula its forward
   computes: Llama's (normalize in fp32, cast, then scale: Llama, Mistral, Qwen 2/3,
-  Phi-3, Granite, DeepSeek-V3), Gemma's (scale by 1 + weight in fp32: Gemma 1-3) or
+  Phi-3, Granite, DeepSeek-V3), Gemma's (scale by 1 + weight in fp32: Gemma 1-3, Qwen3.5) or
   OLMo-2's (scale in fp32, then cast: OLMo-2, GPT-OSS, Gemma 4); a class named ``...LayerNorm``
   that normalizes in fp32 and casts once (Cohere's, without a bias) → ``FusedLayerNorm``.
   The formula is found once per class by running its forward on a CPU copy with
@@ -75,7 +75,8 @@ __all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 NORM_FORMULAS = {
     ("rms", 0.0, "llama"): "RMS-normalized in float32, cast to the input dtype, then times the weight (Llama, "
                            "Mistral, Qwen 2/3, Phi-3, Granite, DeepSeek-V3)",
-    ("rms", 1.0, "gemma"): "RMS-normalized in float32, times (1 + weight) in float32, then cast (Gemma 1-3)",
+    ("rms", 1.0, "gemma"): "RMS-normalized in float32, times (1 + weight) in float32, then cast (Gemma 1-3, "
+                           "Qwen3.5)",
     ("rms", 0.0, "gemma"): "RMS-normalized in float32, times the weight in float32, then cast (OLMo-2, GPT-OSS, "
                            "Gemma 4)",
     ("layer", 0.0, "gemma"): "mean-centred and normalized in float32, times the weight (plus the bias) in float32, "
@@ -105,6 +106,7 @@ CAUSAL_LM_HEADS = {
     "MistralForCausalLM": LMHead(),
     "Qwen2ForCausalLM": LMHead(),
     "Qwen3ForCausalLM": LMHead(),
+    "Qwen3_5ForCausalLM": LMHead(),
     "GemmaForCausalLM": LMHead(),
     "Gemma2ForCausalLM": LMHead(softcap="final_logit_softcapping"),
     "Gemma3ForCausalLM": LMHead(softcap="final_logit_softcapping"),

@@ -25,7 +25,7 @@ from memkernels import patch  # noqa: E402
 from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
 from memkernels.patch import CAUSAL_LM_HEADS, apply  # noqa: E402
 from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gemma3, _gemma4, _gpt2, _llama,  # noqa: E402
-                        _loss_and_grads, _olmo2, _phi3, _qwen2, _qwen3)
+                        _loss_and_grads, _olmo2, _phi3, _qwen2, _qwen3, _qwen3_5)
 
 
 def _mistral():
@@ -49,15 +49,16 @@ def _cohere():  # logits * 0.25
 
 # Every causal-LM family apply() patches, by the class name CAUSAL_LM_HEADS lists.
 FAMILIES = {"LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
-            "Qwen3ForCausalLM": _qwen3, "GemmaForCausalLM": _gemma, "Gemma2ForCausalLM": _gemma2,
-            "Gemma3ForCausalLM": _gemma3, "Gemma4ForCausalLM": _gemma4, "Olmo2ForCausalLM": _olmo2,
-            "Phi3ForCausalLM": _phi3,
-            "GPT2LMHeadModel": _gpt2, "GraniteForCausalLM": _granite, "CohereForCausalLM": _cohere}
+            "Qwen3ForCausalLM": _qwen3, "Qwen3_5ForCausalLM": _qwen3_5, "GemmaForCausalLM": _gemma,
+            "Gemma2ForCausalLM": _gemma2, "Gemma3ForCausalLM": _gemma3, "Gemma4ForCausalLM": _gemma4,
+            "Olmo2ForCausalLM": _olmo2, "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2,
+            "GraniteForCausalLM": _granite, "CohereForCausalLM": _cohere}
 # The Trainer matrix runs these in the default selection (LoRA through GPT-2 in fp32 only) and the rest as slow
 # tests; so do the head checks of the families whose head is plain Llama's.
 QUICK = {("LlamaForCausalLM", False, False), ("LlamaForCausalLM", True, False), ("GPT2LMHeadModel", False, False),
          ("GPT2LMHeadModel", True, False), ("GPT2LMHeadModel", False, True)}
-PLAIN_LLAMA_HEADS = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Olmo2ForCausalLM", "Phi3ForCausalLM")
+PLAIN_LLAMA_HEADS = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM",
+                     "Olmo2ForCausalLM", "Phi3ForCausalLM")
 
 
 def test_every_family_apply_patches_is_tested_here():

@@ -55,6 +55,14 @@ def _gemma3():
     return _with_random_norm_weights(transformers.Gemma3ForCausalLM(config))
 
 
+def _qwen3_5():  # its RMSNorm is Gemma's (1 + w), which a name would not tell
+    # full attention only: its linear-attention layers' CPU fallback makes a Trainer run take a minute, and
+    # apply() leaves attention alone
+    config = transformers.Qwen3_5TextConfig(num_key_value_heads=2, head_dim=16, pad_token_id=0, bos_token_id=0,
+                                            eos_token_id=0, layer_types=["full_attention"] * 2, **COMMON)
+    return _with_random_norm_weights(transformers.Qwen3_5ForCausalLM(config))
+
+
 def _gemma4():  # its norms scale by the weight in float32 (not 1 + w); its v_norm has no weight
     config = transformers.Gemma4TextConfig(num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5,
                                            pad_token_id=0, bos_token_id=0, eos_token_id=0, **COMMON)
@@ -85,7 +93,7 @@ def _tiny_lm():
     return TransformerLM(config)
 
 
-HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "gemma": _gemma, "gemma3": _gemma3, "gemma4": _gemma4,
+HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_5": _qwen3_5, "gemma": _gemma, "gemma3": _gemma3, "gemma4": _gemma4,
              "olmo2": _olmo2,
              "phi3": _phi3, "gpt2": _gpt2}
 ALL_MODELS = dict(HF_MODELS, memkernels_tiny_lm=_tiny_lm)
@@ -308,6 +316,7 @@ def _norm_class(family, module_name):
     ("phi3", "Phi3RMSNorm", ("rms", 0.0, "llama")), ("gemma", "GemmaRMSNorm", ("rms", 1.0, "gemma")),
     ("gemma3", "Gemma3RMSNorm", ("rms", 1.0, "gemma")), ("olmo2", "Olmo2RMSNorm", ("rms", 0.0, "gemma")),
     ("gpt_oss", "GptOssRMSNorm", ("rms", 0.0, "gemma")), ("gemma4", "Gemma4RMSNorm", ("rms", 0.0, "gemma")),
+    ("qwen3_5", "Qwen3_5RMSNorm", ("rms", 1.0, "gemma")),
     ("cohere", "CohereLayerNorm", ("layer", 0.0, "gemma"))])
 def test_each_hugging_face_norm_is_fused_with_the_formula_its_forward_computes(family, name, formula):
     from memkernels.patch import _norm_formula
