@@ -114,6 +114,9 @@ CAUSAL_LM_HEADS = {
     "Olmo2ForCausalLM": LMHead(),
     "Phi3ForCausalLM": LMHead(),
     "GPT2LMHeadModel": LMHead(),
+    **{name: LMHead() for name in ("Olmo3ForCausalLM", "SmolLM3ForCausalLM", "MinistralForCausalLM",
+                                   "Ministral3ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
+                                   "Exaone4ForCausalLM", "Glm4ForCausalLM")},
     "GraniteForCausalLM": LMHead(logit_scale=lambda config: 1.0 / config.logits_scaling),
     "CohereForCausalLM": LMHead(logit_scale=lambda config: config.logit_scale),
 }

@@ -47,18 +47,36 @@ def _cohere():  # logits * 0.25
     return transformers.CohereForCausalLM(transformers.CohereConfig(num_key_value_heads=2, logit_scale=0.25, **COMMON))
 
 
+def _plain_head(model_type, class_name):
+    """A tiny model of a family whose head is plain Llama's (lm_head, then the loss): its Auto config, dropout off
+    (Seed-OSS defaults to 0.1), so that runs compare."""
+    def build():
+        config = transformers.AutoConfig.for_model(model_type, num_key_value_heads=2, head_dim=16, pad_token_id=0,
+                                                   bos_token_id=0, eos_token_id=0, **COMMON)
+        for name in ("attention_dropout", "residual_dropout"):
+            if hasattr(config, name):
+                setattr(config, name, 0.0)
+        return getattr(transformers, class_name)(config)
+    return build
+
+
+PLAIN_HEAD_TYPES = {"Olmo3ForCausalLM": "olmo3", "SmolLM3ForCausalLM": "smollm3", "MinistralForCausalLM": "ministral",
+                    "Ministral3ForCausalLM": "ministral3", "SeedOssForCausalLM": "seed_oss",
+                    "Ernie4_5ForCausalLM": "ernie4_5", "Exaone4ForCausalLM": "exaone4", "Glm4ForCausalLM": "glm4"}
+
 # Every causal-LM family apply() patches, by the class name CAUSAL_LM_HEADS lists.
 FAMILIES = {"LlamaForCausalLM": _llama, "MistralForCausalLM": _mistral, "Qwen2ForCausalLM": _qwen2,
             "Qwen3ForCausalLM": _qwen3, "Qwen3_5ForCausalLM": _qwen3_5, "GemmaForCausalLM": _gemma,
             "Gemma2ForCausalLM": _gemma2, "Gemma3ForCausalLM": _gemma3, "Gemma4ForCausalLM": _gemma4,
             "Olmo2ForCausalLM": _olmo2, "Phi3ForCausalLM": _phi3, "GPT2LMHeadModel": _gpt2,
-            "GraniteForCausalLM": _granite, "CohereForCausalLM": _cohere}
+            "GraniteForCausalLM": _granite, "CohereForCausalLM": _cohere,
+            **{name: _plain_head(model_type, name) for name, model_type in PLAIN_HEAD_TYPES.items()}}
 # The Trainer matrix runs these in the default selection (LoRA through GPT-2 in fp32 only) and the rest as slow
 # tests; so do the head checks of the families whose head is plain Llama's.
 QUICK = {("LlamaForCausalLM", False, False), ("LlamaForCausalLM", True, False), ("GPT2LMHeadModel", False, False),
          ("GPT2LMHeadModel", True, False), ("GPT2LMHeadModel", False, True)}
 PLAIN_LLAMA_HEADS = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3_5ForCausalLM",
-                     "Olmo2ForCausalLM", "Phi3ForCausalLM")
+                     "Olmo2ForCausalLM", "Phi3ForCausalLM", *PLAIN_HEAD_TYPES)
 
 
 def test_every_family_apply_patches_is_tested_here():
