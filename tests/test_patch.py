@@ -350,6 +350,15 @@ class _BiasedRMSNorm(_HalfPrecisionRMSNorm):
         self.bias = torch.nn.Parameter(torch.zeros(hidden))
 
 
+class _WeightlessRMSNorm(torch.nn.Module):  # OLMo-1's and NanoChat's kind: nothing to take a shape from
+    def __init__(self):
+        super().__init__()
+        self.eps = 1e-6
+
+    def forward(self, x):
+        return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 class _PerHeadLayerNorm(torch.nn.LayerNorm):  # a [heads, head_dim] weight, as Cohere's q/k norms have
     def __init__(self):
         super().__init__((4, 4))
@@ -360,6 +369,7 @@ class _PerHeadLayerNorm(torch.nn.LayerNorm):  # a [heads, head_dim] weight, as C
     (_BiasedRMSNorm(16), "none of the norm formulas memkernels fuses"),
     (_GatedRMSNorm(16), "did not run on a lone input: TypeError"),
     (_PerHeadLayerNorm(), "with a 1-D weight (and bias) alone"),
+    (_WeightlessRMSNorm(), "has no weight (an unweighted norm)"),
     # normalizes dimension 1 of [batch, channels, height, width]: the probe's 3-D input shows it
     (_norm_class("convnext", "ConvNextLayerNorm")(16, data_format="channels_first"), "did not run on a lone input")])
 def test_a_norm_computing_something_else_is_left_alone_with_the_reason(norm, reason):
