@@ -193,6 +193,17 @@ def test_group_sums_over_many_rows(backend, dtype):
     check_against_reference(layer_norm, layer_norm_eager, (x, *_params(hidden, dtype), 1e-5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_backward_where_group_sums_would_run(backend, monkeypatch, dtype):
+    """4096 < H <= 8192 with a bias gradient as triton 3.7 runs it (test_rms_norm's
+    test_backward_rows_past_4096_loop_where_triton_spills_them): chunks of 4096, no group sums."""
+    from memkernels.ops import _norm_kernels
+    monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
+    assert _norm_kernels._backward_config(4500, True)[2:] == (False, 0)  # the path under test
+    x = leaf(2 * _norm_kernels.BWD_GROUP_ROWS + 5, 4500, dtype=dtype, shift=3.0)
+    check_against_reference(layer_norm, layer_norm_eager, (x, *_params(4500, dtype), 1e-5))
+
+
 @pytest.mark.parametrize("hidden", [300, 5000])
 def test_weight_and_bias_gradients_are_bitwise_deterministic(backend, hidden):
     x = leaf(41, hidden, dtype=torch.float16)

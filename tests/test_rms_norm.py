@@ -466,6 +466,33 @@ def test_forward_warps_per_row():
     assert _forward_config(16384)[2] is False and _forward_config(8192)[2] is True
 
 
+def test_backward_rows_past_4096_loop_where_triton_spills_them():
+    """Triton 3.7 (torch 2.13's CUDA wheels pin 3.7.1) spills the backward's register-resident rows of
+    8192, 240-984 bytes a thread, where 3.6, 3.8 and 3.9 fit them (`python -m memkernels.aot`);
+    its rows of 4096 fit. Under it every row wider than 4096 loops over chunks of 4096."""
+    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, _backward_config, _wide_backward_rows_fit
+    versions = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0", "3.10.0")
+    assert [_wide_backward_rows_fit(v) for v in versions] == [True, False, False, True, True, True]
+    assert _backward_config(8192, False, wide_rows_fit=True) == (8192, 32, True, 0)
+    assert _backward_config(6000, True, wide_rows_fit=True) == (8192, 32, True, BWD_GROUP_ROWS)
+    for hidden, with_db, memory_efficient in [(8192, False, False), (4097, False, True), (6000, True, False)]:
+        assert _backward_config(hidden, with_db, memory_efficient, wide_rows_fit=False) == (4096, 32, False, 0)
+    for with_db in (False, True):
+        assert _backward_config(4096, with_db, wide_rows_fit=False) == (4096, 32, True, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_chunked_backward_of_rows_that_would_fit(backend, monkeypatch, dtype):
+    """Rows of 4096 < H <= 8192 as triton 3.7 runs them: chunks of 4096, not one register-resident row."""
+    from memkernels.ops import _norm_kernels
+    monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
+    assert _norm_kernels._backward_config(5000, False)[2] is False  # the path under test
+    x, residual = leaf(7, 5000, dtype=dtype), leaf(7, 5000, dtype=dtype)
+    weight = leaf(5000, dtype=dtype, scale=0.5, shift=1.0)
+    check_against_reference(rms_norm, rms_norm_eager, (x, weight, 1e-6))
+    check_against_reference(add_rms_norm, add_rms_norm_eager, (x, residual, weight, 1e-6))
+
+
 def test_launches_compile_without_contraction(monkeypatch):
     """The launchers pass what the AOT variants above compile with: enable_fp_fusion=False."""
     from backends import use_backend

@@ -52,6 +52,18 @@ from memkernels.ops._device_guard import on_tensor_device
 # 128-register cap (LayerNorm with a residual, looping rows).
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP, FWD_SMALL_ELEMENTS_PER_WARP = 8192, 1024, 256
 BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
+
+
+def _wide_backward_rows_fit(triton_version):
+    """Whether this triton holds the backward's rows of BWD_MAX_BLOCK in registers. Triton 3.7 (the
+    version torch 2.13's CUDA wheels pin) spills them where 3.6, 3.8 and 3.9 do not: 240-984
+    bytes a thread at 32 warps (64 registers), more at 16 or 8 warps (128, 255 registers); its rows
+    of 4096 fit (`python -m memkernels.aot` under triton 3.7.1). There rows wider than
+    BWD_MAX_BLOCK_WITH_DB loop over chunks of it instead: x and dy are read twice."""
+    return not triton_version.startswith("3.7.")
+
+
+WIDE_BACKWARD_ROWS_FIT = _wide_backward_rows_fit(triton.__version__)
 # Rows per group: one group per program at 8192 tokens on an H100 (31 rows each), so the fold
 # costs no read there; on longer batches each further group reads and writes the program's
 # partial rows once (4 x H x 4 bytes), against 32 rows of x and dy that a second pass would read.
@@ -483,12 +495,15 @@ def _forward_config(hidden):
     return block, num_warps, single_pass
 
 
-def _backward_config(hidden, with_db, memory_efficient=False):
+def _backward_config(hidden, with_db, memory_efficient=False, wide_rows_fit=None):
     """(BLOCK, num_warps, SINGLE_PASS, GROUP_ROWS) of the backward: one block per row up to its widest
     spill-free block (with a bias gradient past BWD_MAX_BLOCK_WITH_DB: group sums, GROUP_ROWS > 0,
-    except in memory_efficient mode, whose x̂ recovery spills there), else chunks of BWD_MAX_BLOCK_WITH_DB."""
-    grouped = with_db and not memory_efficient and BWD_MAX_BLOCK_WITH_DB < hidden <= BWD_MAX_BLOCK
-    if hidden <= (BWD_MAX_BLOCK_WITH_DB if with_db else BWD_MAX_BLOCK) or grouped:
+    except in memory_efficient mode, whose x̂ recovery spills there), else chunks of BWD_MAX_BLOCK_WITH_DB.
+    ``wide_rows_fit``: WIDE_BACKWARD_ROWS_FIT (the installed triton's) when None; False keeps every row
+    wider than BWD_MAX_BLOCK_WITH_DB in chunks."""
+    wide = WIDE_BACKWARD_ROWS_FIT if wide_rows_fit is None else wide_rows_fit
+    grouped = wide and with_db and not memory_efficient and BWD_MAX_BLOCK_WITH_DB < hidden <= BWD_MAX_BLOCK
+    if hidden <= (BWD_MAX_BLOCK if wide and not with_db else BWD_MAX_BLOCK_WITH_DB) or grouped:
         block, num_warps, _ = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
         return block, num_warps, True, BWD_GROUP_ROWS if grouped else 0
     block, num_warps, _ = _launch_config(BWD_MAX_BLOCK_WITH_DB, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP)
