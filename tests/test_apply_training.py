@@ -24,8 +24,8 @@ datasets = pytest.importorskip("datasets")
 from memkernels import patch  # noqa: E402
 from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
 from memkernels.patch import CAUSAL_LM_HEADS, apply  # noqa: E402
-from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gemma3, _gemma4, _gpt2, _llama,  # noqa: E402
-                        _loss_and_grads, _olmo2, _phi3, _qwen2, _qwen3, _qwen3_5)
+from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gemma3, _gemma4,  # noqa: E402
+                        _gpt2, _llama, _loss_and_grads, _olmo2, _phi3, _qwen2, _qwen3, _qwen3_5)
 
 
 def _mistral():

@@ -93,9 +93,8 @@ def _tiny_lm():
     return TransformerLM(config)
 
 
-HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_5": _qwen3_5, "gemma": _gemma, "gemma3": _gemma3, "gemma4": _gemma4,
-             "olmo2": _olmo2,
-             "phi3": _phi3, "gpt2": _gpt2}
+HF_MODELS = {"llama": _llama, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_5": _qwen3_5, "gemma": _gemma,
+             "gemma3": _gemma3, "gemma4": _gemma4, "olmo2": _olmo2, "phi3": _phi3, "gpt2": _gpt2}
 ALL_MODELS = dict(HF_MODELS, memkernels_tiny_lm=_tiny_lm)
 
 

@@ -466,19 +466,22 @@ def test_forward_warps_per_row():
     assert _forward_config(16384)[2] is False and _forward_config(8192)[2] is True
 
 
-def test_backward_rows_past_4096_loop_where_triton_spills_them():
+def test_backward_rows_past_4096_loop_where_triton_spills_them(monkeypatch):
     """Triton 3.7 (torch 2.13's CUDA wheels pin 3.7.1) spills the backward's register-resident rows of
     8192, 240-984 bytes a thread, where 3.6, 3.8 and 3.9 fit them (`python -m memkernels.aot`);
     its rows of 4096 fit. Under it every row wider than 4096 loops over chunks of 4096."""
+    from memkernels.ops import _norm_kernels
     from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, _backward_config, _wide_backward_rows_fit
     versions = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0", "3.10.0")
     assert [_wide_backward_rows_fit(v) for v in versions] == [True, False, False, True, True, True]
-    assert _backward_config(8192, False, wide_rows_fit=True) == (8192, 32, True, 0)
-    assert _backward_config(6000, True, wide_rows_fit=True) == (8192, 32, True, BWD_GROUP_ROWS)
+    monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", True)
+    assert _backward_config(8192, False) == (8192, 32, True, 0)
+    assert _backward_config(6000, True) == (8192, 32, True, BWD_GROUP_ROWS)
+    monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
     for hidden, with_db, memory_efficient in [(8192, False, False), (4097, False, True), (6000, True, False)]:
-        assert _backward_config(hidden, with_db, memory_efficient, wide_rows_fit=False) == (4096, 32, False, 0)
+        assert _backward_config(hidden, with_db, memory_efficient) == (4096, 32, False, 0)
     for with_db in (False, True):
-        assert _backward_config(4096, with_db, wide_rows_fit=False) == (4096, 32, True, 0)
+        assert _backward_config(4096, with_db) == (4096, 32, True, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -495,15 +495,15 @@ def _forward_config(hidden):
     return block, num_warps, single_pass
 
 
-def _backward_config(hidden, with_db, memory_efficient=False, wide_rows_fit=None):
+def _backward_config(hidden, with_db, memory_efficient=False):
     """(BLOCK, num_warps, SINGLE_PASS, GROUP_ROWS) of the backward: one block per row up to its widest
     spill-free block (with a bias gradient past BWD_MAX_BLOCK_WITH_DB: group sums, GROUP_ROWS > 0,
     except in memory_efficient mode, whose x̂ recovery spills there), else chunks of BWD_MAX_BLOCK_WITH_DB.
-    ``wide_rows_fit``: WIDE_BACKWARD_ROWS_FIT (the installed triton's) when None; False keeps every row
-    wider than BWD_MAX_BLOCK_WITH_DB in chunks."""
-    wide = WIDE_BACKWARD_ROWS_FIT if wide_rows_fit is None else wide_rows_fit
-    grouped = wide and with_db and not memory_efficient and BWD_MAX_BLOCK_WITH_DB < hidden <= BWD_MAX_BLOCK
-    if hidden <= (BWD_MAX_BLOCK if wide and not with_db else BWD_MAX_BLOCK_WITH_DB) or grouped:
+    Where the installed triton spills wider rows (not WIDE_BACKWARD_ROWS_FIT), every row wider than
+    BWD_MAX_BLOCK_WITH_DB goes in chunks."""
+    wide_in_registers = WIDE_BACKWARD_ROWS_FIT and BWD_MAX_BLOCK_WITH_DB < hidden <= BWD_MAX_BLOCK
+    grouped = wide_in_registers and with_db and not memory_efficient
+    if hidden <= BWD_MAX_BLOCK_WITH_DB or (wide_in_registers and not with_db) or grouped:
         block, num_warps, _ = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
         return block, num_warps, True, BWD_GROUP_ROWS if grouped else 0
     block, num_warps, _ = _launch_config(BWD_MAX_BLOCK_WITH_DB, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP)
