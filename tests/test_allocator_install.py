@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import pluggable_standin
+from conftest import SIM_SYNC_TIMEOUT_S
 from memkernels import _C, allocator
 
 
@@ -84,7 +85,7 @@ def installed(monkeypatch, tmp_path_factory):
 
     device.use_sim()
     sim.configure(device_count=2, capacity=256 * MiB, host_capacity=None, granularity=2 * MiB,
-                  memory="virtual", address_space=8 * GiB, sync_timeout_s=5.0)
+                  memory="virtual", address_space=8 * GiB, sync_timeout_s=SIM_SYNC_TIMEOUT_S)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", lambda *names: names)

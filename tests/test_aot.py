@@ -17,7 +17,8 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 @pytest.fixture(scope="module")
 def reports():
-    """One subprocess compiles every example variant for sm_80 and sm_90."""
+    """One subprocess compiles every example variant for sm_80 and sm_90. Without a time limit: under load
+    a timeout tripped and errored every test here (issue 32; test_testing.py keeps it out)."""
     return {(r.kernel, r.variant, r.arch): r for r in aot.check()}
 
 
@@ -29,7 +30,7 @@ def test_simple_kernel_compiles_cleanly(reports, arch):
     assert 0 < report.registers <= 255
     assert report.spill_stores == report.spill_loads == 0
     assert report.shared_bytes == 0  # elementwise: no shared memory at all
-    assert report.compile_seconds > 0
+    assert report.compile_seconds > 0  # time as data: only that it was measured (load only lengthens it)
 
 
 @pytest.mark.slow
@@ -87,7 +88,7 @@ def test_command_line_table_and_exit_code():
         for name in names:
             command += ["--name", name]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS_DIR), TESTS_DIR]))
-        return subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+        return subprocess.run(command, capture_output=True, text=True, env=env)
 
     clean = run("example_scale")
     assert clean.returncode == 0, clean.stdout + clean.stderr

@@ -38,6 +38,8 @@ def _summary(reports):
 def reports():
     names = _ops_kernel_names()
     assert names, "no memkernels.ops module registers a kernel with memkernels.aot"
+    # No timeout: the compile takes as long as the machine's load makes it (issue 32; a 900 s limit errored
+    # every test here; tests/test_testing.py keeps one from coming back).
     reports = aot.check(names, archs=(80, 90))
     print("\n" + aot.format_table(reports) + "\n\n" + _summary(reports))
     return reports

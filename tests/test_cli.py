@@ -59,12 +59,12 @@ def test_bad_arguments_exit_2_with_a_message(argv, message, capsys):
 
 @pytest.mark.slow
 def test_report_runs_and_writes_a_png(tmp_path):
-    """The README's main job end to end. Its run time is a benchmark figure, not asserted here (a timed
-    test fails on a loaded machine); the timeout only stops a hang."""
+    """The README's main job end to end. Its run time is a benchmark figure, neither asserted nor bounded
+    here: a timed test, or a subprocess timeout, fails on a loaded machine (issue 32)."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "report.png"
     result = subprocess.run([sys.executable, "-m", "memkernels.cli", "report", "--out", str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1800)
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     for expected in ("loss", "max rel err", "saved for backward", "norm", "mlp", "attention", "logits/loss", "tiny-gpt",
                      "tiny-llama", "MemkernelsGatedMLP",
@@ -185,7 +185,7 @@ def test_replay_names_unreadable_traces_replays_the_others_and_exits_1(tmp_path)
     good = _write_trace(tmp_path / "good.pickle", [3, 30])
     result = subprocess.run([sys.executable, "-m", "memkernels.cli", "replay", "--repeats", "1", str(empty),
                              str(corrupt), str(good), str(not_a_snapshot)],
-                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 1, result.stderr
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith("memkernels replay: error: ")]

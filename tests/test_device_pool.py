@@ -7,6 +7,7 @@ the simulated device."""
 import pytest
 
 import pluggable_standin
+from conftest import SIM_SYNC_TIMEOUT_S
 from memkernels import _C, allocator, device
 from memkernels.tools import replay as trace_replay
 from memkernels.device import sim
@@ -20,7 +21,7 @@ MiB, GiB = 1 << 20, 1 << 30
 def sim_device():
     device.use_sim()
     sim.configure(device_count=2, capacity=256 * MiB, host_capacity=None, granularity=2 * MiB,
-                  memory="virtual", address_space=8 * GiB, sync_timeout_s=5.0)  # small: fits under TSan
+                  memory="virtual", address_space=8 * GiB, sync_timeout_s=SIM_SYNC_TIMEOUT_S)  # small: fits under TSan
     yield sim
     sim.hold_events(False)
     installed = _C.installed_device_pool()

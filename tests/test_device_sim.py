@@ -100,6 +100,8 @@ def test_event_orders_work_across_streams():
     device.stream_synchronize(unordered)
     np.testing.assert_array_equal(unordered_out, zeros)
 
+    # The sleep gives a wrongly unordered consumer time to run; on a loaded machine it may be too short to
+    # catch that bug, but it cannot fail a correct sim: held events keep the consumer waiting however long.
     time.sleep(0.05)
     assert not device.stream_query(consumer), "the consumer ran before the producer's event completed"
     np.testing.assert_array_equal(ordered_out, np.full(nbytes, 1, np.uint8))
@@ -114,7 +116,7 @@ def test_event_query_before_and_after_delayed_completion():
     assert device.event_query(event), "a never-recorded event counts as complete"
     sim.hold_events(True)
     device.event_record(event, stream)
-    time.sleep(0.05)
+    time.sleep(0.05)  # as above: a chance for a wrong completion to show; a held event stays incomplete anyway
     assert not device.event_query(event)
     assert not device.stream_query(stream)
     assert sim.stats()["held_events"] == 1

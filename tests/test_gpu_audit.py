@@ -435,7 +435,7 @@ def test_gpu_check_says_so_and_exits_0_without_a_gpu():
     import os
     import subprocess
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "gpu_check.sh")
-    run = subprocess.run(["bash", script], capture_output=True, text=True, timeout=120)
+    run = subprocess.run(["bash", script], capture_output=True, text=True)
     assert run.returncode == 0
     assert "no CUDA GPU" in run.stdout
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from conftest import SIM_SYNC_TIMEOUT_S
 from torch.utils.checkpoint import checkpoint
 
 import memkernels
@@ -31,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def sim_device():
     device.use_sim()
     sim.configure(device_count=1, capacity=1 << 30, host_capacity=None, granularity=64 << 10,
-                  memory="backed", address_space=1 << 36, sync_timeout_s=20.0)
+                  memory="backed", address_space=1 << 36, sync_timeout_s=SIM_SYNC_TIMEOUT_S)
     yield
     sim.hold_events(False)
 
@@ -227,6 +228,8 @@ def test_backward_waits_for_held_prefetch_copies(offload):
     loss.backward()
     waited = time.perf_counter() - start
     releaser.join()
+    # A lower bound only (load can only lengthen "waited"); backward's blocking wait is bounded by
+    # SIM_SYNC_TIMEOUT_S, not by how soon a descheduled Timer thread gets to release the events.
     assert waited >= hold_s * 0.9, f"backward finished in {waited:.3f}s while its copies were held for {hold_s}s"
     assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
     stats = manager.stats()
@@ -642,8 +645,7 @@ def test_plain_cpu_is_a_no_op_that_warns_once_naming_why():
         "print(caught[0].message)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "MEMKERNELS_DEVICE"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     message = result.stdout
     assert message.startswith("memkernels.OffloadActivations is disabled (a no-op): ")

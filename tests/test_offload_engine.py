@@ -25,7 +25,7 @@ SANITIZED = bool(os.environ.get("MEMKERNELS_SANITIZER_RUN"))
 
 @pytest.fixture(autouse=True)
 def sim_device():
-    with simulated_device(capacity=256 * MiB, granularity=64 * KiB, sync_timeout_s=10.0) as configured:
+    with simulated_device(capacity=256 * MiB, granularity=64 * KiB) as configured:
         yield configured
 
 

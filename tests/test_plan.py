@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from conftest import SIM_SYNC_TIMEOUT_S
 
 import memkernels
 from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, _Source, estimate, lora_parameters, model_state_bytes
@@ -308,7 +309,7 @@ def simulated_device():
     from memkernels.device import sim
     device.use_sim()
     sim.configure(device_count=1, capacity=1 << 30, host_capacity=None, granularity=64 << 10, memory="backed",
-                  address_space=1 << 36, sync_timeout_s=20.0)
+                  address_space=1 << 36, sync_timeout_s=SIM_SYNC_TIMEOUT_S)
 
 
 def _copies_keep_up(model, offload):

@@ -16,6 +16,7 @@ import random
 import threading
 
 import pytest
+from conftest import SIM_SYNC_TIMEOUT_S
 
 from memkernels import _C, allocator, device
 from memkernels.device import sim
@@ -56,7 +57,7 @@ def _simulated_device(rng):
     sleep a random 0..50 us before each operation."""
     device.use_sim()
     sim.configure(device_count=1, capacity=GiB, host_capacity=None, granularity=2 * MiB, memory="virtual",
-                  address_space=4 * GiB, sync_timeout_s=30.0)
+                  address_space=4 * GiB, sync_timeout_s=SIM_SYNC_TIMEOUT_S)
     sim.set_random_delays(max_delay_us=50, seed=rng.getrandbits(32))
     streams = [0] + [device.stream_create() for _ in range(3)]
     used = lambda: sim.stats()["devices"][0]["bytes_in_use"]  # noqa: E731

@@ -38,7 +38,7 @@ def test_allocator_memory_summary_without_cuda_gives_the_same_message():
             "assert mka.memory_summary() == str(memkernels.memory_summary()), mka.memory_summary()\n"
             "print(mka.memory_summary())\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "MEMKERNELS_DEVICE"}
-    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("memory_summary: no CUDA device on this machine")
 
@@ -202,8 +202,9 @@ def test_ledger_of_llama3_8b_on_meta_allocates_nothing():
         print(json.dumps({"seconds": seconds, "grown_kib": grown_kib, "new_bytes": ledger.new_bytes,
                           "devices": sorted({str(r["device"]) for r in ledger.records})}))
     """)
-    # The timeout only stops a hang: run time is printed for the notes, not asserted (loaded CI machines).
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=900)
+    # "seconds" is data: printed for the notes, neither asserted nor bounded by a timeout (issue 32: a
+    # verdict must not depend on how busy the machine is).
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"llama-3-8b ledger on meta: {result['seconds']:.1f} s")
     assert result["devices"] == ["meta"]
