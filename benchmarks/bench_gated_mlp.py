@@ -17,9 +17,10 @@ including the parameter gradients), for
 Targets (exit status 1 if one is missed): memkernels saves <= 50% of eager's bytes and <= 67% of
 Liger's; recompute saves 0 new bytes; each memkernels peak <= eager's.
 
-Timing (only with a CUDA device): TFLOP/s of the whole MLP forward+backward against eager, with
-FusedGatedMLP's PyTorch path on the same CUDA tensors beside it (backend "torch": cuBLAS GEMMs,
-the same saved tensors), the candidate for CUDA if the Triton act-GEMM stays slower.
+Timing (only with a CUDA device): TFLOP/s of the whole MLP forward+backward against eager and, when
+liger_kernel is installed, Liger's layout (LigerSiLUMulFunction between the projections), with
+FusedGatedMLP's PyTorch path on the same CUDA tensors beside it (backend "torch": the same cuBLAS
+GEMMs, PyTorch's elementwise ops in place of the one Triton pass each way).
 On a CPU the default shape takes minutes (nine 2048 x 4096 x 14336 GEMMs per step and dtype).
 """
 import argparse
@@ -33,7 +34,6 @@ import memkernels
 from memkernels._backend import resolve
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.nn.mlp import FusedGatedMLP
-from memkernels.ops.gelu_linear import chosen_tiles
 
 TARGET_VS_EAGER = 0.50
 TARGET_VS_LIGER = 0.67
@@ -89,8 +89,8 @@ class LigerLayoutMLP(EagerGatedMLP):
 
 
 def measure(model, x, grad_out):
-    """(saved new bytes, forward+backward extra peak) of one step, after one warm-up step (on a GPU the
-    first call of a shape autotunes the GEMMs, whose benchmarking allocates 256 MB; bench_gelu_linear.py)."""
+    """(saved new bytes, forward+backward extra peak) of one step, after one warm-up step (first-call costs,
+    Triton's compiles and cuBLAS's workspace, are not counted)."""
     model(x).backward(grad_out)
     x.grad = None
     for param in model.parameters():
@@ -152,7 +152,7 @@ def timing_table(tokens, hidden, intermediate):
     print(f"\nSwiGLU MLP fwd+bwd timing on {torch.cuda.get_device_name()}: {tokens} tokens, "
           f"{hidden} -> 2 x {intermediate} -> {hidden}")
     print(f"{'dtype':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'recompute TFLOP/s':>19}"
-          f"{'torch path TFLOP/s':>20}")
+          f"{'torch path TFLOP/s':>20}{'Liger TFLOP/s':>14}")
     flops = 3 * 2.0 * tokens * hidden * intermediate * 3  # three GEMMs forward, twice that backward
     for dtype in (torch.bfloat16, torch.float16):
         linear = dict(bias=False, device="cuda", dtype=dtype)
@@ -161,26 +161,33 @@ def timing_table(tokens, hidden, intermediate):
                                         nn.Linear(intermediate, hidden, **linear)))
         x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
         grad_out = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
-        row = []
-        for model in (eager, FusedGatedMLP.from_module(eager), FusedGatedMLP.from_module(eager, recompute=True)):
-            row.append(triton.testing.do_bench(lambda: model(x).backward(grad_out),  # noqa: B023
-                                               grad_to_none=[x, *model.parameters()]))
-        # The PyTorch path on the same CUDA tensors (cuBLAS GEMMs, the same saved tensors).
+        silu_mul, liger_label = _liger_silu_mul("cuda")
+        models = {"eager": eager, "memkernels": FusedGatedMLP.from_module(eager),
+                  "recompute": FusedGatedMLP.from_module(eager, recompute=True)}
+        if liger_label.startswith("Liger ("):  # only Liger's own kernel: its layout in torch ops times nothing
+            models["Liger"] = LigerLayoutMLP(eager.gate_proj, eager.up_proj, eager.down_proj, silu_mul)
+        ms = {name: triton.testing.do_bench(lambda: model(x).backward(grad_out),  # noqa: B023
+                                            grad_to_none=[x, *model.parameters()])
+              for name, model in models.items()}
+        # The PyTorch path on the same CUDA tensors (the same GEMMs, PyTorch's elementwise ops).
         memkernels.set_backend("torch")
         try:
             fused = FusedGatedMLP.from_module(eager)
-            row.append(triton.testing.do_bench(lambda: fused(x).backward(grad_out),
-                                               grad_to_none=[x, *fused.parameters()]))
+            ms["torch path"] = triton.testing.do_bench(lambda: fused(x).backward(grad_out),
+                                                       grad_to_none=[x, *fused.parameters()])
         finally:
             memkernels.set_backend("auto")
-        print(f"{str(dtype).replace('torch.', ''):<10}{flops / row[0] * 1e-9:>15.1f}{flops / row[1] * 1e-9:>20.1f}"
-              f"{flops / row[2] * 1e-9:>19.1f}{flops / row[3] * 1e-9:>20.1f}")
-        print(f"  measured ms, fwd+bwd: eager {row[0]:.3f}, memkernels {row[1]:.3f}, recompute {row[2]:.3f}, "
-              f"torch path {row[3]:.3f}")
+        liger = f"{flops / ms['Liger'] * 1e-9:>14.1f}" if "Liger" in ms else f"{'-':>14}"
+        print(f"{str(dtype).replace('torch.', ''):<10}{flops / ms['eager'] * 1e-9:>15.1f}"
+              f"{flops / ms['memkernels'] * 1e-9:>20.1f}{flops / ms['recompute'] * 1e-9:>19.1f}"
+              f"{flops / ms['torch path'] * 1e-9:>20.1f}{liger}")
+        print("  measured ms, fwd+bwd: " + ", ".join(f"{name} {value:.3f}" for name, value in ms.items())
+              + f"; memkernels / eager {ms['memkernels'] / ms['eager']:.2f}x"
+              + (f", memkernels / Liger {ms['memkernels'] / ms['Liger']:.2f}x" if "Liger" in ms else
+                 " (liger_kernel not installed)"))
         # the model's memkernels is FusedGatedMLP without recompute (gpu_audit's first gated_mlp case)
         print("  " + prediction_line("gated_mlp", {"M": tokens, "K": intermediate, "N": hidden}, dtype,
                                      torch.cuda.get_device_name()))
-    print("autotuned tiles:\n  " + "\n  ".join(chosen_tiles()))
 
 
 def main(argv=None):

@@ -10,8 +10,8 @@ FusedMLP saving at most 55% of eager's bytes; the exit status is 1 if it does no
 
 Timing (only with a CUDA device): TFLOP/s of gelu_linear against eager
 F.linear(F.gelu(x), W, b) on the fc2 GEMM, forward and forward+backward; and of gelu_linear's
-PyTorch path on the same CUDA tensors (backend="torch": cuBLAS GEMMs on row / column slabs of
-gelu(x), the same saved bytes), the candidate for CUDA if the Triton act-GEMM stays slower.
+PyTorch path on the same CUDA tensors (backend="torch": the same cuBLAS GEMMs, PyTorch's
+elementwise ops in place of the one Triton pass each way), what the Triton passes save.
 
 Host time (any device): CPU time per forward + backward of gelu_linear and gated_linear at a tiny
 shape, through the custom op with its autograd (what torch.compile keeps) and through its
@@ -28,7 +28,7 @@ from torch import nn
 from memkernels._backend import resolve
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.nn.mlp import FusedMLP
-from memkernels.ops.gelu_linear import chosen_tiles, gelu_linear
+from memkernels.ops.gelu_linear import gelu_linear
 
 TARGET_SAVED_RATIO = 0.55
 
@@ -36,8 +36,8 @@ TARGET_SAVED_RATIO = 0.55
 def measure(model, x, grad_out):
     """(saved new bytes, forward extra peak, forward+backward extra peak) of one step.
 
-    After one warm-up step: on a GPU the first call of a shape autotunes the GEMM, and Triton's
-    benchmarking allocates a 256 MB buffer then (the H200 run measured +224 MiB on the forward peak)."""
+    After one warm-up step, so that first-call costs (Triton's compiles, cuBLAS's workspace) are not
+    counted."""
     model(x).backward(grad_out)
     x.grad = None
     for param in model.parameters():
@@ -106,7 +106,6 @@ def timing_table(tokens, hidden, ffn):
               f"{milliseconds['memkernels'][1]:.3f}, torch path {milliseconds['torch path'][1]:.3f}")
         print("  " + prediction_line("gelu_linear", {"M": tokens, "K": ffn, "N": hidden}, dtype,
                                      torch.cuda.get_device_name()))
-    print("autotuned tiles:\n  " + "\n  ".join(chosen_tiles()))
 
 
 def host_time_table(device, calls=300):

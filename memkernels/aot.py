@@ -153,8 +153,8 @@ def register(kernel, *, name, variants):
     if previous is not None and (previous.module, previous.qualname) != (module, qualname):
         raise ValueError(f"memkernels.aot.register(name={name!r}): already registered for "
                          f"{previous.module}.{previous.qualname}; pick another name")
-    # One kernel may be registered by several modules (gated_linear registers gelu_linear's kernel with
-    # its own variants): the subprocess must import the registering module, not only the kernel's.
+    # A kernel may be registered by another module than the one that defines it: the subprocess must
+    # import the registering module, not only the kernel's.
     importer = sys._getframe(1).f_globals.get("__name__", module)
     _REGISTRY[name] = _Entry(name, kernel, module, qualname, [dict(v) for v in variants],
                              module if importer == "__main__" else importer)

@@ -1,17 +1,5 @@
-"""Helpers shared by the tests of the activation GEMM kernel's ops (gelu_linear, gated_linear)."""
+"""Helpers shared by the tests of the activation-linear ops (gelu_linear, gated_linear)."""
 import contextlib
-
-
-class KernelChoiceLog:
-    """Stands in for one of the GEMM kernel's autotuned entries (memkernels.ops.gelu_linear._AUTOTUNED,
-    which gated_linear launches too) and records which one ran."""
-
-    def __init__(self, aligned, kernel, log):
-        self.aligned, self.kernel, self.log = aligned, kernel, log
-
-    def __getitem__(self, grid):
-        self.log.append(self.aligned)
-        return self.kernel[grid]
 
 
 def compile_recording_ops(fn):
@@ -38,13 +26,12 @@ def compile_recording_ops(fn):
 
 @contextlib.contextmanager
 def step_log(monkeypatch, steps, matmuls=False):
-    """Yields a list that records, in order, each of ``steps``' (an op module's ``_STEPS``)
-    implementations run inside the block as ``(step name, backend)``, and with ``matmuls`` the aten
-    matmuls run outside them. In eager mode the ops call their steps' implementations directly
-    (memkernels/ops/_custom_op.py), so the record is taken there; a step's own matmuls (the torch
-    backend's) are not listed."""
+    """Yields a list that records, in order, each of ``steps``' (an op module's ``_STEPS``) runs inside
+    the block as ``(step name, backend)``, and with ``matmuls`` every aten matmul as its name, inside
+    the steps or not (the GEMMs are PyTorch's on both backends). In eager mode the ops call their
+    steps' implementations directly (memkernels/ops/_custom_op.py), so the record is taken there."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     calls = []
 
@@ -55,12 +42,10 @@ def step_log(monkeypatch, steps, matmuls=False):
             return func(*args, **(kwargs or {}))
 
     for step in steps.values():
-        for attribute, backend in (("triton_impl", "triton"), ("reference_impl", "torch")):
-            def recorded(*args, _run=getattr(step, attribute), _entry=(step.name.split("::")[1], backend)):
-                calls.append(_entry)
-                with _disable_current_modes():
-                    return _run(*args)
-            monkeypatch.setattr(step, attribute, recorded)
+        def recorded(*args, _run=step.run, _name=step.name.split("::")[1]):
+            calls.append((_name, args[-1]))
+            return _run(*args)
+        monkeypatch.setattr(step, "run", recorded)
     with MatmulLog() if matmuls else contextlib.nullcontext():
         yield calls
 
@@ -69,9 +54,8 @@ def gemm_sum_lengths(inputs):
     """check_against_reference's ``sum_length`` for ``act(*inputs[:-2]) @ weight.T + bias``, with
     ``inputs`` ending in (weight [N, K], bias [N] or None): the output sums K products (and the
     bias), each activation input's gradient N, the weight's and the bias's gradients one term per
-    token (M). Declared so that the floor admits any order of those sums: on a GPU the Triton GEMM
-    adds a tile's K products in one running total, cuBLAS and the CPU's BLAS in blocks, and in
-    float32 the first was 3-9x eager's error at K = 131-3072 on the H200 (docs/gpu-runs.md)."""
+    token (M). Declared so that the floor admits any order of those sums: the GEMMs are the BLAS's
+    (cuBLAS, the CPU's), which may add in blocks of any length."""
     *activation_inputs, weight, bias = inputs
     out_features, in_features = weight.shape
     tokens = activation_inputs[0].numel() // activation_inputs[0].shape[-1]

@@ -84,10 +84,11 @@ def test_the_guard_makes_the_tensor_device_current(current_device):
 
 
 def test_the_real_launchers_carry_the_guard():
-    from memkernels.ops import _norm_kernels, cross_entropy, gelu_linear, linear_cross_entropy
+    from memkernels.ops import _act_linear, _norm_kernels, cross_entropy, linear_cross_entropy
 
     for launcher in (_norm_kernels.norm_forward, _norm_kernels.norm_backward, cross_entropy._launch,
-                     gelu_linear.act_gemm, linear_cross_entropy._add_to_split_float32_triton,
+                     _act_linear._product_triton, _act_linear._product_backward_triton,
+                     linear_cross_entropy._add_to_split_float32_triton,
                      linear_cross_entropy._scale_triton):
         assert getattr(launcher, "device_guarded", False), launcher.__name__
 

@@ -1,6 +1,5 @@
 """gelu_linear, GeLULinear and FusedMLP against eager PyTorch in float64, and their memory contract."""
 import os
-import types
 
 import pytest
 import torch
@@ -14,12 +13,12 @@ from memkernels.ops import gelu_linear as gelu_module
 from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.testing import check_against_reference
 
-from act_gemm_cases import KernelChoiceLog, compile_recording_ops, gemm_sum_lengths, step_log
+from act_gemm_cases import compile_recording_ops, gemm_sum_lengths, step_log
 
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from memkernels.ops.gelu_linear import _erf, _tanh_sech2  # noqa: E402
+from memkernels.ops._act_linear import _erf, _tanh_sech2  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -144,64 +143,6 @@ def test_strided_weight_and_input(backend, dtype):
                             sum_length=gemm_sum_lengths([x, weight, bias]))
 
 
-@pytest.mark.skipif(not INTERPRETED, reason="drives the kernels through the interpreter on CPU tensors")
-@pytest.mark.parametrize("tokens, in_features, out_features, column_offset, aligned", [
-    (32, 64, 48, 0, True),  # contiguous, 16-multiple features
-    (17, 64, 48, 0, True),  # the token count does not decide vectorization
-    (32, 40, 48, 0, False),  # odd hidden size: row stride 40 is not a multiple of 16
-    (32, 64, 48, 16, True),  # a slice at a 16-element (64-byte) offset keeps the alignment
-    (32, 64, 48, 1, False),  # a slice one element in: x's data_ptr is not 16-byte aligned
-])
-def test_misaligned_launches_use_the_spill_free_configs(monkeypatch, tokens, in_features, out_features,
-                                                        column_offset, aligned):
-    from memkernels.ops import gelu_linear as op
-
-    log = []
-    monkeypatch.setattr(op, "_AUTOTUNED", {a: KernelChoiceLog(a, k, log) for a, k in op._AUTOTUNED.items()})
-    x = torch.randn(tokens, in_features + column_offset)[:, column_offset:].requires_grad_()
-    weight = torch.randn(out_features, in_features, requires_grad=True)
-    y = gelu_linear(x, weight, backend="triton")
-    y.backward(torch.randn_like(y))
-    assert log == [aligned] * 3  # forward, dx and dW launches
-
-
-@pytest.mark.parametrize("hopper", [False, True], ids=["sm80", "sm90"])
-def test_prune_keeps_the_configs_of_the_launchs_role_operands_and_alignment(monkeypatch, hopper):
-    from memkernels.ops import gelu_linear as op
-
-    monkeypatch.setattr(op, "_on_hopper", lambda tensor: hopper)
-    shapes = (op._CONFIGS + sum(op._IEEE_CONFIGS.values(), ()) + sum(op.MISALIGNED_CONFIGS.values(), ())
-              + sum(op.HOPPER_CONFIGS.values(), ()))
-    configs = [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-               for bm, bn, bk, w, s in dict.fromkeys(shapes)]
-    for dtype, precision, operand in [(torch.bfloat16, "tf32", "bf16"), (torch.float16, "tf32", "fp16"),
-                                      (torch.float32, "tf32", "fp32"), (torch.float32, "ieee", "fp32-ieee")]:
-        for role, flags in [("fwd", (False, False)), ("dx", (False, True)), ("dw", (True, False))]:
-            kept = {aligned: {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"], c.num_warps,
-                               c.num_stages)
-                              for c in op._prune_configs(configs, {"a_ptr": torch.empty(0, dtype=dtype)},
-                                                         aligned=aligned, ACT_ON_B=flags[0],
-                                                         ACT_GRAD_EPILOGUE=flags[1], GATED=False,
-                                                         INPUT_PRECISION=precision)}
-                    for aligned in (True, False)}
-            expected_aligned = set(op._IEEE_CONFIGS[role] if precision == "ieee" else op._CONFIGS)
-            if hopper and operand in ("bf16", "fp16"):  # BLOCK_K = 64 tiles, only on sm_90
-                expected_aligned |= set(op.HOPPER_CONFIGS[role, operand, False])
-                assert all(shape[2] == 64 for shape in op.HOPPER_CONFIGS[role, operand, False])
-            assert kept[True] == expected_aligned, (role, operand)
-            assert kept[False] == set(op.MISALIGNED_CONFIGS[role, operand]) != set(), (role, operand)
-
-
-def test_only_an_sm90_gpu_counts_as_hopper(monkeypatch):
-    from memkernels.ops import gelu_linear as op
-
-    assert not op._on_hopper(torch.empty(1))  # the CPU, and the interpreter
-    cuda = types.SimpleNamespace(device=torch.device("cuda", 0))
-    for capability, hopper in (((8, 0), False), ((9, 0), True), ((10, 0), False), ((12, 0), False)):
-        monkeypatch.setattr(op, "_compute_capability", lambda index, c=capability: c)
-        assert op._on_hopper(cuda) is hopper, capability
-
-
 @pytest.mark.parametrize("requires_grad", [(True, False, False), (False, True, False), (False, False, True)],
                          ids=["x", "weight", "bias"])
 def test_backward_computes_only_needed_grads(backend, requires_grad, monkeypatch):
@@ -209,10 +150,11 @@ def test_backward_computes_only_needed_grads(backend, requires_grad, monkeypatch
     check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs, sum_length=gemm_sum_lengths(inputs))
     x, weight, bias = inputs
     y = gelu_linear(x, weight, bias)
-    with step_log(monkeypatch, gelu_module._STEPS) as log:  # see which backward GEMMs ran, on which backend
+    with step_log(monkeypatch, gelu_module._STEPS, matmuls=True) as log:  # which steps and GEMMs ran, on which backend
         y.backward(torch.ones_like(y))
-    expected = [(name, backend) for name, needed in (("gelu_linear_grad_input", requires_grad[0]),
-                                                     ("gelu_linear_grad_weight", requires_grad[1])) if needed]
+    # dx needs dy @ W; dW needs dy.T @ gelu(x); the bias gradient is a sum: no step at all
+    needs_x, needs_w = requires_grad[:2]
+    expected = ([("gelu_linear_backward", backend)] if needs_x or needs_w else []) + ["mm"] * (needs_x + needs_w)
     assert log == expected
 
 
@@ -225,6 +167,23 @@ def test_explicit_backend_overrides_global(monkeypatch):
         assert log == [("gelu_linear", "torch")]
     finally:
         memkernels.set_backend("auto")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_large_activations_run_in_chunks_whose_results_are_final(backend, monkeypatch, dtype):
+    # gelu(x) is 37 x 50: forward chunks of 10 rows, backward slabs of 16 columns (a ragged last one each)
+    from memkernels.ops import _act_linear
+
+    monkeypatch.setattr(_act_linear, "TRANSIENT_BYTES", 37 * 50 * dtype.itemsize // 3)
+    monkeypatch.setattr(_act_linear, "MIN_CHUNK_ROWS", 10)
+    monkeypatch.setattr(_act_linear, "MIN_SLAB_COLS", 16)
+    inputs = make_inputs((37,), 50, 29, dtype)
+    check_against_reference(fused_gelu_linear, eager_gelu_linear, inputs, kwargs={"approximate": "tanh"},
+                            sum_length=gemm_sum_lengths(inputs))
+    x, weight, bias = inputs
+    with step_log(monkeypatch, gelu_module._STEPS, matmuls=True) as log:
+        gelu_linear(x, weight, bias).backward(torch.ones(37, 29, dtype=dtype))
+    assert log == [("gelu_linear", backend)] + ["addmm"] * 4 + [("gelu_linear_backward", backend)] + ["mm"] * 8
 
 
 def test_empty_batch(backend):
@@ -383,18 +342,18 @@ def test_custom_ops_pass_opcheck(backend):
     ops = torch.ops.memkernels
     torch.library.opcheck(ops.gelu_linear.default, (x, weight, bias, "tanh", backend))
     torch.library.opcheck(ops.gelu_linear.default, (x, weight, None, "none", backend))
-    torch.library.opcheck(ops.gelu_linear_grad_input.default, (grad_out, x, weight, "none", backend))
-    torch.library.opcheck(ops.gelu_linear_grad_weight.default, (grad_out, x, "tanh", backend))
+    for needs_input, needs_weight in ((True, True), (True, False), (False, True)):
+        torch.library.opcheck(ops.gelu_linear_backward.default,
+                              (grad_out, x, weight, needs_input, needs_weight, "tanh", backend))
 
 
 def test_torch_compile_fullgraph(backend):
     compiled, graph_ops = compile_recording_ops(fused_gelu_linear)
     check_against_reference(compiled, eager_gelu_linear, make_inputs((2, 5), 24, 16, torch.float32),
                             kwargs={"approximate": "tanh"}, name="compiled gelu_linear")
-    # The GEMMs stay opaque custom ops and gelu(x) is not materialized by the compiled graphs.
+    # The steps stay opaque custom ops and gelu(x) is not materialized by the compiled graphs.
     assert "memkernels.gelu_linear.default" in graph_ops["forward"]
-    assert {"memkernels.gelu_linear_grad_input.default", "memkernels.gelu_linear_grad_weight.default"} <= set(
-        graph_ops["backward"])
+    assert "memkernels.gelu_linear_backward.default" in graph_ops["backward"]
     assert not any("gelu.default" in op for ops in graph_ops.values() for op in ops)
 
 
@@ -404,38 +363,6 @@ def test_torch_compile_inductor_default_backend():
     compiled = torch.compile(fused_gelu_linear, fullgraph=True)
     check_against_reference(compiled, eager_gelu_linear, make_inputs((3, 4), 24, 16, torch.float32),
                             kwargs={"approximate": "none"}, name="inductor gelu_linear")
-
-
-def test_autotune_key_buckets_the_token_count():
-    """Sequence lengths of one power of two share a tuned config; feature sizes never do."""
-    from memkernels.ops import gelu_linear as module
-    assert "M" not in module._AUTOTUNED[True].keys and "K" not in module._AUTOTUNED[True].keys
-    assert module._tuning_sizes("fwd", 1000, 768) == module._tuning_sizes("fwd", 1017, 768) == (1024, 768)
-    assert module._tuning_sizes("dx", 5, 3072) == (64, 3072)
-    assert module._tuning_sizes("dw", 768, 1000) == (768, 1024)  # dW: the tokens are K
-    assert module._tuning_sizes("fwd", 1025, 768) != module._tuning_sizes("fwd", 1000, 768)
-
-
-def test_chosen_tiles_names_each_tuned_launch_and_the_hopper_tiles(monkeypatch):
-    """The benchmarks' GPU sections print what the autotuners chose (are the Hopper tiles ever
-    faster?). Under the interpreter nothing is tuned; a tuned entry is read from the autotuner's cache
-    key (its key arguments in order, then the dtypes)."""
-    from memkernels.ops import gelu_linear as op
-
-    for tuner in op._AUTOTUNED.values():
-        monkeypatch.setattr(tuner, "cache", {})
-    assert op.chosen_tiles() == []
-    hopper = triton.Config({"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8}, num_warps=8, num_stages=3)
-    plain = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8}, num_warps=4, num_stages=4)
-    key = ("TUNE_M", "N", "TUNE_K", "ACT_ON_A", "ACT_ON_B", "ACT_GRAD_EPILOGUE", "GATED")
-    assert list(op._AUTOTUNED[True].keys[:7]) == list(key)
-    monkeypatch.setattr(op._AUTOTUNED[True], "cache", {
-        (4096, 1024, 4096, True, False, False, False, False, "gelu", "tf32", "torch.bfloat16"): hopper})
-    monkeypatch.setattr(op._AUTOTUNED[False], "cache", {
-        (64, 40, 64, False, True, False, True, False, "silu", "tf32", "torch.float16"): plain})
-    assert op.chosen_tiles() == [
-        "fwd M<=4096 N=1024 K<=4096 (aligned): 128x128x64 w8 s3 (Hopper tile)",
-        "dw gated M<=64 N=40 K<=64 (misaligned): 64x64x32 w4 s4"]
 
 
 def test_float64_bias_gradient_is_summed_in_float64():

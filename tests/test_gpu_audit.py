@@ -153,35 +153,41 @@ def test_cross_entropy_counts():
 
 
 def test_gelu_linear_counts():
-    m = k = n = 64
+    m = k = n = 64  # tokens, in_features (the activated width), out_features
     e = 2
     run = _measure("gelu_linear", M=m, K=k, N=n)
-    # forward: one tile program: x, W, the bias, the output; one bf16 dot of 2*M*N*K
-    assert _triton(run["forward"]) == (1, (m * k + n * k + n + m * n) * e, (m * k + n * k + n + m * n) * e)
-    assert run["forward"].flops() == run["forward"].flops("bf16") == 2 * m * n * k
-    # backward: dX = (dY @ W) * gelu'(x) reads dY, W, x and writes dX; dW = dY^T @ gelu(x)
+    # forward: one elementwise pass reads x and writes gelu(x); cuBLAS's addmm reads gelu(x), W and the
+    # bias and writes y. One bf16 GEMM of 2*M*N*K.
+    assert _triton(run["forward"]) == (1, 2 * m * k * e, 2 * m * k * e)
+    assert _matmuls(run["forward"]) == [("addmm", (m * k + n * k + n + m * n) * e, {"bf16": 2 * m * n * k},
+                                         (("bf16", "bf16"),))]
+    # backward: g = dY @ W (dY, W in, g out); one pass reads g and x and writes dX and gelu(x) over g;
+    # dW = dY^T @ gelu(x) (dY, gelu(x) in, dW out); the bias gradient a float32 sum cast once
+    assert [x.name for x in run["backward"].launches if x.hbm_bytes] == [
+        "mm", "_product_backward_kernel", "mm", "sum", "_to_copy"]
+    assert _triton(run["backward"]) == (1, 4 * m * k * e, 4 * m * k * e)
+    assert [(name, hbm) for name, hbm, _, _ in _matmuls(run["backward"])] == [
+        ("mm", (m * n + n * k + m * k) * e), ("mm", (m * n + m * k + n * k) * e)]
     assert run["backward"].flops() == run["backward"].flops("bf16") == 4 * m * n * k
     assert {dtypes for _, dtypes in run["backward"].matmul_dtypes} == {("bf16", "bf16")}
     assert run["forward"].syncs == run["backward"].syncs == []
 
 
 def test_gated_linear_counts():
-    m = k = n = 64  # one 64x64 output tile (the interpreter's config), K in four steps of 16
+    m = k = n = 64  # tokens, intermediate (the width of gate and up), hidden
     e = 2
     run = _measure("gated_linear", M=m, K=k, N=n)
-    # forward: y = (silu(gate) * up) @ W.T in one kernel: gate and up (M*K each) and W (N*K) read once,
-    # y (M*N) written; the product never reaches memory. One bf16 dot of 2*M*N*K.
-    forward = (2 * m * k + n * k + m * n) * e
-    assert _triton(run["forward"]) == (1, forward, forward)
-    assert _aten(run["forward"]) == []
-    assert run["forward"].flops() == run["forward"].flops("bf16") == 2 * m * n * k
-    # backward, two kernels: d = dY @ W with the epilogue reading gate and up and writing d_gate and
-    # d_up (dY M*N, W N*K, gate, up, d_gate, d_up M*K each); dW = dY.T @ (silu(gate) * up), the
-    # product formed again on load (dY, gate, up in, dW N*K out)
-    grad_inputs = (m * n + n * k + 4 * m * k) * e
-    grad_weight = (m * n + 2 * m * k + n * k) * e
-    assert _triton(run["backward"]) == (2, grad_inputs + grad_weight, grad_inputs + grad_weight)
-    assert _aten(run["backward"]) == []
+    # forward: one pass reads gate and up and writes the product (3 I-wide tensors), which cuBLAS reads
+    # with W to write y; the product is freed at once. One bf16 GEMM of 2*M*N*K.
+    assert _triton(run["forward"]) == (1, 3 * m * k * e, 3 * m * k * e)
+    assert _matmuls(run["forward"]) == [("mm", (m * k + n * k + m * n) * e, {"bf16": 2 * m * n * k},
+                                         (("bf16", "bf16"),))]
+    # backward: g = dY @ W; one pass reads g, gate and up and writes d_gate, d_up and the product over g
+    # (6 I-wide tensors); dW = dY.T @ product. No aten op but the two GEMMs.
+    assert [x.name for x in run["backward"].launches] == ["mm", "_product_backward_kernel", "mm"]
+    assert _triton(run["backward"]) == (1, 6 * m * k * e, 6 * m * k * e)
+    assert [(name, hbm) for name, hbm, _, _ in _matmuls(run["backward"])] == [
+        ("mm", (m * n + n * k + m * k) * e), ("mm", (m * n + m * k + n * k) * e)]
     assert run["backward"].flops() == run["backward"].flops("bf16") == 4 * m * n * k
     assert {dtypes for _, dtypes in run["forward"].matmul_dtypes + run["backward"].matmul_dtypes} == {
         ("bf16", "bf16")}
@@ -202,21 +208,23 @@ def test_gated_linear_eager_sequence_counts():
 
 
 def test_gated_mlp_counts():
-    """FusedGatedMLP: the gate and up projections are aten GEMMs around gated_linear's two kernels."""
+    """FusedGatedMLP: the gate and up projections are aten GEMMs around gated_linear's passes and GEMMs."""
     m = k = n = 64  # tokens, intermediate, hidden
     e = 2
     plain, recompute = (gpu_audit.measure(case, dict(M=m, K=k, N=n), torch.bfloat16)
                         for case in gpu_audit.cases() if case.op == "gated_mlp")
     projection = (m * n + k * n + m * k) * e  # x and W in, gate (or up) out
-    assert [(x.name, x.hbm_bytes) for x in plain["forward"].launches if x.kind == "aten"] == [("mm", projection)] * 2
-    assert _triton(plain["forward"])[:2] == (1, (2 * m * k + n * k + m * n) * e)
-    # backward: gated_linear's two kernels (test_gated_linear_counts), then per projection a dx and a dW GEMM,
-    # and the two dx summed
-    assert _triton(plain["backward"])[:2] == (2, (m * n + n * k + 4 * m * k) * e + (m * n + 2 * m * k + n * k) * e)
-    assert _aten(plain["backward"]) == ["add", "mm", "mm", "mm", "mm"]
+    down = (m * k + n * k + m * n) * e  # the product and W in, y out
+    assert [(x.name, x.hbm_bytes) for x in plain["forward"].launches if x.kind == "aten"] == [
+        ("mm", projection)] * 2 + [("mm", down)]
+    assert _triton(plain["forward"])[:2] == (1, 3 * m * k * e)
+    # backward: gated_linear's pass and two GEMMs (test_gated_linear_counts), then per projection a dx and a
+    # dW GEMM, and the two dx summed
+    assert _triton(plain["backward"])[:2] == (1, 6 * m * k * e)
+    assert _aten(plain["backward"]) == ["add"] + ["mm"] * 6
     assert (plain["forward"].flops("bf16"), plain["backward"].flops("bf16")) == (6 * m * n * k, 12 * m * n * k)
     # recompute=True: gate and up computed again in backward (two more GEMMs); dx accumulated in place
-    assert _aten(recompute["backward"]) == ["addmm_", "mm", "mm", "mm", "mm", "mm"]
+    assert _aten(recompute["backward"]) == ["addmm_"] + ["mm"] * 7
     assert recompute["backward"].flops("bf16") == recompute["backward"].flops() == 16 * m * n * k
     for run in (plain, recompute):
         assert {dtypes for counts in run.values() for _, dtypes in counts.matmul_dtypes} == {("bf16", "bf16")}

@@ -1,76 +1,34 @@
 """Gated Linear (the down projection of SwiGLU / GeGLU MLPs): ``y = (act(gate) * up) @ weight.T + bias``.
 
-Eager PyTorch keeps four I-wide tensors per token for a gated MLP's backward: gate,
-act(gate), up and the product. Here the product is formed on the GEMM's A tiles as they are
-loaded and never reaches memory: only gate and up are saved, and backward recomputes it:
+Eager PyTorch keeps four I-wide tensors per token for a gated MLP's backward: gate, act(gate), up and
+the product. Here only gate and up are saved: the product is formed in one elementwise pass into a
+transient buffer for cuBLAS's GEMM and freed, and backward forms it again over dy @ W's buffer once
+that has given d_gate and d_up (memkernels/ops/_act_linear.py, shared with gelu_linear):
 
-- forward: y = (act(gate) * up) @ W.T (+ b)       gate and up tiles loaded, product in fp32 registers
-- d_gate, d_up from d = dy @ W in the epilogue:   d_gate = d * up * act'(gate), d_up = d * act(gate)
-- dW:      dW = dy.T @ (act(gate) * up)           product on load of B
-- db:      db = dy.sum(0)                         a deterministic torch reduction
+- forward: c = act(gate) * up; y = c @ W.T (+ b)                   one pass, then cuBLAS
+- backward: g = dy @ W; d_gate = g * up * act'(gate), d_up = g * act(gate), c over g; dW = dy.T @ c
+- db:      db = dy.sum(0)                                          a deterministic torch reduction
 
-The GEMMs are gelu_linear's kernel (memkernels/ops/gelu_linear.py: one kernel, specialized by
-constexpr flags) with GATED=True; this file adds the launchers, custom ops, autograd and the public
-function. :class:`GatedMLPRecomputeFunction` is the whole MLP saving only its input x.
+This file adds the custom ops, autograd and the public functions. :class:`GatedMLPRecomputeFunction`
+is the whole MLP saving only its input x.
 
-File order: launchers → custom ops → autograd → public functions.
+File order: steps → autograd → public functions.
 """
 import functools
 
 import torch
 import torch.nn.functional as F
 
-from memkernels import aot
-from memkernels.ops import _autocast
+from memkernels.ops import _act_linear, _autocast
+from memkernels.ops._act_linear import TRITON_DTYPES, Step, bias_grad
 from memkernels.ops._custom_op import apply_op, autograd_pair
 from memkernels._backend import resolve, triton_interpreted
-from memkernels.ops.gelu_linear import (_TRITON_DTYPES, _Step, _act_gemm_kernel, _empty_problem, act_gemm, aot_variants,
-                                        _bias_grad)
-from memkernels.reference import gated_linear as reference
-from memkernels.reference.gated_linear import ACTIVATIONS
-
-aot.register(_act_gemm_kernel, name="gated_linear", variants=aot_variants(gated=True))
+from memkernels.reference.act_linear import ACTIVATIONS
 
 
 # --------------------------------------------------------------------------------------------
-# Launchers: 2-D operands in, output allocated here. gate and up are views with one layout (the
-# kernel reads up with gate's strides); _same_layout makes them so.
-
-
-def _same_layout(gate2d, up2d):
-    if gate2d.stride() == up2d.stride():
-        return gate2d, up2d
-    return gate2d.contiguous(), up2d.contiguous()
-
-
-def _forward_triton(gate2d, up2d, weight, bias, activation):
-    if _empty_problem(gate2d, weight):
-        return reference.forward(gate2d, up2d, weight, bias, activation)
-    gate2d, up2d = _same_layout(gate2d, up2d)
-    out = gate2d.new_empty(gate2d.shape[0], weight.shape[0])
-    return act_gemm(gate2d, weight.t(), out, bias=bias, up=up2d, act_on_a=True, activation=activation)
-
-
-def _grad_inputs_triton(grad_out2d, gate2d, up2d, weight, packed, activation):
-    if _empty_problem(grad_out2d, gate2d, weight):
-        return reference.grad_inputs(grad_out2d, gate2d, up2d, weight, packed, activation)
-    gate2d, up2d = _same_layout(gate2d, up2d)
-    result, grad_gate, grad_up = reference.grad_input_buffers(gate2d, packed)
-    act_gemm(grad_out2d, weight, grad_gate, x=gate2d, up=up2d, out_up=grad_up, activation=activation)
-    return result
-
-
-def _grad_weight_triton(grad_out2d, gate2d, up2d, activation):
-    if _empty_problem(grad_out2d, gate2d):
-        return reference.grad_weight(grad_out2d, gate2d, up2d, activation)
-    gate2d, up2d = _same_layout(gate2d, up2d)
-    grad_w = grad_out2d.new_empty(grad_out2d.shape[1], gate2d.shape[1])
-    return act_gemm(grad_out2d.t(), gate2d, grad_w, up=up2d, act_on_b=True, activation=activation)
-
-
-# --------------------------------------------------------------------------------------------
-# Custom ops (memkernels/ops/_custom_op.py, as in gelu_linear): the whole op with its autograd, and its
-# backward GEMMs; the last argument, ``backend``, picks the Triton launcher or the PyTorch reference.
+# Steps (memkernels/ops/_custom_op.py, as in gelu_linear): the whole forward and the backward, each a
+# custom op; the last argument, ``backend``, picks the Triton elementwise passes or their PyTorch twins.
 
 
 def _halves(gate_up):
@@ -87,32 +45,22 @@ def _operands(gate, up):
     return gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
 
 
-def _on_operands(forward):
-    """``forward`` of 2-D gate and up applied to [..., I] ones (or a packed [..., 2*I] gate_up and up
-    None): [..., N] out (a view of [M, N])."""
-    def flattened(gate, up, *rest):
-        out = forward(*_operands(gate, up), *rest)
-        return out.view(*gate.shape[:-1], out.shape[-1])
-    return flattened
+def _forward(gate, up, weight, bias, activation, backend):
+    """[..., N] from gate and up [..., I] (or a packed [..., 2*I] gate_up and up None)."""
+    out = _act_linear.forward(*_operands(gate, up), weight, bias, activation, backend)
+    return out.view(*gate.shape[:-1], out.shape[-1])
 
 
 _STEPS = {
-    "forward": _Step(
+    "forward": Step(
         "gated_linear",
         "(Tensor gate, Tensor? up, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor",
-        _on_operands(_forward_triton), _on_operands(reference.forward),
-        lambda gate, up, weight, bias, activation: gate.new_empty(*gate.shape[:-1], weight.shape[0])),
-    "grad_inputs": _Step(
-        "gated_linear_grad_inputs",
-        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, str backend)"
-        " -> Tensor[]",
-        _grad_inputs_triton, reference.grad_inputs,
-        lambda grad_out2d, gate2d, up2d, weight, packed, activation: reference.grad_input_buffers(gate2d, packed)[0]),
-    "grad_weight": _Step(
-        "gated_linear_grad_weight",
-        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, str activation, str backend) -> Tensor",
-        _grad_weight_triton, reference.grad_weight,
-        lambda grad_out2d, gate2d, up2d, activation: grad_out2d.new_empty(grad_out2d.shape[1], gate2d.shape[1])),
+        _forward, lambda gate, up, weight, bias, activation: gate.new_empty(*gate.shape[:-1], weight.shape[0])),
+    "backward": Step(
+        "gated_linear_backward",
+        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, bool needs_inputs, "
+        "bool needs_weight, str activation, str backend) -> Tensor[]",
+        _act_linear.backward, _act_linear.backward_fake),
 }
 
 
@@ -128,29 +76,23 @@ _autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda":
 def _down_backward(step, backend, activation, grad_out2d, gate2d, up2d, weight, packed, needs_inputs,
                    needs_weight, needs_bias):
     """(gradients of gate and up: [one [M, 2*I] tensor] if packed else [d_gate, d_up]; dW; db) of the gated
-    down projection, each only when needed; ``step(name)`` is the backward GEMM to call."""
+    down projection, each only when needed; ``step`` is the backward step to call."""
     grads = grad_weight = grad_bias = None
-    if needs_inputs:
-        grads = step("grad_inputs")(grad_out2d, gate2d, up2d, weight, packed, activation, backend)
-    if needs_weight:
-        grad_weight = step("grad_weight")(grad_out2d, gate2d, up2d, activation, backend)
+    if needs_inputs or needs_weight:
+        results = step(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation, backend)
+        grads = results[:-1] if needs_weight else results
+        grad_weight = results[-1] if needs_weight else None
+        del results
     if needs_bias:
-        grad_bias = _bias_grad(grad_out2d)
-    return grads, grad_weight, grad_bias
-
-
-def _custom_ops(name):
-    return _STEPS[name].custom_op
-
-
-def _implementations(name):
-    return _STEPS[name].implementation
+        grad_bias = bias_grad(grad_out2d)
+    return (grads if needs_inputs else None), grad_weight, grad_bias
 
 
 def _traced_or_eager(name):
     """The custom op while torch.compile traces, its implementation in eager mode (for the recompute
     MLP's Function, which calls the steps itself)."""
-    return (_custom_ops if torch.compiler.is_compiling() else _implementations)(name)
+    step = _STEPS[name]
+    return step.custom_op if torch.compiler.is_compiling() else step.implementation
 
 
 def _setup_context(ctx, inputs, output):
@@ -163,8 +105,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward_with(step):
-    """gated_linear's backward over ``step(name)``: the custom ops under torch.compile, their
-    implementations in eager mode."""
+    """gated_linear's backward over ``step``: the custom op under torch.compile, its implementation in
+    eager mode."""
 
     def backward(ctx, grad_out):
         gate, up, weight = ctx.saved_tensors
@@ -183,7 +125,8 @@ def _backward_with(step):
 
 
 _GatedLinearFunction = autograd_pair(_STEPS["forward"].custom_op, _STEPS["forward"].implementation, _setup_context,
-                                     _backward_with(_custom_ops), _backward_with(_implementations))
+                                     _backward_with(_STEPS["backward"].custom_op),
+                                     _backward_with(_STEPS["backward"].implementation))
 
 
 class GatedMLPRecomputeFunction(torch.autograd.Function):
@@ -212,8 +155,8 @@ class GatedMLPRecomputeFunction(torch.autograd.Function):
         projections_need = any(needs[:5])
         gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
         grads, grad_down_weight, grad_down_bias = _down_backward(
-            _traced_or_eager, ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d,
-            down_weight, up_weight is None, projections_need, needs[5], ctx.has_down_bias and needs[6])
+            _traced_or_eager("backward"), ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]),
+            gate2d, up2d, down_weight, up_weight is None, projections_need, needs[5], ctx.has_down_bias and needs[6])
         del gate2d, up2d  # the recomputed activations go before the projections' gradients come
         grad_x = grad_gate_weight = grad_gate_bias = grad_up_weight = grad_up_bias = None
         if projections_need:
@@ -237,7 +180,7 @@ def _projection_backward(grad, x2d, weight, bias, needs_x, needs_weight, needs_b
     if needs_x:
         grad_x = grad @ weight if grad_x is None else grad_x.addmm_(grad, weight)
     grad_weight = grad.t() @ x2d if needs_weight else None
-    grad_bias = _bias_grad(grad) if bias is not None and needs_bias else None
+    grad_bias = bias_grad(grad) if bias is not None and needs_bias else None
     return grad_x, grad_weight, grad_bias
 
 
@@ -269,7 +212,7 @@ def _resolve_backend(backend, like, owner):
         raise ValueError(f"{owner}: backend='triton' cannot run on {like.device} tensors; Triton needs CUDA "
                          "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported); "
                          "use backend='torch' or None")
-    if backend == "triton" and like.dtype not in _TRITON_DTYPES:
+    if backend == "triton" and like.dtype not in TRITON_DTYPES:
         raise ValueError(f"{owner}: the input is {like.dtype}; the Triton backend takes float32, float16 or "
                          "bfloat16 (use backend='torch' for other dtypes)")
     return backend

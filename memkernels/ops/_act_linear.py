@@ -1,0 +1,360 @@
+"""The activation-linear family: ``y = (act(gate) * up) @ W.T + b`` (gated_linear) and ``y = act(x) @ W.T
++ b`` (gelu_linear, no up) with every GEMM in cuBLAS and one fused elementwise pass around each.
+
+Eager PyTorch keeps act(gate) and the product for backward besides gate and up (a GeLU MLP: gelu(x)
+besides x). Here only gate and up (x) are saved; the product is formed when a GEMM needs it, into a
+transient buffer that is freed at once:
+
+- forward:  c = act(gate) * up       one elementwise pass: fp32 math, rounded once to the dtype
+            y = c @ W.T + b           cuBLAS (F.linear); c is freed
+- backward: g = dy @ W                cuBLAS, [M, I]: dL/dc
+            one pass reads g, gate, up and writes d_gate = g * up * act'(gate), d_up = g * act(gate),
+            and c over g (the buffer is done with)
+            dW = dy.T @ c             cuBLAS
+            db = dy.sum(0)            a deterministic torch reduction (the callers')
+
+So backward holds one I-wide buffer beyond the gradients, as eager does. Why not fuse the activation
+into the GEMM's tile loads: each element would then be activated once per output tile (N / BLOCK_N
+times in the forward, M / BLOCK_M in dW) on CUDA cores while the tensor cores wait; on an H200 such a
+Triton GEMM ran at 0.21-0.64x eager (docs/gpu-runs.md).
+
+Where c would exceed ``TRANSIENT_BYTES``, the forward runs in row chunks of at least
+``MIN_CHUNK_ROWS`` tokens and the backward in column slabs of at least ``MIN_SLAB_COLS`` features,
+each chunk's result final, so that no GEMM falls below the sizes cuBLAS runs efficiently.
+
+The elementwise passes are the Triton kernels below (``backend="triton"``) or their PyTorch
+twins in memkernels/reference/act_linear.py (``backend="torch"``): one algorithm on both paths,
+so the CPU tests check what runs on the GPU.
+
+File order: activation math → kernels → launchers → the algorithm → custom-op steps.
+"""
+import types
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from memkernels import aot
+from memkernels.ops._custom_op import custom_op
+from memkernels.ops._device_guard import on_tensor_device
+from memkernels.reference import act_linear as reference
+
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# --------------------------------------------------------------------------------------------
+# Activation math in fp32. The interpreter's libdevice is a stub, so erf and tanh are built from
+# tl.exp and polynomials.
+
+
+@triton.jit
+def _erf(x):
+    """erf(x) in fp32, max |error| 2.4 * 2**-24 against float64 erf (tests/test_gelu_linear.py bounds it by 3 * 2**-24).
+
+    Coefficients are least-squares fits (float64, Chebyshev nodes) of erf(x)/x as a
+    polynomial in x*x on [0, 0.6], and of log(erfc(x)) as a polynomial in x on [0.6, 4];
+    beyond 4, 1 - erfc rounds to 1 in fp32.
+    """
+    a = tl.abs(x)
+    a2 = a * a
+    small = 1.128379226 + a2 * (-0.3761263788 + a2 * (0.1128372848 + a2 * (
+        -0.02685812674 + a2 * (0.005178681109 + a2 * -0.0007369763334))))
+    small = a * small
+    t = tl.minimum(a, 4.0)
+    log_erfc = 1.562877296e-4 + t * (-1.129458666 + t * (-0.6333909035 + t * (-0.1083063558 + t * (
+        0.02517550811 + t * (-0.004196306225 + t * (4.323807370e-4 + t * (
+            -1.611042171e-5 + t * (-1.458452402e-6 + t * 1.386701740e-7))))))))
+    large = 1.0 - tl.exp(log_erfc)
+    result = tl.where(a < 0.6, small, large)
+    return tl.where(x < 0, -result, result)
+
+
+@triton.jit
+def _tanh_sech2(x):
+    """(tanh(x), 1 - tanh(x)**2) from e = exp(-2|x|), which never overflows.
+
+    sech^2 = 4e / (1 + e)^2 keeps full relative accuracy where 1 - tanh^2 would cancel.
+    """
+    e = tl.exp(-2.0 * tl.abs(x))
+    one_plus_e = 1.0 + e
+    t = (1.0 - e) / one_plus_e
+    return tl.where(x < 0, -t, t), 4.0 * e / (one_plus_e * one_plus_e)
+
+
+@triton.jit
+def _act(x, ACTIVATION: tl.constexpr):
+    """act(x) for fp32 x: ACTIVATION is "gelu" (erf), "gelu_tanh" or "silu" (x * sigmoid(x))."""
+    if ACTIVATION == "silu":
+        return x / (1.0 + tl.exp(-x))  # exp overflows to inf for x < -88: x / inf = -0, silu's limit
+    elif ACTIVATION == "gelu_tanh":
+        t, _ = _tanh_sech2(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        return 0.5 * x * (1.0 + t)
+    else:
+        return 0.5 * x * (1.0 + _erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _act_grad(x, ACTIVATION: tl.constexpr):
+    """d act(x) / dx for fp32 x (see _act)."""
+    if ACTIVATION == "silu":
+        sigmoid = 1.0 / (1.0 + tl.exp(-x))
+        return sigmoid * (1.0 + x * (1.0 - sigmoid))
+    elif ACTIVATION == "gelu_tanh":
+        t, sech2 = _tanh_sech2(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        dinner = 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+        return 0.5 * (1.0 + t) + 0.5 * x * sech2 * dinner
+    else:
+        cdf = 0.5 * (1.0 + _erf(x * 0.7071067811865476))
+        return cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+
+
+# --------------------------------------------------------------------------------------------
+# Kernels: one program per (row, BLOCK columns). Rows may be strided (gate and up are halves of a
+# packed gate_up, a column slab of a wider buffer); columns are contiguous (the launchers see to it).
+
+
+@triton.jit
+def _product_kernel(
+    gate_ptr, up_ptr, out_ptr,  # [M, n_cols] each; up read only when GATED
+    n_cols, stride_gate, stride_up, stride_out,  # row strides, in elements
+    GATED: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # int64: M * stride can pass 2**31 for long sequences
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    c = _act(tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32), ACTIVATION)
+    if GATED:  # act(gate) * up formed in fp32 and rounded once
+        c *= tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, c.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _product_backward_kernel(
+    grad_ptr,  # [M, n_cols] dL/dc in; c out when WRITE_PRODUCT
+    gate_ptr, up_ptr,  # [M, n_cols]; up read only when GATED
+    grad_gate_ptr, grad_up_ptr,  # [M, n_cols] out; grad_up written only when GATED
+    n_cols, stride_grad, stride_gate, stride_up, stride_grad_gate, stride_grad_up,
+    GATED: tl.constexpr, WRITE_PRODUCT: tl.constexpr, ACTIVATION: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    grad = tl.load(grad_ptr + row * stride_grad + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    activated = _act(gate, ACTIVATION)
+    grad_gate = grad * _act_grad(gate, ACTIVATION)
+    if GATED:
+        up = tl.load(up_ptr + row * stride_up + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(grad_up_ptr + row * stride_grad_up + cols, (grad * activated).to(grad_up_ptr.dtype.element_ty),
+                 mask=mask)
+        grad_gate *= up
+        activated *= up
+    tl.store(grad_gate_ptr + row * stride_grad_gate + cols, grad_gate.to(grad_gate_ptr.dtype.element_ty), mask=mask)
+    if WRITE_PRODUCT:  # each element is read above before it is overwritten here, by the same program
+        tl.store(grad_ptr + row * stride_grad + cols, activated.to(grad_ptr.dtype.element_ty), mask=mask)
+
+
+_MAX_BLOCK = 1024  # 8 elements a thread at 4 warps: 16-byte accesses in 16-bit dtypes
+
+
+def _block(n_cols):
+    return min(_MAX_BLOCK, max(16, triton.next_power_of_2(n_cols)))
+
+
+def _warps(block):
+    return max(1, min(4, block // 256))
+
+
+def _aot_variants():
+    """Both kernels for each dtype, gated or not, with the exact-erf GeLU (the heaviest activation)
+    and with SiLU, at the widest block, specialized as the JIT specializes a model's launch: pointers
+    16-byte aligned and the width and row strides multiples of 16 (a model's I is)."""
+    variants = {}
+    for dtype in ("bf16", "fp16", "fp32"):
+        for gated in (False, True):
+            for activation in ("gelu", "silu"):
+                common = dict(GATED=gated, ACTIVATION=activation, BLOCK=_MAX_BLOCK)
+                label = f"{dtype} {'gated' if gated else 'plain'} {activation}"
+                forward_pointers = ("gate_ptr", "up_ptr", "out_ptr")
+                signature = {**{name: f"*{dtype}" for name in forward_pointers},
+                             **{name: "i32" for name in ("n_cols", "stride_gate", "stride_up", "stride_out")}}
+                variants.setdefault("act_linear_product", []).append(_variant(signature, common, f"fwd {label}"))
+                backward_pointers = ("grad_ptr", "gate_ptr", "up_ptr", "grad_gate_ptr", "grad_up_ptr")
+                signature = {**{name: f"*{dtype}" for name in backward_pointers},
+                             **{name: "i32" for name in ("n_cols", "stride_grad", "stride_gate", "stride_up",
+                                                         "stride_grad_gate", "stride_grad_up")}}
+                variants.setdefault("act_linear_product_backward", []).append(
+                    _variant(signature, dict(common, WRITE_PRODUCT=True), f"bwd {label}"))
+    return variants
+
+
+def _variant(signature, constexprs, label):
+    return {"signature": {**signature, **{name: "constexpr" for name in constexprs}}, "constexprs": constexprs,
+            "num_warps": _warps(_MAX_BLOCK), "num_stages": 1, "label": label,
+            "aligned": [name for name, kind in signature.items() if kind != "constexpr"]}
+
+
+for _name, _variants in _aot_variants().items():
+    aot.register({"act_linear_product": _product_kernel, "act_linear_product_backward": _product_backward_kernel}[_name],
+                 name=_name, variants=_variants)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers: the Triton twins of memkernels.reference.act_linear's passes (same contracts).
+
+
+def _unit_columns(tensor):
+    """``tensor`` if its columns are contiguous, else a contiguous copy (the kernels step rows only)."""
+    return tensor if tensor.shape[1] <= 1 or tensor.stride(1) == 1 else tensor.contiguous()
+
+
+def _grid(tensor):
+    return (tensor.shape[0], triton.cdiv(tensor.shape[1], _block(tensor.shape[1])))
+
+
+@on_tensor_device
+def _product_triton(gate, up, name):
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)
+    if gate.numel() == 0:
+        return out
+    gate = _unit_columns(gate)
+    up = gate if up is None else _unit_columns(up)  # never read when not gated
+    block = _block(gate.shape[1])
+    _product_kernel[_grid(gate)](gate, up, out, gate.shape[1], gate.stride(0), up.stride(0), out.stride(0),
+                                 GATED=up is not gate, ACTIVATION=name, BLOCK=block, num_warps=_warps(block))
+    return out
+
+
+@on_tensor_device
+def _product_backward_triton(grad, gate, up, name, grad_gate, grad_up, write_product):
+    if gate.numel() == 0:
+        return
+    gated = up is not None
+    gate = _unit_columns(gate)
+    up = _unit_columns(up) if gated else gate
+    grad_up = grad_up if gated else grad_gate
+    block = _block(gate.shape[1])
+    _product_backward_kernel[_grid(gate)](
+        grad, gate, up, grad_gate, grad_up, gate.shape[1], grad.stride(0), gate.stride(0), up.stride(0),
+        grad_gate.stride(0), grad_up.stride(0),
+        GATED=gated, WRITE_PRODUCT=write_product, ACTIVATION=name, BLOCK=block, num_warps=_warps(block))
+
+
+# backend -> the elementwise passes the algorithm calls
+PASSES = {
+    "triton": types.SimpleNamespace(product=_product_triton, product_backward=_product_backward_triton),
+    "torch": reference,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# The algorithm (both backends). gate2d, up2d: [M, I] views (up2d None: no gate, gelu_linear);
+# weight [N, I]; bias [N] or None; activation one of reference.ACTIVATIONS.
+
+# A product c bigger than this is formed a chunk at a time (module constants: tests shrink them).
+TRANSIENT_BYTES = 1 << 30
+MIN_CHUNK_ROWS = 4096  # tokens per forward chunk, at least: the GEMM stays compute-bound
+MIN_SLAB_COLS = 2048  # features per backward slab, at least
+
+
+def _chunk(length, other, element_size, minimum):
+    """How much of ``length`` to take at once so that a [chunk, other] buffer fits TRANSIENT_BYTES (at
+    least ``minimum``); ``length`` itself when the whole buffer fits."""
+    if length * other * element_size <= TRANSIENT_BYTES:
+        return max(length, 1)
+    return max(minimum, TRANSIENT_BYTES // max(1, other * element_size))
+
+
+def forward(gate2d, up2d, weight, bias, activation, backend):
+    """y [M, N] = (act(gate2d) * up2d) @ weight.T (+ bias), c formed in row chunks where it is large."""
+    passes = PASSES[backend]
+    rows, width = gate2d.shape
+    step = _chunk(rows, width, gate2d.element_size(), MIN_CHUNK_ROWS)
+    if step >= rows:
+        return F.linear(passes.product(gate2d, up2d, activation), weight, bias)
+    out = gate2d.new_empty(rows, weight.shape[0])
+    for start in range(0, rows, step):
+        part = slice(start, start + step)
+        product = passes.product(gate2d[part], None if up2d is None else up2d[part], activation)
+        if bias is None:
+            torch.mm(product, weight.t(), out=out[part])
+        else:
+            torch.addmm(bias, product, weight.t(), out=out[part])
+        del product  # before the next chunk's is formed
+    return out
+
+
+def grad_input_buffers(gate2d, gated, packed):
+    """(list returned, d_gate [M, I] view, d_up [M, I] view or None): one [M, 2*I] buffer when ``packed``."""
+    rows, width = gate2d.shape
+    if packed:
+        grads = gate2d.new_empty(rows, 2 * width)
+        return [grads], grads[:, :width], grads[:, width:]
+    grad_gate = gate2d.new_empty(rows, width)
+    if not gated:
+        return [grad_gate], grad_gate, None
+    grad_up = gate2d.new_empty(rows, width)
+    return [grad_gate, grad_up], grad_gate, grad_up
+
+
+def backward(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation, backend):
+    """The gradients of gate and up (when ``needs_inputs``: [one [M, 2*I] tensor] if ``packed``, else
+    [d_gate, d_up], or [d_x] with no up) followed by dW [N, I] (when ``needs_weight``), as one list.
+
+    Column slab by column slab where c is large: g = dy @ W[:, slab], the pass turning g into c, and
+    dW[:, slab] = dy.T @ c, each slab's results final."""
+    passes = PASSES[backend]
+    rows, width = gate2d.shape
+    grads, grad_gate, grad_up = grad_input_buffers(gate2d, up2d is not None, packed) if needs_inputs else ([], None,
+                                                                                                           None)
+    step = _chunk(width, rows, gate2d.element_size(), MIN_SLAB_COLS)
+    whole = step >= width
+    grad_weight = None if whole or not needs_weight else grad_out2d.new_empty(weight.shape[0], width)
+    for start in range(0, max(width, 1), step):
+        part = slice(start, start + step)
+        gate = gate2d[:, part]
+        up = None if up2d is None else up2d[:, part]
+        if needs_inputs:
+            product = grad_out2d @ weight[:, part]  # dL/dc, then c
+            passes.product_backward(product, gate, up, activation, grad_gate[:, part],
+                                    None if grad_up is None else grad_up[:, part], needs_weight)
+        else:
+            product = passes.product(gate, up, activation)
+        if needs_weight and whole:
+            grad_weight = grad_out2d.t() @ product
+        elif needs_weight:
+            torch.mm(grad_out2d.t(), product, out=grad_weight[:, part])
+        del product
+    return grads + ([grad_weight] if needs_weight else [])
+
+
+def backward_fake(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation):
+    """backward's outputs, unfilled (the custom op's fake implementation)."""
+    grads = grad_input_buffers(gate2d, up2d is not None, packed)[0] if needs_inputs else []
+    return grads + ([grad_out2d.new_empty(weight.shape[0], gate2d.shape[1])] if needs_weight else [])
+
+
+def bias_grad(grad_out2d):
+    """The bias gradient of a linear layer: grad_out2d [M, N] summed over its M tokens into [N], in one
+    float32 reduction (float64 stays float64) cast once: deterministic, no atomics."""
+    return grad_out2d.sum(0, dtype=torch.promote_types(grad_out2d.dtype, torch.float32)).to(grad_out2d.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom-op steps (memkernels/ops/_custom_op.py): the whole forward, and the backward, each a custom
+# op for torch.compile whose implementation the eager autograd.Function twin calls directly.
+
+
+class Step:
+    """One step of an op as a custom op: ``run(*operands, backend)`` is its implementation, looked up
+    per call (tests wrap it to see which steps run)."""
+
+    def __init__(self, name, schema, run, fake):
+        self.run = run
+        self.custom_op = custom_op(f"memkernels::{name}", self.implementation, lambda *args: fake(*args[:-1]),
+                                   schema=schema)
+        self.name = self.custom_op._qualname
+
+    def implementation(self, *args):
+        return self.run(*args)
