@@ -1,34 +1,38 @@
 #!/usr/bin/env bash
-# Every GPU check of memkernels in one command, for the first machine that has a GPU.
+# Every GPU check of memkernels in one command, sized for one 15-minute GPU window (machine start
+# included): at most 10 minutes of commands by default, most valuable first.
 #
 #   benchmarks/gpu_check.sh [RESULTS_FILE]        (default: gpu_check_results.txt)
 #
 # Needs a CUDA build of PyTorch and Triton already installed; no package index is used. The
-# build requirements (setuptools, wheel, pybind11, ninja) come from wheels in
-# $MEMKERNELS_WHEELS (default benchmarks/wheels; fill it elsewhere with
-# `pip download -d benchmarks/wheels setuptools wheel pybind11 ninja`) unless already installed.
+# build requirements (setuptools, wheel, pybind11, ninja) and, for the Liger columns, a
+# liger-kernel wheel come from $MEMKERNELS_WHEELS (default benchmarks/wheels; fill it elsewhere with
+# `pip download -d benchmarks/wheels setuptools wheel pybind11 ninja` and `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 -d benchmarks/wheels liger-kernel==0.8.5`).
 # Steps, in the order of what a short lease should see first, all written to one results file:
 #   1. build and install this working tree: pip install --no-build-isolation --no-deps
 #   2. bench_step.py, the figure users judge by: a whole training step of a Llama-3-8B-shaped decoder
-#      (4 layers, 8192 tokens, bf16) under eager, torch.compile, Liger (when installed), memkernels
-#      apply() and apply(mlp="recompute"): step time, tokens/s, peak, saved bytes, launches, host time
-#   3. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
+#      (4 layers, 8192 tokens, bf16) under eager, torch.compile, Liger (when its wheel came along),
+#      memkernels apply() and apply(mlp="recompute"): step time, tokens/s, peak, saved bytes,
+#      launches, host time, every column in the same run
+#   3. the op benchmarks' GPU sections, each with its baselines (eager, Liger, torch.compile) in
+#      the same run and the audit's model prediction under each measured time: the act-linear ops
+#      (bench_gelu_linear, bench_gated_mlp), the norms (bench_rms_norm), the losses
+#      (bench_cross_entropy), offload (bench_offload)
+#   4. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
 #      test does not select the simulated device itself)
-#   4. the test suite without the Triton interpreter: the kernels run on the GPU
+#   5. the kernel test files without the Triton interpreter: the kernels run on the GPU
 #      (tests/backends.py puts the "triton" tests' tensors on CUDA), on $MEMKERNELS_GPU_CHECK_WORKERS
 #      xdist workers (default 8). Each failure is appended to RESULTS_FILE.failures as it happens
 #      (MEMKERNELS_FAILURE_LOG): a step cut short loses pytest's summary, not the failures.
-#   5. every other benchmark: each GPU timing section prints the audit's model prediction at its own
-#      shape under each measured time (gpu_audit.prediction_line); then the audit's full table
-#      (python -m memkernels.tools.gpu_audit)
-# MEMKERNELS_GPU_CHECK_SECONDS=N bounds the whole run to N seconds (default: no bound): each step
-# runs under `timeout` with what is left, bench_step with at most a third of it (torch.compile
-# of the 4-layer model and five columns of 10+ steps: a few minutes, not yet measured), the suite
-# with at most half and each other benchmark with at most a tenth, so that a lease of 15 minutes
-# still reaches the benchmarks. On the H200 (15 minutes, docs/gpu-runs.md) the build took 15-20 s,
-# the allocator tests about a minute, the kernel test files alone more than 4 minutes on 10
-# workers (Triton compiles every variant, the GEMMs autotune), the benchmarks' GPU sections 10-60 s
-# each.
+# The CPU-only benchmarks (bench_allocator, bench_gpu_audit, bench_monitor, bench_plan) and the rest
+# of the suite run anywhere and are not spent on a GPU window.
+# MEMKERNELS_GPU_CHECK_SECONDS=N bounds the whole run to N seconds (default 600; 0: no bound): each
+# step runs under `timeout` with its share of what is left (bench_step a third, each op benchmark
+# an eighth, the allocator tests a third, the kernel tests all the rest). On the H200 (15 minutes,
+# docs/gpu-runs.md) the build took 15-20 s, the allocator tests about a minute, the kernel test
+# files more than 4 minutes on 10 workers, the benchmarks' GPU sections 10-60 s each; bench_step
+# has not run on a GPU yet.
 # Without a GPU it says so and exits 0. Exit status: the number of failed or cut steps.
 # Unverified: no run of this script has reached a GPU yet (its steps ran there one by one).
 set -u
@@ -40,7 +44,7 @@ if ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 
     exit 0
 fi
 unset TRITON_INTERPRET
-BUDGET=${MEMKERNELS_GPU_CHECK_SECONDS:-0}
+BUDGET=${MEMKERNELS_GPU_CHECK_SECONDS:-600}
 failed=0
 step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE: its part of what is left
     local label=$1 share=$2 limit=()
@@ -69,23 +73,28 @@ step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE:
     WHEELS=${MEMKERNELS_WHEELS:-benchmarks/wheels}
     if [ -d "$WHEELS" ]; then
         step "build requirements" 1 pip install --no-index --find-links "$WHEELS" setuptools wheel pybind11 ninja
+        if ls "$WHEELS"/liger_kernel-*.whl >/dev/null 2>&1; then
+            # beside site-packages, not into it: its requirements would pin another torch
+            step "liger-kernel (the baseline's columns)" 1 pip install --no-index --no-deps \
+                --target /tmp/gpu_check_site "$WHEELS"/liger_kernel-*.whl
+            export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+        fi
     fi
     step "install" 1 pip install --no-build-isolation --no-deps -e .
     # the figure users judge by, first: one training step of a Llama-3-8B-shaped decoder, every column
     step "bench_step.py" 3 python benchmarks/bench_step.py
+    for bench in gated_mlp gelu_linear rms_norm cross_entropy offload; do
+        step "bench_$bench.py" 8 python "benchmarks/bench_$bench.py"
+    done
     export MEMKERNELS_FAILURE_LOG="$RESULTS.failures"
     : > "$MEMKERNELS_FAILURE_LOG"
     WORKERS=${MEMKERNELS_GPU_CHECK_WORKERS:-8}
-    step "allocator and offload on CUDA" 4 env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly \
+    step "allocator and offload on CUDA" 3 env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly \
         -n "$WORKERS" tests/test_allocator.py tests/test_allocator_install.py tests/test_device_pool.py \
         tests/test_offload.py tests/test_offload_engine.py
-    step "tests on the GPU" 2 python -m pytest tests -q -p no:randomly -n "$WORKERS"
-    # the benchmarks with GPU sections first; bench_allocator, bench_gpu_audit, bench_monitor and
-    # bench_plan run on the CPU wherever they run
-    for bench in rms_norm gelu_linear gated_mlp cross_entropy offload allocator gpu_audit monitor plan; do
-        step "bench_$bench.py" 10 python "benchmarks/bench_$bench.py"
-    done
-    step "model prediction" 1 python -m memkernels.tools.gpu_audit
+    step "kernel tests on the GPU" 1 python -m pytest -q -p no:randomly -n "$WORKERS" tests/test_gated_linear.py \
+        tests/test_gelu_linear.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_cross_entropy.py \
+        tests/test_linear_cross_entropy.py tests/test_autocast.py tests/test_patch_gated_mlp.py
     echo
     echo "gpu_check: $failed step(s) failed or were cut"
 } 2>&1 | tee "$RESULTS"
