@@ -35,14 +35,11 @@ def _summary(reports):
 
 
 @pytest.fixture(scope="module")
-def reports():
-    names = _ops_kernel_names()
-    assert names, "no memkernels.ops module registers a kernel with memkernels.aot"
-    # No timeout: the compile takes as long as the machine's load makes it (issue 32; a 900 s limit errored
-    # every test here; tests/test_testing.py keeps one from coming back).
-    reports = aot.check(names, archs=(80, 90))
-    print("\n" + aot.format_table(reports) + "\n\n" + _summary(reports))
-    return reports
+def reports(aot_ops_reports):
+    """Every ops kernel compiled once per test run (tests/conftest.py's aot_ops_reports, without a time limit:
+    a 900 s limit errored every test here under load, issue 32; test_testing.py keeps one from coming back)."""
+    print("\n" + aot.format_table(aot_ops_reports) + "\n\n" + _summary(aot_ops_reports))
+    return aot_ops_reports
 
 
 def test_every_registered_variant_was_compiled_for_its_archs(reports):

@@ -334,7 +334,7 @@ def test_failure_log_is_written_as_failures_happen(tmp_path, workers):
 # a loaded machine, not a wrong result (issue 32: aot.check()'s 900 s default errored the 16 AOT tests).
 CI_LIMIT_S = 5400
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
-AOT_TEST_FILES = ("test_aot.py", "test_aot_ops.py")
+AOT_TEST_FILES = ("test_aot.py", "test_aot_ops.py", "conftest.py")  # conftest: the shared ops reports
 _WAIT_KEYWORDS = ("timeout", "sync_timeout_s")  # subprocess/thread/queue waits; the simulated device's blocking calls
 _TIMER_CALLS = ("timeout", "alarm", "setitimer")  # @pytest.mark.timeout(n), signal.alarm(n): first argument
 # The one test about a timeout itself: it sets a short one and checks that it expires.
@@ -451,7 +451,8 @@ def test_aot_fixtures_wait_for_the_compile_without_a_time_limit():
     limit (or CI's own) and nothing in those files times anything (issue 32)."""
     aot_source = _read(importlib.util.find_spec("memkernels.aot").origin)
     test_sources = {name: _read(os.path.join(TESTS_DIR, name)) for name in AOT_TEST_FILES}
-    assert "aot.check(" in test_sources["test_aot.py"] and "aot.check(" in test_sources["test_aot_ops.py"]
+    assert "aot.check(" in test_sources["test_aot.py"] and "aot.check(" in test_sources["conftest.py"]
+    assert "aot_ops_reports" in test_sources["test_aot_ops.py"]
     assert _aot_wait_problems(test_sources, aot_source) == []
 
 
