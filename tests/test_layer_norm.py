@@ -14,7 +14,7 @@ import memkernels
 from memkernels.functional import add_layer_norm, layer_norm
 from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
-from norm_cases import (DTYPES, SHAPES, assert_drop_in, eager_add_then, leaf,  # noqa: F401
+from norm_cases import (CASES, DTYPES, assert_drop_in, eager_add_then, leaf,  # noqa: F401
                         peak_with_next_layer, small_row_blocks)  # (small_row_blocks: a fixture)
 
 
@@ -73,8 +73,7 @@ def _params(hidden, dtype, spread=0.5):
     return leaf(hidden, dtype=dtype, scale=spread, shift=1.0), leaf(hidden, dtype=dtype, scale=0.4 * spread)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden,rows", SHAPES)
+@pytest.mark.parametrize("dtype, hidden, rows", CASES)
 def test_layer_norm_matches_float64(backend, dtype, hidden, rows):
     x = leaf(rows, hidden, dtype=dtype, shift=3.0)  # a mean far from zero tests the centering
     check_against_reference(layer_norm, layer_norm_eager, (x, *_params(hidden, dtype), 1e-5))

@@ -16,7 +16,7 @@ import memkernels
 from memkernels.functional import add_rms_norm, rms_norm
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.testing import check_against_reference
-from norm_cases import (DTYPES, SHAPES, assert_drop_in, eager_add_then, leaf,  # noqa: F401
+from norm_cases import (CASES, DTYPES, assert_drop_in, eager_add_then, leaf,  # noqa: F401
                         peak_with_next_layer, small_row_blocks)  # (small_row_blocks: a fixture)
 
 
@@ -38,8 +38,7 @@ def add_rms_norm_eager(x, residual, weight, eps=1e-6, **options):
     return rms_norm_eager(residual_out, weight, eps, **options), residual_out
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("hidden,rows", SHAPES)
+@pytest.mark.parametrize("dtype, hidden, rows", CASES)
 def test_rms_norm_matches_float64(backend, dtype, hidden, rows):
     x = leaf(rows, hidden, dtype=dtype)
     weight = leaf(hidden, dtype=dtype, scale=0.5, shift=1.0)
