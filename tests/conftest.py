@@ -260,3 +260,11 @@ def aot_ops_reports(tmp_path_factory):
             reports = aot.check(names, archs=(80, 90))  # no time limit: see aot.check
             path.write_text(json.dumps([dataclasses.asdict(r) for r in reports]))
     return [aot.AotReport(**row) for row in json.loads(path.read_text())]
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slow checks first (a stable sort: the order within each group stays pytest's). Under xdist the
+    longest tests (the sanitizer runs, the wheel build, `memkernels report`: minutes each) were collected
+    last and ran while the other worker sat idle at the end of the run; started first, they overlap the
+    quick tests instead (issue 32). The order is the same in every worker, as xdist requires."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
