@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+from memkernels.ops.linear_cross_entropy import linear_cross_entropy, pick_strategy
 
 CONFIGS = [
     (4096, 1024, 32000, torch.float32),
@@ -85,6 +85,9 @@ def memory_section(configs):
         logits_bytes = n_tokens * n_classes * torch.finfo(dtype).bits // 8
         name = str(dtype).replace("torch.", "")
         print(f"\nN={n_tokens} H={hidden_size} V={n_classes} {name}: full logits {mib(logits_bytes).strip()} MiB")
+        auto = pick_strategy("auto", n_tokens, hidden_size, n_classes, dtype, True, "mean")
+        print(f'"auto" picks {auto} here (pick_strategy: the GPU audit\'s cost model; on a GPU also whether '
+              "chunked's peak is free)")
         print(f"{'method':<27}{'extra peak MiB':>16}{'held (hooks) MiB':>18}{'held (live) MiB':>17}{'seconds':>9}")
         results = {}
         for label, method in methods_for(dtype).items():

@@ -88,7 +88,6 @@ def test_the_real_launchers_carry_the_guard():
 
     for launcher in (_norm_kernels.norm_forward, _norm_kernels.norm_backward, cross_entropy._launch,
                      _act_linear._product_triton, _act_linear._product_backward_triton,
-                     linear_cross_entropy._add_to_split_float32_triton,
                      linear_cross_entropy._scale_triton):
         assert getattr(launcher, "device_guarded", False), launcher.__name__
 

@@ -10,15 +10,20 @@ Strategies:
 - ``"chunked"``: the forward walks the tokens in chunks and computes the
   gradients there: ``dX`` rows are written once per chunk with ``torch.mm(out=)`` (float32 on the
   CPU: by blocks of classes summed in float64, see :func:`_hidden_grad`),
-  ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype, with
-  ``addmm_`` (no V x H temporary per chunk). What is held until backward —
+  ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype: per chunk one
+  cuBLAS GEMM with a float32 result per part of the accumulator (half operands,
+  float32 accumulation: :mod:`memkernels.ops._half_gemm`; no V x H temporary, no
+  separate add pass). What is held until backward —
   ``dX`` (N x H, input dtype), the float32 ``dW`` accumulator (V x H, 4 bytes per
   element) and float64 ``dB`` (V, summed across chunks without a rounding per
   chunk) — goes through ``save_for_backward``, so saved-tensor hooks (offload,
-  meters) see it. For bfloat16 the float32 accumulator is held as its two 16-bit
-  halves (see :func:`_split_accumulator`): the high half is a bfloat16 tensor that
-  backward rounds in place and returns as ``dW``, so no float32-to-bfloat16 copy of
-  ``dW`` ever sits next to the accumulator (that copy is V x H x 2 bytes). Backward only rescales by the incoming gradient, in place: like
+  meters) see it. For half inputs the accumulator lives in two float32 tensors (see
+  :func:`_weight_grad_accumulator`): its first ceil(V / 2) rows, whose storage holds
+  V x H half elements, and the other rows, so each chunk's update is two GEMMs (one
+  per part), and backward rounds the accumulator into the first one's storage, which
+  it returns as ``dW``: no V x H half copy of ``dW`` ever sits next to the accumulator
+  (that copy, V x H x 2 bytes, would raise the backward's peak by half the accumulator).
+  Backward only rescales by the incoming gradient, in place: like
   PyTorch's and Liger's chunked ops it supports a single backward (a second one,
   e.g. with ``retain_graph=True``, raises). Needs a scalar loss: with
   ``reduction="none"`` the per-row incoming gradient is unknown in the forward.
@@ -31,12 +36,10 @@ Strategies:
   and writes ``dW[tile]`` with a single GEMM over all tokens (so ``dW`` needs no
   float32 accumulator), accumulating ``dX`` in float32 (half operands, float32
   accumulation: :mod:`memkernels.ops._half_gemm`).
-- ``"auto"``: ``"chunked"`` when gradients are needed, tokens per call >= hidden
-  size, the reduction is scalar (then the N x H ``dX`` it holds is no bigger
-  than the work saved) and its passes over the float32 ``dW`` cost less on a GPU
-  than the logits GEMM that ``"recompute"`` adds (see :func:`pick_strategy`: on
-  bfloat16/float16 inputs at LM-head sizes they never do, on float32 they do);
-  ``"recompute"`` otherwise.
+- ``"auto"`` (:func:`pick_strategy`): ``"recompute"`` where ``"chunked"`` cannot serve
+  (no gradient needed, or ``reduction="none"``); otherwise the faster of the two by
+  the GPU audit's cost model, where ``"chunked"``'s memory fits on the device;
+  ``"recompute"`` where it does not.
 
 Under ``torch.no_grad()`` (or when nothing requires grad) only the loss is
 computed: chunked logits, no gradient buffers.
@@ -52,15 +55,19 @@ the float32 dX, so small ones make memory-bound GEMMs on a GPU (see
 head at 8192 tokens, bfloat16: 14 chunks of 590 tokens and 55 tiles of 2360
 classes, against 390 chunks and 376 tiles with 16 MiB alone. For ``"chunked"`` it is the
 larger of :data:`DEFAULT_CHUNK_BYTES` and :data:`CHUNKED_TRANSIENT_FRACTION` of
-what the strategy holds anyway (dX plus the float32 dW): every chunk reads and
-writes all of dW, so at a large V x H fixed 16 MiB chunks would mean hundreds of
-passes over gigabytes (Llama-3-8B's head, 8192 tokens, bfloat16: 390 passes over
-2 GiB, against 24 with the fraction). The bfloat16 split accumulator's scratch
-block is a quarter of that budget. ``chunk_size`` (tokens per chunk) overrides
-the chunk. Results are deterministic: reductions are GEMMs and ordered sums, no
-atomics.
+what the strategy holds anyway (dX plus the float32 dW), but no chunk under 4 x the GPU's
+FLOPs per byte in tokens (1180 for half inputs, 80 for float32; see
+:func:`chunked_chunk_tokens`): every chunk reads and writes all of the float32 dW, so
+smaller chunks make its update memory-bound; the chunks are of equal size, so the last
+one is not short. Llama-3-8B's head at 8192 tokens, bfloat16: 6 chunks of 1366 tokens
+(334 MiB of logits each; float32: 16 of 512). A chunk of half logits
+takes their gradient in place (rounded once to the input dtype, as eager's is); only
+with a bias gradient does it go through a float32 chunk first, so that ``dB`` sums
+unrounded values. ``chunk_size`` (tokens per chunk) overrides the chunk. Results are
+deterministic: reductions are GEMMs and ordered sums, no atomics (which strategy
+``"auto"`` picks may depend on the device's free memory: name the strategy for runs
+that must match bit for bit).
 """
-import sys
 from typing import Optional
 
 import torch
@@ -71,51 +78,11 @@ from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
 from memkernels.ops import _autocast
-from memkernels.ops._half_gemm import addmm_float32_, mm_float32
+from memkernels.ops._half_gemm import addmm_float32_
 from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
                                    reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.ops.cross_entropy import _cast_rne, row_kernels
-
-
-@triton.jit
-def _add_to_split_float32_kernel(
-    high_ptr,  # (n,) int16: upper halves of the float32 accumulator (the bfloat16 dW buffer's bits)
-    low_ptr,  # (n,) int16: lower halves of the float32 accumulator
-    update_ptr,  # (n,) float32: this chunk's contribution
-    n_elements,
-    BLOCK: tl.constexpr,
-):
-    # One pass instead of join + add + split: rebuild each float32 from its halves, add, store the halves.
-    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offsets < n_elements
-    high = tl.load(high_ptr + offsets, mask=mask, other=0).to(tl.int32)
-    low = tl.load(low_ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
-    total = ((high << 16) | low).to(tl.float32, bitcast=True) + tl.load(update_ptr + offsets, mask=mask, other=0.0)
-    bits = total.to(tl.int32, bitcast=True)
-    tl.store(high_ptr + offsets, (bits >> 16).to(tl.int16), mask=mask)
-    tl.store(low_ptr + offsets, bits.to(tl.int16), mask=mask)  # int32 -> int16 keeps the low 16 bits
-
-
-_SPLIT_BLOCK = 1024
-
-
-@on_tensor_device
-def _add_to_split_float32_triton(high, low, update):
-    """(high, low) += update; high (R, H) bfloat16, low (R, H) int16, update (R, H) float32, all contiguous."""
-    n_elements = update.numel()
-    if n_elements:
-        _add_to_split_float32_kernel[(triton.cdiv(n_elements, _SPLIT_BLOCK),)](
-            high.view(torch.int16), low, update, n_elements, BLOCK=_SPLIT_BLOCK, num_warps=4)
-
-
-_SPLIT_SIGNATURE = {"high_ptr": "*i16", "low_ptr": "*i16", "update_ptr": "*fp32", "n_elements": "i32"}
-# Row blocks of a (V, H) accumulator with H a multiple of 8 start 16-byte aligned: the common case.
-aot.register(_add_to_split_float32_kernel, name="add_to_split_float32", variants=[
-    {"signature": _SPLIT_SIGNATURE, "constexprs": {"BLOCK": _SPLIT_BLOCK}, "num_warps": 4, "num_stages": 1,
-     "label": f"bf16-halves{suffix}", "aligned": aligned}
-    for suffix, aligned in (("", ()), ("-aligned", tuple(_SPLIT_SIGNATURE)))
-])
 
 
 @triton.jit
@@ -224,8 +191,21 @@ def chunked_budget(n_tokens, hidden_size, n_classes, dtype):
     return max(DEFAULT_CHUNK_BYTES, int(held * CHUNKED_TRANSIENT_FRACTION))
 
 
-def _chunked_budget(hidden, weight):
-    return chunked_budget(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype)
+def chunked_chunk_tokens(n_tokens, hidden_size, n_classes, dtype, bias=False, chunk_size=None):
+    """Tokens per "chunked" chunk: chunk_size, or by default the N tokens in C chunks of ceil(N / C) (the last
+    one up to C - 1 shorter), C as small as keeps a chunk within :func:`chunked_budget` (e bytes a logit, 4 more
+    for half inputs with a bias gradient: its float32 chunk) but no chunk under 4 * ridge tokens (1180 for
+    bf16/fp16, 80 for float32) unless N is: a chunk of r tokens reads and writes the float32 dW accumulator
+    (8 V H bytes) for the 2 r V H FLOPs of its update, r / 4 FLOPs per byte, so a smaller chunk (a short last
+    one included) makes that update memory-bound on a GPU. Under 2 * 4 * ridge tokens that is one chunk."""
+    if chunk_size is not None:
+        return chunk_size
+    budget = chunked_budget(n_tokens, hidden_size, n_classes, dtype)
+    bytes_per_logit = torch.finfo(dtype).bits // 8 + (4 if bias and dtype != torch.float32 else 0)
+    fit = max(1, budget // (bytes_per_logit * max(n_classes, 1)))
+    minimum = 4 * RIDGE_FLOPS_PER_BYTE[dtype]
+    n_chunks = max(1, min(-(-n_tokens // max(fit, minimum)), n_tokens // minimum))
+    return max(1, -(-n_tokens // n_chunks))
 
 
 def _chunk_elements(dtype, chunk_size, n_classes, budget):
@@ -243,80 +223,74 @@ def _logits(hidden_rows, weight_rows, bias_rows):
     return torch.addmm(bias_rows, hidden_rows, weight_rows.t())
 
 
-# float32 as two int16 halves in memory order: on a little-endian machine (x86, ARM, CUDA devices)
-# the low half comes first. The high half of a float32 is that float32 truncated to bfloat16.
-_SPLIT_BFLOAT16 = sys.byteorder == "little"
-# The split accumulator's float32 scratch block takes this share of the chunked budget.
-SPLIT_SCRATCH_SHARE = 1 / 4
-
-
 def _weight_grad_accumulator(weight):
-    """Zeroed float32 accumulator for dW as ``(high, low)``.
+    """The zeroed float32 accumulator of dW, as ``(front, rest)``: rows [0, ceil(V / 2)) and the others.
 
-    bfloat16 weight: ``high`` (V, H) bfloat16 holds the accumulator's upper 16 bits
-    (its value truncated to bfloat16), ``low`` (V, H) int16 its lower 16 bits.
-    Other dtypes: ``high`` is a plain (V, H) float32 tensor and ``low`` is empty.
+    float32 weight: ``front`` (V, H) is dW itself and ``rest`` is empty. Half weight: ``front``
+    (ceil(V / 2), H) and ``rest`` (V // 2, H), 4 bytes per element in all; backward rounds the accumulator
+    into ``front``'s storage, which holds V x H half elements, and returns that as dW
+    (:func:`_finish_weight_grad`). Both are float32 tensors while held, so whatever copies them (a saved-tensor
+    hook, torch.compile) copies float32 values, which keeps every bit.
     """
-    if weight.dtype == torch.bfloat16 and _SPLIT_BFLOAT16:
-        return torch.zeros_like(weight), torch.zeros(weight.shape, dtype=torch.int16, device=weight.device)
-    return torch.zeros(weight.shape, dtype=torch.float32, device=weight.device), _empty(weight)
+    if weight.dtype == torch.float32:
+        return torch.zeros_like(weight), _empty(weight)
+    n_classes, hidden_size = weight.shape
+    front = torch.zeros(n_classes - n_classes // 2, hidden_size, dtype=torch.float32, device=weight.device)
+    return front, torch.zeros(n_classes // 2, hidden_size, dtype=torch.float32, device=weight.device)
 
 
-def _split_scratch_bytes(budget):
-    return int(budget * SPLIT_SCRATCH_SHARE)
+def _weight_grad_parts(front, rest):
+    """[(float32 accumulator rows, first class)]: the front (dW itself for float32), then the rest if any."""
+    return [(front, 0)] + ([(rest, front.shape[0])] if rest.numel() else [])
 
 
-def _split_blocks(high, scratch_bytes):
-    rows = max(1, scratch_bytes // (4 * max(high.shape[1], 1)))
-    scratch = torch.empty(min(rows, high.shape[0]), high.shape[1], dtype=torch.float32, device=high.device)
-    for start in range(0, high.shape[0], rows):
-        end = min(start + rows, high.shape[0])
-        yield start, end, scratch[:end - start]
+def _accumulate_weight_grad(front, rest, grad_rows, hidden_rows):
+    """accumulator += grad_rows.T @ hidden_rows in float32: one cuBLAS GEMM with a float32 result per part of the
+    accumulator (one for float32, two for half inputs), on operands in the input dtype (half: tensor cores,
+    float32 accumulation; :mod:`memkernels.ops._half_gemm`). grad_rows (R, V), hidden_rows (R, H)."""
+    for part, start in _weight_grad_parts(front, rest):
+        addmm_float32_(part, grad_rows[:, start:start + part.shape[0]].t(), hidden_rows)
 
 
-def _join(high, low, out):
-    """out (R, H) float32 <- the float32 whose halves are high (R, H) bfloat16 and low (R, H) int16."""
-    halves = out.view(torch.int16)  # (R, 2H): low, high, low, high, ...
-    halves[:, 0::2] = low
-    halves[:, 1::2] = high.view(torch.int16)
-    return out
+# The finish rounds the front's first rows (this fraction of them) through a temporary; later blocks need none.
+FINISH_FIRST_BLOCK_FRACTION = 1 / 16
 
 
-def _split(value, high, low):
-    """high, low <- the two halves of value (R, H) float32."""
-    halves = value.view(torch.int16)
-    low.copy_(halves[:, 0::2])
-    high.view(torch.int16).copy_(halves[:, 1::2])
+def _finish_weight_grad(front, rest, scale, dtype):
+    """dW = accumulator * scale rounded once (to nearest even) to ``dtype``, in the front's own storage.
 
+    float32: the front is dW, scaled in place. Half: dW (V, H) is a ``dtype`` view of the front's storage
+    (2 ceil(V / 2) H half elements). Its row i takes bytes [2 i H, 2 (i + 1) H), where the front's float32
+    rows [i / 2, (i + 1) / 2) lay, so the front's rows are rounded in order, by blocks [s, e): once e <= 2 s
+    a block overwrites only float32 rows already rounded, and it is written directly (one pass: read 4,
+    write 2 bytes per element); the first block (FINISH_FIRST_BLOCK_FRACTION of the front) overlaps its own
+    float32 rows, so it goes through a temporary. Then the rest's rows land over the front's second half.
 
-def _accumulate_weight_grad(high, low, grad_chunk, hidden_rows, backend, scratch_bytes):
-    """(high, low) += grad_chunk.T @ hidden_rows, accumulated in float32. grad_chunk (R, V) and
-    hidden_rows (R, H) in the input dtype: half operands run on the tensor cores (_half_gemm).
-
-    Split accumulator, per block of dW rows: Triton: the GEMM writes a float32 scratch block and one
-    kernel adds it to the halves; torch: the halves are joined into the scratch block, ``addmm_``
-    adds to it, and it is split back (the same float32 sums, in more passes).
+    While torch.compile traces the backward, dW is a new tensor instead (V x H x 2 bytes more at the backward's
+    peak): functionalization turns the writes through the half view into copies of that view as half values,
+    and inductor's copies go through float, which rewrote the unrounded float32 rows' low 16 bits wherever
+    they read as a half NaN (dW one ulp off in ~0.4% of the elements).
     """
-    if low.numel() == 0:
-        addmm_float32_(high, grad_chunk.t(), hidden_rows)
-        return
-    for start, end, scratch in _split_blocks(high, scratch_bytes):
-        if backend == "triton":
-            mm_float32(grad_chunk[:, start:end].t(), hidden_rows, out=scratch)
-            _add_to_split_float32_triton(high[start:end], low[start:end], scratch)
-        else:
-            accumulator = _join(high[start:end], low[start:end], scratch)
-            addmm_float32_(accumulator, grad_chunk[:, start:end].t(), hidden_rows)
-            _split(accumulator, high[start:end], low[start:end])
-
-
-def _finish_weight_grad(high, low, scale, dtype, scratch_bytes):
-    """dW = round(accumulator * scale) in ``dtype``; a split accumulator is rounded into ``high`` in place."""
-    if low.numel() == 0:
-        return high.mul_(scale).to(dtype)
-    for start, end, scratch in _split_blocks(high, scratch_bytes):
-        high[start:end] = _join(high[start:end], low[start:end], scratch).mul_(scale)  # rounds to nearest even
-    return high
+    if dtype == torch.float32:
+        return front.mul_(scale)
+    rows, hidden_size = front.shape
+    if torch.compiler.is_compiling():
+        grad_weight = front.new_empty((rows + rest.shape[0], hidden_size), dtype=dtype)
+        torch.mul(front, scale, out=grad_weight[:rows])
+        torch.mul(rest, scale, out=grad_weight[rows:])
+        return grad_weight
+    grad_weight = front.view(-1).view(dtype)[:(rows + rest.shape[0]) * hidden_size].view(-1, hidden_size)
+    first = max(1, int(rows * FINISH_FIRST_BLOCK_FRACTION))
+    block = torch.empty(first, hidden_size, dtype=dtype, device=front.device)
+    grad_weight[:first] = torch.mul(front[:first], scale, out=block)
+    start = first
+    while start < rows:
+        end = min(2 * start, rows)
+        torch.mul(front[start:end], scale, out=grad_weight[start:end])
+        start = end
+    if rest.numel():
+        torch.mul(rest, scale, out=grad_weight[rows:])
+    return grad_weight
 
 
 # float32 dX of a chunk on the CPU: one GEMM per this many classes, summed in float64 (_hidden_grad).
@@ -355,7 +329,7 @@ def _hidden_grad(grad_logits, weight, out):
 
 
 def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None):
-    """Loss over token chunks; with ``grads`` = (dX or None, (dW high, dW low) or None, dB64 or None) also
+    """Loss over token chunks; with ``grads`` = (dX or None, (front, rest) or None, dB64 or None) also
     the gradients (see :func:`_weight_grad_accumulator` for dW).
 
     Returns (loss, z_loss, lse) with lse (N, 2) float32 (the logsumexp as max + log-sum).
@@ -366,13 +340,11 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
     n_tokens = hidden.shape[0]
     if grads is None:
         rows_per_chunk = recompute_chunk_tokens(cfg.n_classes, hidden.dtype, chunk_size)
-    else:
-        budget = _chunked_budget(hidden, weight)
-        rows_per_chunk = max(1, _chunk_elements(hidden.dtype, chunk_size, cfg.n_classes, budget) // cfg.n_classes)
-        scratch_bytes = _split_scratch_bytes(budget)
-    if grads is None:
         denominators = reduction_denominators(target, cfg, reduction)
     else:
+        grad_hidden, grad_weight_parts, grad_bias64 = grads
+        rows_per_chunk = chunked_chunk_tokens(n_tokens, hidden.shape[1], cfg.n_classes, hidden.dtype,
+                                              bias=grad_bias64 is not None, chunk_size=chunk_size)
         denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
     ce = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     z = torch.empty_like(ce) if cfg.z_loss else None
@@ -384,19 +356,18 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
         if grads is None:
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg)
         else:
-            # Half inputs: the gradient goes to a float32 chunk (the copy addmm_ needs anyway), so
-            # dW and dB sum unrounded values; dX rounds it once, back in the logits buffer.
-            grad_chunk = logits if logits.dtype == torch.float32 else torch.empty_like(logits, dtype=torch.float32)
+            # The GEMMs take the gradient rounded once to the input dtype (as eager's do), written in
+            # place over the logits: half operands, float32 accumulation. Half inputs with a bias: the
+            # gradient goes to a float32 chunk first, so that dB sums unrounded values.
+            half_with_bias = logits.dtype != torch.float32 and grad_bias64 is not None
+            grad_chunk = torch.empty_like(logits, dtype=torch.float32) if half_with_bias else logits
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
                                                               loss_scale=loss_scale, z_scale=z_scale)
-            grad_hidden, grad_weight_halves, grad_bias64 = grads
-            # The GEMMs take the gradient rounded once to the input dtype (as eager's do), back in the
-            # logits buffer: half operands, float32 accumulation. dB sums the unrounded float32 chunk.
-            rounded = logits if grad_chunk is logits else logits.copy_(grad_chunk)
-            if grad_weight_halves is not None:
-                _accumulate_weight_grad(*grad_weight_halves, rounded, hidden_rows, backend, scratch_bytes)
             if grad_bias64 is not None:
                 grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
+            rounded = logits if grad_chunk is logits else logits.copy_(grad_chunk)
+            if grad_weight_parts is not None:
+                _accumulate_weight_grad(*grad_weight_parts, rounded, hidden_rows)
             if grad_hidden is not None:
                 _hidden_grad(rounded, weight, grad_hidden[start:end])
             del grad_chunk, rounded
@@ -542,22 +513,28 @@ def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
-    grad_weight_halves = _weight_grad_accumulator(weight) if needs_weight else None
+    grad_weight_parts = _weight_grad_accumulator(weight) if needs_weight else None
     grad_bias64 = torch.zeros(bias.shape, dtype=torch.float64, device=bias.device) if needs_bias else None
     loss, z_loss_out, _ = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
-                                          grads=(grad_hidden, grad_weight_halves, grad_bias64))
-    grad_weight_halves = grad_weight_halves or (_empty(hidden), _empty(hidden))
+                                          grads=(grad_hidden, grad_weight_parts, grad_bias64))
+    grad_weight_parts = grad_weight_parts or (_empty(hidden), _empty(hidden))
     grads = tuple(g if g is not None else _empty(hidden) for g in (grad_hidden, grad_bias64))
-    return (loss, z_loss_out, grads[0]) + grad_weight_halves + grads[1:]
+    return (loss, z_loss_out, grads[0]) + grad_weight_parts + grads[1:]
 
 
 def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
                   reduction, chunk_size, needs_hidden, needs_weight, needs_bias):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
-    grad_weight_halves = _weight_grad_accumulator(weight) if needs_weight else (_empty(hidden), _empty(hidden))
+    grad_weight_parts = (_empty(hidden), _empty(hidden))
+    if needs_weight:
+        n_classes, hidden_size = weight.shape
+        half = weight.dtype != torch.float32
+        front_rows, rest_rows = (n_classes - n_classes // 2, n_classes // 2) if half else (n_classes, 0)
+        grad_weight_parts = (weight.new_empty((front_rows, hidden_size), dtype=torch.float32),
+                             weight.new_empty((rest_rows, hidden_size) if half else (0,), dtype=torch.float32))
     return (loss, z,
             torch.empty_like(hidden) if needs_hidden else _empty(hidden),
-            *grad_weight_halves,
+            *grad_weight_parts,
             bias.new_empty(bias.shape, dtype=torch.float64) if needs_bias else _empty(hidden))
 
 
@@ -568,18 +545,17 @@ def _chunked_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[2:])
     ctx.dtypes = (inputs[1].dtype, None if inputs[3] is None else inputs[3].dtype)
-    ctx.scratch_bytes = _split_scratch_bytes(_chunked_budget(inputs[0], inputs[1]))
     ctx.needs = inputs[-3:]
 
 
 def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
-    grad_hidden, grad_weight_high, grad_weight_low, grad_bias64 = ctx.saved_tensors
+    grad_hidden, grad_weight_front, grad_weight_rest, grad_bias64 = ctx.saved_tensors
     weight_dtype, bias_dtype = ctx.dtypes
     needs_hidden, needs_weight, needs_bias = ctx.needs
     scale = grad_loss.float()
     # In place: these buffers exist only for this backward (a second backward trips the version check).
     grad_hidden = _scale_in_float32_(grad_hidden, scale) if needs_hidden else None
-    grad_weight = (_finish_weight_grad(grad_weight_high, grad_weight_low, scale, weight_dtype, ctx.scratch_bytes)
+    grad_weight = (_finish_weight_grad(grad_weight_front, grad_weight_rest, scale, weight_dtype)
                    if needs_weight else None)
     grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
     return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
@@ -619,29 +595,81 @@ def _validate(hidden, weight, bias, strategy, chunk_size, reduction):
                          'forward, before the per-token incoming gradient exists); use strategy="recompute"')
 
 
-def _chunked_weight_grad_bytes(n_tokens, hidden_size, n_classes, dtype):
-    """HBM bytes of "chunked"'s dW updates at its default chunks: one pass over the float32 accumulator per
-    chunk; a pass moves 16 bytes per element for the bfloat16 halves (float32 update block written and
-    read, halves read and written), 8 for a float32 accumulator (read and written)."""
-    budget = chunked_budget(n_tokens, hidden_size, n_classes, dtype)
-    rows = max(1, _chunk_elements(dtype, None, n_classes, budget) // max(n_classes, 1))
-    passes = -(-n_tokens // rows)
-    per_element = 16 if dtype == torch.bfloat16 and _SPLIT_BFLOAT16 else 8
-    return passes * per_element * n_classes * hidden_size
+def chunked_peak_bytes(n_tokens, hidden_size, n_classes, dtype, chunk_size=None):
+    """Bytes "chunked" allocates beyond its inputs at its peak (the forward's) on a GPU, without a bias: dX
+    (N H e), the float32 dW accumulator, whose storage becomes dW (4 V H),
+    one chunk of logits (r V e) and the row statistics (the loss and the (max, log-sum) pair: 12 bytes a token,
+    and a chunk's own before they are stored: 12 r)."""
+    e = torch.finfo(dtype).bits // 8
+    rows = min(chunked_chunk_tokens(n_tokens, hidden_size, n_classes, dtype, chunk_size=chunk_size), n_tokens)
+    return n_tokens * hidden_size * e + 4 * n_classes * hidden_size + rows * (n_classes * e + 12) + 12 * n_tokens
 
 
-def pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, grad_needed, reduction):
-    """The documented "auto" rule. "chunked" iff gradients are needed, the loss is scalar, tokens >= hidden
-    size (the N x H dX it holds is then no bigger than the work saved) and its dW passes cost less than
-    the GEMM "recompute" adds (2 N H V FLOPs) on an H100: bytes * RIDGE_FLOPS_PER_BYTE[dtype] < FLOPs.
-    Else "recompute"."""
+def _chunked_extra_cost(n_tokens, hidden_size, n_classes, dtype, chunk_size=None):
+    """What "chunked" costs on top of recompute's work, in FLOPs at the dtype's GEMM peak (a byte counts ridge
+    FLOPs): per chunk of r tokens its dW update moves 8 bytes per element (the float32 accumulator read and
+    written) against 2 r FLOPs, max(0, 8 ridge - 2 r) V H beyond them; then the final scaling pass over the
+    accumulator (zeroed first: 4 + 6 bytes per element into half dW, 4 + 8 in place for float32)."""
+    ridge = RIDGE_FLOPS_PER_BYTE[dtype]
+    rows = min(chunked_chunk_tokens(n_tokens, hidden_size, n_classes, dtype, chunk_size=chunk_size),
+               max(n_tokens, 1))
+    full, last = divmod(n_tokens, rows)
+    beyond = [max(0, 8 * ridge - 2 * r) for r in (rows, last)]
+    zero_and_finish = 12 if dtype == torch.float32 else 10
+    return n_classes * hidden_size * (full * beyond[0] + (beyond[1] if last else 0) + zero_and_finish * ridge)
+
+
+def _recompute_extra_cost(n_tokens, hidden_size, n_classes, dtype):
+    """What "recompute" costs on top of chunked's work, in the same unit: the logits GEMM its backward repeats
+    (2 N H V FLOPs) and the one more pass of its loss kernels over the logits (N V e bytes)."""
+    e = torch.finfo(dtype).bits // 8
+    return 2 * n_tokens * hidden_size * n_classes + RIDGE_FLOPS_PER_BYTE[dtype] * n_tokens * n_classes * e
+
+
+def _fits_on_device(device, nbytes):
+    """Whether ``nbytes`` more can be allocated on ``device`` now: the driver's free memory, then what the caching
+    allocator holds unused (PyTorch's, or memkernels' pool when installed). True where that is not asked: off CUDA
+    (CPU, meta) and while torch.compile traces."""
+    if device is None or device.type != "cuda" or torch.compiler.is_compiling():
+        return True
+    free = torch.cuda.mem_get_info(device)[0]
+    if free >= nbytes:
+        return True
+    from memkernels import allocator
+    if allocator.installed():
+        cached = allocator.stats(device)["free_bytes"]
+    else:
+        stats = torch.cuda.memory_stats(device)
+        cached = stats.get("reserved_bytes.all.current", 0) - stats.get("allocated_bytes.all.current", 0)
+    return free + cached >= nbytes
+
+
+def pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, grad_needed, reduction, device=None,
+                  chunk_size=None):
+    """The documented "auto" rule: the faster strategy where the memory of both fits.
+
+    1. "recompute" where "chunked" cannot serve: no gradient needed (loss only) or reduction "none".
+    2. Else the faster by the GPU audit's cost model (:mod:`memkernels.tools.gpu_audit`: per launch
+       max(bytes / HBM bandwidth, FLOPs / peak), H100 figures; its ratio RIDGE_FLOPS_PER_BYTE turns bytes into
+       FLOPs), counting only what differs. Both run the logits, dX and dW GEMMs (6 N H V FLOPs, compute-bound
+       at their default chunks and tiles) and the loss kernels. "recompute" adds a fourth GEMM and a pass over
+       the logits (:func:`_recompute_extra_cost`); "chunked" adds its float32 dW accumulator's traffic beyond
+       its update GEMMs' FLOPs, and the passes that zero and finish it (:func:`_chunked_extra_cost`). "chunked"
+       only if its extra is smaller: at Llama-3-8B's head (H 4096, V 128256) from 1376 tokens in bf16/fp16,
+       from 119 in float32. Ties go to "recompute".
+    3. "chunked" only where its memory fits: for a CUDA ``device`` its peak (:func:`chunked_peak_bytes`) must
+       be free on the device now (the driver's free memory plus the caching allocator's unused cache); off
+       CUDA and under torch.compile this is not checked. "recompute" otherwise: it holds 8 bytes per token.
+    """
     if strategy != "auto":
         return strategy
-    if not grad_needed or n_tokens < hidden_size or reduction == "none":
+    if not grad_needed or reduction == "none":
         return "recompute"
-    extra_gemm_flops = 2 * n_tokens * hidden_size * n_classes
-    dw_pass_bytes = _chunked_weight_grad_bytes(n_tokens, hidden_size, n_classes, dtype)
-    return "chunked" if dw_pass_bytes * RIDGE_FLOPS_PER_BYTE[dtype] < extra_gemm_flops else "recompute"
+    chunked = _chunked_extra_cost(n_tokens, hidden_size, n_classes, dtype, chunk_size)
+    if chunked >= _recompute_extra_cost(n_tokens, hidden_size, n_classes, dtype):
+        return "recompute"
+    peak = chunked_peak_bytes(n_tokens, hidden_size, n_classes, dtype, chunk_size)
+    return "chunked" if _fits_on_device(device, peak) else "recompute"
 
 
 def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None, ignore_index=-100,
@@ -658,9 +686,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             :func:`memkernels.ops.cross_entropy.cross_entropy`.
         strategy: "auto", "chunked" or "recompute" (see the module docstring).
         chunk_size: tokens per logits chunk; default: as many as fit the transient budget (16 MiB;
-            for "chunked" at least 1/8 of dX + float32 dW; for "recompute" at least 590 tokens per chunk
-            and 2360 classes per backward tile for half inputs, 80 and 160 for float32; see the module
-            docstring).
+            for "chunked" at least 1/8 of dX + float32 dW and at least 1180 tokens for half inputs, 80 for
+            float32; for "recompute" at least 590 tokens per chunk and 2360 classes per backward tile for half
+            inputs, 80 and 160 for float32; see the module docstring).
     Returns:
         float32 loss (shape of ``target`` for reduction "none", else 0-d), or
         ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached).
@@ -685,7 +713,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
                reduction, chunk_size or 0)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
-    chosen = pick_strategy(strategy, n_tokens, hidden_size, weight.shape[0], hidden.dtype, grad_needed, reduction)
+    chosen = pick_strategy(strategy, n_tokens, hidden_size, weight.shape[0], hidden.dtype, grad_needed, reduction,
+                           device=hidden.device, chunk_size=chunk_size)
     if chosen == "chunked" and grad_needed:
         loss, z, *_ = apply_op(_chunked_op, _ChunkedFunction, hidden2d, weight, target, bias, class_weight,
                                *options, *needs)

@@ -583,7 +583,6 @@ class Case:
     check_values: tuple  # held-out small shapes (dicts) the fit must reproduce exactly
     build: object  # build(shape, dtype, impl) -> Problem; impl "memkernels" | "eager" | "liger"
     minimum: object  # minimum(shape, element_bytes) -> {"forward": (bytes, flops), "backward": (bytes, flops)}
-    extra_launches: object = None  # extra_launches(shape, dtype) -> {(kind, name): (launches, bytes)} not at small shapes
     setup: object = None  # setup(shape) -> context manager that makes the op take a fit variable's value
     real_shape: object = None  # real_shape(shape, dtype, phase) -> the shape with the op's own value of each
     #                            fit variable that is not a size (linear-CE's chunks C)
@@ -725,33 +724,23 @@ def _linear_ce_recompute_real_shape(shape, dtype, phase):
 
 
 def _linear_ce_chunks(shape, dtype):
-    """Chunks (C) and split-accumulator blocks per chunk that linear_cross_entropy uses by default."""
-    torch = _torch()
+    """Chunks (C) that linear_cross_entropy's "chunked" strategy takes by default (no bias)."""
     from memkernels.ops import linear_cross_entropy as lce
     n, h, v = shape["N"], shape["H"], shape["V"]
-    budget = lce.chunked_budget(n, h, v, dtype)
-    rows = max(1, lce._chunk_elements(dtype, None, v, budget) // v)
-    chunks = -(-n // rows)
-    blocks = 1
-    if dtype == torch.bfloat16:
-        block_rows = max(1, lce._split_scratch_bytes(budget) // (4 * h))
-        blocks = -(-v // block_rows)
-    return chunks, blocks
+    return -(-n // lce.chunked_chunk_tokens(n, h, v, dtype))
 
 
 @contextlib.contextmanager
-def _wide_split_blocks(shape):
-    """Small shapes: the split accumulator's and the dX scaling's elementwise kernels in blocks of
-    64 Ki elements instead of 1 Ki (the same loads and stores, masks honoured, in one program: with
-    1 Ki a program, the scaling's per-program read of the 4-byte scale would count cdiv(N * H, 1024)
-    times, which is no polynomial in N and H; it hits L2 either way, so its HBM bytes are the same),
-    and dW in one row block per chunk (the real shape's extra blocks are added by
-    _linear_ce_extra_launches). float32 dX in one GEMM per chunk, as on a GPU (the CPU's class
-    blocks summed in float64 are a CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
+def _linear_ce_small_blocks(shape):
+    """Small shapes: the dX scaling's elementwise kernel in blocks of 64 Ki elements instead of 1 Ki (the same
+    loads and stores, masks honoured, in one program: with 1 Ki a program, the per-program read of the 4-byte
+    scale would count cdiv(N * H, 1024) times, which is no polynomial in N and H; it hits L2 either way, so its
+    HBM bytes are the same). float32 dX in one GEMM per chunk, as on a GPU (the CPU's class blocks summed in
+    float64 are a CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
     from memkernels.ops import linear_cross_entropy as lce
-    names = ("_SPLIT_BLOCK", "_SCALE_BLOCK", "SPLIT_SCRATCH_SHARE", "HIDDEN_GRAD_VOCAB_BLOCK")
+    names = ("_SCALE_BLOCK", "HIDDEN_GRAD_VOCAB_BLOCK")
     original = [getattr(lce, name) for name in names]
-    for name, value in zip(names, (1 << 16, 1 << 16, 1 << 20, 1 << 62)):
+    for name, value in zip(names, (1 << 16, 1 << 62)):
         setattr(lce, name, value)
     try:
         yield
@@ -766,8 +755,7 @@ def _liger_linear_ce_real_shape(shape):
 
 
 def _linear_ce_real_shape(shape, dtype, phase):
-    chunks, _ = _linear_ce_chunks(shape, dtype)
-    return dict(shape, C=chunks)
+    return dict(shape, C=_linear_ce_chunks(shape, dtype))
 
 
 def _liger_linear_ce_chunk_count(rows, hidden, vocab, chunk_mem_const=1):
@@ -798,19 +786,6 @@ def _liger_linear_ce_chunks(chunks):
         yield
     finally:
         flce.fused_linear_cross_entropy_forward = original
-
-
-def _linear_ce_extra_launches(shape, dtype):
-    """{(kind, name): (launches, bytes)} the small shapes do not have. They accumulate dW in one row
-    block per chunk; the real shape in `blocks` (bf16): one more mm and split add per extra block,
-    and each extra mm reads the chunk's hidden rows again."""
-    torch = _torch()
-    _, blocks = _linear_ce_chunks(shape, dtype)
-    extra = (blocks - 1) * shape["C"]
-    if not extra:
-        return {}
-    reread = (blocks - 1) * shape["N"] * shape["H"] * (torch.finfo(dtype).bits // 8)
-    return {("aten", "mm"): (extra, reread), ("triton", "_add_to_split_float32_kernel"): (extra, 0)}
 
 
 def _gelu_linear_problem(shape, dtype, impl):
@@ -996,14 +971,14 @@ def cases():
                            ({"N": 5},), _cross_entropy_problem, _cross_entropy_minimum))
     # recompute fits over 2-4 vocabulary tiles: a backward with one tile takes its logsumexp from the
     # logits it recomputes (one more read of them), the real head's 55 tiles the forward's
-    for strategy, chunks, minimum, extra, real_shape in (
-            ("recompute", (2, 3, 4), _linear_ce_recompute_minimum, None, _linear_ce_recompute_real_shape),
-            ("chunked", (1, 2, 3), _linear_ce_minimum, _linear_ce_extra_launches, _linear_ce_real_shape)):
+    for strategy, chunks, minimum, real_shape in (
+            ("recompute", (2, 3, 4), _linear_ce_recompute_minimum, _linear_ce_recompute_real_shape),
+            ("chunked", (1, 2, 3), _linear_ce_minimum, _linear_ce_real_shape)):
         result.append(Case("linear_cross_entropy", f"Llama-3-8B head, {strategy}",
                            {"N": _TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
                            {"N": (16, 32), "H": (16, 32), "C": chunks[:2]},
                            ({"N": 48, "H": 48, "C": chunks[2]},), _linear_ce_problem(strategy), minimum,
-                           extra, setup=_wide_split_blocks, real_shape=real_shape, step_row=True,
+                           setup=_linear_ce_small_blocks, real_shape=real_shape, step_row=True,
                            liger_real_shape=_liger_linear_ce_real_shape))
     for label, k, n in (("GPT-2 MLP down 3072->768", 3072, 768), ("Llama-3-8B MLP down 14336->4096", 14336, 4096)):
         result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
@@ -1240,12 +1215,6 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
                                 for p, a in entry.pop("arguments").items()]
                 entry.pop("programs", None)
                 entry["hbm"] = _hbm_bytes(per_argument, entry.pop("dot", 0) > 0, max(entry["launches"], 1))
-        if case.extra_launches is not None and impl == "memkernels":  # memkernels' own blocks
-            for key, (launches, extra_bytes) in case.extra_launches(real, dtype).items():
-                if key in kernels and phase == "forward":
-                    kernels[key]["launches"] += launches
-                    kernels[key]["hbm"] += extra_bytes
-                    kernels[key]["requested"] += extra_bytes
         last = runs[-1][phase]
         results[phase] = PassResult(kernels, sorted(set(last.matmul_dtypes)), last.syncs)
     return results
@@ -1488,7 +1457,7 @@ def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")
 # Each audited op's kernels by their memkernels.aot names (--occupancy with --op compiles only these).
 _AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd") for op in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")},
                 "cross_entropy": ("cross_entropy",),
-                "linear_cross_entropy": ("cross_entropy", "add_to_split_float32", "scale_in_float32"),
+                "linear_cross_entropy": ("cross_entropy", "scale_in_float32"),
                 "gelu_linear": ("gelu_linear",), "gated_linear": ("gated_linear",), "gated_mlp": ("gated_linear",)}
 
 
