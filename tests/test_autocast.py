@@ -60,7 +60,7 @@ def _eager_linear_cross_entropy(hidden, weight, target, bias=None):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, pytest.param(torch.float16, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("strategy", ["auto", "chunked", "recompute"])
-@pytest.mark.parametrize("tokens", [6, 80])  # "auto": recompute below the hidden size (32), chunked above
+@pytest.mark.parametrize("tokens", [6, 80])  # "auto" (pick_strategy): recompute at both in half dtypes
 @pytest.mark.parametrize("hidden_dtype", [torch.float32, "autocast"])  # what an autocast region hands a loss
 def test_linear_cross_entropy_matmuls_in_the_autocast_dtype_loss_in_float32(dtype, strategy, tokens, hidden_dtype):
     hidden = torch.randn(tokens, 32, dtype=dtype if hidden_dtype == "autocast" else hidden_dtype)
