@@ -17,7 +17,7 @@
 #      launches, host time, every column in the same run
 #   3. the op benchmarks' GPU sections, each with its baselines (eager, Liger, torch.compile) in
 #      the same run and the audit's model prediction under each measured time: the act-linear ops
-#      (bench_gelu_linear, bench_gated_mlp), the norms (bench_rms_norm), the losses
+#      (bench_gelu_linear, bench_gated_mlp), the norms (bench_rms_norm), RoPE (bench_rope), the losses
 #      (bench_cross_entropy), offload (bench_offload)
 #   4. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
 #      test does not select the simulated device itself)
@@ -83,7 +83,7 @@ step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE:
     step "install" 1 pip install --no-build-isolation --no-deps -e .
     # the figure users judge by, first: one training step of a Llama-3-8B-shaped decoder, every column
     step "bench_step.py" 3 python benchmarks/bench_step.py
-    for bench in gated_mlp gelu_linear rms_norm cross_entropy offload; do
+    for bench in gated_mlp gelu_linear rms_norm rope cross_entropy offload; do
         step "bench_$bench.py" 8 python "benchmarks/bench_$bench.py"
     done
     export MEMKERNELS_FAILURE_LOG="$RESULTS.failures"
@@ -94,7 +94,7 @@ step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE:
         tests/test_offload.py tests/test_offload_engine.py
     step "kernel tests on the GPU" 1 python -m pytest -q -p no:randomly -n "$WORKERS" tests/test_gated_linear.py \
         tests/test_gelu_linear.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_cross_entropy.py \
-        tests/test_linear_cross_entropy.py tests/test_autocast.py tests/test_patch_gated_mlp.py
+        tests/test_linear_cross_entropy.py tests/test_rope.py tests/test_autocast.py tests/test_patch_gated_mlp.py
     echo
     echo "gpu_check: $failed step(s) failed or were cut"
 } 2>&1 | tee "$RESULTS"

@@ -26,6 +26,14 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   gets one more ``gated_linear`` with lora_A as its weight. Left alone, with the
   reason: mixture-of-experts experts, quantized (bitsandbytes) or DoRA down
   projections, and LoRA dropout on down_proj (it needs the product materialized).
+- rope: an attention module whose forward calls a module-level function named like a RoPE
+  (``apply_rotary_pos_emb``) that computes ``x * cos + rotate_half(x) * sin`` for q and k (probed once
+  per function in float64) → the same class with that one call redirected to ``memkernels.functional.rope``
+  (one kernel each way for q and k where eager runs 25 a layer; the same bytes saved: cos and sin).
+  The model's module is not patched: other
+  models of the family in the process keep the original. Calls the fused RoPE does not take (other
+  arguments, tables that need a gradient, float64 on a GPU) run the original. Multimodal and partial
+  rotary RoPEs compute another formula and are left alone.
 - loss: a Hugging Face causal LM of a family in :data:`CAUSAL_LM_HEADS` (its head's
   logit scaling and softcapping are part of the fused loss), called with ``labels``
   in training mode, computes its loss with ``linear_cross_entropy`` from the final
@@ -59,6 +67,7 @@ import functools
 import inspect
 import itertools
 import sys
+import types
 
 import torch
 import torch.nn.functional as F
@@ -505,7 +514,7 @@ def _loss_blocker(module):
     return _why_not_plain(module.get_output_embeddings(), (nn.Linear,), "lm_head")
 
 
-def _plan(model, norms, mlp, loss, report):
+def _plan(model, norms, mlp, loss, rope, report):
     """Collect (qualified name, action) pairs; nothing is changed yet."""
     actions = []
     for name, module in model.named_modules():
@@ -528,6 +537,11 @@ def _plan(model, norms, mlp, loss, report):
             _plan_gated_mlp(name, module, actions, report)
         elif loss and isinstance(module, LogitsLoss):
             kind = "lm_loss"
+        elif rope and _rope_site(type(module)) is not None:
+            kind = "rope"
+            site = _rope_site(type(module))
+            replacement = _rope_class(type(module), *site) if isinstance(site, tuple) else site
+            why = replacement if isinstance(replacement, str) else None
         if kind in ("mlp", "gpt2_mlp", "bert_ffn") and why is None:
             why = _mlp_blockers(kind, module)
         if kind is not None and why is not None:
@@ -677,12 +691,149 @@ def _patch_gated_mlp(module, recompute):
     return "recompute" if module._memkernels_recompute else "saves gate, up"
 
 
+# ----------------------------------------------------------------------------- RoPE in attention
+
+# Module-level functions an attention forward calls are RoPE candidates when their names say so; one is
+# replaced only when it computes the rotate-half formula (probed once per function, in float64).
+_ROPE_NAME_PARTS = ("rotary", "rope")
+_PROBED_ROPE = {}  # function -> True, or the reason it is not the rotate-half RoPE
+_ROPE_SITES = {}  # attention class -> _rope_site's answer
+
+
+def _innermost(fn):
+    """The function under ``fn``'s ``functools.wraps`` decorators."""
+    while getattr(fn, "__wrapped__", None) is not None:
+        fn = fn.__wrapped__
+    return fn
+
+
+def _defined_forward(cls):
+    """The plain function ``cls`` runs as its forward (its own or inherited), or None."""
+    forward = next((klass.__dict__["forward"] for klass in cls.__mro__ if "forward" in klass.__dict__), None)
+    return forward if isinstance(forward, types.FunctionType) and forward is not nn.Module.forward else None
+
+
+def _rope_site(cls):
+    """(global name, function) of the RoPE that ``cls.forward`` calls, a string saying why it is not
+    replaced, or None when its forward calls nothing named like a RoPE (not an attention module).
+    Decided once per class."""
+    if cls not in _ROPE_SITES:
+        _ROPE_SITES[cls] = _find_rope_site(cls)
+    return _ROPE_SITES[cls]
+
+
+def _find_rope_site(cls):
+    forward = _defined_forward(cls)
+    if forward is None or getattr(cls, "_memkernels_rope", None):
+        return None
+    inner = _innermost(forward)
+    named = [(name, inner.__globals__[name]) for name in inner.__code__.co_names
+             if any(part in name.lower() for part in _ROPE_NAME_PARTS) and name in inner.__globals__
+             and isinstance(inner.__globals__[name], types.FunctionType)]
+    if not named:
+        return None
+    reasons = []
+    for name, function in named:
+        if function not in _PROBED_ROPE:
+            _PROBED_ROPE[function] = _probe_rope(function)
+        if _PROBED_ROPE[function] is True:
+            return name, function
+        reasons.append(_PROBED_ROPE[function])
+    return "; ".join(reasons)
+
+
+def _probe_rope(function):
+    """True when ``function(q, k, cos, sin)`` computes ``x * cos + rotate_half(x) * sin`` for q and k (float64,
+    random tables that are not Hugging Face's repeated halves, q as a transposed view); else why not."""
+    from memkernels.reference import rope as reference
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 5, 3, 8, generator=generator, dtype=torch.float64).transpose(1, 2)
+    k = torch.randn(2, 5, 2, 8, generator=generator, dtype=torch.float64).transpose(1, 2)
+    cos, sin = (torch.randn(2, 5, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    who = f"{function.__module__}.{function.__qualname__}"
+    try:
+        with torch.no_grad():
+            got = function(q, k, cos, sin)
+    except Exception as error:  # another signature (multimodal RoPE's sections, a partial rotary's slice)
+        return f"{who}(q, k, cos, sin) did not run as the rotate-half RoPE: {type(error).__name__}: {error}"
+    expected = reference.rotate(q, k, cos, sin, torch.float64, torch.float64, False)
+    if not (isinstance(got, (tuple, list)) and len(got) == 2 and all(
+            isinstance(t, torch.Tensor) and t.shape == e.shape and torch.allclose(t, e, rtol=0, atol=1e-12)
+            for t, e in zip(got, expected))):
+        return f"{who} is not the rotate-half RoPE x * cos + rotate_half(x) * sin (checked in float64)"
+    return True
+
+
+def _fused_rope_function(original):
+    """``original``'s stand-in: memkernels' rope where it takes the call, ``original`` itself elsewhere
+    (other arguments, tables that need a gradient, shapes or dtypes rope does not take)."""
+    from memkernels.ops import rope as rope_op
+
+    @functools.wraps(original)
+    def fused(q, k, cos, sin, *args, **kwargs):
+        if args or kwargs and (kwargs.keys() != {"unsqueeze_dim"} or kwargs["unsqueeze_dim"] != 1) \
+                or rope_op.unsupported(q, k, cos, sin) is not None:
+            return original(q, k, cos, sin, *args, **kwargs)
+        return rope_op.rope(q, k, cos, sin)
+
+    return fused
+
+
+def _with_globals(fn, replacements):
+    """``fn`` rebuilt so that the function under its ``functools.wraps`` decorators looks ``replacements`` up
+    as globals (the module stays as it is); None when a decorator does not hold what it wraps in a closure."""
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        rebuilt = types.FunctionType(fn.__code__, {**fn.__globals__, **replacements}, fn.__name__, fn.__defaults__,
+                                     fn.__closure__)
+    else:
+        cells = fn.__closure__ or ()
+        holding = [index for index, cell in enumerate(cells) if _cell_contents(cell) is inner]
+        rebuilt_inner = _with_globals(inner, replacements) if len(holding) == 1 else None
+        if rebuilt_inner is None:
+            return None
+        cells = tuple(types.CellType(rebuilt_inner) if index == holding[0] else cell
+                      for index, cell in enumerate(cells))
+        rebuilt = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
+    rebuilt.__kwdefaults__ = fn.__kwdefaults__
+    functools.update_wrapper(rebuilt, fn, updated=())
+    rebuilt.__dict__.update(fn.__dict__)
+    if inner is None:
+        del rebuilt.__wrapped__
+    else:
+        rebuilt.__wrapped__ = rebuilt_inner
+    return rebuilt
+
+
+def _cell_contents(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
+def _rope_class(base, name, original):
+    """The subclass of attention class ``base`` whose forward calls the fused RoPE for global ``name``;
+    a string saying why there is none. Registered in this module under its name so it pickles."""
+    cls_name = f"MemkernelsRope{base.__name__}"
+    cls = getattr(sys.modules[__name__], cls_name, None)
+    if cls is None or cls.__bases__ != (base,) or cls._memkernels_rope != (name, original):
+        forward = _with_globals(_defined_forward(base), {name: _fused_rope_function(original)})
+        if forward is None:
+            return (f"{base.__name__}.forward is wrapped by a decorator that does not keep the function in a "
+                    "closure: its RoPE call cannot be redirected")
+        cls = type(cls_name, (base,), {"__module__": __name__, "forward": forward, "_memkernels_rope": (name, original)})
+        setattr(sys.modules[__name__], cls_name, cls)
+    return cls
+
+
 def _check_flag(name, value):
     if not isinstance(value, bool):
         raise ValueError(f"memkernels.apply({name}={value!r}): must be True or False")
 
 
-def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
+def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
     """Swap the fused memkernels kernels into ``model`` in place; returns a :class:`PatchReport`.
 
     ``plan``: a :class:`memkernels.tools.plan.Plan` (or a per-layer ``Placement``): carry it out
@@ -691,8 +842,8 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
 
     ``model``: any nn.Module (a memkernels :class:`~memkernels.models.TransformerLM`,
     a Hugging Face model, or your own module containing nn.LayerNorm/nn.RMSNorm).
-    ``norms`` / ``mlp`` / ``loss``: which kinds to replace (see the module doc); ``mlp="recompute"``
-    also recomputes gated MLPs' gate and up in backward instead of saving them.
+    ``norms`` / ``mlp`` / ``loss`` / ``rope``: which kinds to replace (see the module doc);
+    ``mlp="recompute"`` also recomputes gated MLPs' gate and up in backward instead of saving them.
     ``measure``: for a causal LM, also measure saved bytes per token before and
     after on a meta copy (no real memory, a fraction of a second). Call it
     before wrapping the model in DDP/FSDP or ``torch.compile``.
@@ -705,7 +856,7 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
         return apply_plan(model, plan)
     if not isinstance(model, nn.Module):
         raise ValueError(f"memkernels.apply(model=...) needs an nn.Module, got {type(model).__name__}")
-    for name, value in (("norms", norms), ("loss", loss), ("measure", measure)):
+    for name, value in (("norms", norms), ("loss", loss), ("rope", rope), ("measure", measure)):
         _check_flag(name, value)
     if mlp not in (True, False, "recompute"):
         raise ValueError(f"memkernels.apply(mlp={mlp!r}): must be True, False or 'recompute'")
@@ -717,7 +868,7 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
     elif measure:
         report.measure_note = "not measured (not a causal LM this function can feed; use activation_ledger)"
 
-    actions = _plan(model, norms, mlp, loss, report)
+    actions = _plan(model, norms, mlp, loss, rope, report)
     kinds = {kind for _, kind, _ in actions}
     fused_layer_norm, fused_rms_norm = _require("norms") if "norm" in kinds else (None, None)
     fused_mlp = _require("mlp")[0] if kinds & {"mlp", "gpt2_mlp", "bert_ffn"} else None
@@ -748,6 +899,8 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, measure=True):
             report.notes.append(_LOSS_NOTE)
         elif kind == "gated_mlp":
             mode = _patch_gated_mlp(module, mlp == "recompute")
+        elif kind == "rope":
+            module.__class__ = _rope_class(type(module), *_rope_site(type(module)))
         after = model.get_submodule(name) if name else model
         after_type = f"{type(after).__name__} ({mode})" if kind == "gated_mlp" else type(after).__name__
         report.replaced.append({"name": name, "before": before_type, "after": after_type})

@@ -172,6 +172,25 @@ def test_gelu_linear_counts():
     assert run["forward"].syncs == run["backward"].syncs == []
 
 
+def test_rope_counts():
+    n, q_heads, k_heads, dim, e = 4, 4, 2, 8, 2
+    run = _measure("rope", N=n, HQ=q_heads, HK=k_heads, D=dim)
+    # each way one launch: q and k (their gradients) read once and written once, both tables read once a
+    # position (both halves: the kernel does not assume Hugging Face's repeated halves); no aten op, no copy
+    # of the gradients (they come laid out as q_proj's output), the minimum
+    moved = (2 * n * (q_heads + k_heads) * dim + 2 * n * dim) * e
+    for phase in ("forward", "backward"):
+        assert [x.name for x in run[phase].launches] == ["_rope_kernel"]
+        assert _triton(run[phase]) == (1, moved, moved)
+        assert gpu_audit._rope_minimum({"N": n, "HQ": q_heads, "HK": k_heads, "D": dim}, e)[phase] == (moved, 0)
+    assert run["forward"].syncs == run["backward"].syncs == []
+    # eager (Hugging Face's formula): 10 launches forward, 16 backward (the copy back into q_proj's layout is
+    # the transpose's backward, outside the audited function)
+    eager = gpu_audit.measure(CASES["rope"], {"N": n, "HQ": q_heads, "HK": k_heads, "D": dim}, torch.bfloat16,
+                              impl="eager")
+    assert (len(eager["forward"].launches), len(eager["backward"].launches)) == (10, 16)
+
+
 def test_gated_linear_counts():
     m = k = n = 64  # tokens, intermediate (the width of gate and up), hidden
     e = 2

@@ -7,6 +7,7 @@ floor of a few fp32 roundings of the largest value, for gradients that are zero
 by symmetry and hold only rounding noise).
 """
 import copy
+import inspect
 import sys
 
 import pytest
@@ -381,3 +382,133 @@ def test_a_norm_computing_something_else_is_left_alone_with_the_reason(norm, rea
     report = apply(model, measure=False)
     assert model[1] is norm and report.replaced == []
     assert [(s["type"], reason in s["reason"]) for s in report.skipped] == [(type(norm).__name__, True)]
+
+
+# ----------------------------------------------------------------------------- RoPE in attention
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # Hugging Face's, as a model file defines it
+    cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_interleaved_rotary(q, k, cos, sin):  # GPT-J's pairs (x0, x1), (x2, x3), ...: another formula
+    def rotate(x):
+        pairs = x.unflatten(-1, (-1, 2))
+        return torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+
+class _Attention(torch.nn.Module):
+    """q and k projections and a RoPE call through a module-level function, as Hugging Face's attention."""
+    rotary = staticmethod(apply_rotary_pos_emb)
+
+    def __init__(self, heads=2, dim=8):
+        super().__init__()
+        self.heads, self.dim = heads, dim
+        self.q_proj = torch.nn.Linear(heads * dim, heads * dim)
+        self.k_proj = torch.nn.Linear(heads * dim, heads * dim)
+
+    def forward(self, x, cos, sin):
+        shape = (*x.shape[:-1], self.heads, self.dim)
+        q, k = self.q_proj(x).view(shape).transpose(1, 2), self.k_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return (q * k).sum()
+
+
+class _InterleavedAttention(_Attention):
+    def forward(self, x, cos, sin):
+        shape = (*x.shape[:-1], self.heads, self.dim)
+        q, k = self.q_proj(x).view(shape).transpose(1, 2), self.k_proj(x).view(shape).transpose(1, 2)
+        q, k = apply_interleaved_rotary(q, k, cos, sin)
+        return (q * k).sum()
+
+
+def _tables(seq=5, dim=8):
+    angles = torch.arange(seq, dtype=torch.float32)[None, :, None] * torch.rand(1, 1, dim // 2)
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def test_rope_is_redirected_per_class_and_the_model_file_keeps_its_function():
+    from transformers.models.llama import modeling_llama
+    model, other = _llama(), _llama()
+    original = modeling_llama.apply_rotary_pos_emb
+    report = apply(model, norms=False, mlp=False, loss=False, measure=False)
+    attention = [m for m in model.modules() if type(m).__name__.endswith("LlamaAttention")]
+    assert [(r["before"], r["after"]) for r in report.replaced] == [
+        ("LlamaAttention", "MemkernelsRopeLlamaAttention")] * len(attention) and len(attention) == 2
+    # the model's module is untouched: another Llama in the process runs Hugging Face's RoPE
+    assert modeling_llama.apply_rotary_pos_emb is original
+    assert type(other.model.layers[0].self_attn) is modeling_llama.LlamaAttention
+    # the redirected forward keeps the original's signature and its decorator (deprecate_kwarg)
+    assert inspect.signature(type(attention[0]).forward) == inspect.signature(modeling_llama.LlamaAttention.forward)
+
+
+def test_rope_calls_reach_the_fused_op_once_per_layer(monkeypatch):
+    from memkernels.ops import rope as rope_module
+    calls = []
+    real = rope_module.rope
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rope_module, "rope", counting)
+    model = _llama()
+    apply(model, norms=False, mlp=False, loss=False, measure=False)
+    ids, labels = _batch()
+    _loss(model, ids, labels).backward()
+    assert len(calls) == 2 and calls[0] == (2, 4, 24, 16)
+
+
+def test_rope_parity_in_a_model_with_rope_alone():
+    model = _qwen3().train()
+    patched = copy.deepcopy(model)
+    report = apply(patched, norms=False, mlp=False, loss=False, measure=False)
+    assert {r["after"] for r in report.replaced} == {"MemkernelsRopeQwen3Attention"}
+    assert_patched_parity(model, patched, *_batch())
+
+
+def test_rope_false_and_a_pickled_model():
+    import pickle
+    model = _llama()
+    report = apply(model, rope=False, measure=False)
+    assert not any("Rope" in r["after"] for r in report.replaced)
+    apply(model, measure=False)
+    restored = pickle.loads(pickle.dumps(model))
+    ids, labels = _batch()
+    with torch.no_grad():
+        torch.testing.assert_close(_loss(restored, ids, labels), _loss(model, ids, labels))
+
+
+def test_a_rope_of_another_formula_is_left_alone_with_the_reason():
+    attention = _InterleavedAttention()
+    report = apply(torch.nn.Sequential(attention), measure=False)
+    assert type(attention) is _InterleavedAttention and report.replaced == []
+    assert [(s["type"], "is not the rotate-half RoPE" in s["reason"]) for s in report.skipped] == [
+        ("_InterleavedAttention", True)]
+
+
+def test_calls_the_fused_rope_does_not_take_run_the_original():
+    attention = _Attention()
+    x = torch.randn(2, 5, 16)
+    cos, sin = _tables()
+    expected = attention(x, cos, sin)
+    apply(torch.nn.Sequential(attention), measure=False)
+    assert type(attention).__name__ == "MemkernelsRope_Attention"
+    torch.testing.assert_close(attention(x, cos, sin), expected)
+    fused = type(attention).forward.__globals__["apply_rotary_pos_emb"]
+    q = torch.randn(2, 5, 2, 8)  # [batch, seq, heads, dim]: the layout unsqueeze_dim=2 is for
+    for call in (lambda: fused(q, q, cos, sin, unsqueeze_dim=2),                        # another layout
+                 lambda: fused(q.transpose(1, 2), q.transpose(1, 2), cos.requires_grad_(), sin)):  # table grads
+        got = call()
+        torch.testing.assert_close(got[0], (apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=2)[0]
+                                            if got[0].shape == q.shape else
+                                            apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0]))
+    cos.grad = None

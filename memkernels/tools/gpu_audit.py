@@ -887,6 +887,40 @@ _TOKENS = 8192  # tokens per step at the real shapes (e.g. 4 sequences of 2048)
 _H100_SMS = 132
 
 
+def _rope_problem(shape, dtype, impl):
+    """Hugging Face's apply_rotary_pos_emb on q and k as its attention passes them (a projection's output
+    viewed as [batch, seq, heads, head_dim] and transposed), with its tables (repeated halves)."""
+    torch = _torch()
+    from memkernels import functional
+    n, q_heads, k_heads, dim = shape["N"], shape["HQ"], shape["HK"], shape["D"]
+    q_base, k_base = _leaf(1, n, q_heads, dim, dtype=dtype), _leaf(1, n, k_heads, dim, dtype=dtype)
+    angles = torch.arange(n).float()[None, :, None] * torch.rand(1, 1, dim // 2)
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    grads = [torch.randn(1, q_heads, n, dim).to(dtype), torch.randn(1, k_heads, n, dim).to(dtype)]
+
+    def rotate_half(x):
+        return torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), dim=-1)
+
+    def forward():
+        q, k = q_base.transpose(1, 2), k_base.transpose(1, 2)
+        if impl == "memkernels":
+            return functional.rope(q, k, cos, sin)
+        if impl == "liger":
+            from liger_kernel.transformers.rope import liger_rotary_pos_emb
+            return liger_rotary_pos_emb(q, k, cos, sin)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
+        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+    return Problem(forward, lambda outputs: torch.autograd.backward(outputs, grads))
+
+
+def _rope_minimum(shape, e):
+    heads_elements = shape["N"] * (shape["HQ"] + shape["HK"]) * shape["D"]
+    # each way: q and k (or their gradients) and the two tables in, q and k (their gradients) out
+    moved = (2 * heads_elements + 2 * shape["N"] * shape["D"]) * e
+    return {"forward": (moved, 0), "backward": (moved, 0)}
+
+
 def _norm_backward_programs(hidden, is_rms):
     """memkernels' norm backward programs on an H100 at rows of ``hidden`` (_norm_kernels._num_programs)."""
     from memkernels.ops import _norm_kernels
@@ -989,6 +1023,8 @@ def cases():
         result.append(Case("gated_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
                            {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
                            _gated_linear_problem(activation), _gated_linear_minimum))
+    result.append(Case("rope", "Llama-3-8B q, k 32/8 heads of 128", {"N": _TOKENS, "HQ": 32, "HK": 8, "D": 128},
+                       ("N",), {"N": (2, 4)}, ({"N": 5},), _rope_problem, _rope_minimum))
     for recompute in (False, True):
         result.append(Case("gated_mlp", "Llama-3-8B MLP " + ("recompute=True" if recompute else "H=4096 I=14336"),
                            {"M": _TOKENS, "K": 14336, "N": 4096}, ("M", "K", "N"),
@@ -1305,7 +1341,7 @@ def step_row(forward, backward):
 
 
 _LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy",
-              "gated_linear", "gated_mlp"}
+              "gated_linear", "gated_mlp", "rope"}
 
 
 def _liger_available():
@@ -1455,10 +1491,13 @@ def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")
 
 
 # Each audited op's kernels by their memkernels.aot names (--occupancy with --op compiles only these).
-_AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd") for op in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")},
+_AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd", "norm_reduce_partials")
+                   for op in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")},
                 "cross_entropy": ("cross_entropy",),
                 "linear_cross_entropy": ("cross_entropy", "scale_in_float32"),
-                "gelu_linear": ("gelu_linear",), "gated_linear": ("gated_linear",), "gated_mlp": ("gated_linear",)}
+                **{op: ("act_linear_product", "act_linear_product_backward")
+                   for op in ("gelu_linear", "gated_linear", "gated_mlp")},
+                "rope": ("rope",)}
 
 
 def occupancy(names=None, archs=(80, 90)):
