@@ -6,7 +6,7 @@ through ninja when it is available (parallel, incremental), else through
 setuptools' compiler one file at a time.
 
 Environment:
-  MEMKERNELS_SANITIZE=address,undefined | thread   build with sanitizers
+  MEMKERNELS_SANITIZE=address,undefined | thread   build with sanitizers (-g1; -O0, TSan -O1)
   MEMKERNELS_DEBUG=1                               -O0 -g, assertions kept
 """
 import glob
@@ -45,7 +45,15 @@ def _compile_args():
     debug = os.environ.get("MEMKERNELS_DEBUG") == "1"
     sanitize = _sanitize_flags()
     args = ["-std=c++17", "-fvisibility=hidden", "-Wall", "-Wextra", "-Wno-unused-parameter"]
-    args += ["-O0", "-g"] if debug else (["-O1", "-g"] if sanitize else ["-O3", "-DNDEBUG"])
+    # Sanitized builds keep -g1, the line tables their reports need (-g's full debug info only slows the
+    # build). ASan+UBSan at -O0, which hides no access from them and builds fastest; TSan at -O1, without
+    # which the sanitized tests run several times slower (tests/test_sanitizers.py has the times).
+    if debug:
+        args += ["-O0", "-g"]
+    elif sanitize:
+        args += ["-O1" if "-fsanitize=thread" in sanitize else "-O0", "-g1"]
+    else:
+        args += ["-O3", "-DNDEBUG"]
     return args + sanitize, sanitize
 
 

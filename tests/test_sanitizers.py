@@ -22,9 +22,11 @@ libtsan). TSan works here as is (gcc 12, kernel with 28 bits of mmap
 randomness); no `setarch -R` needed. Under TSan an mmap of 1 TiB may fail,
 hence the simulator's 256 GiB default address space.
 
-Measured on the shared 2-core machine: from a clean build/ both cases take
-about 175 s wall (62 s CPU; the ASan+UBSan build is the larger part); with
-the builds cached, about 15 s (the sanitized test runs themselves take 3-6 s).
+Measured on a quiet 2-core machine (2026-11-28), from a clean build/: ASan+UBSan
+(built -O0 -g1) 111 s wall, 143 s of CPU; TSan (-O1 -g1; at -O0 its test run
+takes several times longer) 97 s wall, 116 s of CPU; both built -O1 -g, as
+before, 313 s of CPU for the two. With the builds cached, ninja recompiles
+nothing and the sanitized test runs alone remain.
 """
 import os
 import re
