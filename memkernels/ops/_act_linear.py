@@ -38,6 +38,7 @@ import triton.language as tl
 from memkernels import aot
 from memkernels.ops._custom_op import custom_op
 from memkernels.ops._device_guard import on_tensor_device
+from memkernels.ops._host import cdiv, next_power_of_2
 from memkernels.reference import act_linear as reference
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -159,7 +160,7 @@ _MAX_BLOCK = 1024  # 8 elements a thread at 4 warps: 16-byte accesses in 16-bit 
 
 
 def _block(n_cols):
-    return min(_MAX_BLOCK, max(16, triton.next_power_of_2(n_cols)))
+    return min(_MAX_BLOCK, max(16, next_power_of_2(n_cols)))
 
 
 def _warps(block):
@@ -210,7 +211,7 @@ def _unit_columns(tensor):
 
 
 def _grid(tensor):
-    return (tensor.shape[0], triton.cdiv(tensor.shape[1], _block(tensor.shape[1])))
+    return (tensor.shape[0], cdiv(tensor.shape[1], _block(tensor.shape[1])))
 
 
 @on_tensor_device

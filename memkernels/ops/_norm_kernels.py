@@ -31,6 +31,7 @@ import triton.language as tl
 
 from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
+from memkernels.ops._host import cdiv
 
 # Widest row chunk held in registers, and elements per warp; wider rows loop.
 # Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
@@ -630,7 +631,7 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
         maxnreg=_register_cap(num_warps), **_backward_options(group_rows),
     )
     if needs_dw or needs_db:
-        _norm_reduce_partials_kernel[(triton.cdiv(hidden, REDUCE_BLOCK_H),)](
+        _norm_reduce_partials_kernel[(cdiv(hidden, REDUCE_BLOCK_H),)](
             dw_partial if needs_dw else unused32, db_partial if needs_db else unused32,
             dw if needs_dw else unused, db if needs_db else unused, programs, hidden,
             COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db, BLOCK_P=REDUCE_BLOCK_P, BLOCK_H=REDUCE_BLOCK_H,

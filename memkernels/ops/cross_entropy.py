@@ -41,6 +41,7 @@ import triton.language as tl
 
 from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
+from memkernels.ops._host import next_power_of_2
 from memkernels._backend import resolve
 from memkernels.ops import _autocast
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
@@ -265,7 +266,7 @@ def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col
     write_grad = grad is not None
     dummy = lse  # any fp32 tensor stands in for pointers a variant never reads
     scale_stride = 1 if (write_grad and loss_scale.numel() > 1) else 0
-    block_v = min(MAX_BLOCK_V, triton.next_power_of_2(n_cols))
+    block_v = min(MAX_BLOCK_V, next_power_of_2(n_cols))
     _cross_entropy_kernel[(n_rows,)](
         logits,
         grad if write_grad else logits,

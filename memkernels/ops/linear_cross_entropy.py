@@ -78,6 +78,7 @@ from memkernels import aot
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels._backend import resolve
 from memkernels.ops import _autocast
+from memkernels.ops._host import cdiv
 from memkernels.ops._half_gemm import addmm_float32_
 from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
                                    reduce_rows, reduction_denominators, validate_loss_args)
@@ -116,7 +117,7 @@ def _scale_triton(tensor, scale):
     n_elements = tensor.numel()
     bfloat16 = tensor.dtype == torch.bfloat16
     if n_elements:
-        _scale_kernel[(triton.cdiv(n_elements, _SCALE_BLOCK),)](
+        _scale_kernel[(cdiv(n_elements, _SCALE_BLOCK),)](
             tensor.view(torch.int16) if bfloat16 else tensor, scale, n_elements, BLOCK=_SCALE_BLOCK,
             BFLOAT16_BITS=bfloat16, num_warps=4)
 

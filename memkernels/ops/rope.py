@@ -26,6 +26,7 @@ from memkernels._backend import resolve, triton_interpreted
 from memkernels.ops import _autocast
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.ops._device_guard import on_tensor_device
+from memkernels.ops._host import next_power_of_2
 from memkernels.reference import rope as reference
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -92,8 +93,8 @@ def _rope_kernel(
 
 def _blocks(half, heads):
     """(BLOCK_H, BLOCK_HALF) for head vectors of 2 * ``half`` and at most ``heads`` heads."""
-    block_half = triton.next_power_of_2(half)
-    block_h = min(triton.next_power_of_2(heads), max(_TILE_ELEMENTS // block_half, 1))
+    block_half = next_power_of_2(half)
+    block_h = min(next_power_of_2(heads), max(_TILE_ELEMENTS // block_half, 1))
     return block_h, block_half
 
 
