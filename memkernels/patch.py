@@ -770,7 +770,8 @@ def _fused_rope_function(original):
     (other arguments, tables that need a gradient, shapes or dtypes rope does not take)."""
     from memkernels.ops import rope as rope_op
 
-    @functools.wraps(original)
+    # Not functools.wraps: torch.compile would take the stand-in for the model module's function of that name
+    # and guard on the original's closure.
     def fused(q, k, cos, sin, *args, **kwargs):
         if args or kwargs and (kwargs.keys() != {"unsqueeze_dim"} or kwargs["unsqueeze_dim"] != 1) \
                 or rope_op.unsupported(q, k, cos, sin) is not None:
@@ -785,8 +786,8 @@ def _with_globals(fn, replacements):
     as globals (the module stays as it is); None when a decorator does not hold what it wraps in a closure."""
     inner = getattr(fn, "__wrapped__", None)
     if inner is None:
-        rebuilt = types.FunctionType(fn.__code__, {**fn.__globals__, **replacements}, fn.__name__, fn.__defaults__,
-                                     fn.__closure__)
+        rebuilt = types.FunctionType(fn.__code__, _redirected_namespace(fn.__globals__, replacements), fn.__name__,
+                                     fn.__defaults__, fn.__closure__)
     else:
         cells = fn.__closure__ or ()
         holding = [index for index, cell in enumerate(cells) if _cell_contents(cell) is inner]
@@ -804,6 +805,19 @@ def _with_globals(fn, replacements):
     else:
         rebuilt.__wrapped__ = rebuilt_inner
     return rebuilt
+
+
+def _redirected_namespace(namespace, replacements):
+    """A copy of a module's ``namespace`` with ``replacements``, as the namespace of a module of its own in
+    sys.modules: torch.compile finds a function's globals through ``__name__``'s module, and must find the
+    replacements there, not the model module's originals."""
+    name = f"_memkernels_redirected_{namespace['__name__'].replace('.', '_')}"
+    module = sys.modules.get(name)
+    if module is None or any(module.__dict__.get(key) is not value for key, value in replacements.items()):
+        module = types.ModuleType(name)
+        module.__dict__.update({**namespace, **replacements, "__name__": name})
+        sys.modules[name] = module
+    return module.__dict__
 
 
 def _cell_contents(cell):

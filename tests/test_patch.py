@@ -512,3 +512,24 @@ def test_calls_the_fused_rope_does_not_take_run_the_original():
                                             if got[0].shape == q.shape else
                                             apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)[0]))
     cos.grad = None
+
+
+def test_a_model_with_its_rope_redirected_compiles():
+    # torch.compile finds a function's globals through their module's name: the redirected forward's globals
+    # are a module of their own in sys.modules, so the compiled graph calls memkernels' RoPE (no guard on the
+    # model module's function of that name, which is Hugging Face's)
+    model = _llama().train()
+    patched = copy.deepcopy(model)
+    apply(patched, norms=False, mlp=False, loss=False, measure=False)
+    targets = []
+
+    def recording_backend(graph_module, example_inputs):
+        targets.extend(str(node.target) for node in graph_module.graph.nodes if node.op == "call_function")
+        return graph_module.forward
+
+    ids, labels = _batch()
+    loss = _loss(torch.compile(patched, backend=recording_backend), ids, labels)
+    loss.backward()
+    assert targets.count("memkernels.rope.default") == 2, targets  # one a layer
+    torch.testing.assert_close(loss, _loss(model, ids, labels))
+    assert patched.model.layers[0].self_attn.q_proj.weight.grad is not None
