@@ -12,6 +12,7 @@ from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
 
 from backends import triton_device, use_backend
+from loss_cases import case_id
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 REDUCTIONS = ["none", "mean", "sum"]
@@ -66,7 +67,7 @@ MATCH_CASES = [(dtype, n_rows, n_classes, reduction, option_name)
                if n_rows < 64 or dtype == torch.bfloat16 or option_name in ("plain", "combined")]
 
 
-@pytest.mark.parametrize("dtype,n_rows,n_classes,reduction,option_name", MATCH_CASES, ids=str)
+@pytest.mark.parametrize("dtype,n_rows,n_classes,reduction,option_name", MATCH_CASES, ids=case_id)
 def test_matches_float64(backend, dtype, n_rows, n_classes, reduction, option_name):
     run_check(dtype, n_rows, n_classes, reduction, option_name)
 
@@ -76,7 +77,7 @@ def test_matches_float64(backend, dtype, n_rows, n_classes, reduction, option_na
 # test_matches_float64 checks in every dtype).
 @pytest.mark.parametrize("dtype,reduction,option_name", [
     (torch.bfloat16, reduction, option_name) for reduction in REDUCTIONS for option_name in ("plain", "combined")
-] + [(dtype, "mean", "combined") for dtype in (torch.float32, torch.float16)], ids=str)
+] + [(dtype, "mean", "combined") for dtype in (torch.float32, torch.float16)], ids=case_id)
 def test_vocab_not_a_block_multiple(backend, dtype, reduction, option_name):
     run_check(dtype, 8, 32003, reduction, option_name)
 

@@ -12,6 +12,7 @@ from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
 
 from backends import triton_device
+from loss_cases import case_id
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPTIONS = {
@@ -83,7 +84,7 @@ MATCH_CASES = [(dtype, shape, strategy, reduction, option_name)
                or (option_name == "combined" and (strategy, reduction) in OTHER_DTYPES_AT_THE_WIDEST)]
 
 
-@pytest.mark.parametrize("dtype,shape,strategy,reduction,option_name", MATCH_CASES, ids=str)
+@pytest.mark.parametrize("dtype,shape,strategy,reduction,option_name", MATCH_CASES, ids=case_id)
 def test_matches_float64(backend, dtype, shape, strategy, reduction, option_name):
     # chunk_size=5 tokens: several chunks, the last one partial.
     run_check(dtype, *shape, reduction, strategy, option_name, chunk_size=5)
@@ -96,7 +97,7 @@ def test_matches_float64(backend, dtype, shape, strategy, reduction, option_name
     (torch.bfloat16, strategy, reduction, option_name) for strategy, reduction in CASES
     for option_name in SINGLE_OPTIONS
 ] + [(torch.float32, "chunked", "mean", option_name) for option_name in SINGLE_OPTIONS]
-  + [(torch.float16, "recompute", "mean", option_name) for option_name in SINGLE_OPTIONS], ids=str)
+  + [(torch.float16, "recompute", "mean", option_name) for option_name in SINGLE_OPTIONS], ids=case_id)
 def test_each_option_alone(backend, dtype, strategy, reduction, option_name):
     run_check(dtype, *WIDEST, reduction, strategy, option_name, chunk_size=5)
 

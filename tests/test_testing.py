@@ -295,9 +295,9 @@ def test_accuracy_checks_pass_under_the_default_cpu_capability():
     error: a few representative float32 checks re-run in a process on the scalar (default) kernels.
     CI's other runs use the machine's native capability; the full sweep is in the report of issue 15."""
     tests_dir = os.path.dirname(os.path.abspath(__file__))
-    nodes = ["test_cross_entropy.py::test_vocab_not_a_block_multiple[torch-dtype0-mean-combined]",
+    nodes = ["test_cross_entropy.py::test_vocab_not_a_block_multiple[torch-float32-mean-combined]",
              "test_linear_cross_entropy.py::test_chunked_float32_hidden_grad_error_grows_with_the_block_not_the_vocabulary",
-             "test_linear_cross_entropy.py::test_matches_float64[torch-24-8-300-dtype0-chunked-mean-combined]",
+             "test_linear_cross_entropy.py::test_matches_float64[torch-float32-24x8x300-chunked-mean-combined]",
              "test_rms_norm.py::test_rms_norm_matches_float64"]
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
