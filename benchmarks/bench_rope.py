@@ -29,17 +29,10 @@ import torch  # noqa: E402
 import memkernels  # noqa: E402
 from memkernels.meters import SavedBytesMeter  # noqa: E402
 from memkernels.ops.rope import rope  # noqa: E402
+from memkernels.reference import rope as reference  # noqa: E402
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def eager_rope(q, k, cos, sin):
-    """Hugging Face's apply_rotary_pos_emb, op for op."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+eager_rope = reference.eager  # Hugging Face's apply_rotary_pos_emb, op for op
 
 
 def liger_rope():

@@ -14,15 +14,7 @@ pytest.importorskip("triton")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def eager_rope(q, k, cos, sin):
-    """Hugging Face's apply_rotary_pos_emb (unsqueeze_dim=1), op for op."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+eager_rope = reference.eager  # Hugging Face's apply_rotary_pos_emb, op for op
 
 
 def fused_rope(q, k, cos, sin):

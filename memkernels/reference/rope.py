@@ -47,3 +47,16 @@ def rotate(q, k, cos, sin, q_dtype, k_dtype, backward):
     """(q, k) rotated by the tables (or, ``backward``, their gradients rotated back), as ``q_dtype`` and
     ``k_dtype``; see :func:`rotate_one`."""
     return rotate_one(q, cos, sin, q_dtype, backward), rotate_one(k, cos, sin, k_dtype, backward)
+
+
+def rotate_half(x):
+    """(-x2, x1) for the halves (x1, x2) of x's last dimension, as Hugging Face writes it."""
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def eager(q, k, cos, sin):
+    """Hugging Face's ``apply_rotary_pos_emb(q, k, cos, sin)`` op for op (unsqueeze_dim=1): the eager baseline
+    the tests, the benchmark and the GPU audit measure memkernels' RoPE against."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin

@@ -892,15 +892,13 @@ def _rope_problem(shape, dtype, impl):
     viewed as [batch, seq, heads, head_dim] and transposed), with its tables (repeated halves)."""
     torch = _torch()
     from memkernels import functional
+    from memkernels.reference import rope as reference
     n, q_heads, k_heads, dim = shape["N"], shape["HQ"], shape["HK"], shape["D"]
     q_base, k_base = _leaf(1, n, q_heads, dim, dtype=dtype), _leaf(1, n, k_heads, dim, dtype=dtype)
     angles = torch.arange(n).float()[None, :, None] * torch.rand(1, 1, dim // 2)
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     grads = [torch.randn(1, q_heads, n, dim).to(dtype), torch.randn(1, k_heads, n, dim).to(dtype)]
-
-    def rotate_half(x):
-        return torch.cat((-x[..., dim // 2:], x[..., :dim // 2]), dim=-1)
 
     def forward():
         q, k = q_base.transpose(1, 2), k_base.transpose(1, 2)
@@ -909,8 +907,7 @@ def _rope_problem(shape, dtype, impl):
         if impl == "liger":
             from liger_kernel.transformers.rope import liger_rotary_pos_emb
             return liger_rotary_pos_emb(q, k, cos, sin)
-        c, s = cos.unsqueeze(1), sin.unsqueeze(1)
-        return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+        return reference.eager(q, k, cos, sin)
     return Problem(forward, lambda outputs: torch.autograd.backward(outputs, grads))
 
 
