@@ -537,9 +537,8 @@ def _plan(model, norms, mlp, loss, rope, report):
             _plan_gated_mlp(name, module, actions, report)
         elif loss and isinstance(module, LogitsLoss):
             kind = "lm_loss"
-        elif rope and _rope_site(type(module)) is not None:
+        elif rope and (site := _rope_site(type(module))) is not None:
             kind = "rope"
-            site = _rope_site(type(module))
             replacement = _rope_class(type(module), *site) if isinstance(site, tuple) else site
             why = replacement if isinstance(replacement, str) else None
         if kind in ("mlp", "gpt2_mlp", "bert_ffn") and why is None:
@@ -700,13 +699,6 @@ _PROBED_ROPE = {}  # function -> True, or the reason it is not the rotate-half R
 _ROPE_SITES = {}  # attention class -> _rope_site's answer
 
 
-def _innermost(fn):
-    """The function under ``fn``'s ``functools.wraps`` decorators."""
-    while getattr(fn, "__wrapped__", None) is not None:
-        fn = fn.__wrapped__
-    return fn
-
-
 def _defined_forward(cls):
     """The plain function ``cls`` runs as its forward (its own or inherited), or None."""
     forward = next((klass.__dict__["forward"] for klass in cls.__mro__ if "forward" in klass.__dict__), None)
@@ -726,7 +718,7 @@ def _find_rope_site(cls):
     forward = _defined_forward(cls)
     if forward is None or getattr(cls, "_memkernels_rope", None):
         return None
-    inner = _innermost(forward)
+    inner = inspect.unwrap(forward)  # under functools.wraps decorators (transformers' deprecate_kwarg)
     named = [(name, inner.__globals__[name]) for name in inner.__code__.co_names
              if any(part in name.lower() for part in _ROPE_NAME_PARTS) and name in inner.__globals__
              and isinstance(inner.__globals__[name], types.FunctionType)]
