@@ -20,6 +20,8 @@ capacity, granularity, backed vs. virtual memory, fault injection, counters.
 In the simulator's backed mode device memory is host memory, so a test may
 also read or write it directly (e.g. with ctypes); in virtual mode it must not.
 """
+import math
+
 from memkernels import _C
 
 _table = _C.device
@@ -47,6 +49,12 @@ CUDA_ERROR_LAUNCH_TIMEOUT = 702  # the sim's answer to a blocking call that wait
 def _nonnegative(name, value):
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name} must be a non-negative int, got {value!r}")
+    return value
+
+
+def _nonnegative_number(name, value):
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a finite non-negative number, got {value!r}")
     return value
 
 
@@ -263,8 +271,9 @@ class SimDevice:
     """Controls of the simulated device (``memkernels.device.sim``).
 
     Configuration (see :meth:`configure`) survives :meth:`reset`; fault
-    injection, counters and statistics do not. Usable whichever backend is
-    selected, but only affects code when the simulator is the selected backend.
+    injection, counters, statistics and modelled time do not. Usable whichever
+    backend is selected, but only affects code when the simulator is the
+    selected backend.
     """
 
     def config(self):
@@ -303,7 +312,7 @@ class SimDevice:
         _C.sim.configure(**settings)
 
     def reset(self):
-        """Drop all state (memory, streams, events, counters, faults); keep the configuration."""
+        """Drop all state (memory, streams, events, counters, faults, modelled time); keep the configuration."""
         _C.sim.reset()
 
     def set_capacity(self, nbytes):
@@ -328,8 +337,49 @@ class SimDevice:
         """Sleep a random 0..max_delay_us (seeded) before each stream operation; 0 turns it off."""
         _C.sim.set_random_delays(_nonnegative("max_delay_us", max_delay_us), _nonnegative("seed", seed))
 
+    # Modelled time: a virtual timeline computed when work is enqueued, so
+    # tests can assert step times without measuring the machine (sim.hpp).
+
+    def set_link_bandwidth(self, bytes_per_second):
+        """Model the host-device link: each copy then takes nbytes / bytes_per_second modelled seconds.
+
+        Device-to-device copies take none; host memory the sim did not
+        allocate (e.g. a numpy array) counts as host memory. 0, the default
+        (restored by :meth:`reset`), makes every copy take none.
+        """
+        _C.sim.set_link_bandwidth(float(_nonnegative_number("bytes_per_second", bytes_per_second)))
+
+    def run_kernel(self, seconds, stream=0):
+        """Stand in for a kernel of ``seconds`` on ``stream`` (0: the default stream): nothing runs.
+
+        Only the modelled clocks move: it starts at the later of the stream's
+        clock and :meth:`host_clock`, and the stream's clock becomes that
+        start plus ``seconds``.
+        """
+        _C.sim.run_kernel(float(_nonnegative_number("seconds", seconds)), _nonnegative("stream", stream))
+
+    def clock(self, stream=0):
+        """Modelled seconds at which all work enqueued on ``stream`` so far completes.
+
+        Work on a stream starts no earlier than the host issues it
+        (:meth:`host_clock`); an event wait moves the stream's clock up to the
+        event's record.
+        """
+        return _C.sim.clock(_nonnegative("stream", stream))
+
+    def host_clock(self):
+        """The host's modelled seconds: moved up only by blocking calls, to what they waited for.
+
+        Stream, event and device synchronize, and the frees that synchronize
+        the device; queries move no clock. :meth:`reset` sets every clock to 0.
+        """
+        return _C.sim.host_clock()
+
     def stats(self):
-        """Memory figures: per-device bytes_in_use/peak_bytes/allocations, host bytes, VMM bytes, faults."""
+        """Memory figures: per-device bytes_in_use/peak_bytes/allocations, host bytes, VMM bytes, faults.
+
+        Also ``modelled_link_seconds``: the modelled time of every copy enqueued since the last reset.
+        """
         return _C.sim.stats()
 
     def reset_peak(self):

@@ -450,6 +450,170 @@ def test_unmap_before_a_queued_copy_runs_is_an_illegal_address():
     device.free(device.malloc(KiB))
 
 
+# --------------------------------------------------------------- modelled time
+# Clocks are computed when work is enqueued, from the link bandwidth and run_kernel's durations alone: exact
+# figures, whatever the machine's speed or load (approx only absorbs float rounding).
+
+MB = 10**6
+LINK = 1e9  # bytes per second: 1 MB takes 1 ms
+
+
+def modelled(seconds):
+    return pytest.approx(seconds, rel=1e-12, abs=1e-15)
+
+
+def test_a_copy_takes_its_bytes_over_the_link_bandwidth():
+    sim.set_link_bandwidth(LINK)
+    stream = device.stream_create()
+    pinned = device.host_alloc(MB)
+    payload, payload_ptr = host(MB)
+    out, out_ptr = host(MB, fill=0)
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host", stream)  # pageable -> pinned crosses the link
+    assert sim.clock(stream) == modelled(1e-3)
+    device.memcpy_async(out_ptr, pinned, MB, "default", stream)
+    assert sim.clock(stream) == modelled(2e-3)
+    a, b = device.malloc(MB), device.malloc(MB)
+    device.memcpy_async(a, pinned, MB, "host_to_device", stream)
+    device.memcpy_async(b, a, MB, "device_to_device", stream)  # stays on the device: no link time
+    assert sim.clock(stream) == modelled(3e-3)
+    assert sim.stats()["modelled_link_seconds"] == modelled(3e-3)
+    assert (sim.clock(), sim.host_clock()) == (0, 0), "other streams and the host are not held up"
+    device.stream_synchronize(stream)
+    np.testing.assert_array_equal(out, payload)
+
+
+def test_a_copy_on_another_stream_overlaps_a_kernel():
+    sim.set_link_bandwidth(LINK)
+    side = device.stream_create()
+    pinned = device.host_alloc(MB)
+    payload, payload_ptr = host(MB)
+    sim.run_kernel(0.005)
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host", side)
+    assert (sim.clock(), sim.clock(side)) == (modelled(0.005), modelled(1e-3))
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host")  # behind the kernel on its own stream
+    assert sim.clock() == modelled(0.006)
+    device.synchronize()
+
+
+def test_a_stream_waiting_on_an_event_starts_at_the_record():
+    sim.set_link_bandwidth(LINK)
+    side = device.stream_create()
+    done, never = device.event_create(), device.event_create()
+    pinned = device.host_alloc(MB)
+    payload, payload_ptr = host(MB)
+    sim.run_kernel(0.005)
+    device.event_record(done)
+    sim.run_kernel(0.002)  # after the record: not waited for
+    device.stream_wait_event(side, never)  # never recorded: nothing to wait for
+    assert sim.clock(side) == 0
+    device.stream_wait_event(side, done)
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host", side)
+    assert sim.clock(side) == modelled(0.006)
+    device.event_synchronize(done)
+    assert sim.host_clock() == modelled(0.005)
+    device.synchronize()
+
+
+def test_blocking_calls_move_the_host_clock_and_later_work_starts_there():
+    sim.set_link_bandwidth(LINK)
+    stream = device.stream_create()
+    pinned = device.host_alloc(MB)
+    payload, payload_ptr = host(MB)
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host", stream)
+    device.stream_query(stream)
+    assert sim.host_clock() == 0, "a query does not block the host"
+    device.stream_synchronize(stream)
+    assert sim.host_clock() == modelled(1e-3)
+    sim.run_kernel(0.002)  # stream 0 was idle: it starts when the host issues it
+    assert sim.clock() == modelled(3e-3)
+    assert sim.host_clock() == modelled(1e-3), "enqueueing does not block the host"
+
+    # Device synchronize waits for every stream of the device, a destroyed one's queued work included.
+    sim.run_kernel(0.01, stream)
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host", stream)
+    device.stream_destroy(stream)
+    device.synchronize()
+    assert sim.host_clock() == modelled(0.012)
+
+    sim.run_kernel(0.004)
+    device.free_host(pinned)  # a free synchronizes the device first
+    assert sim.host_clock() == modelled(0.016)
+
+
+def test_reset_zeroes_the_clocks_and_turns_the_link_model_off():
+    sim.set_link_bandwidth(LINK)
+    pinned = device.host_alloc(MB)
+    payload, payload_ptr = host(MB)
+    sim.run_kernel(0.005)
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host")
+    device.synchronize()
+    assert sim.host_clock() == modelled(0.006)
+    sim.reset()
+    assert (sim.clock(), sim.host_clock(), sim.stats()["modelled_link_seconds"]) == (0, 0, 0)
+    stream = device.stream_create()
+    pinned = device.host_alloc(MB)
+    device.memcpy_async(pinned, payload_ptr, MB, "host_to_host", stream)
+    assert sim.clock(stream) == 0, "without a link bandwidth copies take no modelled time"
+    sim.run_kernel(0.003, stream)
+    assert sim.clock(stream) == modelled(0.003)
+    device.stream_synchronize(stream)
+
+
+def offload_step_clocks():
+    """An offload-shaped step on three streams; returns every clock it produces."""
+    compute, d2h, h2d = 0, device.stream_create(), device.stream_create()
+    saved, restored = device.event_create(), device.event_create()
+    pinned = device.host_alloc(2 * MB)
+    activations, activations_ptr = host(2 * MB)
+    restored_buf, restored_ptr = host(MB, fill=0)
+    seen = []
+    for layer in range(3):
+        sim.run_kernel(0.001 * (layer + 1), compute)
+        device.event_record(saved, compute)
+        device.stream_wait_event(d2h, saved)
+        device.memcpy_async(pinned, activations_ptr, 2 * MB, "host_to_host", d2h)
+        device.stream_wait_event(h2d, saved)
+        device.memcpy_async(restored_ptr, pinned, MB, "host_to_host", h2d)
+        device.event_record(restored, h2d)
+        device.stream_wait_event(compute, restored)
+        seen.append((sim.clock(compute), sim.clock(d2h), sim.clock(h2d)))
+    device.event_synchronize(restored)
+    seen.append(sim.host_clock())
+    device.synchronize()
+    seen.append(sim.host_clock())
+    return seen
+
+
+def test_modelled_clocks_do_not_depend_on_random_delays():
+    sim.set_link_bandwidth(LINK)
+    quiet = offload_step_clocks()
+    sim.reset()
+    sim.set_link_bandwidth(LINK)
+    sim.set_random_delays(max_delay_us=300, seed=4)
+    assert offload_step_clocks() == quiet
+    # Each kernel waits for the previous restore: the last ends at 8 ms, its restore 1 ms and its save 2 ms later.
+    assert quiet[-2:] == [modelled(0.009), modelled(0.010)]
+
+
+def test_modelled_time_arguments_are_checked():
+    for bad in (-1, float("nan"), float("inf"), "fast", True):
+        with pytest.raises(ValueError, match="bytes_per_second"):
+            sim.set_link_bandwidth(bad)
+    with pytest.raises(ValueError, match="seconds"):
+        sim.run_kernel(-0.001)
+    with pytest.raises(ValueError, match="stream"):
+        sim.run_kernel(0.001, stream=-1)
+    with pytest.raises(ValueError, match="stream"):
+        sim.clock(stream=None)
+    stream = device.stream_create()
+    device.stream_destroy(stream)
+    with pytest.raises(ValueError, match="not a live stream"):
+        sim.clock(stream)
+    with pytest.raises(ValueError, match="not a live stream"):
+        sim.run_kernel(0.001, stream)
+    assert (sim.clock(), sim.host_clock()) == (0, 0)
+
+
 # --------------------------------------------------------------- counters, selection
 
 

@@ -76,6 +76,7 @@ py::dict stats_dict(const mk::sim::Stats& s) {
   out["reserved_bytes"] = s.reserved_bytes;
   out["mapped_bytes"] = s.mapped_bytes;
   out["bytes_copied"] = s.bytes_copied;
+  out["modelled_link_seconds"] = s.modelled_link_seconds;
   out["injected_failures"] = s.injected_failures;
   out["async_errors"] = s.async_errors;
   out["held_events"] = s.held_events;
@@ -244,6 +245,10 @@ void bind_sim(py::module_& s) {
   s.def("hold_events", &mk::sim::hold_events, arg("on"));
   s.def("release_events", &mk::sim::release_events);
   s.def("set_random_delays", &mk::sim::set_random_delays, arg("max_delay_us"), arg("seed"));
+  s.def("set_link_bandwidth", &mk::sim::set_link_bandwidth, arg("bytes_per_second"));
+  s.def("run_kernel", &mk::sim::run_kernel, arg("seconds"), arg("stream") = 0);
+  s.def("clock", &mk::sim::clock, arg("stream") = 0);
+  s.def("host_clock", &mk::sim::host_clock);
   s.def("stats", [] { return stats_dict(mk::sim::stats()); });
   s.def("reset_peak", &mk::sim::reset_peak);
   s.def("counters", &mk::sim::counters);

@@ -13,6 +13,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
@@ -151,6 +152,7 @@ struct PhysicalHandle {
 struct EventState {
   std::uint64_t recorded = 0;   // generation of the latest record
   std::uint64_t completed = 0;  // highest generation reached by its stream
+  double time = 0;              // modelled time of the latest record
 };
 
 struct Op {
@@ -171,6 +173,7 @@ struct Stream {
   std::deque<Op> queue;
   std::uint64_t enqueued = 0;
   std::uint64_t done = 0;
+  double clock = 0;  // modelled time at which the work enqueued so far completes
   bool closing = false;
   bool finished = false;
   std::thread worker;
@@ -213,8 +216,20 @@ class Sim {
   std::uint64_t max_delay_us = 0;
   std::mt19937_64 rng;
 
+  // Modelled time (sim.hpp). A device's clock is the latest of its streams'
+  // clocks, kept apart so that destroyed streams' work still counts.
+  double host_clock = 0, link_bandwidth = 0, link_seconds = 0;
+  std::vector<double> device_clocks;
+
   bool backed() const { return cfg.memory == Memory::backed; }
   int current_device() const { return tls_device < cfg.device_count ? tls_device : 0; }
+
+  // When work enqueued on st now starts: the host issues it no earlier.
+  double start_time(const Stream& st) const { return std::max(st.clock, host_clock); }
+  void set_clock(Stream& st, double t) {
+    st.clock = t;
+    device_clocks[st.device] = std::max(device_clocks[st.device], t);
+  }
 
   std::uintptr_t new_handle_value() { return static_cast<std::uintptr_t>(next_id++) << 4 | 0x8; }
 
@@ -250,12 +265,16 @@ class Sim {
     std::vector<std::pair<std::shared_ptr<Stream>, std::uint64_t>> targets;
     for (const auto& st : all_streams)
       if (device < 0 || st->device == device) targets.emplace_back(st, st->enqueued);
+    double until = host_clock;  // taken now: work enqueued while waiting is not waited for
+    for (int d = 0; d < cfg.device_count; ++d)
+      if (device < 0 || d == device) until = std::max(until, device_clocks[d]);
     const bool ok = wait(lk, [&] {
       for (const auto& [st, target] : targets)
         if (st->done < target && !st->finished) return false;
       return true;
     });
     if (!ok) return cudaErrorLaunchTimeout;
+    host_clock = std::max(host_clock, until);
     return sticky_error ? cudaErrorIllegalAddress : cudaSuccess;
   }
 
@@ -389,6 +408,8 @@ class Sim {
     holding = false;
     hold_issued = hold_released = 0;
     max_delay_us = 0;
+    host_clock = link_bandwidth = link_seconds = 0;
+    device_clocks.assign(cfg.device_count, 0.0);
     for (auto& c : calls_) c.store(0, std::memory_order_relaxed);
   }
 
@@ -657,6 +678,11 @@ cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, cudaMemcpy
   }
   if (count != 0 && (dst == nullptr || src == nullptr)) return cudaErrorInvalidValue;
   if (!s.copy_ok(op)) return cudaErrorInvalidValue;
+  // Only a copy between two device buffers stays off the link.
+  const bool on_link = s.link_bandwidth > 0 && !(op.src_device && op.dst_device);
+  const double seconds = on_link ? static_cast<double>(count) / s.link_bandwidth : 0;
+  s.set_clock(*st, s.start_time(*st) + seconds);
+  s.link_seconds += seconds;
   s.enqueue(*st, std::move(op));
   return cudaSuccess;
 }
@@ -696,7 +722,9 @@ cudaError_t cudaStreamSynchronize(cudaStream_t stream) {
   auto st = s.stream_for(stream);
   if (!st) return cudaErrorInvalidResourceHandle;
   const std::uint64_t target = st->enqueued;
+  const double until = st->clock;
   if (!s.wait(lk, [&] { return st->done >= target; })) return cudaErrorLaunchTimeout;
+  s.host_clock = std::max(s.host_clock, until);
   return s.sticky_error ? cudaErrorIllegalAddress : cudaSuccess;
 }
 
@@ -747,6 +775,8 @@ cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream) {
   // Decided here, not in the worker, so that release_events() right after a
   // record releases it regardless of how far the worker has got.
   if (s.holding) op.hold_ticket = ++s.hold_issued;
+  ev->time = s.start_time(*st);
+  s.set_clock(*st, ev->time);
   s.enqueue(*st, std::move(op));
   return cudaSuccess;
 }
@@ -763,7 +793,9 @@ cudaError_t cudaEventSynchronize(cudaEvent_t event) {
   auto ev = event_for(s, event);
   if (!ev) return cudaErrorInvalidResourceHandle;
   const std::uint64_t target = ev->recorded;
+  const double until = ev->time;
   if (!s.wait(lk, [&] { return ev->completed >= target; })) return cudaErrorLaunchTimeout;
+  s.host_clock = std::max(s.host_clock, until);
   return s.sticky_error ? cudaErrorIllegalAddress : cudaSuccess;
 }
 
@@ -777,6 +809,7 @@ cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned
   op.kind = Op::Kind::wait;
   op.event = ev;
   op.generation = ev->recorded;
+  s.set_clock(*st, std::max(s.start_time(*st), ev->time));
   s.enqueue(*st, std::move(op));
   return cudaSuccess;
 }
@@ -1026,6 +1059,13 @@ cuda::Api make_table() {
   return t;
 }
 
+// The stream a control function names; throws for a handle that is not live.
+Stream& control_stream(Sim& s, std::uintptr_t handle) {
+  auto st = s.stream_for(reinterpret_cast<cudaStream_t>(handle));
+  MK_EXPECTS(st != nullptr, "stream " + std::to_string(handle) + " is not a live stream of the sim");
+  return *st;
+}
+
 }  // namespace
 
 const cuda::Api& table() {
@@ -1110,6 +1150,35 @@ void set_random_delays(std::uint64_t max_delay_us, std::uint64_t seed) {
   s.rng.seed(seed);
 }
 
+void set_link_bandwidth(double bytes_per_second) {
+  MK_EXPECTS(std::isfinite(bytes_per_second) && bytes_per_second >= 0,
+             "set_link_bandwidth: bytes_per_second must be finite and >= 0, got " + std::to_string(bytes_per_second));
+  Sim& s = the_sim();
+  std::lock_guard<std::mutex> lk(s.mu);
+  s.link_bandwidth = bytes_per_second;
+}
+
+void run_kernel(double seconds, std::uintptr_t stream) {
+  MK_EXPECTS(std::isfinite(seconds) && seconds >= 0,
+             "run_kernel: seconds must be finite and >= 0, got " + std::to_string(seconds));
+  Sim& s = the_sim();
+  std::lock_guard<std::mutex> lk(s.mu);
+  Stream& st = control_stream(s, stream);
+  s.set_clock(st, s.start_time(st) + seconds);
+}
+
+double clock(std::uintptr_t stream) {
+  Sim& s = the_sim();
+  std::lock_guard<std::mutex> lk(s.mu);
+  return control_stream(s, stream).clock;
+}
+
+double host_clock() {
+  Sim& s = the_sim();
+  std::lock_guard<std::mutex> lk(s.mu);
+  return s.host_clock;
+}
+
 Stats stats() {
   Sim& s = the_sim();
   std::lock_guard<std::mutex> lk(s.mu);
@@ -1120,6 +1189,7 @@ Stats stats() {
   out.reserved_bytes = s.reserved_bytes;
   out.mapped_bytes = s.mapped_bytes;
   out.bytes_copied = s.bytes_copied;
+  out.modelled_link_seconds = s.link_seconds;
   out.injected_failures = s.injected_failures;
   out.async_errors = s.async_errors;
   out.held_events = s.hold_issued - s.hold_released;

@@ -57,6 +57,29 @@
 //                      uniformly random 0..max_delay_us drawn from a seeded
 //                      generator, to shake out ordering assumptions.
 //
+// Modelled time
+//   A virtual timeline, computed on the calling thread when work is enqueued
+//   (never from the workers' real timing), so it is the same however loaded
+//   the machine is and whatever the random delays. Clocks are in seconds and
+//   start at 0. Each stream has a clock (when all work enqueued on it so far
+//   completes), each event the time of its latest record, the host one clock
+//   (the sim does not tell host threads apart).
+//   - Work enqueued on a stream starts at max(stream clock, host clock): the
+//     host issues it then.
+//   - cudaMemcpyAsync takes bytes / link_bandwidth, except device-to-device
+//     copies, which take 0; with link_bandwidth 0 (the default) every copy
+//     takes 0. Pageable memory counts as host memory. Each stream is its own
+//     timeline: copies on different streams do not share the link.
+//   - run_kernel(seconds) occupies a stream for that long, enqueueing nothing
+//     (a stand-in for a kernel on the compute stream).
+//   - cudaEventRecord sets the event's time to the record's start;
+//     cudaStreamWaitEvent moves the stream's clock up to the event's time.
+//   - Blocking calls move the host clock up to what they waited for:
+//     cudaStreamSynchronize (the stream), cudaEventSynchronize (the event),
+//     cudaDeviceSynchronize (the current device's work, destroyed streams'
+//     included), and cudaFree/cudaFreeHost (all devices' work). Queries move
+//     no clock.
+//
 // All functions here are thread-safe. reset()/configure() invalidate every
 // handle and pointer the sim gave out; do not race them with device calls.
 #pragma once
@@ -97,6 +120,7 @@ struct Stats {
   std::size_t reserved_bytes = 0;   // live cuMemAddressReserve ranges
   std::size_t mapped_bytes = 0;     // live cuMemMap ranges
   std::size_t bytes_copied = 0;     // by executed cudaMemcpyAsync (virtual: counted, not moved)
+  double modelled_link_seconds = 0; // sum of enqueued copies' modelled durations
   std::size_t injected_failures = 0;
   std::size_t async_errors = 0;
   std::size_t held_events = 0;      // records currently stalled by hold_events
@@ -121,6 +145,14 @@ void fail_allocations(std::uint64_t nth, std::uint64_t count = 1);
 void hold_events(bool on);             // turning it off also releases what is held
 std::size_t release_events();          // returns how many held records it released
 void set_random_delays(std::uint64_t max_delay_us, std::uint64_t seed);  // 0 turns off
+
+// Modelled time (see above); reset() zeroes every clock and the bandwidth.
+// Throw mk::user_error for negative or non-finite values and for a stream
+// handle that is not live; stream 0 is the current device's default stream.
+void set_link_bandwidth(double bytes_per_second);  // 0: copies take no modelled time
+void run_kernel(double seconds, std::uintptr_t stream = 0);
+double clock(std::uintptr_t stream = 0);           // when the stream's enqueued work completes
+double host_clock();
 
 Stats stats();
 void reset_peak();
