@@ -68,6 +68,8 @@ checkpointed function offloads what would otherwise be saved there.
 """
 import collections
 import contextlib
+import math
+import statistics
 import threading
 import warnings
 import weakref
@@ -82,7 +84,16 @@ _local = threading.local()
 # the work per unpack when backward runs out of order over a long forward.
 _PREFETCH_SCAN_LIMIT = 256
 
-_KEEP_REASONS = ("parameter", "small", "other_device", "no_offload", "unsupported", "cap", "last_module")
+_KEEP_REASONS = ("parameter", "small", "other_device", "no_offload", "unsupported", "cap", "last_module", "budget")
+
+# The pinned buffer bandwidth() copies through, once per process and device: large enough for the link's
+# steady rate (a few ms on PCIe), small enough to cost nothing next to a training step.
+_BANDWIDTH_PROBE_BYTES = 64 << 20
+_measured_bandwidth = {}  # torch.device -> bytes per second, device to host
+
+# Forward times kept for the "auto" budget: the median of the last few blocks (a step slowed by a host
+# hiccup or a recompile does not shrink the budget for good).
+_FORWARD_TIMES_KEPT = 5
 
 
 @contextlib.contextmanager
@@ -117,17 +128,79 @@ def _warn_disabled_once():
                   "exercise it on the simulated device.", RuntimeWarning, stacklevel=4)
 
 
-def _nonnegative_int(name, value, allow_none=False):
+def _nonnegative_int(name, value, allow_none=False, expected=None):
     if value is None and allow_none:
         return None
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        expected = "a non-negative int or None" if allow_none else "a non-negative int"
+        expected = expected or ("a non-negative int or None" if allow_none else "a non-negative int")
         raise ValueError(f"{name} must be {expected} (bytes), got {value!r}")
     return value
 
 
+def _positive_number(name, value, unit):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
+        raise ValueError(f"{name} must be a positive, finite number of {unit} or None (measured), got {value!r}")
+    return float(value)
+
+
 def _storage_key(storage):
     return storage._cdata
+
+
+def device_sim():
+    from memkernels.device import sim
+
+    return sim
+
+
+def _sim_link_bandwidth():
+    """The simulated link's bytes per second, timed on the simulator's modelled clock by a 4 KiB copy
+    on a stream of its own (the rate is exact at any size, and a small copy moves the modelled host
+    clock by almost nothing). CPU tensors are what the simulator counts as device memory elsewhere, and
+    it allocates nothing for them. math.inf when the simulator models no link."""
+    from memkernels import device
+
+    sim = device_sim()
+    source, target = torch.zeros(4096, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)
+    stream = device.stream_create()
+    try:
+        start = max(sim.clock(stream), sim.host_clock())
+        device.memcpy_async(target.data_ptr(), source.data_ptr(), source.numel(), "default", stream)
+        elapsed = sim.clock(stream) - start
+        device.stream_synchronize(stream)  # the tensors must outlive the copy
+    finally:
+        device.stream_destroy(stream)
+    return source.numel() / elapsed if elapsed > 0 else math.inf
+
+
+def _cuda_link_bandwidth(where):
+    """Device-to-host bytes per second into pinned memory: the best of three 64 MiB copies on a side
+    stream, timed with events (one host synchronization, at the first block that needs it)."""
+    source = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, device=where)
+    target = torch.empty(_BANDWIDTH_PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
+    stream = torch.cuda.Stream(where)
+    stream.wait_stream(torch.cuda.current_stream(where))
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    with torch.cuda.stream(stream):
+        events[0].record()
+        for event in events[1:]:
+            target.copy_(source, non_blocking=True)
+            event.record()
+    events[-1].synchronize()
+    best = min(a.elapsed_time(b) for a, b in zip(events, events[1:])) / 1000.0
+    return _BANDWIDTH_PROBE_BYTES / best
+
+
+class _Order(list):
+    """Weak references to one block's stashes in pack order, and the index of the last one offloaded."""
+
+    __slots__ = ("last_offloaded",)
+
+    def __init__(self):
+        super().__init__()
+        self.last_offloaded = -1
 
 
 class _Stash:
@@ -187,10 +260,72 @@ class _Packed:
                 "modifying it, or do the in-place operation out of place.")
 
 
+class _Recast:
+    """What autograd holds instead of a low-precision copy of a parameter (autocast's cast of a weight):
+    the parameter, the dtype and the saved view's geometry. Backward casts the parameter again, which
+    gives the same bits, instead of copying the cast to the host and back."""
+
+    __slots__ = ("parameter", "version", "dtype", "size", "stride", "storage_offset", "base_stride")
+
+    def __init__(self, parameter, tensor, base):
+        self.parameter = parameter
+        self.version = parameter._version
+        self.dtype = tensor.dtype
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.storage_offset = tensor.storage_offset()
+        self.base_stride = base.stride()
+
+
+def _parameter_cast_of(tensor):
+    """The parameter `tensor` (or the tensor it is a view of) is a dtype cast of, or None. A parameter
+    here is any leaf tensor that requires grad: the one thing autograd keeps alive until backward anyway.
+
+    Recognized by its producer: a ``ToCopyBackward0`` node whose only input is the parameter's
+    ``AccumulateGrad`` (what autocast's cached weight casts and ``weight.to(dtype)`` record), of the same
+    shape and strides, owning its whole storage and not modified since. Casts of frozen parameters
+    record no node and are not recognized (they are offloaded like any activation)."""
+    base = tensor._base if tensor._base is not None else tensor
+    node = base.grad_fn
+    if node is None or base._version != 0 or node.name() != "ToCopyBackward0":
+        return None
+    inputs = node.next_functions
+    if len(inputs) != 1 or inputs[0][0] is None:
+        return None
+    parameter = getattr(inputs[0][0], "variable", None)
+    if (parameter is None or type(parameter) not in (torch.Tensor, torch.nn.Parameter)
+            or parameter.dtype == base.dtype or parameter.device != base.device
+            or parameter.shape != base.shape or parameter.stride() != base.stride() or base.storage_offset() != 0
+            or base.untyped_storage().nbytes() != base.numel() * base.element_size()):
+        return None
+    return parameter, base
+
+
 class OffloadActivations:
     """Context manager: offload tensors saved for backward to pinned host memory.
 
     Args:
+        budget: the bytes a block may offload. ``"auto"`` (default): what
+            the link can hide, ``link_bandwidth`` x the forward pass's compute
+            time (measured over the first blocks, or ``forward_seconds``),
+            filled in the order tensors are saved (earliest first: their copies
+            have the most compute to hide behind); what comes after the budget
+            is spent stays on the device, counted as ``"budget"``. The first
+            block, before any forward time is known, offloads everything (as
+            ``None`` would). ``None``: offload everything eligible, whatever it
+            costs in time. An int: that many bytes per block.
+        link_bandwidth: bytes per second a device-to-host copy moves, for
+            ``"auto"``. ``None``: measured once per process and device with a
+            64 MiB pinned copy (a host synchronization at the first block).
+        forward_seconds: the forward pass's compute time, for ``"auto"``.
+            ``None``: measured (stream events, read at the next block, no
+            synchronization), the median of the last five blocks.
+        recast_parameters: restore low-precision casts of parameters (what
+            autocast saves for a weight's gradient) by casting the parameter
+            again in backward instead of copying them (default True: the same
+            bits for a fraction of the time, and no device memory held between
+            forward and backward). Turn it off if parameters change in place
+            between a forward and its backward.
         min_offload_bytes: storages smaller than this stay on the device
             (default 1 MiB: small copies cost more in latency than they save).
         max_pinned_bytes: cap on the pinned host memory the pool may hold; a
@@ -202,9 +337,9 @@ class OffloadActivations:
             call in the block began (default False: backward needs it first).
 
     One instance is meant to be reused for every training step (its pinned
-    pool is reused too)::
+    pool is reused too, and "auto" learns the step's time)::
 
-        offload = memkernels.OffloadActivations(min_offload_bytes=0)
+        offload = memkernels.OffloadActivations()
         for batch in loader:
             with offload:
                 loss = model(batch)
@@ -216,8 +351,17 @@ class OffloadActivations:
     own size, stride and storage offset).
     """
 
-    def __init__(self, min_offload_bytes=1 << 20, max_pinned_bytes=None, prefetch_bytes=128 << 20,
+    def __init__(self, budget="auto", *, link_bandwidth=None, forward_seconds=None, recast_parameters=True,
+                 min_offload_bytes=1 << 20, max_pinned_bytes=None, prefetch_bytes=128 << 20,
                  offload_last_module=False):
+        if budget != "auto":
+            _nonnegative_int("budget", budget, allow_none=True, expected="'auto', None or a non-negative int")
+        self.budget = budget
+        self.link_bandwidth = _positive_number("link_bandwidth", link_bandwidth, "bytes per second")
+        self.forward_seconds = _positive_number("forward_seconds", forward_seconds, "seconds")
+        if not isinstance(recast_parameters, bool):
+            raise ValueError(f"recast_parameters must be True or False, got {recast_parameters!r}")
+        self.recast_parameters = recast_parameters
         self.min_offload_bytes = _nonnegative_int("min_offload_bytes", min_offload_bytes)
         self.max_pinned_bytes = _nonnegative_int("max_pinned_bytes", max_pinned_bytes, allow_none=True)
         self.prefetch_bytes = _nonnegative_int("prefetch_bytes", prefetch_bytes)
@@ -244,8 +388,14 @@ class OffloadActivations:
         self._refusals_seen = 0  # the pinned pool's cap refusals already answered with a trim
         self._drain_queued = False
         self._counts = {"bytes_offloaded": 0, "storages_offloaded": 0, "prefetch_hits": 0, "restores_on_demand": 0,
-                        "restores_from_device": 0}
+                        "restores_from_device": 0, "bytes_recast": 0, "storages_recast": 0}
         self._kept = dict.fromkeys(_KEEP_REASONS, 0)
+        self._recasts = {}  # (parameter storage key, version, dtype) -> weakref to the recast storage
+        self._forward_times = collections.deque(maxlen=_FORWARD_TIMES_KEPT)
+        self._forward_timer = None  # how the last block's forward is being timed (see _start_timer)
+        self._block_budget = None   # bytes this block may still offload; None: no limit
+        self._last_budget = None    # what the latest block started with
+        self._last_bandwidth = None  # the link's bytes per second, once "auto" measured it
 
     # ------------------------------------------------------------ public API
 
@@ -270,7 +420,6 @@ class OffloadActivations:
                     f"{current} is current now; its copy streams live on one device: use one OffloadActivations "
                     "per device (per rank)")
             self._device = current
-        self._active = True
         if self._engine is None:
             from memkernels import _C
 
@@ -279,6 +428,9 @@ class OffloadActivations:
             self._release_orphans()
             self._trim_after_refusals()
         self._reset_block_state()
+        self._block_budget = self._last_budget = self._budget_for_this_block()
+        self._start_timer()
+        self._active = True  # only now: a failure above leaves the manager usable
         self._module_hook = torch.nn.modules.module.register_module_forward_pre_hook(self._on_module_call)
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
@@ -291,6 +443,7 @@ class OffloadActivations:
         self._hooks.__exit__(exc_type, exc, tb)
         self._module_hook.remove()
         self._hooks = self._module_hook = None
+        self._stop_timer(completed=exc_type is None)
         with self._lock:
             self._release_orphans()
             if exc_type is not None:
@@ -341,11 +494,22 @@ class OffloadActivations:
         ``restores_from_device`` (unpacks served by the device copy, still
         alive); ``pinned_bytes`` (held by the pool), ``pinned_allocations``
         (cudaHostAlloc calls so far), ``pool_hits``, ``pool_misses``;
-        ``live_handles``, ``engine`` (the engine's own counters).
+        ``live_handles``, ``engine`` (the engine's own counters);
+        ``bytes_recast`` and ``storages_recast`` (parameter casts restored by
+        casting again, not offloaded; each storage once a block);
+        ``budget_bytes`` (what the latest block could offload; None: no
+        limit), ``forward_seconds`` (the forward time "auto" uses: given, or
+        the median measured, None before the first), ``link_bandwidth``
+        (bytes/s: given, or measured once "auto" needed it; None before).
         """
         with self._lock:
             out = {"enabled": self.enabled, "mode": self._mode, **self._counts,
-                   "bytes_kept": sum(self._kept.values()), "kept_by_reason": dict(self._kept)}
+                   "bytes_kept": sum(self._kept.values()), "kept_by_reason": dict(self._kept),
+                   "budget_bytes": self._last_budget,
+                   "forward_seconds": self.forward_seconds if self.forward_seconds is not None else (
+                       statistics.median(self._forward_times) if self._forward_times else None),
+                   "link_bandwidth": self.link_bandwidth if self.link_bandwidth is not None else (
+                       self._last_bandwidth)}
             if self._engine is not None and not self._engine.closed:
                 self._drain()
                 self._final_engine_stats = self._engine.stats()
@@ -380,6 +544,65 @@ class OffloadActivations:
         _warn_disabled_once()
         return None
 
+    def _budget_for_this_block(self):
+        """Bytes this block may offload (None: no limit): ``budget`` as given, or for "auto" the link's
+        bandwidth times the forward's compute time, the time the device-to-host copies overlap (backward,
+        about twice as long, restores the same bytes)."""
+        if self.budget != "auto":
+            return self.budget
+        forward = self.forward_seconds if self.forward_seconds is not None else self._measured_forward_seconds()
+        if forward is None:
+            return None  # the first block: no forward time known yet
+        bandwidth = self.link_bandwidth if self.link_bandwidth is not None else self._bandwidth()
+        return None if bandwidth == math.inf else int(bandwidth * forward)
+
+    def _bandwidth(self):
+        """Device-to-host bytes per second, measured once per process and device."""
+        if self._mode == "sim":
+            if self._last_bandwidth is None:  # per manager: the simulator's link is set per test
+                self._last_bandwidth = _sim_link_bandwidth()
+        else:
+            if self._device not in _measured_bandwidth:
+                _measured_bandwidth[self._device] = _cuda_link_bandwidth(self._device)
+            self._last_bandwidth = _measured_bandwidth[self._device]
+        return self._last_bandwidth
+
+    def _start_timer(self):
+        if self.budget != "auto" or self.forward_seconds is not None:
+            return
+        self._collect_forward_time()
+        if self._mode == "sim":
+            sim = device_sim()
+            self._forward_timer = ("sim", max(sim.clock(0), sim.host_clock()))  # when a kernel issued now starts
+        else:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._forward_timer = ("cuda", start)
+
+    def _stop_timer(self, completed):
+        timer, self._forward_timer = self._forward_timer, None
+        if timer is None or not completed:
+            return
+        kind, start = timer
+        if kind == "sim":
+            self._forward_times.append(device_sim().clock(0) - start)
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._forward_timer = ("cuda-pending", (start, end))  # read at the next block, without a sync
+
+    def _collect_forward_time(self):
+        timer = self._forward_timer
+        if timer is not None and timer[0] == "cuda-pending":
+            start, end = timer[1]
+            if end.query():
+                self._forward_times.append(start.elapsed_time(end) / 1000.0)
+            self._forward_timer = None
+
+    def _measured_forward_seconds(self):
+        self._collect_forward_time()
+        return statistics.median(self._forward_times) if self._forward_times else None
+
     def _trim_after_refusals(self):
         """At a block's start (outside the step): if the cap refused pinned memory since the last
         trim, free the cached slabs nothing uses so that the right sizes fit this time."""
@@ -390,7 +613,7 @@ class OffloadActivations:
 
     def _reset_block_state(self):
         self._by_storage = {}            # storage key -> weakref to its live stash (this block)
-        self._order = []                 # weakrefs to this block's stashes, in pack order
+        self._order = _Order()           # weakrefs to this block's stashes, in pack order
         self._deferred = []              # saved since the last module call began
         self._param_storages = {}        # storage key -> weakref to the storage
         self._unscanned = []             # modules called whose parameters are not yet recorded
@@ -475,6 +698,13 @@ class OffloadActivations:
                 self._count_kept(reason, tensor, storage)
                 return tensor
             key = _storage_key(storage)
+            cast = _parameter_cast_of(tensor) if self.recast_parameters else None
+            if cast is not None:
+                if ("recast", key) not in self._counted:
+                    self._counted.add(("recast", key))
+                    self._counts["bytes_recast"] += storage.nbytes()
+                    self._counts["storages_recast"] += 1
+                return _Recast(*cast[:1], tensor, cast[1])
             ref = self._by_storage.get(key)
             stash = ref() if ref is not None else None
             if (stash is None or stash.storage_ref() is not storage or stash.version != tensor._version
@@ -492,12 +722,19 @@ class OffloadActivations:
         """Start the D2H copies of everything deferred so far."""
         stream = self._stream() if self._deferred else None
         for stash in self._deferred:
+            if self._block_budget is not None:
+                if stash.nbytes > self._block_budget:
+                    self._block_budget = 0  # spent: what is saved later stays, to keep the earliest-first order
+                    self._keep(stash, "budget")
+                    continue
+                self._block_budget -= stash.nbytes
             handle = self._engine.offload(stash.source.data_ptr(), stash.nbytes, stream)
             if handle == 0:
                 self._keep(stash, "cap")
                 continue
             stash.handle = handle
             stash.state = _Stash.OFFLOADING
+            stash.order.last_offloaded = max(stash.order.last_offloaded, stash.index)
             self._pending.append(stash)
             self._counts["bytes_offloaded"] += stash.nbytes
             self._counts["storages_offloaded"] += 1
@@ -535,11 +772,37 @@ class OffloadActivations:
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        packed.check_version()
-        storage = self._materialize(packed.stash)
+        if isinstance(packed, _Recast):
+            storage = self._recast(packed)
+        else:
+            packed.check_version()
+            storage = self._materialize(packed.stash)
         out = torch.empty((0,), dtype=packed.dtype, device=self._device)
         out.set_(storage, packed.storage_offset, packed.size, packed.stride)
         return out
+
+    def _recast(self, packed):
+        """The parameter cast again (one storage for every saved view of the same cast while it lives)."""
+        parameter = packed.parameter
+        if parameter._version != packed.version:
+            raise RuntimeError(
+                f"a {parameter.dtype} parameter of shape {tuple(parameter.shape)} changed in place between the "
+                f"forward pass and its backward; memkernels.OffloadActivations restores its {packed.dtype} cast "
+                "by casting it again, which would now differ. Run backward before changing parameters, or pass "
+                "recast_parameters=False to copy such casts instead.")
+        key = (_storage_key(parameter.untyped_storage()), packed.version, packed.dtype)
+        with self._lock:
+            ref = self._recasts.get(key)
+            storage = ref() if ref is not None else None
+            if storage is None:
+                self._recasts = {k: r for k, r in self._recasts.items() if r() is not None}
+                cast = parameter.detach().to(packed.dtype)
+                if cast.stride() != packed.base_stride:
+                    raise RuntimeError(f"memkernels.OffloadActivations: recasting a parameter gave strides "
+                                       f"{cast.stride()}, its forward cast had {packed.base_stride}")
+                storage = cast.untyped_storage()
+                self._recasts[key] = weakref.ref(storage)
+            return storage
 
     def _new_device_storage(self, nbytes):
         return torch.empty((nbytes,), dtype=torch.uint8, device=self._device).untyped_storage()
@@ -556,6 +819,10 @@ class OffloadActivations:
                 self._drain_when_backward_ends()
             if stash.source is not None:  # deferred, kept, or its D2H copy still running
                 self._counts["restores_from_device"] += 1
+                if stash.state == _Stash.KEPT:
+                    # Under a budget the latest saves stay here; the offloaded ones before them must start
+                    # coming back now, behind this part of backward, not on demand when it reaches them.
+                    self._prefetch_before(stash)
                 return stash.source
             storage = stash.restored() if stash.restored is not None else None
             if storage is not None:
@@ -582,7 +849,7 @@ class OffloadActivations:
     def _prefetch_before(self, unpacked):
         """Start restoring the stashes packed before `unpacked` in its block (latest first), within budget."""
         stream = None
-        index = unpacked.index
+        index = min(unpacked.index, unpacked.order.last_offloaded + 1)  # nothing later is on the host
         for ref in reversed(unpacked.order[max(0, index - _PREFETCH_SCAN_LIMIT):index]):
             stash = ref()
             if (stash is None or stash.state != _Stash.OFFLOADED or stash.prefetched is not None

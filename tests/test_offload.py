@@ -587,10 +587,235 @@ def test_prefetch_budget_zero_restores_on_demand(offload):
     assert stats["prefetch_hits"] == 0 and restores >= stats["storages_offloaded"]
 
 
+# ------------------------------------------------------------------ parameter casts: cast again, not copied
+
+
+def train_autocast(model, batches, context=None):
+    """`train`, with forward under CPU autocast to bfloat16 (the weights' casts are saved for backward)."""
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+
+    class Both:
+        def __enter__(self):
+            if context is not None:
+                context.__enter__()
+            autocast.__enter__()
+
+        def __exit__(self, *exc):
+            autocast.__exit__(*exc)
+            return context.__exit__(*exc) if context is not None else False
+
+    return train(model, batches, Both())
+
+
+def test_autocast_weight_casts_are_cast_again_not_offloaded(offload):
+    model, batches = GPT(layers=2), [make_batch() for _ in range(2)]
+    expected = train_autocast(model, batches)
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    assert_bitwise_equal(expected, train_autocast(model, batches, manager))
+    stats = manager.stats()
+    # Every Linear's weight cast is saved for its input's gradient: 4 a block and the head, each step.
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert stats["storages_recast"] == 2 * len(linears) == 2 * (4 * 2 + 1)
+    assert stats["bytes_recast"] == 2 * sum(m.weight.numel() * 2 for m in linears)  # bfloat16 copies
+
+    copier = offload(min_offload_bytes=0, offload_last_module=True, recast_parameters=False)
+    assert_bitwise_equal(expected, train_autocast(model, batches, copier))
+    copied = copier.stats()
+    assert copied["storages_recast"] == 0
+    assert copied["bytes_offloaded"] == stats["bytes_offloaded"] + stats["bytes_recast"], \
+        "without recasting, exactly the weight casts are offloaded on top"
+
+
+def test_resident_bytes_exclude_the_recast_weight_casts(offload):
+    model, batch = GPT(layers=3, dim=64), make_batch()
+    residents = {}
+    for recast in (False, True):
+        manager = offload(min_offload_bytes=0, offload_last_module=True, recast_parameters=recast)
+        with PeakBytesMeter() as live:
+            with manager, torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(*batch)
+            manager.wait_for_offloads()
+            residents[recast] = live.current_bytes
+        loss.backward()
+        model.zero_grad()
+    # Autocast's cache of weight casts is dropped at the block's end either way; the casts neither
+    # stay on the device nor occupy pinned memory when recast.
+    assert residents[True] <= residents[False]
+
+
+def test_a_parameter_changed_before_backward_is_refused_when_recast(offload):
+    model, batch = GPT(), make_batch()
+    manager = offload(min_offload_bytes=0)
+    with manager, torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(*batch)
+    with torch.no_grad():
+        model.head.weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed in place between the forward pass and its backward.*"
+                                           "recast_parameters=False"):
+        loss.backward()
+
+
+def test_casts_of_frozen_or_modified_tensors_are_not_recast(offload):
+    weight = nn.Parameter(torch.randn(64, 64))
+    frozen = torch.randn(64, 64)
+    x = torch.randn(8, 64, requires_grad=True) * 1  # not a leaf: its casts are activations
+    manager = offload(min_offload_bytes=0, offload_last_module=True)
+    with manager:
+        cast = weight.to(torch.bfloat16)
+        modified = weight.to(torch.bfloat16).mul_(1)  # not a plain cast any more
+        y = x.bfloat16() @ cast.t() + x.bfloat16() @ modified.t() + x.bfloat16() @ frozen.bfloat16().t()
+    y.float().sum().backward()
+    stats = manager.stats()
+    assert stats["storages_recast"] == 1
+    assert stats["bytes_recast"] == 64 * 64 * 2
+
+
+# ------------------------------------------------------------------ the budget: what the link hides
+
+
+class Kernel(torch.autograd.Function):
+    """Identity that stands for a kernel of `seconds` in forward and twice that in backward, on the
+    simulator's modelled clock of the compute stream."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        sim.run_kernel(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sim.run_kernel(2 * ctx.seconds)
+        return grad, None
+
+
+class TimedLayers(nn.Module):
+    """`layers` of Linear + GELU, each a kernel of `seconds` forward (2x backward): each layer saves two
+    [tokens, dim] float32 storages (the Linear's input, GELU's input)."""
+
+    def __init__(self, layers=8, dim=64, seconds=1e-3):
+        super().__init__()
+        self.linears = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.seconds = seconds
+
+    def forward(self, x):
+        for linear in self.linears:
+            x = Kernel.apply(F.gelu(linear(x)), self.seconds)
+        return x.pow(2).mean()
+
+
+def settle(manager):
+    """Let the simulator's threads finish every device-to-host copy issued so far, in real time only
+    (the modelled clocks do not move): backward then restores each offloaded tensor over the modelled
+    link. Without this, how far the threads got would decide whether an unpack reads the device copy
+    for free, and the modelled times would depend on the machine's load."""
+    deadline = time.monotonic() + SIM_SYNC_TIMEOUT_S
+    while True:
+        with manager._lock:
+            manager._drain()
+            if not manager._pending:
+                return
+        if time.monotonic() > deadline:
+            raise AssertionError("the simulator's copy threads did not finish within the sync timeout")
+        time.sleep(1e-3)
+
+
+def modelled_steps(model, x, manager, steps):
+    """Per step: (modelled step time in seconds, bytes offloaded, the block's budget)."""
+    rows = []
+    for _ in range(steps):
+        start = max(sim.clock(), sim.host_clock())
+        before = manager.stats()["bytes_offloaded"] if manager is not None else 0
+        if manager is None:
+            loss = model(x)
+        else:
+            with manager:
+                loss = model(x)
+            settle(manager)
+        loss.backward()
+        model.zero_grad()
+        device.synchronize()  # the step ends when the device is done (copies included)
+        after = manager.stats() if manager is not None else {"bytes_offloaded": 0, "budget_bytes": None}
+        rows.append((max(sim.clock(), sim.host_clock()) - start, after["bytes_offloaded"] - before,
+                     after["budget_bytes"]))
+    return rows
+
+
+LINK = 64 * MiB  # bytes per second: slow enough that offloading everything (1 MiB a step) cannot hide
+
+
+def test_budget_auto_offloads_what_the_link_hides_behind_the_forward(offload):
+    sim.set_link_bandwidth(LINK)
+    model, x = TimedLayers(), torch.randn(256, 64, requires_grad=True)
+    forward, step = 8 * 1e-3, 8 * 3e-3
+    baseline = modelled_steps(model, x, None, 2)
+    assert baseline[-1][0] == pytest.approx(step, rel=1e-9), "the model: forward 8 ms, backward 16 ms"
+
+    auto = offload(min_offload_bytes=0)
+    rows = modelled_steps(model, x, auto, 4)
+    everything = offload(budget=None, min_offload_bytes=0)
+    unlimited = modelled_steps(model, x, everything, 4)
+    print(f"modelled step (ms): none {baseline[-1][0] * 1e3:.2f}; auto " +
+          ", ".join(f"{t * 1e3:.2f} ({b} B of budget {budget})" for t, b, budget in rows) +
+          "; everything " + ", ".join(f"{t * 1e3:.2f} ({b} B)" for t, b, _ in unlimited))
+
+    assert rows[0][2] is None, "the first block knows no forward time: it offloads everything"
+    stats = auto.stats()
+    assert stats["forward_seconds"] == pytest.approx(forward, rel=1e-9)
+    assert stats["link_bandwidth"] == pytest.approx(LINK, rel=1e-9)
+    for step_time, offloaded, budget in rows[1:]:
+        assert budget == int(LINK * forward)
+        assert 0 < offloaded <= budget
+        assert step_time <= 1.05 * baseline[-1][0]
+    assert stats["kept_by_reason"]["budget"] > 0
+    # The same link without the budget: the copies do not hide, and the step pays for them.
+    assert unlimited[-1][1] > rows[-1][1]
+    assert unlimited[-1][0] > 1.05 * baseline[-1][0]
+
+
+def test_budget_fills_earliest_saves_first_and_matches_bitwise(offload):
+    model, batches = GPT(layers=3), [make_batch() for _ in range(2)]
+    expected = train(model, batches)
+    everything = offload(budget=None, min_offload_bytes=0, offload_last_module=True)
+    train(model, batches[:1], everything)
+    total = everything.stats()["bytes_offloaded"]
+    budget = total // 3
+    manager = offload(budget=budget, min_offload_bytes=0, offload_last_module=True)
+    states = []
+
+    def record_states(step):
+        states.append([ref().state for ref in manager._order if ref() is not None])
+
+    # The block's stashes in save order, read before backward frees them: offloaded ones first, then
+    # every later one kept for the budget.
+    real_exit = manager.__exit__
+
+    def exit_and_record(*exc):
+        result = real_exit(*exc)
+        record_states(None)
+        return result
+
+    manager.__exit__ = exit_and_record
+    assert_bitwise_equal(expected, train(model, batches, manager))
+    for step in states:
+        kept = [state == "kept" for state in step]
+        assert any(kept) and not all(kept)
+        assert kept == sorted(kept), f"a save was offloaded after one the budget kept: {step}"
+    stats = manager.stats()
+    assert stats["budget_bytes"] == budget
+    assert 0 < stats["bytes_offloaded"] <= 2 * budget
+    assert stats["bytes_offloaded"] + stats["kept_by_reason"]["budget"] == 2 * total
+
+
 # ------------------------------------------------------------------ API
 
 
 @pytest.mark.parametrize("kwargs,name", [
+    ({"budget": "fast"}, "budget"),
+    ({"budget": -1}, "budget"),
+    ({"link_bandwidth": 0}, "link_bandwidth"),
+    ({"forward_seconds": float("inf")}, "forward_seconds"),
+    ({"recast_parameters": 1}, "recast_parameters"),
     ({"min_offload_bytes": -1}, "min_offload_bytes"),
     ({"max_pinned_bytes": 1.5}, "max_pinned_bytes"),
     ({"prefetch_bytes": "1M"}, "prefetch_bytes"),
@@ -676,7 +901,7 @@ def test_cuda_device_is_taken_at_enter_not_at_construction(offload, monkeypatch)
     monkeypatch.setattr(memkernels.OffloadActivations, "_resolve_mode", staticmethod(lambda: "cuda"))
     current = {"index": 0}
     monkeypatch.setattr(torch.cuda, "current_device", lambda: current["index"])
-    manager = offload(min_offload_bytes=0)  # cuda:0 current here
+    manager = offload(budget=None, min_offload_bytes=0)  # cuda:0 current here; no budget: no CUDA events
     current["index"] = 1  # torch.cuda.set_device(1)
     with manager:
         assert manager._device == torch.device("cuda", 1)

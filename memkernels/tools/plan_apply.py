@@ -24,8 +24,9 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["find_layers", "wrap", "remove", "apply_plan", "apply_placement", "ApplyReport", "OFFLOAD_OPTIONS"]
 
 # The shared OffloadActivations a plan's offloaded modules run in: every saved tensor of the
-# module moves, its last submodule's too (a plan offloads a module so that nothing of it stays).
-OFFLOAD_OPTIONS = {"min_offload_bytes": 0, "offload_last_module": True}
+# module moves, its last submodule's too, whatever the link hides (budget=None): the plan counted
+# every saved byte of an offloaded module as gone from the device.
+OFFLOAD_OPTIONS = {"budget": None, "min_offload_bytes": 0, "offload_last_module": True}
 
 _ATTENTION_NAMES = ("self_attn", "attn", "attention", "self_attention")
 _MLP_NAMES = ("mlp", "feed_forward", "ffn", "block_sparse_moe")
