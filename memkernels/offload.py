@@ -25,6 +25,18 @@ Where it runs:
   instance of the process warns (RuntimeWarning) and says why: a CPU-only torch
   build, or no visible CUDA device.
 
+How much is offloaded: by default (``budget="auto"``) what the link can hide,
+the device-to-host bandwidth (measured once per process and device) times the
+forward pass's compute time (measured with stream events over the first
+blocks), filled in the order tensors are saved; what comes after is kept
+(``"budget"``). The first block, with no forward time known yet, offloads
+everything. ``budget=None`` offloads everything eligible; an int is bytes.
+
+Low-precision casts of parameters (autocast's bf16 copy of a weight, saved for
+the input's gradient) are neither kept nor copied: backward casts the
+parameter again, which gives the same bits (``recast_parameters``; counted in
+``stats()["bytes_recast"]``).
+
 What is not offloaded (kept where it is, counted in ``stats()["kept_by_reason"]``):
 parameters and buffers of any module called inside the block, recognised by
 storage so that views of a flat parameter (FSDP-style) count too, and leaf
@@ -32,7 +44,8 @@ tensors that require grad (``"parameter"``); storages smaller than
 ``min_offload_bytes`` (``"small"``); tensors on another device
 (``"other_device"``); anything saved under :func:`no_offload`
 (``"no_offload"``); sparse, conjugate/negative-bit views and tensor subclasses
-(``"unsupported"``); what the pinned cap refused (``"cap"``); and, unless
+(``"unsupported"``); what the pinned cap refused (``"cap"``); what the budget
+left out (``"budget"``); and, unless
 ``offload_last_module=True``, what was saved since the last module call began
 (``"last_module"``: backward needs it first, so copying it out and back would
 only cost time).
@@ -51,8 +64,9 @@ How a saved tensor is handled:
 * Unpacking is idempotent (``retain_graph=True``, double backward): the
   pinned copy lives as long as the autograd graph holds the saved tensor; a
   restored storage is shared while alive and restored again otherwise.
-* Prefetch: each unpack also starts restoring the tensors packed just before
-  the one unpacked, up to ``prefetch_bytes`` in flight. It does not rely on
+* Prefetch: each unpack (of an offloaded tensor, or of one the budget kept)
+  also starts restoring the tensors packed just before the one unpacked, up
+  to ``prefetch_bytes`` in flight. It does not rely on
   backward unpacking in reverse pack order: whatever is unpacked without a
   prefetch is restored on demand. A prefetched tensor is allocated on the
   compute stream, which waits for its copy before using it, so the caching
