@@ -84,7 +84,9 @@ import collections
 import contextlib
 import math
 import statistics
+import sys
 import threading
+import types
 import warnings
 import weakref
 
@@ -98,7 +100,8 @@ _local = threading.local()
 # the work per unpack when backward runs out of order over a long forward.
 _PREFETCH_SCAN_LIMIT = 256
 
-_KEEP_REASONS = ("parameter", "small", "other_device", "no_offload", "unsupported", "cap", "last_module", "budget")
+_KEEP_REASONS = ("parameter", "small", "other_device", "no_offload", "unsupported", "cap", "last_module", "budget",
+                 "not_checkpoint_input")
 
 # The pinned buffer bandwidth() copies through, once per process and device: large enough for the link's
 # steady rate (a few ms on PCIe), small enough to cost nothing next to a training step.
@@ -205,6 +208,40 @@ def _cuda_link_bandwidth(where):
     events[-1].synchronize()
     best = min(a.elapsed_time(b) for a, b in zip(events, events[1:])) / 1000.0
     return _BANDWIDTH_PROBE_BYTES / best
+
+
+_checkpoint_saver_codes = None
+
+
+def _saved_by_checkpoint(frame):
+    """Is the save whose pack hook was called from `frame` torch.utils.checkpoint saving a region's
+    inputs for its recompute? Non-reentrant: ``_CheckpointFrame.save_inputs`` (or the comprehension in
+    it); reentrant: ``CheckpointFunction``'s ``save_for_backward``, packed in ``Function.apply``.
+
+    These are torch's own names (checked against the torch this was built for, 2.13, by the tests);
+    a torch that renames them is not recognized, and a block that then finds no checkpoint input says
+    so once (``OffloadActivations(only_checkpoint_inputs=True)``)."""
+    global _checkpoint_saver_codes
+    if _checkpoint_saver_codes is None:
+        from torch.utils import checkpoint
+
+        save_inputs = getattr(getattr(checkpoint, "_CheckpointFrame", None), "save_inputs", None)
+        codes = set()
+        if save_inputs is not None:
+            codes.add(save_inputs.__code__)
+            codes.update(c for c in save_inputs.__code__.co_consts if isinstance(c, types.CodeType))
+        _checkpoint_saver_codes = (frozenset(codes), getattr(checkpoint, "CheckpointFunction", None),
+                                   torch.autograd.Function.apply.__func__.__code__)
+    codes, reentrant, apply_code = _checkpoint_saver_codes
+    for _ in range(3):
+        if frame is None:
+            return False
+        if frame.f_code in codes:
+            return True
+        if frame.f_code is apply_code:
+            return reentrant is not None and frame.f_locals.get("cls") is reentrant
+        frame = frame.f_back
+    return False
 
 
 class _Order(list):
@@ -328,6 +365,14 @@ class OffloadActivations:
             block, before any forward time is known, offloads everything (as
             ``None`` would). ``None``: offload everything eligible, whatever it
             costs in time. An int: that many bytes per block.
+        only_checkpoint_inputs: offloaded checkpoints. Offload only what
+            ``torch.utils.checkpoint`` saves for a region's recompute (its
+            inputs, reentrant or not: what Hugging Face's
+            ``gradient_checkpointing_enable()`` checkpoints per layer); every
+            other save stays on the device (``"not_checkpoint_input"``). Each
+            region's input is copied out once the next region's is saved; the
+            last one stays (``"last_module"``) and, when backward recomputes its
+            region, starts restoring the one before, one region ahead.
         link_bandwidth: bytes per second a device-to-host copy moves, for
             ``"auto"``. ``None``: measured once per process and device with a
             64 MiB pinned copy (a host synchronization at the first block).
@@ -346,7 +391,9 @@ class OffloadActivations:
             tensor that would cross it stays on the device (counted as
             ``"cap"``), never an error. ``None``: no cap.
         prefetch_bytes: during backward, restore ahead of need at most this
-            many bytes that autograd has not asked for yet (default 128 MiB).
+            many bytes that autograd has not asked for yet (default 128 MiB),
+            and always at least the next tensor, however large; 0 restores
+            every tensor on demand.
         offload_last_module: also offload what is saved after the last module
             call in the block began (default False: backward needs it first).
 
@@ -365,9 +412,9 @@ class OffloadActivations:
     own size, stride and storage offset).
     """
 
-    def __init__(self, budget="auto", *, link_bandwidth=None, forward_seconds=None, recast_parameters=True,
-                 min_offload_bytes=1 << 20, max_pinned_bytes=None, prefetch_bytes=128 << 20,
-                 offload_last_module=False):
+    def __init__(self, budget="auto", *, only_checkpoint_inputs=False, link_bandwidth=None, forward_seconds=None,
+                 recast_parameters=True, min_offload_bytes=1 << 20, max_pinned_bytes=None,
+                 prefetch_bytes=128 << 20, offload_last_module=False):
         if budget != "auto":
             _nonnegative_int("budget", budget, allow_none=True, expected="'auto', None or a non-negative int")
         self.budget = budget
@@ -376,6 +423,9 @@ class OffloadActivations:
         if not isinstance(recast_parameters, bool):
             raise ValueError(f"recast_parameters must be True or False, got {recast_parameters!r}")
         self.recast_parameters = recast_parameters
+        if not isinstance(only_checkpoint_inputs, bool):
+            raise ValueError(f"only_checkpoint_inputs must be True or False, got {only_checkpoint_inputs!r}")
+        self.only_checkpoint_inputs = only_checkpoint_inputs
         self.min_offload_bytes = _nonnegative_int("min_offload_bytes", min_offload_bytes)
         self.max_pinned_bytes = _nonnegative_int("max_pinned_bytes", max_pinned_bytes, allow_none=True)
         self.prefetch_bytes = _nonnegative_int("prefetch_bytes", prefetch_bytes)
@@ -387,6 +437,7 @@ class OffloadActivations:
         # before torch.cuda.set_device(rank) would otherwise serve cuda:0 on every rank.
         self._device = torch.device("cpu") if self._mode == "sim" else None
         self._warned_devices = set()
+        self._warned_no_checkpoints = False
         self._engine = None
         self._final_engine_stats = None  # the engine's counters, kept after close()
         self._lock = threading.RLock()
@@ -463,14 +514,27 @@ class OffloadActivations:
             if exc_type is not None:
                 self._discard_block()
                 return False
-            if self.offload_last_module or not self._modules_called:
+            if self.offload_last_module or not (self._modules_called or self.only_checkpoint_inputs):
                 self._flush_deferred()
             else:
                 for stash in self._deferred:
                     self._keep(stash, "last_module")
             self._deferred.clear()
             self._drain()
+            if self.only_checkpoint_inputs and not self._checkpoint_inputs_seen:
+                self._warn_no_checkpoint_inputs()
         return False
+
+    def _warn_no_checkpoint_inputs(self):
+        if self._warned_no_checkpoints or not self._kept["not_checkpoint_input"]:
+            return
+        self._warned_no_checkpoints = True
+        warnings.warn(
+            "memkernels.OffloadActivations(only_checkpoint_inputs=True): this block saved tensors for backward "
+            "but none as a torch.utils.checkpoint input, so nothing was offloaded. Checkpoint the layers "
+            "(model.gradient_checkpointing_enable(), or torch.utils.checkpoint.checkpoint around each), or if "
+            f"they are checkpointed, this torch ({torch.__version__}) saves checkpoint inputs in a way memkernels "
+            "does not recognize: use only_checkpoint_inputs=False.", RuntimeWarning, stacklevel=3)
 
     def wait_for_offloads(self):
         """Block until every device-to-host copy issued so far completed, and free the device copies
@@ -632,6 +696,7 @@ class OffloadActivations:
         self._param_storages = {}        # storage key -> weakref to the storage
         self._unscanned = []             # modules called whose parameters are not yet recorded
         self._modules_called = False
+        self._checkpoint_inputs_seen = False
         self._counted = set()            # (reason, storage key) already counted as kept
 
     def _stream(self):
@@ -645,6 +710,8 @@ class OffloadActivations:
         # run after this global one.
         self._unscanned.append(module)
         self._modules_called = True
+        if self.only_checkpoint_inputs:
+            return  # there the last region's input, not the last module's saves, is what backward needs first
         with self._lock:
             self._flush_deferred()
 
@@ -719,10 +786,17 @@ class OffloadActivations:
                     self._counts["bytes_recast"] += storage.nbytes()
                     self._counts["storages_recast"] += 1
                 return _Recast(*cast[:1], tensor, cast[1])
+            if self.only_checkpoint_inputs:
+                if not _saved_by_checkpoint(sys._getframe(1)):
+                    self._count_kept("not_checkpoint_input", tensor, storage)
+                    return tensor
+                self._checkpoint_inputs_seen = True
             ref = self._by_storage.get(key)
             stash = ref() if ref is not None else None
             if (stash is None or stash.storage_ref() is not storage or stash.version != tensor._version
                     or stash.state == _Stash.DISCARDED):
+                if self.only_checkpoint_inputs:
+                    self._flush_deferred()  # a region's input waits only until the next region's is saved
                 stash = _Stash(self, storage, tensor._version, self._order)
                 self._live.add(stash)
                 self._by_storage[key] = weakref.ref(stash)
@@ -869,7 +943,10 @@ class OffloadActivations:
             if (stash is None or stash.state != _Stash.OFFLOADED or stash.prefetched is not None
                     or (stash.restored is not None and stash.restored() is not None)):
                 continue
-            if self._prefetched_bytes + stash.nbytes > self.prefetch_bytes:
+            # At least one tensor ahead, however large: a window smaller than one layer's saves would
+            # otherwise restore every one on demand.
+            if self.prefetch_bytes == 0 or (self._prefetched_bytes and
+                                            self._prefetched_bytes + stash.nbytes > self.prefetch_bytes):
                 break
             stream = self._stream() if stream is None else stream
             storage = self._new_device_storage(stash.nbytes)

@@ -807,6 +807,132 @@ def test_budget_fills_earliest_saves_first_and_matches_bitwise(offload):
     assert stats["bytes_offloaded"] + stats["kept_by_reason"]["budget"] == 2 * total
 
 
+# ------------------------------------------------------------------ offloaded checkpoints
+
+
+class CheckpointedGPT(GPT):
+    """GPT whose blocks are checkpointed, reentrant or not."""
+
+    def __init__(self, reentrant, **kwargs):
+        super().__init__(**kwargs)
+        self.reentrant = reentrant
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant)
+        return F.cross_entropy(self.head(self.ln(x)).flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_offloaded_checkpoints_move_only_the_region_inputs_and_match_bitwise(offload, reentrant):
+    layers = 4
+    model, batches = CheckpointedGPT(reentrant, layers=layers), [make_batch() for _ in range(3)]
+    expected = train(model, batches)
+    manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0)
+    assert_bitwise_equal(expected, train(model, batches, manager))
+    stats = manager.stats()
+    region_input = 4 * 16 * 32 * 4  # [batch, seq, dim] float32
+    # Every block's input but the last (backward recomputes that one first), every step.
+    assert stats["storages_offloaded"] == 3 * (layers - 1)
+    assert stats["bytes_offloaded"] == 3 * (layers - 1) * region_input
+    assert stats["kept_by_reason"]["last_module"] == 3 * region_input
+    assert stats["kept_by_reason"]["not_checkpoint_input"] > 0  # the embedding's, the head's, the loss's saves
+
+
+def test_offloaded_checkpoints_prefetch_one_region_ahead(offload):
+    layers = 5
+    model, batch = CheckpointedGPT(False, layers=layers), make_batch()
+    expected = train(model, [batch])
+    # A window smaller than one region's input still restores the next one ahead of its recompute.
+    manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0, prefetch_bytes=1)
+    model = copy.deepcopy(model)
+    with manager:
+        loss = model(*batch)
+    settle(manager)
+    loss.backward()
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+    stats = manager.stats()
+    assert stats["storages_offloaded"] == layers - 1
+    assert stats["prefetch_hits"] == layers - 1 and stats["restores_on_demand"] == 0
+
+
+def test_offloaded_checkpoints_under_hugging_face_gradient_checkpointing(offload):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    model.activation_checkpointing_enable()
+    ids = torch.randint(0, 128, (2, 16))
+
+    def grads(context):
+        trained = copy.deepcopy(model)
+        with context:
+            loss = trained(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [[p.grad for p in trained.parameters()]]
+
+    expected = grads(contextlib.nullcontext())
+    manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0)
+    assert_bitwise_equal(expected, grads(manager))
+    stats = manager.stats()
+    # Each decoder layer's hidden states [2, 16, 32] float32 (its other inputs, RoPE's tables, are not
+    # tensors of the checkpoint call here or are small); all but the last layer's.
+    assert stats["storages_offloaded"] >= config.num_hidden_layers - 1
+    assert stats["bytes_offloaded"] >= (config.num_hidden_layers - 1) * 2 * 16 * 32 * 4
+
+
+def test_a_block_without_checkpoints_says_that_nothing_was_offloaded(offload):
+    model, batch = GPT(), make_batch()
+    manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0)
+    with pytest.warns(RuntimeWarning, match="none as a torch.utils.checkpoint input"):
+        with manager:
+            loss = model(*batch)
+    loss.backward()
+    assert manager.stats()["bytes_offloaded"] == 0
+
+
+class CheckpointedTimedLayers(TimedLayers):
+    """TimedLayers with every layer checkpointed: backward recomputes each layer's forward kernel (the
+    kernel comes first in the region: checkpoint stops recomputing once it has every saved tensor)."""
+
+    def forward(self, x):
+        for linear in self.linears:
+            x = checkpoint(lambda h, linear=linear: F.gelu(linear(Kernel.apply(h, self.seconds))), x,
+                           use_reentrant=False)
+        return x.pow(2).mean()
+
+
+def test_offloaded_checkpoints_cost_at_most_2_percent_over_recompute(offload):
+    sim.set_link_bandwidth(LINK)
+    model, x = CheckpointedTimedLayers(), torch.randn(256, 64, requires_grad=True)
+    recompute = modelled_steps(model, x, None, 2)
+    assert recompute[-1][0] == pytest.approx(8 * 4e-3, rel=1e-9), "forward 1 ms, recompute 1 ms, backward 2 ms"
+    manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0)
+    rows = modelled_steps(model, x, manager, 3)
+    print(f"modelled step (ms): recompute {recompute[-1][0] * 1e3:.2f}; offloaded checkpoints " +
+          ", ".join(f"{t * 1e3:.2f} ({b} B)" for t, b, _ in rows))
+    region_input = 256 * 64 * 4
+    for step_time, offloaded, _ in rows:
+        # Every layer's input but the first (x, a leaf the caller holds anyway) and the last.
+        assert offloaded == 6 * region_input
+        assert step_time <= 1.02 * recompute[-1][0]
+
+    with PeakBytesMeter() as live:
+        with manager:
+            loss = model(x)
+        manager.wait_for_offloads()
+        offloaded_resident = live.current_bytes
+    loss.backward()
+    with PeakBytesMeter() as live:
+        loss = model(x)
+        recompute_resident = live.current_bytes
+    loss.backward()
+    assert recompute_resident - offloaded_resident >= 6 * region_input, "the checkpoints' device bytes are gone"
+
+
 # ------------------------------------------------------------------ API
 
 
@@ -816,6 +942,7 @@ def test_budget_fills_earliest_saves_first_and_matches_bitwise(offload):
     ({"link_bandwidth": 0}, "link_bandwidth"),
     ({"forward_seconds": float("inf")}, "forward_seconds"),
     ({"recast_parameters": 1}, "recast_parameters"),
+    ({"only_checkpoint_inputs": "yes"}, "only_checkpoint_inputs"),
     ({"min_offload_bytes": -1}, "min_offload_bytes"),
     ({"max_pinned_bytes": 1.5}, "max_pinned_bytes"),
     ({"prefetch_bytes": "1M"}, "prefetch_bytes"),
