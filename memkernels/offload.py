@@ -44,7 +44,9 @@ tensors that require grad (``"parameter"``); storages smaller than
 ``min_offload_bytes`` (``"small"``); tensors on another device
 (``"other_device"``); anything saved under :func:`no_offload`
 (``"no_offload"``); sparse, conjugate/negative-bit views and tensor subclasses
-(``"unsupported"``); what the pinned cap refused (``"cap"``); what the budget
+(``"unsupported"``); with ``pageable_fallback=False``, what the pinned pool
+refused (``"cap"``; by default such tensors go to pageable host memory,
+synchronously, counted in ``stats()["bytes_pageable"]``); what the budget
 left out (``"budget"``); and, unless
 ``offload_last_module=True``, what was saved since the last module call began
 (``"last_module"``: backward needs it first, so copying it out and back would
@@ -258,7 +260,7 @@ class _Stash:
     """One storage's bytes: on the device, in flight, or in a pinned block."""
 
     __slots__ = ("owner", "nbytes", "version", "order", "index", "handle", "state", "source", "restored",
-                 "prefetched", "storage_ref", "__weakref__")
+                 "prefetched", "pageable", "storage_ref", "__weakref__")
 
     DEFERRED, OFFLOADING, OFFLOADED, KEPT, DISCARDED = "deferred", "offloading", "offloaded", "kept", "discarded"
 
@@ -274,6 +276,7 @@ class _Stash:
         self.source = storage        # the device storage, held until its D2H copy completed
         self.restored = None         # weakref to the restored storage
         self.prefetched = None       # (restored storage not yet handed to autograd, its stream)
+        self.pageable = None         # the bytes in pageable host memory, when pinned memory was refused
         self.storage_ref = weakref.ref(storage)
 
     def __del__(self):
@@ -387,9 +390,13 @@ class OffloadActivations:
             between a forward and its backward.
         min_offload_bytes: storages smaller than this stay on the device
             (default 1 MiB: small copies cost more in latency than they save).
-        max_pinned_bytes: cap on the pinned host memory the pool may hold; a
-            tensor that would cross it stays on the device (counted as
-            ``"cap"``), never an error. ``None``: no cap.
+        max_pinned_bytes: cap on the pinned host memory the pool may hold.
+            ``None``: no cap (the host may still refuse to pin more).
+        pageable_fallback: what happens to a tensor the pinned pool refuses
+            (the cap, or the host): copied to pageable host memory,
+            synchronously, with one warning (default True: it still leaves
+            the device); False keeps it on the device (counted as ``"cap"``).
+            Never an error either way.
         prefetch_bytes: during backward, restore ahead of need at most this
             many bytes that autograd has not asked for yet (default 128 MiB),
             and always at least the next tensor, however large; 0 restores
@@ -413,7 +420,7 @@ class OffloadActivations:
     """
 
     def __init__(self, budget="auto", *, only_checkpoint_inputs=False, link_bandwidth=None, forward_seconds=None,
-                 recast_parameters=True, min_offload_bytes=1 << 20, max_pinned_bytes=None,
+                 recast_parameters=True, min_offload_bytes=1 << 20, max_pinned_bytes=None, pageable_fallback=True,
                  prefetch_bytes=128 << 20, offload_last_module=False):
         if budget != "auto":
             _nonnegative_int("budget", budget, allow_none=True, expected="'auto', None or a non-negative int")
@@ -423,6 +430,9 @@ class OffloadActivations:
         if not isinstance(recast_parameters, bool):
             raise ValueError(f"recast_parameters must be True or False, got {recast_parameters!r}")
         self.recast_parameters = recast_parameters
+        if not isinstance(pageable_fallback, bool):
+            raise ValueError(f"pageable_fallback must be True or False, got {pageable_fallback!r}")
+        self.pageable_fallback = pageable_fallback
         if not isinstance(only_checkpoint_inputs, bool):
             raise ValueError(f"only_checkpoint_inputs must be True or False, got {only_checkpoint_inputs!r}")
         self.only_checkpoint_inputs = only_checkpoint_inputs
@@ -438,6 +448,7 @@ class OffloadActivations:
         self._device = torch.device("cpu") if self._mode == "sim" else None
         self._warned_devices = set()
         self._warned_no_checkpoints = False
+        self._warned_pageable = False
         self._engine = None
         self._final_engine_stats = None  # the engine's counters, kept after close()
         self._lock = threading.RLock()
@@ -453,7 +464,7 @@ class OffloadActivations:
         self._refusals_seen = 0  # the pinned pool's cap refusals already answered with a trim
         self._drain_queued = False
         self._counts = {"bytes_offloaded": 0, "storages_offloaded": 0, "prefetch_hits": 0, "restores_on_demand": 0,
-                        "restores_from_device": 0, "bytes_recast": 0, "storages_recast": 0}
+                        "restores_from_device": 0, "bytes_recast": 0, "storages_recast": 0, "bytes_pageable": 0}
         self._kept = dict.fromkeys(_KEEP_REASONS, 0)
         self._recasts = {}  # (parameter storage key, version, dtype) -> weakref to the recast storage
         self._forward_times = collections.deque(maxlen=_FORWARD_TIMES_KEPT)
@@ -818,7 +829,10 @@ class OffloadActivations:
                 self._block_budget -= stash.nbytes
             handle = self._engine.offload(stash.source.data_ptr(), stash.nbytes, stream)
             if handle == 0:
-                self._keep(stash, "cap")
+                if self.pageable_fallback:
+                    self._offload_pageable(stash)
+                else:
+                    self._keep(stash, "cap")
                 continue
             stash.handle = handle
             stash.state = _Stash.OFFLOADING
@@ -827,6 +841,26 @@ class OffloadActivations:
             self._counts["bytes_offloaded"] += stash.nbytes
             self._counts["storages_offloaded"] += 1
         self._deferred.clear()
+
+    def _offload_pageable(self, stash):
+        """The pinned pool refused (its cap, or the host pins no more): copy to pageable host memory.
+        The copy is ordered on the compute stream and the host waits for it (pageable memory cannot be
+        the target of an asynchronous copy), so it costs step time; it is said once."""
+        if not self._warned_pageable:
+            self._warned_pageable = True
+            cap = f"max_pinned_bytes={self.max_pinned_bytes}" if self.max_pinned_bytes is not None else "no cap set"
+            warnings.warn(
+                f"memkernels.OffloadActivations: pinned host memory refused a {stash.nbytes}-byte copy ({cap}, "
+                "or the host pins no more: WSL caps pinned memory at 1-2 GB); what does not fit goes to pageable "
+                "memory, copied synchronously (slower). Raise max_pinned_bytes, lower the budget, or pass "
+                "pageable_fallback=False to keep such tensors on the device instead.", RuntimeWarning, stacklevel=4)
+        source = torch.empty((0,), dtype=torch.uint8, device=self._device).set_(stash.source)
+        stash.pageable = torch.empty((stash.nbytes,), dtype=torch.uint8).copy_(source)
+        stash.source = None
+        stash.state = _Stash.OFFLOADED
+        self._counts["bytes_offloaded"] += stash.nbytes
+        self._counts["storages_offloaded"] += 1
+        self._counts["bytes_pageable"] += stash.nbytes
 
     def _keep(self, stash, reason):
         stash.state = _Stash.KEPT
@@ -915,6 +949,13 @@ class OffloadActivations:
             storage = stash.restored() if stash.restored is not None else None
             if storage is not None:
                 return storage
+            if stash.pageable is not None:
+                restored = torch.empty((stash.nbytes,), dtype=torch.uint8, device=self._device)
+                restored.copy_(stash.pageable, non_blocking=True)  # staged by the driver: safe from pageable
+                storage = restored.untyped_storage()
+                stash.restored = weakref.ref(storage)
+                self._counts["restores_on_demand"] += 1
+                return storage
             if stash.prefetched is not None:
                 (storage, _), stash.prefetched = stash.prefetched, None
                 self._prefetched_bytes -= stash.nbytes
@@ -941,7 +982,7 @@ class OffloadActivations:
         for ref in reversed(unpacked.order[max(0, index - _PREFETCH_SCAN_LIMIT):index]):
             stash = ref()
             if (stash is None or stash.state != _Stash.OFFLOADED or stash.prefetched is not None
-                    or (stash.restored is not None and stash.restored() is not None)):
+                    or stash.pageable is not None or (stash.restored is not None and stash.restored() is not None)):
                 continue
             # At least one tensor ahead, however large: a window smaller than one layer's saves would
             # otherwise restore every one on demand.
@@ -998,7 +1039,7 @@ class OffloadActivations:
                 self._prefetched_bytes -= stash.nbytes
             if stash.handle:
                 self._engine.release(stash.handle)
-            stash.source = None
+            stash.source = stash.pageable = None
             stash.state = _Stash.DISCARDED
         self._pending = collections.deque(s for s in self._pending if s.state != _Stash.DISCARDED)
         self._reset_block_state()

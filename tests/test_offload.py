@@ -411,14 +411,44 @@ def test_small_other_device_and_no_offload_are_kept(offload):
     del ym
 
 
-def test_pinned_cap_keeps_tensors_on_device(offload):
+def test_pinned_cap_keeps_tensors_on_device_without_the_pageable_fallback(offload):
     model, batches = GPT(), [make_batch() for _ in range(2)]
     expected = train(model, batches)
-    manager = offload(min_offload_bytes=0, max_pinned_bytes=256 << 10, offload_last_module=True)
+    manager = offload(min_offload_bytes=0, max_pinned_bytes=256 << 10, offload_last_module=True,
+                      pageable_fallback=False)
     assert_bitwise_equal(expected, train(model, batches, manager))
     stats = manager.stats()
     assert stats["kept_by_reason"]["cap"] > 0 and stats["storages_offloaded"] > 0
+    assert stats["bytes_pageable"] == 0
     assert stats["engine"]["pool"]["peak_pinned_bytes"] <= 256 << 10
+
+
+@pytest.mark.parametrize("cap", [1 << 20, 0], ids=["cap_1MiB", "host_pins_nothing"])
+def test_pinned_refusals_fall_back_to_pageable_memory_and_match_bitwise(offload, cap):
+    model, batches = GPT(layers=3, dim=64), [make_batch() for _ in range(3)]
+    expected = train(model, batches)
+    if cap == 0:
+        sim.configure(host_capacity=0)  # the host refuses every pin (as under WSL's cap, at its limit)
+    manager = offload(min_offload_bytes=0, offload_last_module=True, max_pinned_bytes=cap or None)
+    with pytest.warns(RuntimeWarning, match="pinned host memory refused .* pageable"):
+        actual = train(model, batches, manager)
+    assert_bitwise_equal(expected, actual)
+    stats = manager.stats()
+    assert stats["bytes_pageable"] > 0 and stats["kept_by_reason"]["cap"] == 0
+    if cap:
+        assert 0 < stats["bytes_pageable"] < stats["bytes_offloaded"], "what fits goes pinned, the rest pageable"
+        assert stats["engine"]["pool"]["peak_pinned_bytes"] <= cap
+    else:
+        assert stats["bytes_pageable"] == stats["bytes_offloaded"] and stats["pinned_bytes"] == 0
+    # Resident after forward: the pageable copies left the device as the pinned ones do. On the simulator
+    # "device" tensors and pageable host memory are both CPU memory, so the meter sees the pageable
+    # copies too; they are the block's bytes_pageable, taken off.
+    model, batch = GPT(layers=3, dim=64), make_batch()
+    _, resident_without = saved_activation_bytes(model, batch)
+    pageable_before = manager.stats()["bytes_pageable"]
+    _, resident_with = saved_activation_bytes(model, batch, manager)
+    pageable = manager.stats()["bytes_pageable"] - pageable_before
+    assert pageable > 0 and resident_with - pageable < 0.1 * resident_without
 
 
 def test_exception_mid_forward_leaves_nothing_behind(offload):
@@ -1043,7 +1073,8 @@ def test_cuda_device_is_taken_at_enter_not_at_construction(offload, monkeypatch)
 
 
 def test_pinned_cap_trims_at_the_next_block_not_inside_the_step(offload):
-    manager = offload(min_offload_bytes=0, max_pinned_bytes=1 << 20, offload_last_module=True)
+    manager = offload(min_offload_bytes=0, max_pinned_bytes=1 << 20, offload_last_module=True,
+                      pageable_fallback=False)
     x = torch.randn(512, 256, requires_grad=True)  # 512 KiB saved: a slab of its own
     with manager:
         y = (x * 2).sin().sum()
