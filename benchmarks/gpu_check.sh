@@ -12,8 +12,8 @@
 # Steps, in the order of what a short lease should see first, all written to one results file:
 #   1. build and install this working tree: pip install --no-build-isolation --no-deps
 #   2. the allocator and offload tests with MEMKERNELS_DEVICE=cuda (the real CUDA runtime where a
-#      test does not select the simulated device itself: tests/test_offload.py selects it, so of
-#      offload only the engine's tests run on CUDA here; bench_offload below runs the hooks for real)
+#      test does not select the simulated device itself: tests/test_offload.py selects it;
+#      tests/test_offload_cuda.py runs the hooks' bitwise checks on the GPU)
 #   3. bench_step.py, the figure users judge by: a whole training step of a Llama-3-8B-shaped decoder
 #      (4 layers, 8192 tokens, bf16) under eager, torch.compile, Liger (when its wheel came along),
 #      memkernels apply() and apply(mlp="recompute"): step time, tokens/s, peak, saved bytes,
@@ -89,7 +89,7 @@ step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE:
     # first after the build (issue 33): the C++ core has never passed its tests on a real CUDA runtime
     step "allocator and offload on CUDA" 4 env MEMKERNELS_DEVICE=cuda python -m pytest -q -p no:randomly \
         -n "$WORKERS" tests/test_allocator.py tests/test_allocator_install.py tests/test_device_pool.py \
-        tests/test_offload.py tests/test_offload_engine.py
+        tests/test_offload.py tests/test_offload_engine.py tests/test_offload_cuda.py
     # the figure users judge by: one training step of a Llama-3-8B-shaped decoder, every column
     step "bench_step.py" 3 python benchmarks/bench_step.py
     for bench in gated_mlp gelu_linear rms_norm rope cross_entropy offload; do
