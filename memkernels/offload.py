@@ -247,13 +247,16 @@ def _saved_by_checkpoint(frame):
 
 
 class _Order(list):
-    """Weak references to one block's stashes in pack order, and the index of the last one offloaded."""
+    """Weak references to one block's stashes in pack order, the index of the last one offloaded, and
+    a weak reference to the block entered before it (alive while any of its stashes is): backward
+    reaches that block's saves next, so prefetching continues into it."""
 
-    __slots__ = ("last_offloaded",)
+    __slots__ = ("last_offloaded", "previous", "__weakref__")
 
-    def __init__(self):
+    def __init__(self, previous=None):
         super().__init__()
         self.last_offloaded = -1
+        self.previous = weakref.ref(previous) if previous is not None else None
 
 
 class _Stash:
@@ -702,7 +705,7 @@ class OffloadActivations:
 
     def _reset_block_state(self):
         self._by_storage = {}            # storage key -> weakref to its live stash (this block)
-        self._order = _Order()           # weakrefs to this block's stashes, in pack order
+        self._order = _Order(getattr(self, "_order", None))  # weakrefs to this block's stashes, in pack order
         self._deferred = []              # saved since the last module call began
         self._param_storages = {}        # storage key -> weakref to the storage
         self._unscanned = []             # modules called whose parameters are not yet recorded
@@ -976,24 +979,32 @@ class OffloadActivations:
             self._engine.synchronize(handle)  # CPU compute reads the bytes right after we return
 
     def _prefetch_before(self, unpacked):
-        """Start restoring the stashes packed before `unpacked` in its block (latest first), within budget."""
+        """Start restoring the stashes packed before `unpacked` (latest first), in its block and then in
+        the blocks entered before it (a plan's offloaded layers are a block each), within budget."""
         stream = None
-        index = min(unpacked.index, unpacked.order.last_offloaded + 1)  # nothing later is on the host
-        for ref in reversed(unpacked.order[max(0, index - _PREFETCH_SCAN_LIMIT):index]):
-            stash = ref()
-            if (stash is None or stash.state != _Stash.OFFLOADED or stash.prefetched is not None
-                    or stash.pageable is not None or (stash.restored is not None and stash.restored() is not None)):
-                continue
-            # At least one tensor ahead, however large: a window smaller than one layer's saves would
-            # otherwise restore every one on demand.
-            if self.prefetch_bytes == 0 or (self._prefetched_bytes and
-                                            self._prefetched_bytes + stash.nbytes > self.prefetch_bytes):
-                break
-            stream = self._stream() if stream is None else stream
-            storage = self._new_device_storage(stash.nbytes)
-            self._engine.prefetch(stash.handle, storage.data_ptr(), stream)
-            stash.prefetched = (storage, stream)  # the stream the storage belongs to: its free waits there
-            self._prefetched_bytes += stash.nbytes
+        order, index, scanned = unpacked.order, unpacked.index, 0
+        while order is not None and scanned < _PREFETCH_SCAN_LIMIT:
+            index = min(index, order.last_offloaded + 1)  # nothing later is on the host
+            window = order[max(0, index - (_PREFETCH_SCAN_LIMIT - scanned)):index]
+            scanned += len(window)
+            for ref in reversed(window):
+                stash = ref()
+                if (stash is None or stash.state != _Stash.OFFLOADED or stash.prefetched is not None
+                        or stash.pageable is not None
+                        or (stash.restored is not None and stash.restored() is not None)):
+                    continue
+                # At least one tensor ahead, however large: a window smaller than one layer's saves would
+                # otherwise restore every one on demand.
+                if self.prefetch_bytes == 0 or (self._prefetched_bytes and
+                                                self._prefetched_bytes + stash.nbytes > self.prefetch_bytes):
+                    return
+                stream = self._stream() if stream is None else stream
+                storage = self._new_device_storage(stash.nbytes)
+                self._engine.prefetch(stash.handle, storage.data_ptr(), stream)
+                stash.prefetched = (storage, stream)  # the stream the storage belongs to: its free waits there
+                self._prefetched_bytes += stash.nbytes
+            order = order.previous() if order.previous is not None else None
+            index = len(order) if order is not None else 0
 
     def _retire(self, stash):
         """A stash nobody holds any more: give its pinned block back.

@@ -924,6 +924,33 @@ def test_a_block_without_checkpoints_says_that_nothing_was_offloaded(offload):
     assert manager.stats()["bytes_offloaded"] == 0
 
 
+def test_prefetch_continues_into_the_blocks_entered_before(offload):
+    """A plan's offloaded layers are a block each: backward's restores run one block ahead all the same."""
+    layers = 5
+    model = nn.ModuleList(nn.Linear(64, 64) for _ in range(layers))
+    x = torch.randn(128, 64, requires_grad=True)
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None, prefetch_bytes=1)
+
+    def forward(context):
+        h = x
+        for linear in model:
+            with context:
+                h = F.gelu(linear(h))
+        return h.pow(2).mean()
+
+    forward(contextlib.nullcontext()).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    loss = forward(manager)
+    settle(manager)
+    loss.backward()
+    assert_bitwise_equal([expected], [[p.grad for p in model.parameters()]])
+    stats = manager.stats()
+    assert stats["storages_offloaded"] == 2 * layers - 1  # each block's input and GELU's input; x is a leaf
+    assert stats["restores_on_demand"] == 1, "only the first restore of backward waits for its copy"
+    assert stats["prefetch_hits"] == stats["storages_offloaded"] - 1
+
+
 class CheckpointedTimedLayers(TimedLayers):
     """TimedLayers with every layer checkpointed: backward recomputes each layer's forward kernel (the
     kernel comes first in the region: checkpoint stops recomputing once it has every saved tensor)."""
