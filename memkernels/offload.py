@@ -249,7 +249,7 @@ def _saved_by_checkpoint(frame):
 class _Order(list):
     """Weak references to one block's stashes in pack order, the index of the last one offloaded, and
     a weak reference to the block entered before it (alive while any of its stashes is): backward
-    reaches that block's saves next, so prefetching continues into it."""
+    reaches that block's saves next, so prefetching continues into it (one block, no further)."""
 
     __slots__ = ("last_offloaded", "previous", "__weakref__")
 
@@ -979,11 +979,16 @@ class OffloadActivations:
             self._engine.synchronize(handle)  # CPU compute reads the bytes right after we return
 
     def _prefetch_before(self, unpacked):
-        """Start restoring the stashes packed before `unpacked` (latest first), in its block and then in
-        the blocks entered before it (a plan's offloaded layers are a block each), within budget."""
+        """Start restoring the stashes packed before `unpacked` (latest first) in its block, within budget;
+        at a block's first stash (the last its backward needs), the block entered before it: a plan's
+        offloaded layers are a block each, and the previous layer's restore then runs while this
+        layer's backward ends, not on demand. One block, not further, and only once this block's own
+        restores are done, so that restored copies of two blocks never pile up on the device."""
         stream = None
         order, index, scanned = unpacked.order, unpacked.index, 0
-        while order is not None and scanned < _PREFETCH_SCAN_LIMIT:
+        blocks = 2 if unpacked.index == 0 else 1
+        while order is not None and scanned < _PREFETCH_SCAN_LIMIT and blocks:
+            blocks -= 1
             index = min(index, order.last_offloaded + 1)  # nothing later is on the host
             window = order[max(0, index - (_PREFETCH_SCAN_LIMIT - scanned)):index]
             scanned += len(window)

@@ -326,7 +326,7 @@ def _copies_keep_up(model, offload):
 
 
 @pytest.mark.parametrize("option", ["offload layer", "offload attn, recompute mlp", "offload attn+mlp",
-                                    "recompute attn, offload mlp"])
+                                    "recompute attn, offload mlp", "offload checkpoint"])
 def test_offload_prediction_on_simulated_device(simulated_device, option):
     """Offload choices carried out through OffloadActivations on the simulated device: gradients are
     bitwise equal, the measured peak is within 10% of the prediction (measured on meta through the

@@ -38,7 +38,7 @@ bandwidth, t_fwd the layer's forward time.
 The DP walks the layers in forward order with the prefix savings S_i as its state,
 discretized in units of q = max(savings needed) / 4096, savings rounded down and needs
 rounded up (so a placement the DP accepts fits under the model). It is exact for that
-discretization: the minimum added time over all 11^L placements, with ties going to the
+discretization: the minimum added time over all 12^L placements, with ties going to the
 option listed first (keep before recompute before offload, smaller parts first).
 """
 import dataclasses
@@ -60,18 +60,19 @@ __all__ = ["LayerOption", "LAYER_OPTIONS", "LayerProfile", "Placement", "measure
 @dataclasses.dataclass(frozen=True)
 class LayerOption:
     """What to do with one decoder layer: ``actions`` maps ``"layer"`` / ``"attn"`` / ``"mlp"`` to
-    ``"recompute"`` or ``"offload"``; parts not named are kept."""
+    ``"recompute"``, ``"offload"`` or ``"offload_checkpoint"`` (recomputed, and the one input the
+    checkpoint keeps moved to the host); parts not named are kept."""
 
     name: str
     actions: dict = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
     @property
     def recomputed(self):
-        return tuple(part for part, action in self.actions.items() if action == "recompute")
+        return tuple(part for part, action in self.actions.items() if action in ("recompute", "offload_checkpoint"))
 
     @property
     def offloaded(self):
-        return tuple(part for part, action in self.actions.items() if action == "offload")
+        return tuple(part for part, action in self.actions.items() if action in ("offload", "offload_checkpoint"))
 
 
 LAYER_OPTIONS = (
@@ -86,6 +87,7 @@ LAYER_OPTIONS = (
     LayerOption("offload attn, recompute mlp", {"attn": "offload", "mlp": "recompute"}),
     LayerOption("recompute attn, offload mlp", {"attn": "recompute", "mlp": "offload"}),
     LayerOption("offload layer", {"layer": "offload"}),
+    LayerOption("offload checkpoint", {"layer": "offload_checkpoint"}),
 )
 OPTION_BY_NAME = {option.name: option for option in LAYER_OPTIONS}
 _RECOMPUTE_ONLY = tuple(o for o in LAYER_OPTIONS if not o.offloaded)
@@ -382,7 +384,7 @@ def _measure_options(profile, source, dtype, kernels, options):
             profile.recompute[option.name] = _step_flops(model, one) - profile.keep_flops
     for option in options:
         if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
-            recomputed = {p: a for p, a in option.actions.items() if a == "recompute"}
+            recomputed = {part: "recompute" for part in option.recomputed}
             profile.recompute[option.name] = next(profile.recompute[o.name] for o in LAYER_OPTIONS
                                                   if o.actions == recomputed)
 

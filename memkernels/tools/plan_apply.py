@@ -1,7 +1,7 @@
 """Carry out a plan's per-layer placement on a real model.
 
 Each decoder layer's choice (see :data:`memkernels.tools.plan.LAYER_OPTIONS`) names, for
-the layer itself or for its attention / MLP submodule, one of two actions:
+the layer itself or for its attention / MLP submodule, one of three actions:
 
 - ``"recompute"``: the module's forward runs under ``torch.utils.checkpoint`` (non-reentrant,
   ``preserve_rng_state=True``: dropout masks are replayed exactly), so only its inputs stay
@@ -9,6 +9,9 @@ the layer itself or for its attention / MLP submodule, one of two actions:
 - ``"offload"``: the module's forward runs inside one shared
   :class:`~memkernels.offload.OffloadActivations` block, so what it saves goes to pinned
   host memory and comes back for backward.
+- ``"offload_checkpoint"``: both, the checkpoint inside the block: checkpoint keeps only the
+  module's input for backward, and that input is what goes to the host (prefetched one layer
+  ahead of its recompute, through the chain of blocks).
 
 The module keeps its parameters, submodules and state_dict keys: only its class is switched
 to a subclass whose ``forward`` wraps the original one (the way :mod:`memkernels.patch`
@@ -83,11 +86,23 @@ class _Offloaded:
             return super().forward(*args, **kwargs)
 
 
-_MIXINS = {"recompute": _Recomputed, "offload": _Offloaded}
+class _OffloadedCheckpoint(_Recomputed):
+    """forward recomputed (checkpoint) inside the shared OffloadActivations block: the block sees only
+    what checkpoint saves for the recompute, the module's input."""
+
+    def forward(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return super().forward(*args, **kwargs)
+        with self._memkernels_offload:
+            return super().forward(*args, **kwargs)
+
+
+_MIXINS = {"recompute": _Recomputed, "offload": _Offloaded, "offload_checkpoint": _OffloadedCheckpoint}
+_CLASS_PREFIX = {"recompute": "Recomputed", "offload": "Offloaded", "offload_checkpoint": "OffloadCheckpointed"}
 
 
 def wrap(module, action, offload=None, recompute_context=None):
-    """Switch ``module``'s class so its forward is recomputed or offloaded (``action``).
+    """Switch ``module``'s class so its forward is recomputed, offloaded or both (``action``).
 
     ``recompute_context``: a callable returning a context manager the recompute runs in
     (the meta measurement routes attention to the flash op there too: backward, and so the
@@ -97,13 +112,13 @@ def wrap(module, action, offload=None, recompute_context=None):
     base = type(module)
     if base.__module__ == __name__:
         raise ValueError(f"plan: {base.__name__} is already wrapped; call remove(model) first")
-    name = f"{'Recomputed' if action == 'recompute' else 'Offloaded'}{base.__name__}"
+    name = f"{_CLASS_PREFIX[action]}{base.__name__}"
     cls = getattr(sys.modules[__name__], name, None)
     if cls is None or cls.__bases__[-1] is not base:
         cls = type(name, (mixin, base), {"__module__": __name__})
         setattr(sys.modules[__name__], name, cls)
     module.__class__ = cls
-    if action == "offload":
+    if action in ("offload", "offload_checkpoint"):
         module._memkernels_offload = offload
     if recompute_context is not None:
         module._memkernels_recompute_context = recompute_context
@@ -133,7 +148,8 @@ class ApplyReport:
         counts = {}
         for _, action in self.wrapped:
             counts[action] = counts.get(action, 0) + 1
-        parts = [f"{n} modules {action}d" for action, n in sorted(counts.items())] or ["no module wrapped"]
+        done = {"recompute": "recomputed", "offload": "offloaded", "offload_checkpoint": "checkpoint-offloaded"}
+        parts = [f"{n} modules {done[action]}" for action, n in sorted(counts.items())] or ["no module wrapped"]
         lines = [f"memkernels.apply(plan): {', '.join(parts)}"]
         lines += [f"  {name or '(model)'}: {action}" for name, action in self.wrapped]
         if self.kernels is not None:
@@ -161,7 +177,7 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
         from memkernels.tools.placement import KERNELS
         kernel_report = apply_kernels(model, **KERNELS)
         prefix, layers = find_layers(model)
-    if offload is None and any("offload" in choice.actions.values() for choice in choices):
+    if offload is None and any(choice.offloaded for choice in choices):
         from memkernels.offload import OffloadActivations
         offload = OffloadActivations(**(OFFLOAD_OPTIONS if offload_options is None else offload_options))
     wrapped = []
