@@ -13,7 +13,11 @@ allocations <= 1.25x PyTorch's (issue 18), ns/op <= 250 (a goal). Then the same 
 and issue 8's targets: memkernels <= 1.01 and never above PyTorch's expandable ratio. Exit
 status 1 if a target is missed. Then replays synthetic training loops, with the same classic
 targets, and for each loop that makes more than 1.25x PyTorch's device allocations, why
-(:func:`memkernels.tools.replay.device_allocation_causes`).
+(:func:`memkernels.tools.replay.device_allocation_causes`). Last, every periodic loop (each trace
+repeated as one step of a loop, the fixed-scale synthetic loops, the capacity loop's 8-step
+triangle wave repeated): device allocations / frees per step from step 3 on, memkernels' pool
+beside PyTorch's model (:func:`memkernels.tools.replay.replay_periodic`), and issue 33's target:
+none from step 3 on (a cudaMalloc inside a step costs that step).
 
     python benchmarks/bench_allocator.py --no-traces --seeds 3-8   (held-out seeds of the loops)
 """
@@ -33,6 +37,7 @@ from memkernels.tools.replay import (  # noqa: E402
     load_trace,
     print_replay_table,
     replay,
+    replay_periodic,
     replay_pytorch_model,
     trace_files,
     trace_ops,
@@ -81,15 +86,23 @@ def synthetic_trace(seed, kind, steps=30, layers=24):
     Persistent parameters, then per step: a forward pass whose layers save activations and
     free a temporary each, and a backward pass freeing them in reverse with a gradient-sized
     temporary each. ``kind``: "growing" (the batch grows 10% of the first each step, as in a
-    batch-size ramp) or "random" (batch scale uniform in [0.5, 2])."""
+    batch-size ramp), "random" (batch scale uniform in [0.5, 2]) or "fixed" (one batch scale,
+    drawn uniform in [0.5, 2], and the same requests every step: a periodic loop, period 1 step)."""
+    if kind not in ("growing", "random", "fixed"):
+        raise ValueError(f"kind must be 'growing', 'random' or 'fixed', got {kind!r}")
     rng = random.Random(seed)
     events, alloc, free = _trace_writer()
     mib = 1 << 20
 
     for _ in range(40):
         alloc(rng.choice([4, 8, 16, 32, 64]) * mib)
+    if kind == "fixed":  # drawn only here: the other kinds keep the requests they always had
+        fixed_scale, step_seed = rng.uniform(0.5, 2.0), rng.getrandbits(64)
     for step in range(steps):
-        scale = 1 + step / 10 if kind == "growing" else rng.uniform(0.5, 2.0)
+        if kind == "fixed":
+            scale, rng = fixed_scale, random.Random(step_seed)  # every step draws the same requests
+        else:
+            scale = 1 + step / 10 if kind == "growing" else rng.uniform(0.5, 2.0)
         saved = []
         for _ in range(layers):
             temporary = alloc(int(scale * rng.choice([3, 6, 12]) * mib) + rng.randrange(1 << 16))
@@ -243,11 +256,91 @@ def held_out(seeds=TUNED_SEEDS):
     return missed
 
 
+# Issue 33: a cudaMalloc inside a step costs that step; once a loop repeats, the cache should serve it.
+PERIODIC_STEPS = 8  # steps (capacity: 8-step periods) replayed per loop; judged from step 3 on
+PERIODIC_FROM = 3
+
+
+def periodic_loops(files, seeds):
+    """The periodic loops: (name, trace of one step or period, [(device label, capacity or None)]).
+
+    Each shared trace is one step, repeated (:func:`memkernels.tools.replay.periodic_ops`: what it
+    leaves live stays, allocated once, or is carried to the next step). The fixed-scale synthetic
+    loops repeat one step; :func:`capacity_trace`'s triangle wave repeats its first 8-step period.
+    Devices as in :func:`held_out`, but for capacity 1.03x: there both policies fail requests in
+    every period (the loop does not fit), so its counts describe out-of-memory retries."""
+    loops = [(os.path.basename(path), load_trace(path), [("unlimited", None)]) for path in files]
+    for kind, seed_trace, fractions in (("fixed", lambda s: synthetic_trace(s, "fixed", steps=1), (1.3,)),
+                                        ("capacity", lambda s: capacity_trace(s, steps=8), (1.1,))):
+        for seed in seeds or ():
+            trace = seed_trace(seed)
+            _, _, ideal = trace_ops(trace["device_traces"][0])
+            devices = [("unlimited", None)] + [(f"{f}x peak live", int(f * ideal)) for f in fractions]
+            loops.append((f"{kind} #{seed}", trace, devices))
+    return loops
+
+
+def _counts(result, step):
+    return f"{result['device_allocs'][step]}/{result['device_frees'][step]}"
+
+
+def _late(result):
+    """(max allocations, max frees) per step from step PERIODIC_FROM on."""
+    first = PERIODIC_FROM - 1
+    return max(result["device_allocs"][first:]), max(result["device_frees"][first:])
+
+
+def periodic_table(files, seeds, steps=PERIODIC_STEPS):
+    """Device allocations / frees per step of every periodic loop, memkernels' pool beside the model of
+    PyTorch's policy, classic segments (and, last, the most per step of both with expandable segments).
+    Target: the pool makes none from step 3 on. Returns the number of rows that miss it."""
+    loops = periodic_loops(files, seeds)
+    if not loops:
+        return 0
+    print(f"\nPeriodic loops: device allocations / frees per step (a/f), steps {PERIODIC_FROM}-{steps} "
+          f"(a trace or fixed-scale loop repeated: per step; capacity: per 8-step period):")
+    header = (
+        f"{'loop':<38} {'device':<16} | {'step 1':>7} {'step 2':>6} {'3+ max':>6} {'peak':>6} | "
+        f"{'step 1':>7} {'step 2':>6} {'3+ max':>6} {'last':>6} {'peak':>6} | {'PyTorch':>7} {'mk':>5}"
+    )
+    print(f"{'':<55} | {'PyTorch (model)':^28} | {'memkernels':^35} | {'expandable':^13}".rstrip())
+    print(header)
+    print("-" * len(header))
+    missed = 0
+    for name, trace, devices in loops:
+        for label, capacity in devices:
+            row = replay_periodic(trace, steps=steps, capacity=capacity)
+            exp = replay_periodic(trace, steps=steps, capacity=capacity, expandable_segments=True)
+            ideal = row["ideal_peak_bytes"]
+            theirs, ours = row["pytorch"], row["memkernels"]
+            late = _late(ours)
+            ok = late == (0, 0)
+            missed += not ok
+            ooms = [r["num_ooms"] for r in (theirs, ours, exp["pytorch"], exp["memkernels"])]
+            print(
+                f"{name[:38]:<38} {label:<16} | {_counts(theirs, 0):>7} {_counts(theirs, 1):>6} "
+                f"{'%d/%d' % _late(theirs):>6} {theirs['peak_reserved_bytes'] / ideal:>6.3f} | "
+                f"{_counts(ours, 0):>7} {_counts(ours, 1):>6} {'%d/%d' % late:>6} {_counts(ours, -1):>6} "
+                f"{ours['peak_reserved_bytes'] / ideal:>6.3f} | {'%d/%d' % _late(exp['pytorch']):>7} "
+                f"{'%d/%d' % _late(exp['memkernels']):>5}"
+                + ("" if ok else "  MISSED")
+                + ("  (OOMs: PyTorch %d, memkernels %d, PyTorch exp. %d, memkernels exp. %d)" % tuple(ooms)
+                   if any(ooms) else "")
+            )
+    print(f"a/f in step 1, in step 2; 3+ max: the most in one step (capacity: one period) of steps "
+          f"{PERIODIC_FROM}-{steps}; last: in step {steps}; peak: peak reserved / peak live bytes of the whole loop. "
+          f"expandable: 3+ max with expandable segments (page maps / unmaps).")
+    print(f"target: memkernels (classic segments) makes 0 device allocations and 0 frees per step from step "
+          f"{PERIODIC_FROM} on (issue 33)")
+    return missed
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="*", help="trace files or directories (default: ../shared/traces)")
     parser.add_argument("--repeats", type=int, default=21, help="replays per trace for the ns/op median")
-    parser.add_argument("--no-held-out", action="store_true", help="skip the synthetic held-out workloads")
+    parser.add_argument("--no-held-out", action="store_true",
+                        help="skip the synthetic workloads (the loops above and the periodic synthetic loops)")
     parser.add_argument("--no-traces", action="store_true",
                         help="only the synthetic workloads (they need no recorded trace)")
     parser.add_argument("--seeds", type=_seeds, default=list(TUNED_SEEDS),
@@ -255,7 +348,7 @@ def main(argv=None):
                              "are held out)")
     args = parser.parse_args(argv)
     if args.no_traces:
-        return 1 if held_out(args.seeds) else 0
+        return 1 if held_out(args.seeds) + periodic_table([], args.seeds) else 0
     files = _trace_files(args.traces)
     rows = print_replay_table(files, repeats=args.repeats)
     by_name = {os.path.basename(f): f for f in files}
@@ -280,6 +373,7 @@ def main(argv=None):
     missed += expandable_table(rows, args.repeats)
     if not args.no_held_out:
         missed += held_out(args.seeds)
+    missed += periodic_table(files, None if args.no_held_out else args.seeds)
     return 1 if missed else 0
 
 

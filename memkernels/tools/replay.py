@@ -4,7 +4,8 @@
 memkernels' pool on a device that hands out virtual addresses (no memory is touched, so an
 80 GB trace replays on a laptop), and ``print_replay_table`` puts what PyTorch's policy did (a
 model of it, :mod:`memkernels.tools._torch_policy`), what memkernels does, and the ideal (peak
-live bytes) side by side: that is ``memkernels replay TRACE...``.
+live bytes) side by side: that is ``memkernels replay TRACE...``. ``replay_periodic(trace, steps=N)``
+repeats a trace as the step of a loop and counts both policies' device allocations and frees per step.
 """
 import os
 import pickle
@@ -444,6 +445,156 @@ def segment_match(trace, *, device=0):
         "in_order": None,
         "as_multiset": _multiset_found(modeled, held) / len(modeled) if modeled else 1.0,
     }
+
+
+# ---------------------------------------------------------------------- periodic loops
+
+
+def periodic_ops(events, steps):
+    """The trace's events as one step of a loop, repeated ``steps`` times, as pool steps.
+
+    A recorded step leaves some allocations live at its end. Those the trace's own frees of
+    earlier allocations pair with (a free of an address allocated before recording started,
+    matched by size and stream, in order) are *carried*: allocated in one step, freed by the
+    next (a step's output, the loss). The others are *persistent* (parameters, optimizer
+    state, or what a forward-only trace keeps): allocated once, in step 1, and kept. Everything
+    the trace frees itself is repeated every step. Step 1 is the trace as :func:`trace_ops`
+    replays it.
+
+    Returns ``(ops, num_slots, step_starts, persistent, carried)``: pool steps as
+    :func:`trace_ops` gives them, the index in ``ops`` where each step starts, and how many of the
+    trace's allocations are persistent and carried.
+    """
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+        raise ValueError(f"steps must be a positive int (repetitions of the trace), got {steps!r}")
+    trace_ops(events)  # validates the events (and refuses an address allocated twice)
+    entries, alloc_of, unmatched = [], {}, []
+    for event in events:
+        action = event.get("action")
+        if action == "alloc":
+            alloc_of[event["addr"]] = len(entries)
+            entries.append(["alloc", event["size"], event.get("stream", 0), False])  # [.., freed in the trace]
+        elif action == "free_completed":
+            if event["addr"] in alloc_of:
+                index = alloc_of.pop(event["addr"])
+                entries[index][3] = True
+                entries.append(["free", index])
+            else:
+                unmatched.append(len(entries))
+                entries.append(["carry_free", None, event.get("size", 0), event.get("stream", 0)])
+    live_at_end = [i for i, entry in enumerate(entries) if entry[0] == "alloc" and not entry[3]]
+    carried = set()
+    for position in unmatched:  # pair each free of an earlier allocation with a block the trace leaves live
+        _, _, size, stream = entries[position]
+        for index in live_at_end:
+            if index not in carried and entries[index][1] == size and entries[index][2] == stream:
+                carried.add(index)
+                entries[position][1] = index
+                break
+    ops, slot_of, spare, num_slots, step_starts = [], {}, [], 0, []
+    for step in range(steps):
+        step_starts.append(len(ops))
+        for index, entry in enumerate(entries):
+            kind = entry[0]
+            if kind == "alloc":
+                if step > 0 and not entry[3] and index not in carried:
+                    continue  # persistent: allocated once
+                slot = spare.pop() if spare else num_slots
+                num_slots = max(num_slots, slot + 1)
+                slot_of[step, index] = slot
+                ops.append((slot, True, entry[1], entry[2]))
+            else:
+                owner = (step, entry[1]) if kind == "free" else (step - 1, entry[1])
+                if owner not in slot_of:  # a free of something never allocated here (step 1, unpaired)
+                    continue
+                slot = slot_of.pop(owner)
+                ops.append((slot, False, 0, entries[owner[1]][2]))
+                spare.append(slot)
+    persistent = len(live_at_end) - len(carried)
+    return ops, num_slots, step_starts, persistent, len(carried)
+
+
+def replay_periodic(trace, *, steps=6, device=0, capacity=None, expandable_segments=False, **config):
+    """Replay ``trace`` as one step of a loop, ``steps`` times (:func:`periodic_ops`), through
+    memkernels' pool and the model of PyTorch's policy; count device allocations and frees per step.
+
+    A device allocation inside a step is a ``cudaMalloc`` (a device synchronization) paid by that
+    step, a device free a ``cudaFree``; once a loop repeats, a cache that keeps what the loop
+    needs makes neither. With expandable segments the counts are page mappings and unmappings.
+
+    Returns a dict: ``steps``, ``persistent`` and ``carried`` (see :func:`periodic_ops`),
+    ``ideal_peak_bytes`` (peak live bytes of the loop) and, for ``"memkernels"`` and
+    ``"pytorch"``: ``device_allocs`` and ``device_frees`` (one count per step), and
+    ``peak_reserved_bytes``, ``peak_requested_bytes``, ``num_ooms`` of the whole loop.
+    ``capacity`` and ``**config``: as for :func:`replay` (pool options apply to memkernels' pool).
+    """
+    if not isinstance(expandable_segments, bool):
+        raise ValueError(f"expandable_segments must be True or False, got {expandable_segments!r}")
+    capacity = _check_capacity(capacity)
+    events = _device_events(load_trace(trace), device)
+    ops, num_slots, step_starts, persistent, carried = periodic_ops(events, steps)
+    ideal = live = 0
+    sizes = [0] * num_slots
+    for slot, is_alloc, size, _ in ops:
+        if is_alloc:
+            sizes[slot] = size
+            live += size
+            ideal = max(ideal, live)
+        else:
+            live -= sizes[slot]
+    ends = step_starts[1:] + [len(ops)]
+
+    C = _C()
+    pool = C.Pool(_pool_config(**dict(config, expandable_segments=expandable_segments)),
+                  C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
+
+    def pool_counts():
+        stats = pool.stats(device)
+        return stats["num_device_alloc"], stats["num_device_free"]
+
+    def pool_malloc(size, stream):
+        try:
+            return pool.malloc(size, stream, device)
+        except C.OutOfMemoryError:
+            return None
+
+    model = (TorchExpandablePolicyModel if expandable_segments else TorchPolicyModel)(capacity=capacity)
+
+    def model_malloc(size, stream):
+        try:
+            return model.malloc(size, stream)
+        except ModelOutOfMemory:
+            return None
+
+    result = {"steps": steps, "persistent": persistent, "carried": carried, "ideal_peak_bytes": ideal}
+    for name, malloc, free, counts in (
+        ("memkernels", pool_malloc, lambda addr: pool.free(addr, device), pool_counts),
+        ("pytorch", model_malloc, model.free, lambda: (model.num_device_alloc, model.num_device_free)),
+    ):
+        held, held_sizes, ooms, allocs, frees = [None] * num_slots, [0] * num_slots, 0, [], []
+        requested = peak_requested = 0
+        for start, end in zip(step_starts, ends):
+            before = counts()
+            for slot, is_alloc, size, stream in ops[start:end]:
+                if is_alloc:
+                    held[slot] = malloc(size, stream)
+                    if held[slot] is None:
+                        ooms += 1
+                        continue
+                    held_sizes[slot] = size
+                    requested += size
+                    peak_requested = max(peak_requested, requested)
+                elif held[slot] is not None:
+                    free(held[slot])
+                    held[slot] = None
+                    requested -= held_sizes[slot]
+            after = counts()
+            allocs.append(after[0] - before[0])
+            frees.append(after[1] - before[1])
+        peak_reserved = pool.stats(device)["reserved_bytes"]["peak"] if name == "memkernels" else model.peak_reserved
+        result[name] = {"device_allocs": allocs, "device_frees": frees, "peak_reserved_bytes": peak_reserved,
+                        "peak_requested_bytes": peak_requested, "num_ooms": ooms}
+    return result
 
 
 # ---------------------------------------------------------------------- comparison
