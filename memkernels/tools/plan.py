@@ -367,7 +367,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         if found is None:
             # Optimizer-state CPU offload, at the highest stage tried.
             c = candidate(mode, stages[-1], True, act_offload)
-            steps.append(_optimizer_offload_step(mode, c, host_mem))
+            steps.append(_optimizer_offload_step(mode, c, host_mem, gpus))
             if host_mem is not None and c.host_needed <= host_mem and fits(c):
                 found = c
             elif c.budget - c.placement.predicted_peak > nearest_fail.budget - nearest_fail.placement.predicted_peak:
@@ -375,7 +375,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         if found is not None:
             chosen = found
             break
-        steps.append(Step(f"{mode} fine-tuning", False, "", "", _why_not(c, host_mem)))
+        steps.append(Step(f"{mode} fine-tuning", False, "", "", _why_not(c, host_mem, gpus)))
     if chosen is not None:
         if chosen.finetune != finetune:
             steps.append(Step(f"{chosen.finetune}", True, "", "",
@@ -444,31 +444,49 @@ def _sharding_step(mode, found, last, gpus, forced):
                 f"ZeRO-{found.zero_stage} " + ("(asked for) fits" if forced else "is the lowest stage that fits"))
 
 
-def _optimizer_offload_step(mode, c, host_mem):
+def _host_breakdown(c, gpus):
+    """What ``c.host_needed`` is made of, in words."""
+    parts = [f"fp32 master weights and moments {format_size(c.state['host_optimizer'])}"]
+    if c.placement.offload_bytes:
+        parts.append(f"offloaded activations {format_size(c.placement.offload_bytes)} per GPU x {gpus}")
+    return " + ".join(parts)
+
+
+def _gpu_short(c):
+    """Why the GPU side does not fit ``c``, in words."""
+    return (f"activations need {format_size(c.placement.predicted_peak)} with {c.placement.describe()}, "
+            f"{format_size(max(c.budget, 0))} is left after model state")
+
+
+def _optimizer_offload_step(mode, c, host_mem, gpus):
     need = c.state["host_optimizer"]
+    gpu_fits = c.budget > 0 and c.placement.fits
     if host_mem is None:
         reason = f"needs {format_size(need)} of host memory for fp32 master weights and moments; no host_mem given"
+    elif not gpu_fits:
+        reason = f"the GPU does not fit even with it: {_gpu_short(c)}" if c.budget > 0 else (
+            f"the GPU does not fit even with it: model state alone is {format_size(c.per_gpu_state)} per GPU")
+        if c.host_needed > host_mem:
+            reason += (f"; the host could not hold it either ({format_size(c.host_needed)}: {_host_breakdown(c, gpus)}"
+                       f"; the node has {format_size(host_mem)})")
     elif c.host_needed > host_mem:
-        reason = (f"needs {format_size(c.host_needed)} of host memory (fp32 master weights and moments: "
-                  f"{format_size(need)}), the node has {format_size(host_mem)}: the host cannot hold it")
-    elif c.budget <= 0 or not c.placement.fits:
-        reason = f"host memory suffices, but the GPU still does not fit ({format_size(c.per_gpu_state)} model state)"
+        reason = (f"needs {format_size(c.host_needed)} of host memory ({_host_breakdown(c, gpus)}), the node has "
+                  f"{format_size(host_mem)}: the host cannot hold it")
     else:
         reason = f"fits with {format_size(need)} of optimizer state on the host"
-    taken = host_mem is not None and c.host_needed <= host_mem and c.budget > 0 and c.placement.fits
+    taken = host_mem is not None and c.host_needed <= host_mem and gpu_fits
     return Step(f"optimizer-state CPU offload ({mode})", taken, format_size(need) + " of GPU memory",
                 "optimizer step on the CPU, PCIe traffic of gradients and weights", reason)
 
 
-def _why_not(c, host_mem):
+def _why_not(c, host_mem, gpus):
     if c.budget > 0 and c.placement.fits and host_mem is not None and c.host_needed > host_mem:
         return (f"the GPU side fits only with optimizer-state offload, which needs {format_size(c.host_needed)} of "
-                f"host memory; the node has {format_size(host_mem)}")
+                f"host memory ({_host_breakdown(c, gpus)}); the node has {format_size(host_mem)}")
     if c.budget <= 0:
         return (f"cannot fit at any micro-batch: model state alone is {format_size(c.per_gpu_state)} per GPU, "
                 f"more than the {format_size(c.per_gpu_state + c.budget)} left after the margin")
-    return (f"cannot fit at micro-batch 1: activations need {format_size(c.placement.predicted_peak)} with every "
-            f"layer recomputed, {format_size(c.budget)} is left after model state")
+    return f"cannot fit at micro-batch 1: {_gpu_short(c)}"
 
 
 def _placement_step(p, act_offload):
@@ -488,6 +506,7 @@ def _placement_step(p, act_offload):
 def _nearest_fit(config, gpu_mem, gpus, host_mem, margin):
     need = config.per_gpu_state + config.placement.predicted_peak + margin
     text = f"It would fit on GPUs of {format_size(need)}"
-    if config.state["host_optimizer"] and host_mem is not None and config.host_needed > host_mem:
-        text += f", or with {format_size(config.host_needed)} of host memory for optimizer offload"
+    if (config.state["host_optimizer"] and host_mem is not None and config.host_needed > host_mem
+            and config.budget > 0 and config.placement.fits):  # the host, not the GPU, is what binds
+        text += f", or with {format_size(config.host_needed)} of host memory ({_host_breakdown(config, gpus)})"
     return text + "."
