@@ -261,7 +261,8 @@ def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
     ({"seq": 0}, "seq"),
     ({"seq": -5}, "seq"),
     ({"finetune": "lorra"}, "finetune"),
-    ({"global_batch_tokens": "4M"}, "global_batch_tokens"),
+    ({"global_batch_tokens": "4Q"}, "global_batch_tokens"),
+    ({"margin": -1}, "margin"),
     ({"gpu_mem": "2GB"}, "gpu_mem"),
     ({"gpu_mem": "24"}, "gpu_mem"),
 ])
@@ -273,6 +274,26 @@ def test_bad_input_one_line_error_naming_the_argument(kwargs, argument):
     message = str(info.value)
     assert "\n" not in message and argument in message
     assert any(verb in message for verb in ("use ", "must be", "give ", "write ")), message  # it says the fix
+
+
+def test_an_unreachable_global_batch_plans_the_nearest_and_says_so():
+    """4,000,000 tokens is what people type; with seq 4096 on 8 GPUs (32,768 a step) the nearest
+    reachable batch is 122 x 32,768 = 3,997,696 tokens."""
+    result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=4096, global_batch_tokens="4M", zero_stage=3)
+    assert result.fits
+    assert result.micro_batch * result.accumulation == 122
+    assert result.global_batch_tokens == 3_997_696
+    assert result.notes == ["a global batch of 4,000,000 tokens is not a multiple of seq x gpus = 32,768; planned "
+                            "for 3,997,696 tokens, the nearest reachable with whole sequences"]
+    assert "note: a global batch of 4,000,000 tokens" in result.table()
+    assert result.to_dict()["notes"] == result.notes
+
+
+def test_a_zero_margin_is_a_margin():
+    with_margin = plan("llama-3-8b", gpu_mem="80GB", seq=4096)
+    without = plan("llama-3-8b", gpu_mem="80GB", seq=4096, margin=0)
+    assert without.margin == 0 and without.breakdown()["margin (context, workspaces, fragmentation)"] == 0
+    assert without.placement.budget > with_margin.placement.budget
 
 
 def test_cli_plan_json_and_error():
@@ -288,7 +309,7 @@ def test_cli_plan_json_and_error():
     (["--gpu-mem", "2GB"], "--gpu-mem"),  # below the model state of the leanest configuration
     (["--seq", "0"], "--seq"),
     (["--seq", "-4"], "--seq"),
-    (["--global-tokens", "4M"], "--global-tokens"),  # not a multiple of seq x gpus = 4096
+    (["--global-tokens", "4Q"], "--global-tokens"),
     (["--finetune", "lorra"], "--finetune"),
     (["--zero-stage", "7"], "--zero-stage"),
 ])

@@ -97,6 +97,7 @@ class Plan:
     missing: int
     nearest: str
     lora_rank: int = 16
+    notes: list = dataclasses.field(default_factory=list)  # what the plan changed of what was asked, in words
 
     @property
     def choices(self):
@@ -141,7 +142,9 @@ class Plan:
 
     def table(self):
         out = [f"plan for {self.model}: {self.gpus} x {format_size(self.gpu_mem)}, seq {self.seq}, {self.dtype}, "
-               f"{self.optimizer}" + (f", host {format_size(self.host_mem)}" if self.host_mem else ""), "", "flow:"]
+               f"{self.optimizer}" + (f", host {format_size(self.host_mem)}" if self.host_mem else "")]
+        out += [f"note: {note}" for note in self.notes]
+        out += ["", "flow:"]
         for number, step in enumerate(self.steps, 1):
             mark = "taken" if step.taken else "skipped"
             detail = "; ".join(x for x in (step.saves and f"saves {step.saves}", step.costs and f"costs {step.costs}")
@@ -188,14 +191,15 @@ class Plan:
                 "accumulation": self.accumulation, "overhead": self.overhead,
                 "placement": self.placement.to_dict(), "breakdown": self.breakdown(),
                 "steps": [dataclasses.asdict(s) for s in self.steps], "alternatives": self.alternatives,
-                "integrations": self.integrations()}
+                "integrations": self.integrations(), "notes": list(self.notes)}
 
 
-def _bytes_arg(name, value, device=False):
+def _bytes_arg(name, value, device=False, zero=False):
     if isinstance(value, str):
         return (parse_device_size if device else parse_size)(value, what=f"plan({name}=...)")
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"plan({name}={value!r}): give bytes as a positive int or a size like '80GB'")
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (value == 0 and not zero):
+        kind = "a non-negative" if zero else "a positive"
+        raise ValueError(f"plan({name}={value!r}): give bytes as {kind} int or a size like '80GB'")
     return value
 
 
@@ -240,9 +244,9 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
     ``model_or_config``: a built-in name, a config (object, dict, config.json) or a model.
     ``gpu_mem`` / ``host_mem``: bytes or sizes like ``"80GB"`` (JEDEC: 80·2³⁰); ``host_mem`` is the
     host memory of all ``gpus`` together. ``seq``: tokens per sequence. ``global_batch_tokens``:
-    tokens per optimizer step (a multiple of seq x gpus). ``finetune``: ``full``, ``lora`` or
+    tokens per optimizer step (not a multiple of seq x gpus: the nearest that is, said in ``notes``). ``finetune``: ``full``, ``lora`` or
     ``qlora`` (the first mode tried; the flow falls back to LoRA, then QLoRA). ``pcie_gbps``: host
-    link GB/s, ``tflops``: sustained TFLOP/s per GPU (cost model). ``margin``: bytes kept free.
+    link GB/s, ``tflops``: sustained TFLOP/s per GPU (cost model). ``margin``: bytes kept free (0 allowed).
     ``kernels``: consider memkernels' fused kernels (measured; skipped when unavailable).
     ``zero_stage``: force a ZeRO stage (default: the lowest that fits at micro-batch 1).
     """
@@ -264,18 +268,17 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
             raise ValueError(f"plan({name}={value!r}): must be a positive number")
     if zero_stage is not None and (zero_stage not in (0, 1, 2, 3) or (zero_stage and gpus == 1)):
         raise ValueError(f"plan(zero_stage={zero_stage!r}): use 0, 1, 2 or 3 (1-3 need gpus > 1), or None")
-    margin = CONTEXT_BYTES + int(FRAGMENTATION * gpu_mem) if margin is None else _bytes_arg("margin", margin)
-    per_rank = None
+    margin = (CONTEXT_BYTES + int(FRAGMENTATION * gpu_mem) if margin is None
+              else _bytes_arg("margin", margin, zero=True))
+    per_rank, notes = None, []
     if global_batch_tokens is not None:
         tokens = parse_count(global_batch_tokens, what="plan(global_batch_tokens=...)") \
             if isinstance(global_batch_tokens, str) else _positive("global_batch_tokens", global_batch_tokens)
         unit = seq * gpus
-        if tokens % unit:
-            low, high = (tokens // unit) * unit, (tokens // unit + 1) * unit
-            nearest = f"{low:,} or {high:,}" if low else f"{high:,}"
-            raise ValueError(f"plan(global_batch_tokens={tokens:,}): not reachable with integer accumulation: it must "
-                             f"be a multiple of seq x gpus = {unit:,}; use {nearest}")
-        per_rank = tokens // unit
+        per_rank = max(1, round(tokens / unit))
+        if per_rank * unit != tokens:  # "4M" is what people type: plan the nearest batch, and say so
+            notes.append(f"a global batch of {tokens:,} tokens is not a multiple of seq x gpus = {unit:,}; planned "
+                         f"for {per_rank * unit:,} tokens, the nearest reachable with whole sequences")
     if gpu_mem <= margin:
         raise ValueError(f"plan(gpu_mem={format_size(gpu_mem)}): at most the margin ({format_size(margin)}); "
                          "give the GPU's memory, or a smaller margin=")
@@ -429,7 +432,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                 micro_batch=micro, accumulation=accumulation,
                 global_batch_tokens=(per_rank * seq * gpus) if per_rank else None,
                 step_seconds=step_flops / (tflops * 1e12), alternatives=alternatives, fits=chosen is not None,
-                missing=missing, nearest=nearest, lora_rank=lora_rank)
+                missing=missing, nearest=nearest, lora_rank=lora_rank, notes=notes)
 
 
 def _sharding_step(mode, found, last, gpus, forced):
