@@ -168,8 +168,8 @@ def _storage_key(storage):
     return storage._cdata
 
 
-def device_sim():
-    from memkernels.device import sim
+def _device_sim():
+    from memkernels.device import sim  # imported late: device imports the C++ core
 
     return sim
 
@@ -177,11 +177,11 @@ def device_sim():
 def _sim_link_bandwidth():
     """The simulated link's bytes per second, timed on the simulator's modelled clock by a 4 KiB copy
     on a stream of its own (the rate is exact at any size, and a small copy moves the modelled host
-    clock by almost nothing). CPU tensors are what the simulator counts as device memory elsewhere, and
-    it allocates nothing for them. math.inf when the simulator models no link."""
+    clock by almost nothing). Between two CPU tensors: the simulator allocates nothing for them, and
+    every copy that is not device-to-device crosses its link. math.inf when it models no link."""
     from memkernels import device
 
-    sim = device_sim()
+    sim = _device_sim()
     source, target = torch.zeros(4096, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)
     stream = device.stream_create()
     try:
@@ -664,7 +664,7 @@ class OffloadActivations:
             return
         self._collect_forward_time()
         if self._mode == "sim":
-            sim = device_sim()
+            sim = _device_sim()
             self._forward_timer = ("sim", max(sim.clock(0), sim.host_clock()))  # when a kernel issued now starts
         else:
             start = torch.cuda.Event(enable_timing=True)
@@ -677,7 +677,7 @@ class OffloadActivations:
             return
         kind, start = timer
         if kind == "sim":
-            self._forward_times.append(device_sim().clock(0) - start)
+            self._forward_times.append(_device_sim().clock(0) - start)
         else:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
@@ -799,7 +799,8 @@ class OffloadActivations:
                     self._counted.add(("recast", key))
                     self._counts["bytes_recast"] += storage.nbytes()
                     self._counts["storages_recast"] += 1
-                return _Recast(*cast[:1], tensor, cast[1])
+                parameter, base = cast
+                return _Recast(parameter, tensor, base)
             if self.only_checkpoint_inputs:
                 if not _saved_by_checkpoint(sys._getframe(1)):
                     self._count_kept("not_checkpoint_input", tensor, storage)
