@@ -103,10 +103,10 @@ def build_sanitized(name, flags):
 
 
 def assemble_tree(tree, extension):
-    """A copy of the checkout (sources, build helpers, tests, pyproject.toml) whose
-    package holds the sanitized extension instead of the regular one."""
+    """A copy of the checkout (sources, build helpers, tests, the benchmarks some tests load,
+    pyproject.toml) whose package holds the sanitized extension instead of the regular one."""
     skip = shutil.ignore_patterns("*.so", "__pycache__")
-    for part in ("memkernels", "tests", "csrc", "_build"):
+    for part in ("memkernels", "tests", "benchmarks", "csrc", "_build"):
         shutil.copytree(os.path.join(ROOT, part), os.path.join(tree, part), ignore=skip)
     shutil.copy2(extension, os.path.join(tree, "memkernels"))
     shutil.copy2(os.path.join(ROOT, "pyproject.toml"), tree)
