@@ -236,8 +236,12 @@ def held_out(seeds=TUNED_SEEDS):
             ours_exp = replay(trace, capacity=capacity, expandable_segments=True)
             ooms = [r["num_ooms"] for r in (theirs, ours, theirs_exp, ours_exp)]
             allocs = ours["num_device_alloc"] / theirs["num_device_alloc"]
+            # Issue 33 withdrew the allocation ratio on the capacity loops (it traded against the peak);
+            # what a step pays for, allocations per step once a loop repeats, is judged in periodic_table.
+            judge_allocs = not name.startswith("capacity")
             ok = (ours["peak_reserved_bytes"] / ideal <= 1.05
-                  and ours["peak_reserved_bytes"] <= theirs["peak_reserved_bytes"] and allocs <= ALLOC_RATIO_TARGET)
+                  and ours["peak_reserved_bytes"] <= theirs["peak_reserved_bytes"]
+                  and (allocs <= ALLOC_RATIO_TARGET or not judge_allocs))
             missed += not ok
             print(
                 f"{name:<14} {label:<16} {theirs['peak_reserved_bytes'] / ideal:>8.3f} "
@@ -250,7 +254,8 @@ def held_out(seeds=TUNED_SEEDS):
             )
             if allocs > ALLOC_RATIO_TARGET:
                 print(f"{'':<14} {'':<16} {_extra_allocations_text(trace, capacity)}")
-    print(f"targets: memkernels <= 1.05 and <= PyTorch; device allocations <= {ALLOC_RATIO_TARGET}x PyTorch's")
+    print(f"targets: memkernels <= 1.05 and <= PyTorch; device allocations <= {ALLOC_RATIO_TARGET}x PyTorch's on the "
+          "growing and random loops (withdrawn on the capacity loops by issue 33: see the periodic table)")
     print("causes: no_fit = no free block large enough; oversize = the oversize rule kept the request off a free "
           "block; released = idle segments released before growth first; refused = the device refused, cache released")
     return missed
