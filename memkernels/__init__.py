@@ -16,6 +16,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "OffloadActivations": "memkernels.offload",
     "no_offload": "memkernels.offload",
+    "offload_checkpoints": "memkernels.offload",
     "FusedRMSNorm": "memkernels.nn",
     "FusedLayerNorm": "memkernels.nn",
     "FusedAddRMSNorm": "memkernels.nn",

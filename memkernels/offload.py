@@ -94,7 +94,7 @@ import weakref
 
 import torch
 
-__all__ = ["OffloadActivations", "no_offload"]
+__all__ = ["OffloadActivations", "no_offload", "offload_checkpoints", "OffloadedCheckpoints"]
 
 _local = threading.local()
 
@@ -1060,3 +1060,65 @@ class OffloadActivations:
             stash.state = _Stash.DISCARDED
         self._pending = collections.deque(s for s in self._pending if s.state != _Stash.DISCARDED)
         self._reset_block_state()
+
+
+class OffloadedCheckpoints:
+    """What :func:`offload_checkpoints` attached: ``offload`` (the :class:`OffloadActivations`, for its
+    ``stats()``), :meth:`remove`."""
+
+    def __init__(self, model, offload):
+        self.offload = offload
+        self._depth = 0
+        self._handles = [model.register_forward_pre_hook(self._enter),
+                         model.register_forward_hook(self._exit, always_call=True)]
+
+    def _enter(self, module, args):
+        # Only training forwards save anything; a nested call of the model runs in the outer block.
+        if self._depth or torch.is_grad_enabled():
+            if self._depth == 0:
+                self.offload.__enter__()
+            self._depth += 1
+
+    def _exit(self, module, args, output):
+        if self._depth == 0:
+            return
+        self._depth -= 1
+        if self._depth == 0:
+            # Called from Module's exception handler when forward raised (always_call): the block is then
+            # discarded, as a `with` block's would be.
+            exc = sys.exc_info() if output is None else (None, None, None)
+            self.offload.__exit__(*exc)
+
+    def stats(self):
+        return self.offload.stats()
+
+    def remove(self):
+        """Detach from the model and free the pinned memory (after the last backward)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.offload.close()
+
+
+def offload_checkpoints(model, **options):
+    """Offloaded checkpoints for a model whose layers are checkpointed, without touching the training
+    loop (a Hugging Face ``Trainer``'s included): every forward of ``model`` with grad enabled runs
+    inside ``OffloadActivations(only_checkpoint_inputs=True, **options)``, so each checkpointed layer's
+    input goes to pinned host memory and comes back one layer ahead of its recompute::
+
+        model.activation_checkpointing_enable()   # or torch.utils.checkpoint around each layer
+        handle = memkernels.offload_checkpoints(model)
+        trainer.train()                           # or any loop: loss = model(...); loss.backward()
+        print(handle.stats()["bytes_offloaded"])
+        handle.remove()
+
+    ``options``: keyword arguments of :class:`OffloadActivations` (``min_offload_bytes``,
+    ``max_pinned_bytes``, ``budget``...). Returns an :class:`OffloadedCheckpoints`. A forward that
+    raises discards what its block offloaded; forwards without grad (evaluation, generation) are left
+    alone. Where the layers are not checkpointed, the first block says so (a RuntimeWarning)."""
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"offload_checkpoints(model): needs an nn.Module, got {type(model).__name__}")
+    if "only_checkpoint_inputs" in options:
+        raise ValueError("offload_checkpoints(only_checkpoint_inputs=...): always True here; use "
+                         "OffloadActivations directly to offload other saved tensors")
+    return OffloadedCheckpoints(model, OffloadActivations(only_checkpoint_inputs=True, **options))

@@ -914,6 +914,70 @@ def test_offloaded_checkpoints_under_hugging_face_gradient_checkpointing(offload
     assert stats["bytes_offloaded"] >= (config.num_hidden_layers - 1) * 2 * 16 * 32 * 4
 
 
+def _tiny_hf_llama(layers=3):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+                                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.train()
+    model.activation_checkpointing_enable()
+    return model
+
+
+def test_offload_checkpoints_attaches_to_a_model_without_touching_the_loop():
+    model = _tiny_hf_llama()
+    batches = [torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+    def train(net):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        grads = []
+        for ids in batches:
+            net(input_ids=ids, labels=ids).loss.backward()  # the loop a Trainer runs: no context manager
+            grads.append([p.grad.clone() for p in net.parameters()])
+            optimizer.step()
+            optimizer.zero_grad()
+        return grads
+
+    expected = train(copy.deepcopy(model))
+    handle = memkernels.offload_checkpoints(model, min_offload_bytes=0)
+    try:
+        assert_bitwise_equal(expected, train(model))
+        stats = handle.stats()
+        assert stats["storages_offloaded"] >= 2 * (3 - 1), stats  # every layer's input but the last, each step
+        with torch.no_grad():  # evaluation: nothing saved, no block entered
+            model(input_ids=batches[0])
+        assert handle.stats()["storages_offloaded"] == stats["storages_offloaded"]
+    finally:
+        handle.remove()
+    assert not model._forward_hooks and not model._forward_pre_hooks
+    with pytest.raises(RuntimeError, match="closed"):
+        handle.offload.__enter__()
+
+
+def test_offload_checkpoints_discards_a_forward_that_raised():
+    model = _tiny_hf_llama(layers=2)
+    handle = memkernels.offload_checkpoints(model, min_offload_bytes=0)
+    try:
+        ids = torch.randint(0, 128, (2, 16))
+        with pytest.raises(IndexError):
+            model(input_ids=ids, labels=ids + 1000)  # targets past the vocabulary: the loss raises
+        assert not handle.offload._active
+        handle.offload.wait_for_offloads()
+        assert handle.stats()["live_handles"] == 0, "the failed block's copies are released"
+        model(input_ids=ids, labels=ids).loss.backward()  # the next step runs as usual
+        assert handle.stats()["storages_offloaded"] > 0
+    finally:
+        handle.remove()
+
+
+def test_offload_checkpoints_refuses_what_it_cannot_do():
+    with pytest.raises(TypeError, match="nn.Module"):
+        memkernels.offload_checkpoints(lambda x: x)
+    with pytest.raises(ValueError, match="only_checkpoint_inputs"):
+        memkernels.offload_checkpoints(nn.Linear(2, 2), only_checkpoint_inputs=False)
+
+
 def test_a_block_without_checkpoints_says_that_nothing_was_offloaded(offload):
     model, batch = GPT(), make_batch()
     manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0)
