@@ -955,6 +955,39 @@ def test_offload_checkpoints_attaches_to_a_model_without_touching_the_loop():
         handle.offload.__enter__()
 
 
+def test_offload_checkpoints_inside_a_hugging_face_trainer(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def trained(offloaded):
+        model = _tiny_hf_llama(layers=2)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / str(offloaded)), max_steps=2,
+                                              per_device_train_batch_size=2, report_to="none", use_cpu=True,
+                                              save_strategy="no", logging_strategy="no", disable_tqdm=True,
+                                              gradient_checkpointing=True)
+        handle = memkernels.offload_checkpoints(model, min_offload_bytes=0) if offloaded else None
+        try:
+            transformers.Trainer(model=model, args=args, train_dataset=Tokens()).train()
+            offloaded_storages = handle.stats()["storages_offloaded"] if handle else 0
+        finally:
+            if handle:
+                handle.remove()
+        return [p.detach().clone() for p in model.parameters()], offloaded_storages
+
+    expected, _ = trained(False)
+    actual, storages = trained(True)
+    assert_bitwise_equal([expected], [actual])
+    assert storages >= 2, "each step's first layer input went to the host"
+
+
 def test_offload_checkpoints_discards_a_forward_that_raised():
     model = _tiny_hf_llama(layers=2)
     handle = memkernels.offload_checkpoints(model, min_offload_bytes=0)
