@@ -956,6 +956,8 @@ def test_offload_checkpoints_attaches_to_a_model_without_touching_the_loop():
 
 
 def test_offload_checkpoints_inside_a_hugging_face_trainer(tmp_path):
+    """TrainingArguments(activation_checkpointing=True) checkpoints the layers; offload_checkpoints moves
+    their inputs, the Trainer's loop untouched."""
     transformers = pytest.importorskip("transformers")
 
     class Tokens(torch.utils.data.Dataset):
@@ -972,7 +974,7 @@ def test_offload_checkpoints_inside_a_hugging_face_trainer(tmp_path):
         args = transformers.TrainingArguments(output_dir=str(tmp_path / str(offloaded)), max_steps=2,
                                               per_device_train_batch_size=2, report_to="none", use_cpu=True,
                                               save_strategy="no", logging_strategy="no", disable_tqdm=True,
-                                              gradient_checkpointing=True)
+                                              activation_checkpointing=True)
         handle = memkernels.offload_checkpoints(model, min_offload_bytes=0) if offloaded else None
         try:
             transformers.Trainer(model=model, args=args, train_dataset=Tokens()).train()
