@@ -262,7 +262,8 @@ def _add_replay(subparsers):
                         help="replay only this device (default: every device)")
     parser.add_argument("--capacity", type=_size_argument(parse_device_size, "--capacity"), default=None,
                         help=f"device memory (default: unlimited): {MEMORY_FORMS}. Says per policy whether "
-                        "the trace fit, how many requests failed and the first that did")
+                        "the trace fit, how many requests failed and the first that did; exit status 1 if any "
+                        "policy's replay did not fit")
     parser.add_argument("--repeats", type=_positive, default=5, help="replays per trace for the ns/op median")
     parser.add_argument(
         "--simulated-device",
@@ -286,7 +287,7 @@ def _add_replay(subparsers):
             unreadable.append(message)
             print(f"memkernels replay: error: {message}", file=sys.stderr, flush=True)
 
-        print_replay_table(
+        rows = print_replay_table(
             trace_files(args.traces),
             on_error=report_unreadable,
             device=args.device,
@@ -295,11 +296,19 @@ def _add_replay(subparsers):
             simulated_device=args.simulated_device,
             expandable_segments=args.expandable_segments,
         )
+        status = 0
         if unreadable:
             print(f"memkernels replay: {len(unreadable)} trace(s) could not be read (see the errors above)",
                   file=sys.stderr)
-            return 1
-        return 0
+            status = 1
+        misfits = [f"{row['trace']} (device {row['device']}) under {label}" for row in rows
+                   for label, policy in (("PyTorch's policy", "pytorch"), ("memkernels", "memkernels"))
+                   if row[policy]["num_ooms"]]
+        if misfits:
+            print(f"memkernels replay: does not fit the {format_size(args.capacity)} capacity: {', '.join(misfits)} "
+                  "(exit status 1)", file=sys.stderr)
+            status = 1
+        return status
 
     parser.set_defaults(run=run)
 

@@ -225,8 +225,11 @@ def test_replay_under_a_capacity_says_per_policy_whether_it_fit(tmp_path, capsys
     """Live bytes reach 768 MiB, then a 512 MiB request cannot fit 1 GiB under either policy; the
     later 256 MiB request fits again. Ratios are printed only for runs that fit."""
     path = _write_trace(tmp_path / "t.pickle", [512, 256, 512, 256], frees=[(2, 1)])
-    assert main(["replay", "--repeats", "1", "--capacity", "1GiB", str(path)]) == 0
-    out = capsys.readouterr().out
+    assert main(["replay", "--repeats", "1", "--capacity", "1GiB", str(path)]) == 1  # did not fit: status 1
+    captured = capsys.readouterr()
+    out = captured.out
+    assert captured.err.strip() == ("memkernels replay: does not fit the 1.00 GiB capacity: t.pickle (device 0) under "
+                                    "PyTorch's policy, t.pickle (device 0) under memkernels (exit status 1)")
     assert "--capacity: 1.00 GiB = 1,073,741,824 bytes" in out
     row = next(line for line in out.splitlines() if line.startswith("t.pickle"))
     assert row.split("|")[1].split()[0] == "OOM" and row.split("|")[2].split()[0] == "OOM"
@@ -239,6 +242,7 @@ def test_replay_under_a_capacity_says_per_policy_whether_it_fit(tmp_path, capsys
     row = next(line for line in out.splitlines() if line.startswith("t.pickle"))
     assert float(row.split("|")[1].split()[0]) >= 1.0 and float(row.split("|")[2].split()[0]) >= 1.0
     assert "    PyTorch: fits in 2.00 GiB" in out and "    memkernels: fits in 2.00 GiB" in out
+    assert "not fit" not in out.lower(), "when every policy fits, nothing may say that the trace did not"
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -686,8 +686,8 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
         f"ns/op: memkernels' pool, median of runs, on {where}."
         + (" Expandable segments in both columns; dev.alloc counts page mappings." if config.get(
             "expandable_segments") else "")
-        + (f" OOM: the trace did not fit the {format_size(capacity)} capacity (see the lines under it)."
-           if capacity is not None else ""),
+        + (f" Under the {format_size(capacity)} capacity, a ratio column reads OOM for a policy that ran out of "
+           "memory (the lines under each row say which)." if capacity is not None else ""),
         file=out,
     )
     return rows
