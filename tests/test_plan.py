@@ -237,11 +237,16 @@ def test_llama2_7b_on_8x80gb_zero3_fits_with_micro_batch_and_accumulation():
     assert result.micro_batch > 1
     assert sum(result.breakdown().values()) <= 80 * 2**30
     assert '"stage": 3' in result.table()
+    # Labels say what they mean (issue 38): the mode a step was tried for, the MLP the model has.
+    names = [step.name for step in result.steps]
+    assert "sharding (full fine-tuning)" in names and "sharding (full)" not in names
+    kernels = next(step for step in result.steps if step.name == "memkernels kernels")
+    assert kernels.taken and "fused norms and SwiGLU MLPs" in kernels.reason
 
 
 def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
     result = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="512GB")
-    step = next(s for s in result.steps if s.name == "optimizer-state CPU offload (full)")
+    step = next(s for s in result.steps if s.name == "optimizer-state CPU offload (full fine-tuning)")
     assert not step.taken and "cannot hold" in step.reason
     params = sum(p.numel() for p in _Source("qwen2-72b").build()
                  .parameters())
@@ -251,7 +256,7 @@ def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
     full = next(s for s in result.steps if s.name == "full fine-tuning")
     assert "host memory" in full.reason and "512.00 GiB" in full.reason
     enough = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="2TB")
-    step = next(s for s in enough.steps if s.name == "optimizer-state CPU offload (full)")
+    step = next(s for s in enough.steps if s.name == "optimizer-state CPU offload (full fine-tuning)")
     assert "cannot hold" not in step.reason
 
 

@@ -325,8 +325,10 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
             fused_peak = placement_mod.solve(fused, 1, 1 << 62).keep_peak
             if fused_peak < plain_peak:
                 use_kernels, profile = True, fused
+                mlp = getattr(source.config, "mlp", None)
+                mlps = {"swiglu": "SwiGLU MLPs", "geglu": "GeGLU MLPs"}.get(mlp, "GELU MLPs" if mlp else "MLPs")
                 steps.append(Step("memkernels kernels", True, f"{format_size(plain_peak - fused_peak)} of activation "
-                                  "peak at micro-batch 1", "no recompute", "fused norms and GELU MLPs (the fused "
+                                  "peak at micro-batch 1", "no recompute", f"fused norms and {mlps} (the fused "
                                   "linear cross-entropy is not counted: apply(model) adds it on top)"))
             else:
                 steps.append(Step("memkernels kernels", False, "", "", "they save nothing measurable on this model"))
@@ -437,14 +439,18 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
 
 def _sharding_step(mode, found, last, gpus, forced):
     if found is None:
-        return Step(f"sharding ({mode})", False, "", "", f"even ZeRO-3 over {gpus} GPUs leaves "
+        return Step(f"sharding ({_MODE_LABEL[mode]})", False, "", "", f"even ZeRO-3 over {gpus} GPUs leaves "
                     f"{format_size(max(last.budget, 0))} for activations, not enough")
     if found.zero_stage == 0:
-        return Step(f"sharding ({mode})", False, "", "", "fits without sharding the model state")
+        return Step(f"sharding ({_MODE_LABEL[mode]})", False, "", "", "fits without sharding the model state")
     what = {1: "optimizer state", 2: "optimizer state + gradients", 3: "optimizer state + gradients + parameters"}
-    return Step(f"sharding ({mode})", True, f"{what[found.zero_stage]} divided by {gpus}",
+    return Step(f"sharding ({_MODE_LABEL[mode]})", True, f"{what[found.zero_stage]} divided by {gpus}",
                 "reduce-scatter / all-gather traffic",
                 f"ZeRO-{found.zero_stage} " + ("(asked for) fits" if forced else "is the lowest stage that fits"))
+
+
+# Step names say which fine-tuning mode a step was tried for: "sharding (full)" read as "full sharding".
+_MODE_LABEL = {"full": "full fine-tuning", "lora": "LoRA", "qlora": "QLoRA"}
 
 
 def _host_breakdown(c, gpus):
@@ -478,7 +484,7 @@ def _optimizer_offload_step(mode, c, host_mem, gpus):
     else:
         reason = f"fits with {format_size(need)} of optimizer state on the host"
     taken = host_mem is not None and c.host_needed <= host_mem and gpu_fits
-    return Step(f"optimizer-state CPU offload ({mode})", taken, format_size(need) + " of GPU memory",
+    return Step(f"optimizer-state CPU offload ({_MODE_LABEL[mode]})", taken, format_size(need) + " of GPU memory",
                 "optimizer step on the CPU, PCIe traffic of gradients and weights", reason)
 
 
