@@ -407,6 +407,21 @@ def _add_plan(subparsers):
 _SUBCOMMANDS = [_add_report, _add_estimate, _add_plan, _add_replay, _add_explain]
 
 
+def _refuse_unknown(subparser, unknown):
+    """Unrecognized arguments: the subcommand's own usage (not the top-level one), with the nearest of its
+    flags for each mistyped one ("--seqlen": did you mean --seq?)."""
+    import difflib
+
+    flags = [flag for action in subparser._actions for flag in action.option_strings]
+    hints = []
+    for word in unknown:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], flags, n=1, cutoff=0.6)
+            if close:
+                hints.append(f"{word}: did you mean {close[0]}?")
+    subparser.error(f"unrecognized arguments: {' '.join(unknown)}" + (f" ({'; '.join(hints)})" if hints else ""))
+
+
 def main(argv=None):
     from memkernels import __version__
 
@@ -415,7 +430,9 @@ def main(argv=None):
     subparsers = parser.add_subparsers(dest="command", required=True)
     for add in _SUBCOMMANDS:
         add(subparsers)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        _refuse_unknown(subparsers.choices[args.command], unknown)
     try:
         return args.run(args)
     except (ValueError, FileNotFoundError) as error:

@@ -269,3 +269,17 @@ def test_the_chart_labels_the_capacity_line_with_the_figure_used(tmp_path, monke
     breakdown_chart([("bf16", estimate("gpt2", batch=1, seq=128))], str(tmp_path / "chart.png"), gpu_bytes=80 * GiB)
     labels = [text.get_text() for text in figures[0].axes[0].texts]
     assert "GPU: 80.0 GiB " in labels and not any(" GB" in label for label in labels)
+
+
+def test_a_mistyped_flag_gets_the_subcommands_usage_and_the_nearest_flag(capsys):
+    """`estimate ... --seqlen 4096` printed the top-level usage and no hint (issue 38)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["estimate", "--model", "llama-3-8b", "--seqlen", "4096"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert err.startswith("usage: memkernels estimate ")
+    assert err.strip().endswith("memkernels estimate: error: unrecognized arguments: --seqlen 4096 "
+                                "(--seqlen: did you mean --seq?)")
+    with pytest.raises(SystemExit):
+        main(["replay", "--capacty", "1GiB", "t.pickle"])
+    assert "(--capacty: did you mean --capacity?)" in capsys.readouterr().err
