@@ -237,13 +237,17 @@ def _add_estimate(subparsers):
     est.add_argument("--batch", type=_positive, default=ESTIMATE_BATCH,
                      help=f"per-GPU micro-batch (default {ESTIMATE_BATCH})")
     est.add_argument("--seq", type=_positive, default=ESTIMATE_SEQ, help=f"sequence length (default {ESTIMATE_SEQ})")
-    est.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    est.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
-    est.add_argument("--shard", type=_positive, default=1, help="FSDP/ZeRO-3 shard degree")
+    est.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+                     help="training precision: bf16/fp16 mixed (fp32 master weights) or plain fp32 (default: bf16)")
+    est.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                     help="optimizer whose state is counted (default: adamw)")
+    est.add_argument("--shard", type=_positive, default=1, help="FSDP/ZeRO-3 shard degree (default: 1, no sharding)")
     est.add_argument("--gpu-mem", type=_size_argument(parse_device_size, "--gpu-mem"), default=None,
                      help=f"GPU capacity: {MEMORY_FORMS}")
-    est.add_argument("--checkpointing", action="store_true")
-    est.add_argument("--offload", action="store_true")
+    est.add_argument("--checkpointing", action="store_true",
+                     help="estimate with every layer checkpointed (only its input kept for backward)")
+    est.add_argument("--offload", action="store_true",
+                     help="estimate with the saved activations offloaded to host memory")
     est.add_argument("--memkernels", action="store_true", help="estimate with memkernels.apply()'d kernels")
     est.set_defaults(run=run_estimate)
 
@@ -370,13 +374,17 @@ def _add_plan(subparsers):
     parser.add_argument("--model", required=True, help="built-in name or a Hugging Face config.json path")
     parser.add_argument("--gpu-mem", required=True, help="memory of one GPU, e.g. 24GB or 80GiB")
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
-    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks")
+    parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default: 1)")
     parser.add_argument("--global-tokens", default=None, help="tokens per optimizer step, e.g. 4M")
     parser.add_argument("--host-mem", default=None, help="host memory of all the GPUs' machines, e.g. 512GB")
-    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16")
-    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw")
-    parser.add_argument("--finetune", default="full", help=f"first mode tried: {', '.join(FINETUNE_MODES)}")
-    parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
+                        help="training precision: bf16/fp16 mixed (fp32 master weights) or plain fp32 (default: bf16)")
+    parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
+                        help="optimizer whose state is counted (default: adamw)")
+    parser.add_argument("--finetune", default="full",
+                        help=f"first mode tried: {', '.join(FINETUNE_MODES)} (default: full; the flow falls back to "
+                        "LoRA, then QLoRA)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the LoRA/QLoRA modes (default: 16)")
     parser.add_argument("--zero-stage", type=int, default=None, help="force a ZeRO stage (default: lowest that fits)")
     parser.add_argument("--no-kernels", action="store_true", help="plan without memkernels' fused kernels")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

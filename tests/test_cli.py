@@ -283,3 +283,17 @@ def test_a_mistyped_flag_gets_the_subcommands_usage_and_the_nearest_flag(capsys)
     with pytest.raises(SystemExit):
         main(["replay", "--capacty", "1GiB", "t.pickle"])
     assert "(--capacty: did you mean --capacity?)" in capsys.readouterr().err
+
+
+def test_every_option_of_every_subcommand_says_what_it_does():
+    """--dtype, --optimizer, --shard, --lora-rank had no help text (issue 38)."""
+    import argparse
+
+    from memkernels import cli
+    parser = argparse.ArgumentParser(prog="memkernels")
+    subparsers = parser.add_subparsers(dest="command")
+    for add in cli._SUBCOMMANDS:
+        add(subparsers)
+    silent = [f"{name} {action.option_strings[0]}" for name, sub in subparsers.choices.items()
+              for action in sub._actions if action.option_strings and not action.help]
+    assert not silent, silent
