@@ -141,7 +141,7 @@ def _from_hf_dict(cfg, name):
         missing = [key for key in ("num_attention_heads", "vocab_size", "hidden_size", "num_hidden_layers",
                                    "intermediate_size") if key not in cfg]
         if missing:
-            raise ValueError(f"load_config: the {model_type} config {name!r} lacks {', '.join(missing)}; a "
+            raise ValueError(f"model config: the {model_type} config {name!r} lacks {', '.join(missing)}; a "
                              "Hugging Face config.json of this family has them")
         heads = cfg["num_attention_heads"]
         act = cfg.get("hidden_activation") or cfg.get("hidden_act", "silu")
@@ -155,7 +155,7 @@ def _from_hf_dict(cfg, name):
             position="rope", tie_embeddings=cfg.get("tie_word_embeddings", gemma),
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             head_dim=cfg.get("head_dim"), rope_theta=cfg.get("rope_theta", 10000.0), embedding_scale=gemma)
-    raise ValueError(f"load_config: Hugging Face model_type={model_type!r} is not supported; supported: "
+    raise ValueError(f"model config: Hugging Face model_type={model_type!r} is not supported; supported: "
                      "gpt2, llama, mistral, qwen2, gemma (or pass a built-in name: "
                      f"{', '.join(BUILTIN_CONFIGS)})")
 
@@ -177,22 +177,22 @@ def load_config(spec):
             spec = os.path.join(spec, "config.json")  # a Hugging Face model directory
         if spec.endswith(".json") or os.path.sep in spec:
             if not os.path.isfile(spec):
-                raise ValueError(f"load_config: {spec!r} is not a file; pass a config.json path or a built-in "
+                raise ValueError(f"model {spec!r}: no such file; pass a config.json path or a built-in "
                                  f"name ({', '.join(BUILTIN_CONFIGS)})")
             with open(spec, "rb") as handle:
                 try:
                     data = json.loads(handle.read().decode("utf-8"))
                 except (UnicodeDecodeError, json.JSONDecodeError) as error:
-                    raise ValueError(f"load_config: {spec!r} is not a Hugging Face config.json (a JSON object "
+                    raise ValueError(f"model {spec!r}: not a Hugging Face config.json (a JSON object "
                                      f"of the model's hyperparameters) but {_file_kind(error)}") from None
             if not isinstance(data, dict):
-                raise ValueError(f"load_config: {spec!r} holds a JSON {type(data).__name__}; a Hugging Face "
+                raise ValueError(f"model {spec!r}: holds a JSON {type(data).__name__}; a Hugging Face "
                                  "config.json is a JSON object of the model's hyperparameters")
             try:
                 return _from_hf_dict(data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec)
             except ValueError as error:
                 raise ValueError(f"{error} (read from {spec!r})") from None
-        raise ValueError(f"load_config: unknown model {spec!r}; use a built-in name ({', '.join(BUILTIN_CONFIGS)}) "
+        raise ValueError(f"unknown model {spec!r}; use a built-in name ({', '.join(BUILTIN_CONFIGS)}) "
                          "or the path of a Hugging Face config.json")
     if isinstance(spec, dict):
         return _from_hf_dict(spec, spec.get("_name_or_path") or spec.get("model_type", "hf-config"))
@@ -200,7 +200,7 @@ def load_config(spec):
         data = spec.to_dict()
         data.setdefault("model_type", spec.model_type)
         return _from_hf_dict(data, data.get("_name_or_path") or spec.model_type)
-    raise ValueError(f"load_config: cannot read a model config from {type(spec).__name__}; pass a built-in name, "
+    raise ValueError(f"model: cannot read a model config from {type(spec).__name__}; pass a built-in name, "
                      "a ModelConfig, a Hugging Face config (object or dict) or a config.json path")
 
 

@@ -158,7 +158,7 @@ def test_estimate_takes_a_model_directory_holding_a_config_json(tmp_path, capsys
     assert "batch 1 x seq 256" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # a directory without one is named
         main(["estimate", "--model", str(tmp_path / "sub" / "")])
-    assert "is not a file" in capsys.readouterr().err
+    assert "no such file" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------- replay
@@ -297,3 +297,20 @@ def test_every_option_of_every_subcommand_says_what_it_does():
     silent = [f"{name} {action.option_strings[0]}" for name, sub in subparsers.choices.items()
               for action in sub._actions if action.option_strings and not action.help]
     assert not silent, silent
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["estimate", "--model", "nosuch.json"], "model 'nosuch.json': no such file"),
+    (["plan", "--model", "nosuch.json", "--gpu-mem", "80GB", "--seq", "16"], "model 'nosuch.json': no such file"),
+    (["replay", "nosuch.pickle"], "no such file or directory 'nosuch.pickle' (a memory snapshot pickle"),
+    (["explain", "nosuch.pickle"], "no such file 'nosuch.pickle' (a memory snapshot pickle)"),
+])
+def test_errors_name_what_the_user_gave_not_internal_functions(argv, says, capsys):
+    """They read "load_config: ..." and "trace: no such file" (issue 38)."""
+    try:
+        status = main(argv)
+    except SystemExit as exit_info:
+        status = exit_info.code
+    err = capsys.readouterr().err
+    assert status != 0 and says in err, err
+    assert "load_config" not in err and "trace:" not in err

@@ -61,7 +61,7 @@ def trace_files(paths):
         elif os.path.exists(path):
             files.append(path)
         else:
-            raise FileNotFoundError(f"trace: no such file or directory {path!r}")
+            raise FileNotFoundError(f"no such file or directory {path!r} (a memory snapshot pickle, or a directory of them)")
     return files
 
 
@@ -70,7 +70,7 @@ def _unpickle(path):
         raise TraceError(f"trace {path!r} is a directory; pass the snapshot pickles in it "
                          "(memkernels replay and trace_files() take a directory)")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"trace: no such file {path!r}")
+        raise FileNotFoundError(f"no such file {path!r} (a memory snapshot pickle)")
     with open(path, "rb") as f:
         try:
             return _DataOnlyUnpickler(f).load()
