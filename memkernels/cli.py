@@ -161,7 +161,7 @@ def run_report(args):
             breakdown_chart(estimates, args.out, gpu_bytes=args.gpu_mem,
                             title=f"{estimates[0][1].model}, batch {args.batch} x seq {args.seq}"
                                   f"{f', shard {args.shard}' if args.shard > 1 else ''}: memory per GPU")
-            print(f"\nwrote {args.out}")
+            print(f"\nwrote {os.path.abspath(args.out)}")
         except ImportError as error:
             print(f"\nno chart: {error}")
     return 1 if failure else 0
@@ -222,7 +222,9 @@ def _add_report(subparsers):
     report.add_argument("--shard", type=_positive, default=8, help="FSDP/ZeRO-3 shard degree of the estimate")
     report.add_argument("--gpu-mem", type=_size_argument(parse_device_size, "--gpu-mem"), default=None,
                         help=f"draw a capacity line: {MEMORY_FORMS}")
-    report.add_argument("--out", default="memkernels-report.png", help="path of the PNG chart")
+    report.add_argument("--out", default="memkernels-report.png",
+                        help="path of the PNG chart (default: memkernels-report.png in the working directory; the "
+                        "full path is printed at the end)")
     report.set_defaults(run=run_report)
 
 
