@@ -78,7 +78,7 @@ def test_cpu_rows_equal_peak_bytes_meter_and_reach_csv_jsonl_tensorboard_and_png
     assert step_peaks[0] > step_peaks[1]  # AdamW allocates its state in the first step
     assert [json.loads(line) for line in open(paths["jsonl"])] == monitor.rows
     scalars = _event_scalars(tmp_path / "tb")
-    assert scalars["memory/peak_allocated_bytes"] == [(i, float(p)) for i, p in enumerate(step_peaks)]
+    assert scalars["memory/peak_allocated_bytes"] == [(i, float(p)) for i, p in enumerate(step_peaks, 1)]
     assert "memory/peak_reserved_bytes" not in scalars  # no such figure on the CPU: nothing invented
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # Nothing left behind: hooks and the meter's dispatch mode are gone.
@@ -165,7 +165,7 @@ def test_fragmentation_warns_once_with_measured_remedies(sim_pool):
     assert row["source"] == "memkernels" and row["peak_allocated_bytes"] == MiB
     assert row["fragmentation_at_peak"] > 0.3 and row["largest_free_block_bytes"] >= 64 * MiB
     text = out.getvalue()
-    assert text.count("memkernels MemoryMonitor: at step 1") == 1 and "step 2" not in text  # once
+    assert text.count("memkernels MemoryMonitor: at step 2") == 1 and "step 3" not in text  # once (rows 1, 2, 3)
     # The remedies carry the numbers of a replay of this run's own trace, the same as explain's.
     kept = snapshot["segments"] and [b for seg in snapshot["segments"] for b in seg["blocks"]
                                      if b["state"] == "active_allocated"]
@@ -311,3 +311,12 @@ def test_an_oom_without_history_says_the_failing_request_was_not_recorded(sim_po
             sim.fail_allocations(1, count=2)
             pool.malloc(32 * MiB)
     assert "recorded no history, so the failing request is not in the snapshot" in out.getvalue()
+
+
+def test_steps_are_numbered_from_1_as_the_trainer_callbacks_are():
+    """MemoryMonitor's rows started at step 0 and MemoryCallback's at 1 (issue 38)."""
+    with MemoryMonitor(source="cpu") as monitor:
+        for _ in range(3):
+            torch.ones(1024).sum()
+            monitor.step()
+    assert [row["step"] for row in monitor.rows] == [1, 2, 3]

@@ -429,7 +429,8 @@ class MemoryMonitor:
     def step(self, step=None):
         """End the current step: record its row, write it, warn on fragmentation; start the next.
 
-        ``step``: the step number to record (default: rows so far). Returns the row.
+        ``step``: the step number to record (default: the steps completed, this one included, so the first
+        row is step 1, as a Hugging Face Trainer's global_step and MemoryCallback's). Returns the row.
         """
         self._require_active()
         self._mark(None)
@@ -439,7 +440,7 @@ class MemoryMonitor:
         peak_allocated = self._step_peak_allocated
         peak_reserved = self._step_peak_reserved if figures["peak_reserved"] is not None else None
         row = {
-            "step": len(self.rows) if step is None else step,
+            "step": len(self.rows) + 1 if step is None else step,
             "source": self.source.name,
             "peak_allocated_bytes": peak_allocated,
             "peak_reserved_bytes": peak_reserved,
@@ -559,6 +560,7 @@ class MemoryMonitor:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
 
         steps = [r["step"] for r in self.rows]
         mib = 1 << 20
@@ -572,6 +574,7 @@ class MemoryMonitor:
                 ax.plot(steps, [v / mib if v is not None else float("nan") for v in values], linestyle="--",
                         label=f"peak {phase}")
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_ylabel("MiB")
         ax.set_title(f"memory per step (source: {self.source.name})")
         ax.legend(loc="upper left")
