@@ -377,7 +377,10 @@ def _add_plan(subparsers):
     parser.add_argument("--gpu-mem", required=True, help="memory of one GPU, e.g. 24GB or 80GiB")
     parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default: 1)")
-    parser.add_argument("--global-tokens", default=None, help="tokens per optimizer step, e.g. 4M")
+    parser.add_argument("--global-tokens", default=None,
+                        help="tokens per optimizer step: decimal units (4M = 4,000,000) or binary ones (64Ki = "
+                        "65,536); not a multiple of seq x gpus: the nearest that is, said in a note (default: "
+                        "one micro-batch, no accumulation)")
     parser.add_argument("--host-mem", default=None, help="host memory of all the GPUs' machines, e.g. 512GB")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                         help="training precision: bf16/fp16 mixed (fp32 master weights) or plain fp32 (default: bf16)")

@@ -39,6 +39,8 @@ def test_device_sizes_stay_within_what_one_gpu_has():
 
 def test_counts_are_decimal_and_whole():
     assert parse_count("4M") == 4_000_000 and parse_count("2k") == 2000 and parse_count("4000000") == 4_000_000
+    # binary counts say so (issue 38: "64K" read as 64,000 where a power of two was meant)
+    assert parse_count("64Ki") == 65_536 and parse_count("1Mi") == 2**20 and parse_count("2gi") == 2 * 2**30
     for text, says in (("0.5", "positive whole number"), ("-4M", "positive whole number"),
                        ("1e999", "too large"), ("lots", "not a count")):
         with pytest.raises(SizeError, match=says):

@@ -11,10 +11,13 @@ Counts (tokens, samples) are decimal: ``4M`` = 4·10⁶, ``2k`` = 2000.
 import re
 
 _MEMORY_UNITS = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12}
+# Counts are decimal (4M tokens = 4,000,000), as people quote them; "Ki", "Mi", ... are the binary ones
+# (64Ki = 65,536, a power-of-two batch), spelled so that neither reads as the other.
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "b": 10**9, "t": 10**12,
+                "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 # The sign is matched so that "-1G" is told it must be positive, not that it lacks a unit.
 _MEMORY_RE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt])(?:i?b)?\s*", re.I)
-_COUNT_RE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgbt]?)\s*", re.I)
+_COUNT_RE = re.compile(r"\s*([-+]?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([kmgt]i|[kmgbt]|)\s*", re.I)
 # Far above any memory or count anyone means; keeps "1e999G" (float inf) out of int().
 _LARGEST = 2.0**80
 
@@ -63,10 +66,10 @@ def parse_device_size(text, *, what="--gpu-mem"):
 
 
 def parse_count(text, *, what="count"):
-    """``'4M'`` → ``4000000``; ``'2k'`` → ``2000``; a plain integer is taken as it is."""
+    """``'4M'`` → ``4000000``; ``'2k'`` → ``2000``; ``'64Ki'`` → ``65536``; a plain integer is taken as it is."""
     match = _COUNT_RE.fullmatch(str(text))
     if not match:
-        raise SizeError(what, f"{text!r} is not a count; write e.g. 4M, 500k or 4000000")
+        raise SizeError(what, f"{text!r} is not a count; write e.g. 4M, 500k, 64Ki or 4000000")
     value = float(match.group(1)) * _COUNT_UNITS[match.group(2).lower()]
     if value > _LARGEST:
         raise SizeError(what, f"{text!r} is too large a count; write e.g. 4M, 500k or 4000000")
