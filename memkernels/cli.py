@@ -214,7 +214,9 @@ def _add_report(subparsers):
         description="One training step of the embedded tiny-gpt and tiny-llama models, eager vs memkernels, then a "
         "per-GPU "
         "estimate of --model across configurations (fp32, mixed precision, checkpointing, offload, memkernels).")
-    report.add_argument("--model", default="llama-3-8b", help=f"model to estimate: {models} or a config.json path")
+    report.add_argument("--model", default="llama-3-8b",
+                        help=f"model to estimate (default llama-3-8b): {models} (any case), a Hugging Face "
+                        "config.json path or a model directory holding one")
     report.add_argument("--batch", type=_positive, default=ESTIMATE_BATCH, help="per-GPU micro-batch of the estimate")
     report.add_argument("--seq", type=_positive, default=ESTIMATE_SEQ, help="sequence length of the estimate")
     report.add_argument("--dtype", choices=[d for d in DTYPES if d != "fp32"], default="bf16",
@@ -365,6 +367,7 @@ _PLAN_FLAGS = {"model": "--model", "gpu_mem": "--gpu-mem", "seq": "--seq", "gpus
 
 def _add_plan(subparsers):
     """``memkernels plan``: the decision flow automated (logic in memkernels.tools.plan)."""
+    from memkernels.models import BUILTIN_CONFIGS
     from memkernels.tools.estimate import DTYPES, FINETUNE_MODES, OPTIMIZERS
     from memkernels.tools.sizes import MEMORY_FORMS
 
@@ -373,9 +376,12 @@ def _add_plan(subparsers):
         description="Walk the decision flow (mixed precision, kernels, ZeRO, selective checkpointing, offload, "
         "LoRA/QLoRA), choose keep/recompute/offload per layer against the memory budget, and size the "
         f"micro-batch. Sizes: {MEMORY_FORMS}.")
-    parser.add_argument("--model", required=True, help="built-in name or a Hugging Face config.json path")
+    models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
+    parser.add_argument("--model", required=True,
+                        help=f"{models} (any case), a Hugging Face config.json path or a model directory holding one")
     parser.add_argument("--gpu-mem", required=True, help="memory of one GPU, e.g. 24GB or 80GiB")
-    parser.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--seq", type=int, default=ESTIMATE_SEQ,
+                        help=f"tokens per sequence (default {ESTIMATE_SEQ}, as estimate's and report's)")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default: 1)")
     parser.add_argument("--global-tokens", default=None,
                         help="tokens per optimizer step: decimal units (4M = 4,000,000) or binary ones (64Ki = "

@@ -314,3 +314,13 @@ def test_errors_name_what_the_user_gave_not_internal_functions(argv, says, capsy
     err = capsys.readouterr().err
     assert status != 0 and says in err, err
     assert "load_config" not in err and "trace:" not in err
+
+
+def test_plan_and_estimate_share_the_model_and_seq_conventions(tmp_path, capsys):
+    """plan required --seq where estimate defaults it to 8192, and its --model help named only a
+    config.json path where both take the directory holding one (issue 38)."""
+    config = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(config))
+    assert main(["plan", "--model", str(tmp_path), "--gpu-mem", "24GB", "--json"]) == 0
+    assert __import__("json").loads(capsys.readouterr().out)["seq"] == 8192
