@@ -334,7 +334,8 @@ def _add_explain(subparsers):
         "PyTorch's policy, expandable segments and memkernels' pool on a device of the same size, and the next "
         "step. Files are loaded as plain data only: a pickle that refers to code is refused.",
     )
-    parser.add_argument("snapshots", nargs="+", metavar="SNAPSHOT", help="snapshot pickle(s)")
+    parser.add_argument("snapshots", nargs="+", metavar="SNAPSHOT",
+                        help="snapshot pickle(s), or a directory: every *.pickle in it (as replay takes them)")
     parser.add_argument("--device", type=int, default=None, help="explain only this device (default: every device)")
     parser.add_argument("--top", type=_positive, default=10, help="groups of live allocations to list")
     parser.add_argument("--capacity", default=None, metavar="SIZE",
@@ -343,10 +344,11 @@ def _add_explain(subparsers):
 
     def run(args):
         from memkernels.tools.explain import explain
+        from memkernels.tools.replay import trace_files
         from memkernels.tools.sizes import parse_size
 
         capacity = None if args.capacity is None else parse_size(args.capacity, what="--capacity")
-        for i, path in enumerate(args.snapshots):
+        for i, path in enumerate(trace_files(args.snapshots)):
             if i:
                 print()
             print(explain(path, device=args.device, top=args.top, capacity=capacity).text())

@@ -303,7 +303,7 @@ def test_every_option_of_every_subcommand_says_what_it_does():
     (["estimate", "--model", "nosuch.json"], "model 'nosuch.json': no such file"),
     (["plan", "--model", "nosuch.json", "--gpu-mem", "80GB", "--seq", "16"], "model 'nosuch.json': no such file"),
     (["replay", "nosuch.pickle"], "no such file or directory 'nosuch.pickle' (a memory snapshot pickle"),
-    (["explain", "nosuch.pickle"], "no such file 'nosuch.pickle' (a memory snapshot pickle)"),
+    (["explain", "nosuch.pickle"], "no such file or directory 'nosuch.pickle' (a memory snapshot pickle"),
 ])
 def test_errors_name_what_the_user_gave_not_internal_functions(argv, says, capsys):
     """They read "load_config: ..." and "trace: no such file" (issue 38)."""

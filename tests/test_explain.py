@@ -221,11 +221,14 @@ def test_bad_arguments():
 
 def test_a_missing_or_unreadable_path_is_one_line_naming_it(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
-        main(["explain", str(tmp_path)])  # a directory
+        main(["explain", str(tmp_path)])  # a directory without snapshots
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and str(tmp_path) in err and "is a directory" in err
+    assert len(err.splitlines()) == 1 and str(tmp_path) in err and "has no *.pickle files" in err
     path = tmp_path / "snapshot.pickle"
     path.write_bytes(pickle.dumps(oom_snapshot()))
+    # A directory of snapshots is explained file by file, as replay takes one (issue 38).
+    assert main(["explain", str(tmp_path)]) == 0
+    assert capsys.readouterr().out == explain(str(path)).text() + "\n"
 
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
