@@ -1178,6 +1178,49 @@ class _OnCuda0(torch.Tensor):
         return torch.device("cuda", 0)
 
 
+def test_cuda_forward_time_is_read_at_the_next_block_without_a_sync(offload, monkeypatch):
+    """The CUDA timer of budget="auto" on stand-ins (CUDA mode over the simulated engine, events on a
+    fake clock): a block's forward time is read when the next block starts, if its end event completed
+    (query(), never a host synchronization); the budget is the link's bandwidth times the median."""
+    monkeypatch.setattr(memkernels.OffloadActivations, "_resolve_mode", staticmethod(lambda: "cuda"))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    clock = {"ms": 0.0, "done": True}
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+            self.at = None
+
+        def record(self):
+            self.at = clock["ms"]
+
+        def query(self):
+            return clock["done"]
+
+        def elapsed_time(self, end):
+            return end.at - self.at
+
+        def synchronize(self):
+            raise AssertionError("the forward timer must not synchronize the host")
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    manager = offload(link_bandwidth=1e9)
+    with manager:
+        clock["ms"] += 4.0
+    assert manager.stats()["budget_bytes"] is None, "the first block knows no forward time"
+    with manager:  # block 1's 4 ms: 1e9 B/s x 4 ms
+        clock["ms"] += 6.0
+    assert manager.stats()["budget_bytes"] == 4_000_000
+    with manager:  # the median of 4 and 6 ms
+        clock["ms"] += 100.0
+    assert manager.stats()["budget_bytes"] == 5_000_000
+    clock["done"] = False  # block 3's end event has not completed when block 4 starts: not read, not waited for
+    with manager:
+        pass
+    stats = manager.stats()
+    assert stats["budget_bytes"] == 5_000_000 and stats["forward_seconds"] == pytest.approx(0.005)
+
+
 def test_cuda_device_is_taken_at_enter_not_at_construction(offload, monkeypatch):
     """Built before torch.cuda.set_device(rank), the manager must serve the rank's GPU, not cuda:0.
     CUDA mode on the simulated engine, with the current device a stand-in."""
