@@ -48,12 +48,14 @@ import memkernels
 from memkernels import device
 from memkernels.device import sim
 from memkernels.meters import PeakBytesMeter
+from memkernels.testing import ModelledKernel, settle_offload_copies
 
 MiB = 1 << 20
 MODES = ("none", "everything", "auto", "recompute", "checkpoints")
 RECOMPUTED = ("recompute", "checkpoints")  # the modes that checkpoint each block
 SKIPPED_STEPS = 2
-# Real time the simulator's threads may take over a step's copies (settle) or a blocking call, before failing.
+# Real time the simulator's threads may take over a step's copies (settle_offload_copies) or a blocking call,
+# before failing.
 SIM_TIMEOUT_S = 600.0
 
 
@@ -188,22 +190,6 @@ def run_cuda(args):
 # ------------------------------------------------------------------------------------------------ simulated device
 
 
-class Kernel(torch.autograd.Function):
-    """Identity that stands for a kernel of `seconds` in forward and twice that in backward, on the
-    simulator's modelled clock of the compute stream."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        sim.run_kernel(seconds)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        sim.run_kernel(2 * ctx.seconds)
-        return grad, None
-
-
 class TimedLayers(nn.Module):
     """`layers` of Linear + GELU + a kernel of `seconds` forward (2x backward): each layer saves two
     [tokens, dim] float32 storages (the Linear's input, GELU's input)."""
@@ -214,7 +200,7 @@ class TimedLayers(nn.Module):
         self.seconds = seconds
 
     def layer(self, linear, x):
-        return Kernel.apply(F.gelu(linear(x)), self.seconds)
+        return ModelledKernel.apply(F.gelu(linear(x)), self.seconds)
 
     def forward(self, x, recompute=False):
         for linear in self.linears:
@@ -228,23 +214,6 @@ class TimedLayers(nn.Module):
         return x.pow(2).mean()
 
 
-def settle(manager):
-    """Wait, in real time only, until the simulator's copy threads finished every device-to-host copy
-    issued so far, and free the device copies. The modelled clocks do not move: the copies stay where the
-    link model put them, behind the forward's kernels. wait_for_offloads() would instead make the host
-    wait for the copies' modelled end, and not waiting would let how far the threads got (the machine's
-    load) decide whether backward restores a tensor over the link or reads the device copy for free."""
-    deadline = time.monotonic() + SIM_TIMEOUT_S
-    while True:
-        with manager._lock:
-            manager._drain()
-            if not manager._pending:
-                return
-        if time.monotonic() > deadline:
-            raise RuntimeError("the simulator's copy threads did not finish the offload copies in time")
-        time.sleep(1e-3)
-
-
 def sim_step(model, x, mode, manager, allocated):
     """One step's modelled time, allocated bytes (from the `allocated` meter) and offload counters."""
     before = counters(manager)
@@ -254,7 +223,7 @@ def sim_step(model, x, mode, manager, allocated):
         with manager if manager is not None else contextlib.nullcontext():
             loss = model(x, recompute=mode in RECOMPUTED)
         if manager is not None:
-            settle(manager)
+            settle_offload_copies(manager, timeout=SIM_TIMEOUT_S)
     after_forward = allocated.current_bytes
     loss.backward()
     model.zero_grad()

@@ -560,6 +560,16 @@ class OffloadActivations:
             self._drain()
             self._release_orphans()
 
+    def offloads_in_flight(self):
+        """How many device-to-host copies issued so far have not completed yet (0: none), after freeing
+        the device copies of those that have. Never waits, where :meth:`wait_for_offloads` blocks: a
+        caller can poll it until 0 to wait in its own way (memkernels.testing.settle_offload_copies does,
+        on the simulated device, to leave the modelled clocks where they are)."""
+        with self._lock:
+            if self._engine is not None and not self._engine.closed:
+                self._drain()
+            return len(self._pending)
+
     def empty_cache(self):
         """Return the pinned host memory no saved tensor uses to the host (``cudaFreeHost``).
 

@@ -113,13 +113,20 @@ A systematic error shows in every run of fn, so it still fails
 (tests/test_testing.py: a scalar off by 16 float32 ulps, or 3 half ulps). Measured on
 cross_entropy with one class, float32, combined options, both backends:
 11 of 720 runs failed with the previous rule, 0 of 720 with this one.
+
+Also here, for step times on the simulated device (``memkernels.device.sim``), shared by the tests and
+benchmarks/bench_offload.py: :class:`ModelledKernel`, a stand-in for a kernel of a given duration on the
+simulator's modelled clock, and :func:`settle_offload_copies`, which lets the simulator's copy threads finish
+an OffloadActivations block's copies before modelled times are read.
 """
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["check_against_reference", "CheckReport", "CheckRow", "FLOAT32_EAGER_RUNS"]
+__all__ = ["check_against_reference", "CheckReport", "CheckRow", "FLOAT32_EAGER_RUNS", "ModelledKernel",
+           "settle_offload_copies"]
 
 # Eager float32 runs whose largest error is the float32 rows' err(eager): the given
 # inputs and FLOAT32_EAGER_RUNS - 1 one-ulp perturbations (module docstring).
@@ -457,3 +464,49 @@ def check_against_reference(fn, reference, inputs, *, kwargs=None, grad=True, na
     if not report.passed:
         raise AssertionError(str(report))
     return report
+
+
+# ------------------------------------------------------------ modelled step times on the simulated device
+
+
+class ModelledKernel(torch.autograd.Function):
+    """``ModelledKernel.apply(x, seconds)``: the identity (a view of ``x``) that stands for a kernel of
+    ``seconds`` in forward and twice that in backward, on the simulator's modelled clock of the compute
+    stream (``memkernels.device.sim.run_kernel``); nothing runs.
+
+    Why: on the simulated device the tensors are CPU tensors and copies take modelled link time, so a model
+    built of these stand-ins has a step time that is modelled, deterministic and independent of the
+    machine's load: what offloading hides behind the compute can be asserted exactly (tests/test_offload.py)
+    and tabulated (benchmarks/bench_offload.py --sim). It saves nothing for backward."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        from memkernels.device import sim
+
+        ctx.seconds = seconds
+        sim.run_kernel(seconds)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from memkernels.device import sim
+
+        sim.run_kernel(2 * ctx.seconds)
+        return grad, None
+
+
+def settle_offload_copies(offload, timeout=None):
+    """Wait, in real time only, until the simulator's copy threads have finished every device-to-host copy
+    that the OffloadActivations ``offload`` issued so far, freeing the device copies; raise TimeoutError
+    after ``timeout`` seconds of real time (None: no limit).
+
+    Why: the modelled clocks do not move here, so the copies stay where the link model put them, behind the
+    forward's kernels, and backward then restores each offloaded tensor over the modelled link.
+    ``offload.wait_for_offloads()`` would instead make the host wait for the copies' modelled end (moving
+    the host clock), and not waiting at all would let how far the threads got, i.e. the machine's load,
+    decide whether an unpack reads the device copy for free: the modelled step times would depend on it."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while offload.offloads_in_flight():
+        if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"the simulator's copy threads did not finish the offload copies within {timeout} s")
+        time.sleep(1e-3)

@@ -8,6 +8,7 @@ import pickle
 import re
 
 import pytest
+from bench_loader import load_benchmark, load_file
 from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C
@@ -541,7 +542,6 @@ def test_unreadable_trace_files_raise_a_trace_error_naming_the_file(tmp_path):
 def test_trace_tests_say_why_they_skip_and_where_traces_may_live(tmp_path, monkeypatch):
     """A clone has no ../shared/traces: the tests that need traces skip naming what is missing and
     how to provide it; MEMKERNELS_TRACE_DIR points them at a directory anywhere."""
-    import importlib.util
     import shutil
 
     helper = os.path.join(os.path.dirname(__file__), "recorded_traces.py")
@@ -550,10 +550,7 @@ def test_trace_tests_say_why_they_skip_and_where_traces_may_live(tmp_path, monke
     shutil.copy(helper, clone)
 
     def load():
-        spec = importlib.util.spec_from_file_location("recorded_traces_copy", clone / "recorded_traces.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        return module
+        return load_file(clone / "recorded_traces.py", "recorded_traces_copy")
 
     monkeypatch.delenv("MEMKERNELS_TRACE_DIR", raising=False)
     alone = load()
@@ -727,16 +724,6 @@ PERIODIC_CHURN = {
 PERIODIC_STEPS = 6
 
 
-def _bench_allocator():
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "bench_allocator.py")
-    spec = importlib.util.spec_from_file_location("bench_allocator", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _periodic(name):
     return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=PERIODIC_CHURN[name])) \
         if name in PERIODIC_CHURN else name
@@ -788,7 +775,7 @@ def test_replay_periodic_counts_device_allocations_and_frees_per_step():
 
 @pytest.mark.parametrize("name", [_periodic(f"{kind} #{seed}") for kind in ("fixed", "capacity") for seed in range(3)])
 def test_the_pool_makes_no_device_allocations_from_step_3_on_in_periodic_synthetic_loops(name):
-    bench = _bench_allocator()
+    bench = load_benchmark("bench_allocator")
     (loop,) = [loop for loop in bench.periodic_loops([], range(3)) if loop[0] == name]
     _, trace, devices = loop
     for label, capacity in devices:
@@ -807,7 +794,7 @@ def test_the_pool_makes_no_device_allocations_from_step_3_on_in_a_repeated_trace
 
 
 def test_bench_allocator_prints_device_allocations_per_step_of_periodic_loops(capsys):
-    bench = _bench_allocator()
+    bench = load_benchmark("bench_allocator")
     missed = bench.periodic_table([], [0])
     out = capsys.readouterr().out
     assert "device allocations / frees per step" in out and "target: memkernels" in out

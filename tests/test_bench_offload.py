@@ -4,29 +4,14 @@ The step times there are modelled (the simulator's link and stand-in kernels), s
 the default 64 MiB/s link, "auto" hides its copies behind the forward and offloading everything does not.
 """
 import contextlib
-import importlib.util
 import io
-import os
-import sys
 
 import pytest
+from bench_loader import load_benchmark
 
 from memkernels.device import sim
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench_offload():
-    if "bench_offload" in sys.modules:
-        return sys.modules["bench_offload"]
-    spec = importlib.util.spec_from_file_location("bench_offload", os.path.join(ROOT, "benchmarks", "bench_offload.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_offload"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_offload = _load_bench_offload()
+bench_offload = load_benchmark("bench_offload")
 
 
 @pytest.fixture(scope="module")

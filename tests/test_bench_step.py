@@ -31,28 +31,12 @@ The step's launches beyond the layers (embedding, rotary tables, causal-mask set
 loss, fused AdamW), per the 1-layer model: eager 150 - 100 = 50, memkernels 84 - 40 = 44, recompute 85 - 41 =
 44.
 """
-import importlib.util
-import os
-import sys
-
 import pytest
+from bench_loader import load_benchmark
 
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _load_bench_step():
-    if "bench_step" in sys.modules:
-        return sys.modules["bench_step"]
-    spec = importlib.util.spec_from_file_location("bench_step", os.path.join(ROOT, "benchmarks", "bench_step.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_step"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_step = _load_bench_step()
+bench_step = load_benchmark("bench_step")
 
 pytestmark = pytest.mark.skipif(not bench_step.interpreting(), reason=(
     "counts Triton launches through the interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets on a "

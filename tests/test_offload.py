@@ -23,6 +23,7 @@ import memkernels
 from memkernels import device
 from memkernels.device import sim
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.testing import ModelledKernel, settle_offload_copies
 
 MiB = 1 << 20
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -703,22 +704,6 @@ def test_casts_of_frozen_or_modified_tensors_are_not_recast(offload):
 # ------------------------------------------------------------------ the budget: what the link hides
 
 
-class Kernel(torch.autograd.Function):
-    """Identity that stands for a kernel of `seconds` in forward and twice that in backward, on the
-    simulator's modelled clock of the compute stream."""
-
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds
-        sim.run_kernel(seconds)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        sim.run_kernel(2 * ctx.seconds)
-        return grad, None
-
-
 class TimedLayers(nn.Module):
     """`layers` of Linear + GELU, each a kernel of `seconds` forward (2x backward): each layer saves two
     [tokens, dim] float32 storages (the Linear's input, GELU's input)."""
@@ -730,24 +715,8 @@ class TimedLayers(nn.Module):
 
     def forward(self, x):
         for linear in self.linears:
-            x = Kernel.apply(F.gelu(linear(x)), self.seconds)
+            x = ModelledKernel.apply(F.gelu(linear(x)), self.seconds)
         return x.pow(2).mean()
-
-
-def settle(manager):
-    """Let the simulator's threads finish every device-to-host copy issued so far, in real time only
-    (the modelled clocks do not move): backward then restores each offloaded tensor over the modelled
-    link. Without this, how far the threads got would decide whether an unpack reads the device copy
-    for free, and the modelled times would depend on the machine's load."""
-    deadline = time.monotonic() + SIM_SYNC_TIMEOUT_S
-    while True:
-        with manager._lock:
-            manager._drain()
-            if not manager._pending:
-                return
-        if time.monotonic() > deadline:
-            raise AssertionError("the simulator's copy threads did not finish within the sync timeout")
-        time.sleep(1e-3)
 
 
 def modelled_steps(model, x, manager, steps):
@@ -761,7 +730,7 @@ def modelled_steps(model, x, manager, steps):
         else:
             with manager:
                 loss = model(x)
-            settle(manager)
+            settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
         loss.backward()
         model.zero_grad()
         device.synchronize()  # the step ends when the device is done (copies included)
@@ -879,7 +848,7 @@ def test_offloaded_checkpoints_prefetch_one_region_ahead(offload):
     model = copy.deepcopy(model)
     with manager:
         loss = model(*batch)
-    settle(manager)
+    settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
     loss.backward()
     assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
     stats = manager.stats()
@@ -1041,7 +1010,7 @@ def test_prefetch_continues_into_the_blocks_entered_before(offload):
     expected = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     loss = forward(manager)
-    settle(manager)
+    settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
     loss.backward()
     assert_bitwise_equal([expected], [[p.grad for p in model.parameters()]])
     stats = manager.stats()
@@ -1056,7 +1025,7 @@ class CheckpointedTimedLayers(TimedLayers):
 
     def forward(self, x):
         for linear in self.linears:
-            x = checkpoint(lambda h, linear=linear: F.gelu(linear(Kernel.apply(h, self.seconds))), x,
+            x = checkpoint(lambda h, linear=linear: F.gelu(linear(ModelledKernel.apply(h, self.seconds))), x,
                            use_reentrant=False)
         return x.pow(2).mean()
 
