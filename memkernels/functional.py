@@ -4,8 +4,10 @@ from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
 from memkernels.ops.gelu_linear import gelu_linear
 from memkernels.ops.layer_norm import add_layer_norm, layer_norm
 from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+from memkernels.ops.linear_logprobs import linear_logprobs
 from memkernels.ops.rms_norm import add_rms_norm, rms_norm
 from memkernels.ops.rope import rope
 
 __all__ = ["rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "gelu_linear", "gated_linear",
-           "gated_mlp_recompute", "cross_entropy", "linear_cross_entropy", "rope"]
+           "gated_mlp_recompute", "cross_entropy", "linear_cross_entropy",
+           "linear_logprobs", "rope"]

@@ -315,7 +315,7 @@ class TestHeldBytes:
         rows_per_chunk = -(-n_tokens // -(-n_tokens // fit))  # 8 chunks of 8; 13 chunks of 5 (the last 4)
         assert lce.chunked_chunk_tokens(n_tokens, hidden_size, n_classes, dtype, bias=True) == rows_per_chunk
         chunks = []
-        monkeypatch.setattr(lce, "_logits", lambda h, w, b, logits=lce._logits: chunks.append(len(h)) or logits(h, w, b))
+        monkeypatch.setattr(lce, "head_logits", lambda h, w, b, logits=lce.head_logits: chunks.append(len(h)) or logits(h, w, b))
         with SavedBytesMeter() as saved, PeakBytesMeter() as peak:
             loss = linear_cross_entropy(hidden, weight, target, bias=bias, strategy="chunked")
         assert 1 < rows_per_chunk <= fit < n_tokens
@@ -338,7 +338,7 @@ class TestHeldBytes:
         hidden = torch.randn(n_tokens, 8, dtype=dtype, requires_grad=True)
         weight = torch.randn(n_classes, 8, dtype=dtype, requires_grad=True)
         calls = []
-        monkeypatch.setattr(lce, "_logits", lambda h, w, b, logits=lce._logits: calls.append((len(h), len(w)))
+        monkeypatch.setattr(lce, "head_logits", lambda h, w, b, logits=lce.head_logits: calls.append((len(h), len(w)))
                             or logits(h, w, b))
         linear_cross_entropy(hidden, weight, make_target(n_tokens, n_classes), strategy="recompute").backward()
         forward = [(rows, n_classes) for rows in (tokens, tokens, 3)]
@@ -354,7 +354,7 @@ class TestHeldBytes:
         monkeypatch.setattr(lce, "DEFAULT_CHUNK_BYTES", 1)  # so the minimum decides
         minimum = 4 * lce.RIDGE_FLOPS_PER_BYTE[dtype]
         calls = []
-        monkeypatch.setattr(lce, "_logits", lambda h, w, b, logits=lce._logits: calls.append(len(h)) or logits(h, w, b))
+        monkeypatch.setattr(lce, "head_logits", lambda h, w, b, logits=lce.head_logits: calls.append(len(h)) or logits(h, w, b))
         for n_tokens, expected in ((2 * minimum + 3, [minimum + 2, minimum + 1]), (2 * minimum - 1, [2 * minimum - 1]),
                                    (minimum - 7, [minimum - 7])):
             hidden = torch.randn(n_tokens, 8, dtype=dtype, requires_grad=True)

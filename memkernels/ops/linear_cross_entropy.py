@@ -218,7 +218,8 @@ def _chunk_elements(dtype, chunk_size, n_classes, budget):
     return max(n_classes, budget // bytes_per_element)
 
 
-def _logits(hidden_rows, weight_rows, bias_rows):
+def head_logits(hidden_rows, weight_rows, bias_rows):
+    """hidden_rows (R, H) @ weight_rows.T (c, H) (+ bias_rows (c,)): the LM head's logits (R, c), one cuBLAS GEMM."""
     if bias_rows is None:
         return hidden_rows @ weight_rows.t()
     return torch.addmm(bias_rows, hidden_rows, weight_rows.t())
@@ -353,7 +354,7 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
     for start in range(0, n_tokens, rows_per_chunk):
         end = min(start + rows_per_chunk, n_tokens)
         hidden_rows = hidden[start:end]
-        logits = _logits(hidden_rows, weight, bias)
+        logits = head_logits(hidden_rows, weight, bias)
         if grads is None:
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg)
         else:
@@ -382,14 +383,33 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
 def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size, reduction, needs):
     """Vocabulary-tiled backward from the saved logsumexp; returns (dX, dW, dB), None where not needed."""
     loss_rows, grad_rows = row_kernels(hidden, _OP)
-    n_tokens = hidden.shape[0]
-    cols_per_tile = recompute_tile_classes(n_tokens, cfg.n_classes, hidden.dtype, chunk_size)
+    cols_per_tile = recompute_tile_classes(hidden.shape[0], cfg.n_classes, hidden.dtype, chunk_size)
     # One tile holds every class: its logsumexp is taken from the recomputed logits in the same launch
     # (the loss kernel with a gradient buffer: one more read of the tile) rather than from the forward's,
     # which a GPU rounds through a GEMM of another shape. The softmax then sums to 1 over exactly the
     # logits the gradient multiplies: with one class p = 1 and the gradient is 0, as eager's.
     whole_rows = cols_per_tile >= cfg.n_classes
     loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
+
+    def write_tile_grad(logits, grad_tile, start):
+        if whole_rows:
+            loss_rows(logits, target, cfg, grad=grad_tile, loss_scale=loss_scale, z_scale=z_scale)
+        else:
+            grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=start)
+
+    return tiled_head_backward(hidden, weight, bias, cols_per_tile, needs, write_tile_grad)
+
+
+def tiled_head_backward(hidden, weight, bias, cols_per_tile, needs, write_tile_grad):
+    """The backward of a per-token loss on ``hidden @ weight.T + bias``, tile of classes by tile of classes.
+
+    hidden (N, H), weight (V, H), bias (V,) or None, all one dtype; needs: (dX, dW, dB) wanted.
+    ``write_tile_grad(logits, grad_tile, start)`` writes d(loss)/d(logits) of the recomputed tile ``logits``
+    (N, c; classes [start, start + c)) into ``grad_tile`` (``logits`` itself, or a float32 tile for half
+    inputs with a bias gradient). Returns (dX, dW, dB) in the inputs' dtype, None where not needed:
+    dW[tile] is one GEMM over all tokens (no float32 accumulator); dX accumulates in float32 over the tiles
+    (half operands, float32 accumulation: :mod:`memkernels.ops._half_gemm`); dB sums in float64.
+    """
     needs_hidden, needs_weight, needs_bias = needs
     half = hidden.dtype != torch.float32
     grad_hidden = None
@@ -397,18 +417,15 @@ def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     grad_weight = torch.empty_like(weight) if needs_weight else None
     grad_bias = torch.empty_like(bias) if needs_bias else None
-    for start in range(0, cfg.n_classes, cols_per_tile):
-        end = min(start + cols_per_tile, cfg.n_classes)
+    for start in range(0, weight.shape[0], cols_per_tile):
+        end = min(start + cols_per_tile, weight.shape[0])
         weight_rows = weight[start:end]
-        logits = _logits(hidden, weight_rows, None if bias is None else bias[start:end])
+        logits = head_logits(hidden, weight_rows, None if bias is None else bias[start:end])
         # The GEMMs take the gradient rounded once to the input dtype (as eager's do), in the logits
         # buffer: half operands, float32 accumulation (dX over the tiles in float32). Half inputs with
         # a bias: the gradient goes to a float32 tile first, so that dB sums unrounded values.
         grad_tile = torch.empty_like(logits, dtype=torch.float32) if half and needs_bias else logits
-        if whole_rows:
-            loss_rows(logits, target, cfg, grad=grad_tile, loss_scale=loss_scale, z_scale=z_scale)
-        else:
-            grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=start)
+        write_tile_grad(logits, grad_tile, start)
         if needs_bias:
             grad_bias[start:end] = grad_tile.sum(0, dtype=torch.float64)  # as eager's CPU sum
         rounded = logits if grad_tile is logits else logits.copy_(grad_tile)

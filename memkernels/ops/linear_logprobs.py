@@ -1,0 +1,418 @@
+"""Per-token log-probabilities and entropy of the LM head's softmax, without the N x V logits.
+
+What reinforcement-learning fine-tuning (GRPO, PPO, DPO) takes from the policy: ``log p(target)`` per
+token, and often the entropy ``-sum p log p`` for a bonus or a log. Trainers build the logits, a float32
+log-softmax and gather; at 65k tokens x a 128k vocabulary that is tens of GB. Here (the math is spelled out
+in :mod:`memkernels.reference.logprobs`, the PyTorch twin of the kernel below):
+
+- forward: token chunks; per chunk one cuBLAS GEMM gives its (r, V) logits and one kernel launch reduces
+  each row to (max, log-sum[, entropy]), the log-prob and the entropy. Held for backward: those row
+  statistics, 8 bytes a token (12 with the entropy), plus references to the inputs;
+- backward: vocabulary tiles (:func:`memkernels.ops.linear_cross_entropy.tiled_head_backward`, shared with
+  ``linear_cross_entropy(strategy="recompute")``): each tile's logits are recomputed, turned into their
+  gradient in place, ``d z = g_logp (onehot - p) - g_H p (log p + H)``, and feed the dX (float32
+  accumulation) and dW GEMMs.
+
+Chunk and tile sizes are linear_cross_entropy's "recompute" ones (at least 590 tokens a chunk and 2360
+classes a tile for half inputs, so its GEMMs stay compute-bound on a GPU); ``chunk_size`` overrides them.
+Out-of-range targets: the CPU path raises; the Triton path (no host sync) writes NaN into that token's
+results and gradient.
+"""
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from memkernels import aot
+from memkernels._backend import resolve
+from memkernels.ops import _autocast
+from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
+from memkernels.ops._device_guard import on_tensor_device
+from memkernels.ops._host import next_power_of_2
+from memkernels.ops.cross_entropy import _cast_rne, _tanh
+from memkernels.ops.linear_cross_entropy import (head_logits, recompute_chunk_tokens, recompute_tile_classes,
+                                                 tiled_head_backward)
+from memkernels.reference import logprobs as reference
+from memkernels.reference.cross_entropy import check_targets
+
+_OP = "linear_logprobs"
+# Widest vocabulary block one program holds in registers at a time.
+MAX_BLOCK_V = 4096
+
+
+@triton.jit
+def _load_scaled(row_ptr, cols, mask, softcap, temperature, HAS_SOFTCAP: tl.constexpr):
+    # (z, tanh(x / c)) in fp32: the soft-capped logits over the temperature; the tanh (for the slope) only with
+    # a soft-cap, else x itself (unused)
+    x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_SOFTCAP:
+        capped = _tanh(x / softcap)
+        x_capped = softcap * capped
+    else:
+        capped = x
+        x_capped = x
+    return x_capped / temperature, capped
+
+
+@triton.jit
+def _logprobs_kernel(
+    logits_ptr,  # (N, W) logits block, fp32/fp16/bf16, row stride stride_logits, unit column stride
+    grad_ptr,  # (N, W) gradient out (may alias logits_ptr), row stride stride_grad; used if WRITE_GRAD
+    target_ptr,  # (N,) int64 class ids over the whole vocabulary
+    stats_ptr,  # (N, 2 + HAS_ENTROPY) fp32 (max, log-sum[, entropy]) of z: written if COMPUTE_STATS, else read
+    logp_ptr,  # (N,) fp32 log p[target]; written if COMPUTE_STATS
+    entropy_ptr,  # (N,) fp32 entropy; written if COMPUTE_STATS and HAS_ENTROPY
+    grad_logp_ptr,  # (N,) fp32 incoming gradient of logp; read if WRITE_GRAD and HAS_GRAD_LOGP
+    grad_entropy_ptr,  # (N,) fp32 incoming gradient of the entropy; read if WRITE_GRAD and HAS_GRAD_ENTROPY
+    stride_logits,
+    stride_grad,
+    n_cols,  # W: columns in this block (the whole vocabulary when COMPUTE_STATS)
+    col_offset,  # class id of column 0 of this block
+    n_classes,  # V
+    ignore_index,
+    softcap,
+    temperature,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_ENTROPY: tl.constexpr,
+    HAS_GRAD_LOGP: tl.constexpr,
+    HAS_GRAD_ENTROPY: tl.constexpr,
+    COMPUTE_STATS: tl.constexpr,
+    WRITE_GRAD: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * stride_logits
+    stats_row = stats_ptr + row * (2 + HAS_ENTROPY)
+    target = tl.load(target_ptr + row)
+    valid = target != ignore_index
+    out_of_range = valid & ((target < 0) | (target >= n_classes))
+    safe_target = tl.where(valid & (target >= 0) & (target < n_classes), target, 0)
+    nan = float("nan")
+
+    if COMPUTE_STATS:
+        # Row sums in fp64 (see the cross-entropy kernel). The entropy accumulates sum_j e_j (z_j - m) with
+        # e_j = exp(z_j - m) for the running max m: H = log s - that / s, two terms of the order of log V.
+        running_max = tl.full((), float("-inf"), tl.float32)
+        running_sum = tl.full((), 0.0, tl.float64)
+        running_weighted = tl.full((), 0.0, tl.float64)
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            z, _ = _load_scaled(logits_row, cols, mask, softcap, temperature, HAS_SOFTCAP)
+            z = tl.where(mask, z, float("-inf"))  # after the soft-cap: tanh would turn -inf into -c
+            new_max = tl.maximum(running_max, tl.max(z, axis=0))
+            # An all -inf prefix keeps the max at -inf; shift by 0 then to avoid inf - inf.
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            moved = tl.where(running_max == float("-inf"), 0.0, running_max - shift).to(tl.float64)
+            rescale = tl.exp((running_max - shift).to(tl.float64))
+            centered = tl.where(mask, z - shift, 0.0)  # padded lanes: 0, not -inf (0 * -inf would be NaN)
+            e = tl.where(mask, tl.exp(centered), 0.0)
+            if HAS_ENTROPY:
+                terms = e.to(tl.float64) * centered.to(tl.float64)
+                running_weighted = rescale * (running_weighted + moved * running_sum) + tl.sum(terms, axis=0)
+            running_sum = running_sum * rescale + tl.sum(e.to(tl.float64), axis=0)
+            running_max = new_max
+        row_max = tl.where(running_max == float("-inf"), 0.0, running_max)
+        log_sum64 = tl.log(running_sum)
+        target_z, _ = _load_scaled(logits_row, safe_target - col_offset, True, softcap, temperature, HAS_SOFTCAP)
+        logp = ((target_z - row_max).to(tl.float64) - log_sum64).to(tl.float32)
+        logp = tl.where(out_of_range, nan, tl.where(valid, logp, 0.0))
+        tl.store(logp_ptr + row, logp)
+        log_sum = log_sum64.to(tl.float32)
+        tl.store(stats_row, row_max)
+        tl.store(stats_row + 1, log_sum)
+        if HAS_ENTROPY:
+            entropy = (log_sum64 - running_weighted / running_sum).to(tl.float32)
+            tl.store(stats_row + 2, entropy)
+            tl.store(entropy_ptr + row, tl.where(out_of_range, nan, tl.where(valid, entropy, 0.0)))
+    else:
+        row_max = tl.load(stats_row)
+        log_sum = tl.load(stats_row + 1)
+        if HAS_ENTROPY:
+            entropy = tl.load(stats_row + 2)
+
+    if WRITE_GRAD:
+        if HAS_GRAD_LOGP:
+            grad_logp = tl.load(grad_logp_ptr + row)
+        else:
+            grad_logp = 0.0
+        if HAS_GRAD_ENTROPY:
+            grad_entropy = tl.load(grad_entropy_ptr + row)
+        grad_row = grad_ptr + row * stride_grad
+        for start in range(0, n_cols, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < n_cols
+            z, capped = _load_scaled(logits_row, cols, mask, softcap, temperature, HAS_SOFTCAP)
+            # Two parts: a single fp32 lse carries an absolute rounding of eps*|lse| into every log p.
+            log_p = (z - row_max) - log_sum
+            p = tl.exp(log_p)
+            coef = grad_logp
+            if HAS_GRAD_ENTROPY:
+                coef = coef + grad_entropy * (log_p + entropy)
+            g = tl.where(cols + col_offset == target, grad_logp, 0.0) - p * coef
+            g = g / temperature
+            if HAS_SOFTCAP:
+                g *= 1.0 - capped * capped
+            g = tl.where(valid, g, 0.0)
+            g = tl.where(out_of_range, nan, g)
+            tl.store(grad_row + cols, _cast_rne(g, grad_ptr.dtype.element_ty), mask=mask)
+
+
+def _num_warps(block_v):
+    return 8 if block_v >= 2048 else 4
+
+
+def _aot_variants():
+    """Each pass (forward statistics, whole-row backward, column-tile backward) for bf16 and fp32 logits and
+    the gradient dtypes the backward writes (bf16 logits with a float32 tile: half inputs with a bias), every
+    option on (the register-hungriest) and off."""
+    passes = [("bf16", 1, 0, "bf16", "stats"), ("fp32", 1, 0, "fp32", "stats")]
+    for dtype, grad_dtype in (("bf16", "bf16"), ("bf16", "fp32"), ("fp32", "fp32")):
+        passes.append((dtype, 1, 1, grad_dtype, f"stats+grad:{grad_dtype}"))
+        passes.append((dtype, 0, 1, grad_dtype, f"grad-only:{grad_dtype}"))
+    variants = []
+    for dtype, compute_stats, write_grad, grad_dtype, pass_label in passes:
+        for features in (0, 1):
+            signature = {
+                "logits_ptr": f"*{dtype}", "grad_ptr": f"*{grad_dtype}", "target_ptr": "*i64", "stats_ptr": "*fp32",
+                "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
+                "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
+                "n_classes": "i32", "ignore_index": "i32", "softcap": "fp32", "temperature": "fp32",
+            }
+            constexprs = {"HAS_SOFTCAP": features, "HAS_ENTROPY": features, "HAS_GRAD_LOGP": 1,
+                          "HAS_GRAD_ENTROPY": features * write_grad, "COMPUTE_STATS": compute_stats,
+                          "WRITE_GRAD": write_grad, "BLOCK_V": MAX_BLOCK_V}
+            variants.append({"signature": signature, "constexprs": constexprs, "num_warps": _num_warps(MAX_BLOCK_V),
+                             "num_stages": 1,
+                             "label": f"{dtype}-{pass_label}-{'all-options' if features else 'plain'}"})
+    return variants
+
+
+aot.register(_logprobs_kernel, name="linear_logprobs", variants=_aot_variants())
+
+
+@on_tensor_device
+def _launch(logits, target, stats, cfg, *, logp=None, entropy=None, grad=None, grad_logp=None, grad_entropy=None,
+            col_offset=0):
+    n_rows, n_cols = logits.shape
+    if n_rows == 0:
+        return
+    compute_stats, write_grad = logp is not None, grad is not None
+    dummy = stats  # any fp32 tensor stands in for pointers a variant never reads
+    block_v = min(MAX_BLOCK_V, next_power_of_2(n_cols))
+    _logprobs_kernel[(n_rows,)](
+        logits, grad if write_grad else logits, target, stats,
+        logp if compute_stats else dummy,
+        entropy if (compute_stats and entropy is not None) else dummy,
+        grad_logp if grad_logp is not None else dummy,
+        grad_entropy if grad_entropy is not None else dummy,
+        logits.stride(0), grad.stride(0) if write_grad else logits.stride(0), n_cols, col_offset, cfg.n_classes,
+        cfg.ignore_index, cfg.softcap if cfg.softcap else 1.0, cfg.temperature,
+        HAS_SOFTCAP=bool(cfg.softcap), HAS_ENTROPY=cfg.with_entropy, HAS_GRAD_LOGP=grad_logp is not None,
+        HAS_GRAD_ENTROPY=grad_entropy is not None, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
+        BLOCK_V=block_v, num_warps=_num_warps(block_v),
+    )
+
+
+def stats_rows_triton(logits, target, cfg, *, grad=None, grad_logp=None, grad_entropy=None):
+    """Triton twin of :func:`memkernels.reference.logprobs.stats_rows` (same contract)."""
+    n_rows = logits.shape[0]
+    logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(logp) if cfg.with_entropy else None
+    stats = torch.empty(n_rows, 3 if cfg.with_entropy else 2, dtype=torch.float32, device=logits.device)
+    _launch(logits, target, stats, cfg, logp=logp, entropy=entropy, grad=grad, grad_logp=grad_logp,
+            grad_entropy=grad_entropy)
+    return logp, entropy, stats
+
+
+def grad_cols_triton(logits, target, stats, cfg, grad, grad_logp, grad_entropy, *, col_offset=0):
+    """Triton twin of :func:`memkernels.reference.logprobs.grad_cols` (same contract)."""
+    _launch(logits, target, stats, cfg, grad=grad, grad_logp=grad_logp, grad_entropy=grad_entropy,
+            col_offset=col_offset)
+
+
+def _row_kernels(tensor):
+    """(stats_rows, grad_cols) for the backend that runs ``tensor``."""
+    if resolve(tensor, _OP) == "triton":
+        return stats_rows_triton, grad_cols_triton
+    return reference.stats_rows, reference.grad_cols
+
+
+# ----------------------------------------------------------------------------------------------
+# the custom op and its autograd
+
+
+def _forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
+             ignore_index: int, softcap: float, temperature: float, with_entropy: bool, chunk_size: int
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy)
+    stats_rows, _ = _row_kernels(hidden)
+    if resolve(hidden, _OP) == "torch" and target.device.type == "cpu":
+        check_targets(target, cfg.n_classes, ignore_index)
+    n_tokens = hidden.shape[0]
+    rows_per_chunk = recompute_chunk_tokens(cfg.n_classes, hidden.dtype, chunk_size or None)
+    logp = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+    entropy = torch.empty(n_tokens if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+    stats = torch.empty(n_tokens, 3 if with_entropy else 2, dtype=torch.float32, device=hidden.device)
+    for start in range(0, n_tokens, rows_per_chunk):
+        end = min(start + rows_per_chunk, n_tokens)
+        logits = head_logits(hidden[start:end], weight, bias)
+        logp[start:end], entropy_rows, stats[start:end] = stats_rows(logits, target[start:end], cfg)
+        if with_entropy:
+            entropy[start:end] = entropy_rows
+        del logits
+    return logp, entropy, stats
+
+
+def _forward_fake(hidden, weight, target, bias, ignore_index, softcap, temperature, with_entropy, chunk_size):
+    n_tokens = hidden.shape[0]
+    return (hidden.new_empty((n_tokens,), dtype=torch.float32),
+            hidden.new_empty((n_tokens if with_entropy else 0,), dtype=torch.float32),
+            hidden.new_empty((n_tokens, 3 if with_entropy else 2), dtype=torch.float32))
+
+
+def _backward(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], hidden: torch.Tensor,
+              weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor], stats: torch.Tensor,
+              ignore_index: int, softcap: float, temperature: float, with_entropy: bool, chunk_size: int,
+              needs_hidden: bool, needs_weight: bool, needs_bias: bool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy)
+    stats_rows, grad_cols = _row_kernels(hidden)
+    grad_logp = None if grad_logp is None else grad_logp.float().contiguous()
+    grad_entropy = None if grad_entropy is None or not with_entropy else grad_entropy.float().contiguous()
+    cols_per_tile = recompute_tile_classes(hidden.shape[0], cfg.n_classes, hidden.dtype, chunk_size or None)
+    # One tile holds every class: the statistics come from the recomputed logits in the same launch, so the
+    # softmax sums to 1 over exactly the logits the gradient multiplies (one class: p = 1, gradient 0, as eager).
+    whole_rows = cols_per_tile >= cfg.n_classes
+
+    def write_tile_grad(logits, grad_tile, start):
+        if whole_rows:
+            stats_rows(logits, target, cfg, grad=grad_tile, grad_logp=grad_logp, grad_entropy=grad_entropy)
+        else:
+            grad_cols(logits, target, stats, cfg, grad_tile, grad_logp, grad_entropy, col_offset=start)
+
+    grads = tiled_head_backward(hidden, weight, bias, cols_per_tile, (needs_hidden, needs_weight, needs_bias),
+                                write_tile_grad)
+    return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
+
+
+def _backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, stats, ignore_index, softcap, temperature,
+                   with_entropy, chunk_size, needs_hidden, needs_weight, needs_bias):
+    return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
+            torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
+            torch.empty_like(bias) if needs_bias else hidden.new_empty(0))
+
+
+def _setup(ctx, inputs, output):
+    hidden, weight, target, bias, *options = inputs
+    logp, entropy, stats = output
+    ctx.mark_non_differentiable(stats)
+    if not entropy.numel():
+        ctx.mark_non_differentiable(entropy)
+    # A gradient that does not arrive (only logp or only the entropy used) comes as None, not a zero tensor.
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(hidden, weight, target, bias, stats)
+    ctx.options = tuple(options)
+
+
+def _grad_with(backward):
+    def _grad(ctx, grad_logp, grad_entropy, grad_stats):
+        hidden, weight, target, bias, stats = ctx.saved_tensors
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+        if grad_logp is None and grad_entropy is None:
+            return (None,) * 9
+        grads = backward(grad_logp, grad_entropy, hidden, weight, target, bias, stats, *ctx.options, *needs)
+        grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+    return _grad
+
+
+_op = custom_op("memkernels::linear_logprobs", _forward, _forward_fake)
+# Under autocast the head's GEMMs run in the region's dtype, as F.linear's do; the results stay float32.
+_autocast.register(_op._qualname, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, (0, 1, 3))
+_backward_op = custom_op("memkernels::linear_logprobs_backward", _backward, _backward_fake)
+_Function = autograd_pair(_op, _forward, _setup, _grad_with(_backward_op), _grad_with(_backward))
+
+
+# ----------------------------------------------------------------------------------------------
+# public function
+
+
+def _validate(hidden, weight, target, bias, temperature, softcap, ignore_index, chunk_size):
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
+        raise TypeError("hidden must be a floating-point tensor of shape (..., H)")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"weight must be the LM head's (V, H) matrix, got shape {tuple(getattr(weight, 'shape', ()))}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hidden.shape[-1]}; "
+                         "weight must be (V, H) with H = hidden.shape[-1]")
+    if weight.shape[0] < 1:
+        raise ValueError("weight must have at least one row (the vocabulary size V >= 1)")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
+                         f"{hidden.device}); cast one of them")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)
+                             or bias.dtype != hidden.dtype or bias.device != hidden.device):
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), dtype {hidden.dtype} and device "
+                         f"{hidden.device}; got {tuple(getattr(bias, 'shape', ()))}, {getattr(bias, 'dtype', None)}, "
+                         f"{getattr(bias, 'device', None)}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a tensor of token ids, got {type(target).__name__}")
+    if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"target must hold integer token ids (e.g. torch.long), got dtype {target.dtype}")
+    n_tokens = math.prod(hidden.shape[:-1])
+    if target.numel() != n_tokens:
+        raise ValueError(f"target has {target.numel()} elements (shape {tuple(target.shape)}) but hidden has "
+                         f"{n_tokens} tokens (shape {tuple(hidden.shape)}); they must match one token id per row")
+    if target.device != hidden.device:
+        raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}; move it with .to()")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) \
+            or not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}")
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not (math.isfinite(softcap) and softcap > 0)):
+        raise ValueError(f"softcap must be None or a finite number > 0, got {softcap!r}")
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int (tokens per chunk), got {chunk_size!r}")
+
+
+def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softcap=None, return_entropy=False,
+                    chunk_size=None, ignore_index=-100):
+    """``log_softmax(cap(hidden @ weight.T + bias) / temperature)[target]`` per token, without the logits.
+
+    Args:
+        hidden: (..., H) float32/float16/bfloat16 final hidden states.
+        weight: (V, H) LM-head weight, same dtype; bias: optional (V,).
+        target: (...) integer token ids in [0, V) or ``ignore_index``, one per row of hidden.
+        temperature: the sampling temperature the logits are divided by (after the soft-cap), > 0.
+        softcap: optional c > 0: the logits are ``c * tanh(logits / c)`` first (Gemma-2's final soft-cap).
+        return_entropy: also return the per-token entropy ``-sum p log p`` of the same distribution.
+        chunk_size: tokens per forward chunk (and the backward's tile of classes holds as many logits);
+            default: linear_cross_entropy's "recompute" sizes (see :mod:`memkernels.ops.linear_cross_entropy`).
+        ignore_index: tokens with this target give 0 (log-prob and entropy) and no gradient.
+    Returns:
+        logp, float32 of ``target``'s shape, or ``(logp, entropy)`` with ``return_entropy``. Both are
+        differentiable with respect to hidden, weight and bias.
+
+    Memory: between forward and backward 8 bytes a token (12 with the entropy) beyond the inputs; the
+    largest transient is one chunk of logits (by default about 16 MiB, at least 590 tokens a chunk for half
+    inputs). Under ``torch.autocast`` hidden, weight and bias are cast to the region's dtype first, as
+    ``F.linear`` casts them; the results stay float32.
+    """
+    hidden, weight, _, bias = _autocast.cast(_op._qualname, _autocast.device_type_of((hidden,)),
+                                             (hidden, weight, target, bias))
+    _validate(hidden, weight, target, bias, temperature, softcap, ignore_index, chunk_size)
+    hidden_size = hidden.shape[-1]
+    n_tokens = target.numel()
+    out_shape = target.shape
+    hidden2d = hidden.reshape(n_tokens, hidden_size).contiguous()
+    logp, entropy, _ = apply_op(_op, _Function, hidden2d, weight.contiguous(), target.reshape(-1).long(), bias,
+                                ignore_index, float(softcap) if softcap is not None else 0.0, float(temperature),
+                                bool(return_entropy), chunk_size or 0)
+    logp = logp.view(out_shape)
+    return (logp, entropy.view(out_shape)) if return_entropy else logp
