@@ -44,9 +44,16 @@ class LogprobConfig(NamedTuple):
     with_entropy: bool  # statistics (N, 3) with the entropy, else (N, 2)
 
 
-def _row_blocks(n_rows, n_cols):
+def _row_blocks(logits):
+    n_rows, n_cols = logits.shape
     rows = max(1, BLOCK_ELEMENTS // max(n_cols, 1))
-    return [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+    blocks = [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+    if logits.device.type == "meta" and len(blocks) > 3:
+        # Meta tensors hold no values: the first block, the second (which starts with what the first left
+        # alive, as every later one does) and the last (maybe smaller) allocate what all of them do, in a
+        # fraction of the time (as cross-entropy's reference does, see there).
+        blocks = [blocks[0], blocks[1], blocks[-1]]
+    return blocks
 
 
 def _scaled(logits, cfg):
@@ -85,7 +92,7 @@ def stats_rows(logits, target, cfg, *, grad=None, grad_logp=None, grad_entropy=N
     logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if cfg.with_entropy else None
     stats = torch.empty(n_rows, 3 if cfg.with_entropy else 2, dtype=torch.float32, device=logits.device)
-    for rows in _row_blocks(n_rows, logits.shape[1]):
+    for rows in _row_blocks(logits):
         logp[rows], entropy_rows, stats[rows] = _stats_block(logits[rows], target[rows], cfg)
         if entropy is not None:
             entropy[rows] = entropy_rows
@@ -128,7 +135,7 @@ def grad_cols(logits, target, stats, cfg, grad, grad_logp, grad_entropy, *, col_
     :func:`stats_rows`; grad: (R, W) buffer written in place (may be ``logits``); grad_logp, grad_entropy:
     (R,) float32 incoming gradients, or None for zero.
     """
-    for rows in _row_blocks(logits.shape[0], logits.shape[1]):
+    for rows in _row_blocks(logits):
         _write_grad(logits[rows], target[rows], stats[rows], cfg, grad[rows], _rows_of(grad_logp, rows),
                     _rows_of(grad_entropy, rows), col_offset)
 
