@@ -131,10 +131,13 @@ def run_report(args):
             failure = f"memkernels kernels unavailable: {error}"
             print(f"ERROR: {failure}\n")
             continue
-        comparison = compare_steps(baseline, optimized, ids, ids)
+        comparison = compare_steps(baseline, optimized, ids, ids, timed_steps=args.timed_steps)
         print(patch_report.summary())
         print()
         print(comparison.step_table())
+        if device == "cpu" and args.timed_steps:
+            print("(times on the CPU: memkernels runs its PyTorch reference path there, not its Triton kernels; "
+                  "not indicative of GPU step time)")
         print()
         print(f"bytes saved for backward by this training step ({REPORT_BATCH} x {REPORT_SEQ} tokens), by category:")
         print(comparison.category_table())
@@ -224,6 +227,9 @@ def _add_report(subparsers):
     report.add_argument("--shard", type=_positive, default=8, help="FSDP/ZeRO-3 shard degree of the estimate")
     report.add_argument("--gpu-mem", type=_size_argument(parse_device_size, "--gpu-mem"), default=None,
                         help=f"draw a capacity line: {MEMORY_FORMS}")
+    report.add_argument("--timed-steps", type=_nonnegative, default=3,
+                        help="unmetered training steps timed per embedded model after the metered one, their median "
+                        "printed (default 3; 0: no time row)")
     report.add_argument("--out", default="memkernels-report.png",
                         help="path of the PNG chart (default: memkernels-report.png in the working directory; the "
                         "full path is printed at the end)")

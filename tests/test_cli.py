@@ -63,14 +63,19 @@ def test_report_runs_and_writes_a_png(tmp_path):
     here: a timed test, or a subprocess timeout, fails on a loaded machine (issue 32)."""
     pytest.importorskip("matplotlib")
     out = tmp_path / "report.png"
-    result = subprocess.run([sys.executable, "-m", "memkernels.cli", "report", "--out", str(out)], cwd=ROOT,
-                            capture_output=True, text=True)
+    result = subprocess.run([sys.executable, "-m", "memkernels.cli", "report", "--out", str(out), "--timed-steps", "1"],
+                            cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     for expected in ("loss", "max rel err", "saved for backward", "norm", "mlp", "attention", "logits/loss", "tiny-gpt",
                      "tiny-llama", "MemkernelsGatedMLP",
                      "peak bytes", "llama-3-8b", "+ memkernels", f"wrote {out}"):
         assert expected in result.stdout, expected
     assert "[4/4]" in result.stderr  # progress
+    # The time row is of unmetered steps (a metered one read as "memkernels is 5x slower": the meters' dispatch mode
+    # cost the reference path's many small ops up to 15x), and says what it is on a CPU.
+    assert "fwd+bwd time (median of 1, cpu)" in result.stdout
+    assert not any(line.startswith("step time") for line in result.stdout.splitlines())
+    assert "not indicative of GPU step time" in result.stdout
     # One figure for the saved bytes, saying what it measures: apply()'s own per-token figure (a meta forward
     # of another token count, -47%) printed beside this step's total (-36%) read as a contradiction.
     assert "saved for backward per token" not in result.stdout

@@ -481,18 +481,39 @@ def evaluate(baseline_step, optimized_step, *, make_batch, budget_bytes, batch_s
 
 # ----------------------------------------------------------------------------- step comparison
 
-def _run_step(model, inputs, kwargs):
-    """One forward (ledger) + backward (peak tracked); returns loss, ledger, peak, time, grads."""
+# Unmetered forward + backward passes whose median is a step's time in compare_steps.
+TIMED_STEPS = 3
+
+
+def _run_step(model, inputs, kwargs, timed_steps):
+    """One forward (ledger) + backward (peak tracked), then ``timed_steps`` unmetered ones; returns loss,
+    ledger, peak, the unmetered steps' median time, grads (of the metered step)."""
     model.zero_grad(set_to_none=True)
-    start = time.perf_counter()
     with PeakBytesMeter() as peak:
         ledger, loss = ledger_forward(model, *inputs, **kwargs)
         loss = getattr(loss, "loss", loss)  # Hugging Face outputs carry the loss as .loss
         loss.backward()
-    seconds = time.perf_counter() - start
     grads = {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.grad is not None}
-    return {"loss": float(loss.detach()), "ledger": ledger, "peak_bytes": peak.peak_bytes, "seconds": seconds,
-            "grads": grads}
+    # Timed apart from the meters: their dispatch mode sees every aten op, which costs the PyTorch reference path
+    # (many small ops) up to 15x its own time. The metered step was the warm-up.
+    times = []
+    for _ in range(timed_steps):
+        model.zero_grad(set_to_none=True)
+        _synchronize(inputs)
+        start = time.perf_counter()
+        timed_loss = model(*inputs, **kwargs)
+        getattr(timed_loss, "loss", timed_loss).backward()
+        _synchronize(inputs)
+        times.append(time.perf_counter() - start)
+        del timed_loss
+    return {"loss": float(loss.detach()), "ledger": ledger, "peak_bytes": peak.peak_bytes,
+            "seconds": sorted(times)[len(times) // 2] if times else None, "grads": grads}
+
+
+def _synchronize(inputs):
+    devices = {t.device for t in inputs if isinstance(t, torch.Tensor) and t.device.type == "cuda"}
+    for device in devices:
+        torch.cuda.synchronize(device)
 
 
 class StepComparison:
@@ -500,13 +521,15 @@ class StepComparison:
 
     ``baseline`` / ``optimized``: dicts with ``loss`` (float), ``ledger``
     (:class:`ActivationLedger`), ``peak_bytes`` (most memory the step allocated,
-    forward and backward), ``seconds``, ``grads`` ({parameter name: tensor}).
+    forward and backward), ``seconds`` (the median forward + backward time of unmetered steps
+    after the metered one; None when none was timed), ``grads`` ({parameter name: tensor}).
     ``loss_difference``: |Δloss|; ``max_grad_error``: the largest |Δgrad| of any
     parameter element divided by the largest |grad| of the model.
     """
 
-    def __init__(self, baseline, optimized):
+    def __init__(self, baseline, optimized, device="cpu", timed_steps=TIMED_STEPS):
         self.baseline, self.optimized = baseline, optimized
+        self.device, self.timed_steps = device, timed_steps
         self.loss_difference = abs(baseline["loss"] - optimized["loss"])
         missing = sorted(set(baseline["grads"]) ^ set(optimized["grads"]))
         if missing:
@@ -537,8 +560,17 @@ class StepComparison:
                 ("peak bytes (fwd+bwd)", format_bytes(self.baseline["peak_bytes"]),
                  format_bytes(self.optimized["peak_bytes"]),
                  f"{(self.optimized['peak_bytes'] - self.baseline['peak_bytes']) / self.baseline['peak_bytes']:+.0%}"),
-                ("step time", f"{self.baseline['seconds']:.2f} s", f"{self.optimized['seconds']:.2f} s", "")]
+                ]
+        if self.baseline["seconds"] is not None and self.optimized["seconds"] is not None:
+            rows.append((f"fwd+bwd time ({self.device_label()})", f"{self.baseline['seconds']:.3f} s",
+                         f"{self.optimized['seconds']:.3f} s",
+                         f"{self.optimized['seconds'] / self.baseline['seconds']:.2f}x"
+                         if self.baseline["seconds"] else ""))
         return _table(("", "baseline", "memkernels", "parity / change"), rows)
+
+    def device_label(self):
+        """What the times were measured on, for their row: "median of N, <device>"."""
+        return f"median of {self.timed_steps}, {self.device}"
 
     def to_dict(self):
         def side(result):
@@ -548,9 +580,15 @@ class StepComparison:
                 "loss_difference": self.loss_difference, "max_grad_error": self.max_grad_error}
 
 
-def compare_steps(baseline_model, optimized_model, *inputs, **kwargs):
-    """Run one forward+backward of each model on ``inputs``; a :class:`StepComparison`.
+def compare_steps(baseline_model, optimized_model, *inputs, timed_steps=TIMED_STEPS, **kwargs):
+    """Run one metered forward+backward of each model on ``inputs`` (saved bytes, peak, loss, gradients), then
+    ``timed_steps`` unmetered ones for the time (their median); a :class:`StepComparison`.
 
-    The models' forward must return a scalar loss (or an object with ``.loss``).
+    The models' forward must return a scalar loss (or an object with ``.loss``). ``timed_steps=0`` skips timing.
     """
-    return StepComparison(_run_step(baseline_model, inputs, kwargs), _run_step(optimized_model, inputs, kwargs))
+    if not isinstance(timed_steps, int) or isinstance(timed_steps, bool) or timed_steps < 0:
+        raise ValueError(f"compare_steps(timed_steps={timed_steps!r}): must be an int >= 0")
+    devices = {t.device.type for t in inputs if isinstance(t, torch.Tensor)}
+    return StepComparison(_run_step(baseline_model, inputs, kwargs, timed_steps),
+                          _run_step(optimized_model, inputs, kwargs, timed_steps),
+                          device=", ".join(sorted(devices)) or "cpu", timed_steps=timed_steps)
