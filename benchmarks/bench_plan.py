@@ -20,9 +20,13 @@ Peak: bytes allocated during one training step and alive at its worst moment (Pe
 gradients allocated beforehand, so they are not counted). Recompute FLOPs: FLOPs of the step
 (FlopCounterMode: matmuls and attention) minus those of the eager step without any
 recompute; a compiled step at budget 1.0 must count exactly the eager step's FLOPs (printed
-as a check). Then the time ``plan()`` takes for Llama-3-70B's config (80 layers, 8 x 80 GB).
+as a check). Then the time ``plan()`` takes for Llama-3-70B's config (80 layers, 8 x 80 GB), and
+Llama-3-8B on 8 x 80 GB (bf16, AdamW, full fine-tuning) at 8k-64k tokens per GPU: the plan (the
+fused linear cross-entropy counted, issue 35), its added FLOPs and its cold planning time (no
+profile cached).
 
     python benchmarks/bench_plan.py [--layers 8] [--hidden 128] [--seq 256] [--batch 2]
+    python benchmarks/bench_plan.py --llama3-8b-only [--llama3-8b-seqs 65536]
 """
 import argparse
 import json
@@ -42,6 +46,7 @@ from memkernels.tools import plan_apply
 from memkernels.tools.placement import OPTION_BY_NAME, flop_counter
 from memkernels.tools.plan import place, plan
 
+LLAMA_3_8B_SEQS = (8192, 16384, 32768, 65536)
 LLAMA_3_70B = ModelConfig(name="llama-3-70b", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
                           num_kv_heads=8, intermediate_size=28672, max_seq_len=8192, rope_theta=500000.0)
 
@@ -115,6 +120,10 @@ def main():
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--llama3-8b-only", action="store_true",
+                        help="only the Llama-3-8B plans (a few seconds each), not the tiny-model comparison")
+    parser.add_argument("--llama3-8b-seqs", default=",".join(map(str, LLAMA_3_8B_SEQS)),
+                        help="tokens per GPU per micro-batch to plan Llama-3-8B at, comma-separated")
     parser.add_argument("--torch-budget", type=float, default=None,
                         help="internal: measure the compiled model at this activation_memory_budget and print JSON")
     args = parser.parse_args()
@@ -126,6 +135,9 @@ def main():
         return TransformerLM(config)
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    if args.llama3_8b_only:
+        llama_3_8b(int(s) for s in args.llama3_8b_seqs.split(","))
+        return
     if args.torch_budget is not None:
         # One budget per process: after torch._dynamo.reset() a second compile in the same
         # process did not call the backend's compilers again.
@@ -189,6 +201,35 @@ def main():
     print(f"\nplan() for Llama-3-70B (80 layers), 8 x 80 GB, seq 8192: {elapsed:.1f} s "
           f"(target: under 10 s on 2 cores); {result.config.label(8)}, micro-batch {result.micro_batch}, "
           f"accumulation {result.accumulation}")
+    llama_3_8b(int(s) for s in args.llama3_8b_seqs.split(","))
+
+
+def llama_3_8b(seqs):
+    """Llama-3-8B, 8 x 80 GB, bf16, AdamW, full fine-tuning, one sequence per GPU per micro-batch (the global
+    batch is seq x 8): the plan, its added FLOPs (layers' recompute + the fused loss's logits GEMM) over the
+    step's, and the cold planning time (profiles dropped first)."""
+    from memkernels.tools import placement
+    from memkernels.tools.sizes import format_size
+    print("\nLlama-3-8B, 8 x 80 GB, bf16, AdamW, full fine-tuning, 1 sequence per GPU per micro-batch:")
+    print(f"{'tokens':>7} | {'plan':<58} | {'activations':>11} | {'added FLOPs':>11} | {'of which head':>13} | "
+          f"{'cold':>6}")
+    for seq in seqs:
+        placement._profiles.clear()
+        start = time.perf_counter()
+        result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=seq, global_batch_tokens=seq * 8)
+        elapsed = time.perf_counter() - start
+        chosen = result.placement
+        step_flops = result.step_seconds * 400e12  # the plan's step FLOPs (its cost model runs at 400 TFLOP/s)
+        if result.fits:
+            recomputed = sum(1 for c in chosen.choices if c.recomputed)
+            text = f"{result.config.label(8)}, micro {result.micro_batch}, {recomputed} layers recompute"
+            added = f"{chosen.recompute_flops / step_flops:.1%}"
+            head = f"{chosen.head_recompute_flops / step_flops:.1%}"
+        else:
+            text = f"NOTHING FITS: needs {format_size(result.missing)} more ({result.config.label(8)})"
+            added = head = "-"
+        print(f"{seq:>7,} | {text:<58} | {format_size(chosen.predicted_peak):>11} | {added:>11} | {head:>13} | "
+              f"{elapsed:>5.1f}s")
 
 
 if __name__ == "__main__":

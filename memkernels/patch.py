@@ -206,14 +206,17 @@ class _CausalLMLoss(nn.Module):
     """Next-token cross-entropy from hidden states through the LM head, logits never materialized.
 
     A module (no parameters, nothing in state_dict) so that the ledger files
-    its saved tensors under logits/loss.
+    its saved tensors under logits/loss. ``strategy``: the op's (``"auto"``; a plan's
+    ``apply(model, plan)`` sets ``"recompute"``, the strategy the plan counted).
     """
+
+    strategy = "auto"
 
     def forward(self, hidden, weight, targets, bias=None, softcap=None, num_items_in_batch=None):
         from memkernels.ops.linear_cross_entropy import linear_cross_entropy
         reduction = "mean" if num_items_in_batch is None else "sum"
         loss = linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=-100, reduction=reduction,
-                                    softcap=softcap)
+                                    softcap=softcap, strategy=self.strategy)
         if num_items_in_batch is None:
             return loss
         if torch.is_tensor(num_items_in_batch):

@@ -28,17 +28,17 @@ BATCH, SEQ, VOCAB = 2, 128, 96
 FRACTIONS = (1.0, 0.75, 0.5, 0.25)
 
 
-def _llama(dtype):
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=192, num_hidden_layers=6,
+def _llama(dtype, vocab=VOCAB):
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=6,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                       attn_implementation="sdpa")
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config).to(dtype).train()
 
 
-def _gpt2(dtype):
+def _gpt2(dtype, vocab=VOCAB):
     # Dropout on the embeddings and residual branches (attention dropout would take SDPA off its flash path).
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=6, n_head=4, n_positions=256,
+    config = transformers.GPT2Config(vocab_size=vocab, n_embd=64, n_layer=6, n_head=4, n_positions=256,
                                      resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.0, attn_implementation="sdpa")
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).to(dtype).train()
@@ -106,6 +106,104 @@ def test_placement_real_runs(build, dtype):
             assert recompute < every_recompute, where
         peaks.append(peak)
     assert peaks == sorted(peaks, reverse=True), peaks  # lower budget, never a higher peak
+
+
+# ----------------------------------------------------------------------------- the LM head in the plan
+
+HEAD_VOCAB = 4096  # a head big enough to bind at low budgets (its logits outweigh a layer's activations)
+
+
+def _fused_unplanned(build, dtype, vocab):
+    """``build(dtype, vocab)`` with the kernels a plan installs (the fused loss with the plan's strategy)."""
+    from memkernels.tools.placement import KERNELS, install_loss_strategy
+    model = build(dtype, vocab)
+    memkernels.apply(model, **KERNELS)
+    assert install_loss_strategy(model) == 1
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("build", [_llama, _gpt2], ids=["llama", "gpt2"])
+def test_placement_with_the_fused_head_real_runs(build, dtype):
+    """place(kernels=True) counts the fused linear cross-entropy ("recompute") the kernels install: applied
+    with memkernels.apply, each placement measures at or under its budget and within 3% of the prediction
+    (down to the lowest peak the plan can reach, where the head binds), its gradients equal the unplanned
+    fused model's bitwise, and its added FLOPs over the eager model (the layers' recompute plus the loss's
+    logits GEMM replayed in backward, 2 N H V) equal the measured ones exactly."""
+    ids = torch.randint(0, HEAD_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    _, eager_flops, _ = _step(build(dtype, HEAD_VOCAB), ids)
+    fused_peak, _, fused_grads = _step(_fused_unplanned(build, dtype, HEAD_VOCAB), ids)
+    floor = place(build(dtype, HEAD_VOCAB), batch=BATCH, seq=SEQ, budget=1, kernels=True).predicted_peak
+    peaks = []
+    # The floor itself is out of the DP's reach: it rounds needs up, savings down (by max need / 4096).
+    for budget in (fused_peak, int(0.9 * fused_peak), int(1.01 * floor)):
+        placement = place(build(dtype, HEAD_VOCAB), batch=BATCH, seq=SEQ, budget=budget, kernels=True)
+        assert placement.fits and placement.kernels, (budget, placement.describe())
+        assert placement.head_recompute_flops == 2 * BATCH * SEQ * 64 * HEAD_VOCAB
+        model = build(dtype, HEAD_VOCAB)
+        memkernels.apply(model, placement)
+        assert [m.strategy for m in model.modules() if type(m).__name__ == "_CausalLMLoss"] == ["recompute"]
+        peak, flops, grads = _step(model, ids)
+        where = f"budget {budget:,}: {placement.describe()}"
+        assert peak <= budget, (where, peak)
+        assert abs(peak - placement.predicted_peak) <= 0.03 * placement.predicted_peak, (where, peak,
+                                                                                         placement.predicted_peak)
+        for name, grad in grads.items():
+            assert torch.equal(grad, fused_grads[name]), (where, name)
+        assert flops - eager_flops == placement.recompute_flops, where
+        peaks.append(peak)
+    assert peaks == sorted(peaks, reverse=True), peaks
+    # Without the kernels the plan counts the eager head (logits, their float32 copy and gradient): a higher floor.
+    assert place(build(dtype, HEAD_VOCAB), batch=BATCH, seq=SEQ, budget=1).predicted_peak > floor
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens, hidden, classes", [
+    (256, 64, 96),  # one chunk, one tile holding every class
+    (1000, 32, 30000),  # several chunks and tiles, a short last one of each
+    (3000, 16, 5000),
+    (7, 8, 50000),  # fewer tokens than a chunk
+])
+def test_fused_head_bytes_are_the_ops(dtype, tokens, hidden, classes):
+    """fused_head_bytes (what a plan counts for the head) equals what linear_cross_entropy(strategy="recompute")
+    allocates on the CPU path, byte for byte: the forward's peak, what it holds, the backward's peak."""
+    from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+    from memkernels.tools.placement import fused_head_bytes
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, hidden, generator=generator).to(dtype).requires_grad_()
+    weight = torch.randn(classes, hidden, generator=generator).to(dtype).requires_grad_()
+    target = torch.randint(0, classes, (tokens,), generator=generator)
+    with PeakBytesMeter() as forward:
+        loss = linear_cross_entropy(x, weight, target, strategy="recompute")
+    held = forward.current_bytes - loss.nbytes
+    with PeakBytesMeter() as backward:
+        loss.backward()
+    model = fused_head_bytes(tokens, hidden, classes, dtype, backend="torch")
+    assert (forward.peak_bytes, held, backward.peak_bytes) == (model.forward_peak, model.held, model.backward_peak)
+    assert model.held == 8 * tokens
+
+
+def test_flop_counter_counts_every_addmm_overload():
+    """addmm_ (the fused loss's float32 dX) and addmm.dtype_out (its half operands into float32: the
+    stock formula raised "got multiple values for argument 'out_shape'") count as GEMMs."""
+    from memkernels.ops._half_gemm import addmm_float32_
+    for dtype in (torch.float32, torch.bfloat16):
+        accumulator, a, b = torch.zeros(4, 6), torch.randn(4, 5).to(dtype), torch.randn(5, 6).to(dtype)
+        with flop_counter() as counter:
+            addmm_float32_(accumulator, a, b)
+        assert counter.get_total_flops() == 2 * 4 * 5 * 6, dtype
+
+
+def test_llama3_8b_at_64k_tokens_per_gpu_fits_with_the_fused_head():
+    """Issue 35: with the eager head's logits-sized transients (~95 GiB at 64k tokens) nothing fit, even QLoRA
+    with every layer recomputed; the fused loss holds 8 B a token, and full fine-tuning fits on 8 x 80 GB."""
+    result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536)
+    assert result.fits and result.config.finetune == "full" and result.kernels
+    assert result.placement.head_recompute_flops == 2 * 65536 * 4096 * 128256
+    assert result.placement.recompute_flops > result.placement.head_recompute_flops
+    kernels = next(step for step in result.steps if step.name == "memkernels kernels")
+    assert kernels.taken and 'fused linear cross-entropy (strategy "recompute"' in kernels.reason
+    assert sum(result.breakdown().values()) <= 80 * 2**30
 
 
 def test_apply_plan_undo_and_no_grad():

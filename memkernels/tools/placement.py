@@ -42,6 +42,7 @@ discretization: the minimum added time over all 12^L placements, with ties going
 option listed first (keep before recompute before offload, smaller parts first).
 """
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -92,19 +93,197 @@ LAYER_OPTIONS = (
 OPTION_BY_NAME = {option.name: option for option in LAYER_OPTIONS}
 _RECOMPUTE_ONLY = tuple(o for o in LAYER_OPTIONS if not o.offloaded)
 _STATES = 4096
-# The kernels a plan measures and applies: fused norms and GELU MLPs. The fused linear
-# cross-entropy is left out: at a 128k vocabulary its meta step still takes ~4.5 s (its
-# split-accumulator GEMMs, see docs/measuring.md), about a minute per plan.
-KERNELS = {"norms": True, "mlp": True, "loss": False, "measure": False}
+# The kernels a plan measures and applies: fused norms and MLPs, and the fused linear cross-entropy
+# where apply() installs it, with the strategy below. Its meta step is not run (at a 128k vocabulary
+# it took seconds per step, a minute per plan): :class:`_ModelledLoss` stands in for it on meta, with
+# the bytes of :func:`fused_head_bytes`.
+KERNELS = {"norms": True, "mlp": True, "loss": True, "measure": False}
+LOSS_STRATEGY = "recompute"
+
+
+def _mm_flops(_self_shape, a_shape, b_shape, *_args, out_shape=None, **_kwargs):
+    """addmm's FLOPs whatever the overload: addmm_ (in place) and addmm.dtype_out (half operands, float32
+    result: :mod:`memkernels.ops._half_gemm`), whose extra positional ``out_dtype`` the stock formula takes
+    for its ``out_shape`` (a TypeError: "got multiple values for argument 'out_shape'")."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
 def flop_counter():
-    """A FlopCounterMode that also counts the CPU flash-attention op (what runs on CPU and on meta)."""
+    """A FlopCounterMode that also counts the CPU flash-attention op (what runs on CPU and on meta) and
+    every overload of addmm (the fused linear cross-entropy accumulates dX with addmm_ / addmm.dtype_out)."""
     aten = torch.ops.aten
     return FlopCounterMode(display=False, custom_mapping={
         aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__,
         aten._scaled_dot_product_flash_attention_for_cpu_backward:
-            flop_registry[aten._scaled_dot_product_flash_attention_backward].__wrapped__})
+            flop_registry[aten._scaled_dot_product_flash_attention_backward].__wrapped__,
+        aten.addmm: _mm_flops, aten.addmm_: _mm_flops})
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadBytes:
+    """What the fused linear cross-entropy (strategy "recompute", default chunks) needs for ``tokens`` tokens.
+
+    ``forward_peak``: bytes its forward allocates above its inputs at its peak; ``held``: what it keeps
+    for backward (the (max, log-sum) pair: 8 bytes a token; the inputs are referenced, not copied);
+    ``backward_peak``: bytes its backward allocates at its peak (dX and dW included);
+    ``chunk_tokens`` x ``tile_classes``: the forward's logits chunk and the backward's tile;
+    ``flops``: (forward, backward, of which recomputed): 2 N H V, 6 N H V (with dX and dW), 2 N H V.
+    """
+
+    tokens: int
+    hidden_size: int
+    n_classes: int
+    chunk_tokens: int
+    tile_classes: int
+    forward_peak: int
+    held: int
+    backward_peak: int
+    flops: tuple
+
+
+def fused_head_bytes(n_tokens, hidden_size, n_classes, dtype, *, backend="triton", bias=False,
+                     needs=(True, True)):
+    """:class:`HeadBytes` of ``linear_cross_entropy(strategy="recompute")`` on N = ``n_tokens`` tokens, H =
+    ``hidden_size``, V = ``n_classes``, e bytes an element of ``dtype``, as the op allocates them:
+
+    - forward: the loss and (max, log-sum) rows, 12 N, then one logits chunk of r tokens (r V e) and what
+      the row kernel allocates for it (``backend="triton"``, a GPU: its 12 r output rows; ``"torch"``, the
+      CPU path: its float32 row blocks, measured on meta, a few ms). Held: 8 N.
+    - backward: the float32 dX accumulator (4 N H) and dW (V H e), then one tile of c classes' logits for
+      all tokens (N c e) with its gradient written in place (the CPU path's row kernel adds its float32
+      blocks), or at the end dX rounded to the input dtype (N H e) beside the accumulator.
+      With a bias: dB (V e), and for half inputs a float32 tile (4 N c).
+
+    r and c are the op's defaults (:func:`~memkernels.ops.linear_cross_entropy.recompute_chunk_tokens`,
+    :func:`~memkernels.ops.linear_cross_entropy.recompute_tile_classes`): at least 590 tokens and 2360
+    classes for half inputs (80 and 160 in float32), otherwise 16 MiB of logits (with a float32 copy).
+    ``needs``: (dX, dW) wanted.
+    """
+    from memkernels.ops.linear_cross_entropy import recompute_chunk_tokens, recompute_tile_classes
+    e = torch.finfo(dtype).bits // 8
+    half = dtype != torch.float32
+    n, h, v = n_tokens, hidden_size, n_classes
+    rows = min(recompute_chunk_tokens(v, dtype), n)
+    cols = min(recompute_tile_classes(n, v, dtype), v)
+    whole_rows = cols >= v  # one tile holds every class: the backward's row kernel is the loss one
+    if backend == "triton":
+        forward_rows, backward_rows = 12 * rows, 12 * n if whole_rows else 0
+    else:
+        forward_rows, backward_rows = _reference_row_bytes(rows, n, v, cols, dtype, whole_rows)
+    needs_hidden, needs_weight = needs
+    # + 8: the reduction's scalars (its denominator; the backward's loss and z scales).
+    forward_peak = 12 * n + rows * v * e + forward_rows + 8
+    tile = n * cols * e + backward_rows + (4 * n * cols if bias and half else 0)
+    backward_peak = ((4 * n * h if needs_hidden else 0) + (v * h * e if needs_weight else 0) + (v * e if bias else 0)
+                     + max(tile, n * h * e if needs_hidden and half else 0) + 8)
+    flops = 2 * n * h * v
+    return HeadBytes(tokens=n, hidden_size=h, n_classes=v, chunk_tokens=rows, tile_classes=cols,
+                     forward_peak=forward_peak, held=8 * n, backward_peak=backward_peak,
+                     flops=(flops, flops * (1 + needs_hidden + needs_weight), flops))
+
+
+_row_bytes = {}  # (rows, tokens, classes, tile, dtype, whole rows) -> (forward, backward)
+
+
+def _reference_row_bytes(rows, n_tokens, n_classes, cols, dtype, whole_rows):
+    """(bytes the CPU path's row kernel allocates at its peak for one forward chunk, for one backward tile):
+    measured on meta (the reference walks three row blocks there, whatever the rows)."""
+    key = (rows, n_tokens, n_classes, cols, dtype, whole_rows)
+    if key not in _row_bytes:
+        from memkernels.ops._loss import make_config
+        from memkernels.reference import cross_entropy as reference
+        cfg = make_config(n_classes, -100, 0.0, 0.0, 0.0, None)
+        scale = torch.ones((), dtype=torch.float32, device="meta")
+        figures = []
+        for phase, tokens, width in (("forward", rows, n_classes), ("backward", n_tokens, cols)):
+            logits = torch.empty(tokens, width, dtype=dtype, device="meta")
+            target = torch.zeros(tokens, dtype=torch.long, device="meta")
+            lse = torch.empty(tokens, 2, dtype=torch.float32, device="meta")
+            with PeakBytesMeter() as meter:
+                if phase == "forward":
+                    outputs = reference.loss_rows(logits, target, cfg)
+                elif whole_rows:  # the gradient written over the logits, as the op's tile
+                    outputs = reference.loss_rows(logits, target, cfg, grad=logits, loss_scale=scale, z_scale=scale)
+                else:
+                    outputs = reference.grad_rows(logits, target, lse, cfg, logits, scale, scale)
+                del outputs
+            figures.append(meter.peak_bytes)
+        _row_bytes[key] = tuple(figures)
+    return _row_bytes[key]
+
+
+# FLOPs the modelled loss stood for in the current step: FlopCounterMode sees none of them.
+_MODELLED_HEAD = {"step": 0, "recompute": 0, "figures": None}
+
+
+class _ModelledHead(torch.autograd.Function):
+    """The fused loss's memory on meta: its outputs and saved tensors as they are, its transients as one
+    block of :func:`fused_head_bytes`' size allocated and freed."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, bias, backend):
+        figures = fused_head_bytes(hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, backend=backend,
+                                   bias=bias is not None, needs=(hidden.requires_grad, weight.requires_grad))
+        lse = hidden.new_empty((hidden.shape[0], 2), dtype=torch.float32)
+        transient = hidden.new_empty(max(0, figures.forward_peak - figures.held), dtype=torch.uint8)
+        del transient
+        ctx.save_for_backward(hidden, weight, target, bias, lse)
+        ctx.figures = _MODELLED_HEAD["figures"] = figures
+        _MODELLED_HEAD["step"] += figures.flops[0]
+        return hidden.new_empty((), dtype=torch.float32)
+
+    @staticmethod
+    def backward(ctx, _grad_loss):
+        hidden, weight, _target, bias, _lse = ctx.saved_tensors
+        figures = ctx.figures
+        grad_weight = torch.empty_like(weight) if ctx.needs_input_grad[1] else None
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_bias = torch.empty_like(bias) if bias is not None and ctx.needs_input_grad[3] else None
+        outputs = sum(g.nbytes for g in (grad_weight, grad_hidden, grad_bias) if g is not None)
+        transient = hidden.new_empty(max(0, figures.backward_peak - outputs), dtype=torch.uint8)
+        del transient
+        _MODELLED_HEAD["step"] += figures.flops[1] - figures.flops[2]
+        _MODELLED_HEAD["recompute"] += figures.flops[2]
+        return grad_hidden, grad_weight, None, grad_bias, None
+
+
+@functools.lru_cache(maxsize=None)
+def _modelled_loss_class():
+    from memkernels.patch import _CausalLMLoss
+
+    class _ModelledLoss(_CausalLMLoss):
+        """Stands in on meta for the fused loss a plan installs (:data:`LOSS_STRATEGY`): the same
+        reshapes as ``linear_cross_entropy``, then :class:`_ModelledHead`."""
+
+        backend = "triton"
+
+        def forward(self, hidden, weight, targets, bias=None, softcap=None, num_items_in_batch=None):
+            hidden_size = hidden.shape[-1]
+            hidden2d = hidden.reshape(-1, hidden_size).contiguous()
+            loss = _ModelledHead.apply(hidden2d, weight.contiguous(), targets.reshape(-1).long(), bias, self.backend)
+            return loss if num_items_in_batch is None else loss / num_items_in_batch
+
+    return _ModelledLoss
+
+
+def install_loss_strategy(model, *, modelled_backend=None):
+    """Give the fused losses ``memkernels.apply`` installed in ``model`` the plan's :data:`LOSS_STRATEGY`;
+    with ``modelled_backend`` (meta copies only) swap them for the :class:`_ModelledHead` stand-in instead.
+    Returns how many there were."""
+    from memkernels.patch import _CausalLMLoss
+    count = 0
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, _CausalLMLoss):
+            continue
+        count += 1
+        if modelled_backend is None:
+            module.strategy = LOSS_STRATEGY
+            continue
+        stand_in = _modelled_loss_class()()
+        stand_in.backend = modelled_backend
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, stand_in)
+    return count
 
 
 def _first_tensor(value):
@@ -197,13 +376,17 @@ def _metered_step(model, ids):
     return timeline
 
 
-def _step_flops(model, ids):
-    """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, recompute included)."""
+def _step_flops(model, ids, head_recompute=False):
+    """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, layers' recompute included;
+    a modelled fused loss's own recompute is not: ``head_recompute=True`` returns it beside, as
+    (step FLOPs, FLOPs the fused loss replays))."""
     from memkernels.tools.profile import _meta_forward
+    _MODELLED_HEAD.update(step=0, recompute=0, figures=None)
     with _meta_forward(), torch.enable_grad(), flop_counter() as counter:
         args, kwargs = lm_inputs(model, ids)
         _loss_of(model(*args, **kwargs)).backward()
-    return counter.get_total_flops()
+    total = counter.get_total_flops() + _MODELLED_HEAD["step"]
+    return (total, _MODELLED_HEAD["recompute"]) if head_recompute else total
 
 
 @dataclasses.dataclass
@@ -215,8 +398,12 @@ class LayerProfile:
     {batch: {option: bytes}} (``moved``: bytes an offload option sends to the host);
     ``head_live``: {batch: live bytes of the keep-everything step when the head starts};
     ``recompute``: {option: FLOPs replayed per sequence}; ``keep_flops`` / ``step_flops``: FLOPs
-    of one sequence's keep-everything step of the measured copy / of the full model. Offload
-    options are in the tables once ``measure_profile(..., offload=True)`` measured them.
+    of one sequence's keep-everything step of the measured copy / of the full model, without
+    recompute. Offload options are in the tables once ``measure_profile(..., offload=True)``
+    measured them. ``kernels``: measured with memkernels' kernels (:data:`KERNELS`); ``head``: the
+    fused linear cross-entropy's :class:`HeadBytes` at one sequence when the kernels installed it
+    (else None; its bytes are in the head segment), ``head_recompute`` the FLOPs its backward
+    replays per sequence (the logits GEMM, 2 seq H V).
     """
 
     num_layers: int
@@ -232,6 +419,9 @@ class LayerProfile:
     parts: tuple
     moved: dict = dataclasses.field(default_factory=lambda: {1: {}, 2: {}})
     head_live: dict = dataclasses.field(default_factory=dict)
+    kernels: bool = False
+    head: object = None
+    head_recompute: int = 0
 
     @property
     def offload_measured(self):
@@ -328,14 +518,16 @@ class _MetaOffload(OffloadActivations):
         self._engine = _BookkeepingEngine()
 
 
-def _build(source, depth, dtype, kernels=False, option=None):
+def _build(source, depth, dtype, kernels=False, option=None, backend="triton"):
     """(a ``depth``-layer meta copy in train mode with the kernels and ``option`` on the probe layer,
-    its :class:`_MetaOffload` or None)."""
+    its :class:`_MetaOffload` or None). With the kernels, a fused loss is the :class:`_ModelledHead`
+    stand-in of ``backend``'s (``"triton"``: a GPU; ``"torch"``: the CPU path)."""
     model = source.build(depth).to(dtype)
     model.train()
     if kernels:
         from memkernels.patch import apply
         apply(model, **KERNELS)
+        install_loss_strategy(model, modelled_backend=backend)
     offload = None
     if option is not None:
         choices = [OPTION_BY_NAME["keep"]] * depth
@@ -345,23 +537,26 @@ def _build(source, depth, dtype, kernels=False, option=None):
     return model, offload
 
 
-_profiles = {}  # (model key, seq, dtype, kernels) -> LayerProfile
+_profiles = {}  # (model key, seq, dtype, kernels, backend) -> LayerProfile
 
 
-def measure_profile(source, seq, dtype, *, kernels=False, offload=False):
+def measure_profile(source, seq, dtype, *, kernels=False, offload=False, backend="triton"):
     """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``_Source``) at ``seq``
-    (cached per model, sequence length, dtype and kernels). ``offload``: also measure the
-    offload options (through :class:`_MetaOffload`; measured once, on first request)."""
-    key = (source.key(), seq, dtype, kernels)
+    (cached per model, sequence length, dtype, kernels and backend). ``offload``: also measure the
+    offload options (through :class:`_MetaOffload`; measured once, on first request). ``backend``:
+    whose fused loss the kernels' profile counts (``"triton"``: a GPU's; ``"torch"``: the CPU path's,
+    whose row kernels add float32 blocks)."""
+    key = (source.key(), seq, dtype, kernels, backend if kernels else None)
     if key not in _profiles:
-        _profiles[key] = _measure_profile(source, seq, dtype, kernels)
+        _profiles[key] = _measure_profile(source, seq, dtype, kernels, backend)
     profile = _profiles[key]
     if offload and not profile.offload_measured:
-        _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded])
+        _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded],
+                         backend)
     return profile
 
 
-def _measure_options(profile, source, dtype, kernels, options):
+def _measure_options(profile, source, dtype, kernels, options, backend="triton"):
     """Add ``options``' savings, extra and moved bytes (batch 1 and 2, against the keep-everything
     step in ``profile``) and recompute FLOPs to ``profile``."""
     options = [o for o in options if o.name != "keep" and all(p in profile.parts + ("layer",) for p in o.actions)]
@@ -371,7 +566,7 @@ def _measure_options(profile, source, dtype, kernels, options):
         for table in (profile.savings, profile.extra, profile.moved):
             table[batch]["keep"] = 0
         for option in options:
-            model, offload = _build(source, profile.depth, dtype, kernels, option)
+            model, offload = _build(source, profile.depth, dtype, kernels, option, backend)
             run = _metered_step(model, ids)
             profile.savings[batch][option.name] = profile.head_live[batch] - run.live["head"]
             profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd]
@@ -380,7 +575,7 @@ def _measure_options(profile, source, dtype, kernels, options):
     profile.recompute["keep"] = 0
     for option in options:
         if not option.offloaded:
-            model = _build(source, profile.depth, dtype, kernels, option)[0]
+            model = _build(source, profile.depth, dtype, kernels, option, backend)[0]
             profile.recompute[option.name] = _step_flops(model, one) - profile.keep_flops
     for option in options:
         if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
@@ -389,29 +584,32 @@ def _measure_options(profile, source, dtype, kernels, options):
                                                   if o.actions == recomputed)
 
 
-def _measure_profile(source, seq, dtype, kernels):
+def _measure_profile(source, seq, dtype, kernels, backend="triton"):
     depth = min(_DEPTH, source.num_layers)
     probe_layer = _probe_layer(depth)
-    probe, _ = _build(source, depth, dtype, kernels)
+    probe, _ = _build(source, depth, dtype, kernels, backend=backend)
     _, layers = plan_apply.find_layers(probe)
     parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
     one = torch.empty(1, seq, dtype=torch.long, device="meta")
-    keep_flops = _step_flops(probe, one)
+    keep_flops, head_recompute = _step_flops(probe, one, head_recompute=True)
+    # The fused loss is installed: what it needs at one sequence (its bytes are in the head segment).
+    head = _MODELLED_HEAD["figures"] if head_recompute else None
     # One more layer's step FLOPs, to extrapolate to the full depth.
-    per_layer = (keep_flops - _step_flops(_build(source, depth - 1, dtype, kernels)[0], one)
+    per_layer = (keep_flops - _step_flops(_build(source, depth - 1, dtype, kernels, backend=backend)[0], one)
                  if depth > 1 else keep_flops)
     profile = LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments={}, resident={},
                            savings={1: {}, 2: {}}, extra={1: {}, 2: {}}, recompute={}, keep_flops=keep_flops,
-                           step_flops=keep_flops + (source.num_layers - depth) * per_layer, parts=parts)
+                           step_flops=keep_flops + (source.num_layers - depth) * per_layer, parts=parts,
+                           kernels=kernels, head=head, head_recompute=head_recompute)
     for batch in (1, 2):
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        keep = _metered_step(_build(source, depth, dtype, kernels)[0], ids)
+        keep = _metered_step(_build(source, depth, dtype, kernels, backend=backend)[0], ids)
         profile.segments[batch] = dict(keep.peaks)
         profile.head_live[batch] = keep.live["head"]
         # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
         after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
         profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
-    _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY)
+    _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY, backend)
     return profile
 
 
@@ -421,8 +619,11 @@ class Placement:
 
     ``choices``: one :class:`LayerOption` per layer; ``predicted_peak``: activation peak of a
     training step on top of model state (bytes); ``keep_peak``: the same with every layer kept;
-    ``recompute_flops``: forward FLOPs replayed in backward per step; ``offload_bytes``: bytes
-    moved to the host per step; ``added_seconds``: the cost model's added step time.
+    ``recompute_flops``: forward FLOPs replayed in backward per step, the fused loss's
+    (``head_recompute_flops``, the logits GEMM: 2 N H V) included; ``offload_bytes``: bytes
+    moved to the host per step; ``added_seconds``: the cost model's added step time;
+    ``kernels``: the profile was measured with memkernels' kernels (``apply(model, placement)``
+    installs them, the fused loss with strategy :data:`LOSS_STRATEGY`).
     """
 
     batch: int
@@ -434,6 +635,8 @@ class Placement:
     offload_bytes: int
     added_seconds: float
     fits: bool
+    kernels: bool = False
+    head_recompute_flops: int = 0
 
     def counts(self):
         counts = {}
@@ -452,7 +655,8 @@ class Placement:
         return {"batch": self.batch, "budget": self.budget, "choices": [c.name for c in self.choices],
                 "predicted_peak": self.predicted_peak, "keep_peak": self.keep_peak,
                 "recompute_flops": self.recompute_flops, "offload_bytes": self.offload_bytes,
-                "added_seconds": self.added_seconds, "fits": self.fits}
+                "added_seconds": self.added_seconds, "fits": self.fits, "kernels": self.kernels,
+                "head_recompute_flops": self.head_recompute_flops}
 
 
 def _ranges(indices):
@@ -545,11 +749,14 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     else:
         choices = [max(options, key=lambda o: costs[o.name][0])] * num_layers
     peak = predict_peak(profile, batch, choices, costs)
+    # The fused loss replays its logits GEMM whatever the layers do: counted, never chosen.
+    head_flops = batch * profile.head_recompute
     return Placement(batch=batch, budget=budget, choices=choices, predicted_peak=peak, keep_peak=keep_peak,
-                     recompute_flops=sum(costs[c.name][3] for c in choices),
+                     recompute_flops=sum(costs[c.name][3] for c in choices) + head_flops,
                      offload_bytes=sum(costs[c.name][4] for c in choices),
-                     added_seconds=float(sum(costs[c.name][2] for c in choices)),
-                     fits=bool(feasible and peak <= budget))
+                     added_seconds=float(sum(costs[c.name][2] for c in choices)) + head_flops / (tflops * 1e12),
+                     fits=bool(feasible and peak <= budget), kernels=profile.kernels,
+                     head_recompute_flops=head_flops)
 
 
 def predict_peak(profile, batch, choices, costs=None, **cost_args):

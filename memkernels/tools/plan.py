@@ -214,19 +214,23 @@ def _positive(name, value):
     return value
 
 
-def place(model, *, batch, seq, budget, offload=False, tflops=400.0, pcie_gbps=25.0):
+def place(model, *, batch, seq, budget, offload=False, kernels=False, tflops=400.0, pcie_gbps=25.0):
     """The cheapest per-layer :class:`~memkernels.tools.placement.Placement` of ``model`` whose
     predicted activation peak (one training step, on top of model state) fits ``budget`` bytes.
 
     ``model``: a memkernels TransformerLM or a Hugging Face causal LM (measured on a meta copy of
     4 layers, in the model's dtype, in train mode); ``batch`` x ``seq``: the micro-batch.
-    Carry it out with ``memkernels.apply(model, placement)``.
+    ``kernels``: with memkernels' kernels (fused norms and MLPs, and the fused linear cross-entropy
+    where ``apply`` installs it, counted for the backend the model's device runs: Triton on a GPU,
+    the PyTorch path on the CPU). Carry it out with ``memkernels.apply(model, placement)``.
     """
     _positive("batch", batch)
     _positive("seq", seq)
     _positive("budget", budget)
-    dtype = next(model.parameters()).dtype
-    profile = placement_mod.measure_profile(_Source(model), seq, dtype, offload=offload)
+    parameter = next(model.parameters())
+    backend = "triton" if parameter.device.type == "cuda" else "torch"
+    profile = placement_mod.measure_profile(_Source(model), seq, parameter.dtype, offload=offload, kernels=kernels,
+                                            backend=backend)
     return placement_mod.solve(profile, batch, budget, offload=offload, tflops=tflops, pcie_gbps=pcie_gbps)
 
 
@@ -327,9 +331,10 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                 use_kernels, profile = True, fused
                 mlp = getattr(source.config, "mlp", None)
                 mlps = {"swiglu": "SwiGLU MLPs", "geglu": "GeGLU MLPs"}.get(mlp, "GELU MLPs" if mlp else "MLPs")
+                costs = (f"{fused.head_recompute / 1e12:.2f} TFLOP a sequence (the loss recomputes its logits in "
+                         "backward)" if fused.head is not None else "no recompute")
                 steps.append(Step("memkernels kernels", True, f"{format_size(plain_peak - fused_peak)} of activation "
-                                  "peak at micro-batch 1", "no recompute", f"fused norms and {mlps} (the fused "
-                                  "linear cross-entropy is not counted: apply(model) adds it on top)"))
+                                  "peak at micro-batch 1", costs, f"fused norms and {mlps}; " + _head_text(fused.head)))
             else:
                 steps.append(Step("memkernels kernels", False, "", "", "they save nothing measurable on this model"))
     else:
@@ -435,6 +440,16 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                 global_batch_tokens=(per_rank * seq * gpus) if per_rank else None,
                 step_seconds=step_flops / (tflops * 1e12), alternatives=alternatives, fits=chosen is not None,
                 missing=missing, nearest=nearest, lora_rank=lora_rank, notes=notes)
+
+
+def _head_text(head):
+    """What the plan counts for the LM head and loss, in words."""
+    if head is None:
+        return "the LM head and loss as the model computes them (apply() does not fuse this model's loss)"
+    return (f"the fused linear cross-entropy (strategy \"{placement_mod.LOSS_STRATEGY}\": 8 B a token held for "
+            f"backward; one chunk of {head.chunk_tokens:,} tokens' logits at a time in forward, one tile of "
+            f"{head.tile_classes:,} classes for all tokens in backward; {format_size(head.forward_peak)} / "
+            f"{format_size(head.backward_peak)} at its forward / backward peak per sequence, dX and dW included)")
 
 
 def _sharding_step(mode, found, last, gpus, forced):

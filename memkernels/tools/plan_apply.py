@@ -162,7 +162,8 @@ class ApplyReport:
 def apply_placement(model, choices, *, kernels=False, offload_options=None, recompute_context=None, offload=None):
     """Wrap ``model``'s layers as ``choices`` says (one :class:`LayerOption` per layer).
 
-    ``kernels``: also swap in memkernels' fused kernels first (:func:`memkernels.patch.apply`).
+    ``kernels``: also swap in memkernels' fused kernels first (:func:`memkernels.patch.apply`), the
+    fused linear cross-entropy with the strategy the plan counted (``"recompute"``).
     ``offload_options``: keyword arguments of the shared OffloadActivations (default
     :data:`OFFLOAD_OPTIONS`); ``offload``: an OffloadActivations to share instead of a new one
     (the meta measurement passes its bookkeeping one).
@@ -174,8 +175,9 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
     kernel_report = None
     if kernels:
         from memkernels.patch import apply as apply_kernels
-        from memkernels.tools.placement import KERNELS
+        from memkernels.tools.placement import KERNELS, install_loss_strategy
         kernel_report = apply_kernels(model, **KERNELS)
+        install_loss_strategy(model)
         prefix, layers = find_layers(model)
     if offload is None and any(choice.offloaded for choice in choices):
         from memkernels.offload import OffloadActivations
