@@ -501,3 +501,6 @@ def test_nothing_fits_says_what_is_missing_and_by_how_much():
     text = result.table()
     assert "NOTHING FITS" in text and "more per GPU" in text and "It would fit on GPUs of" in text
     assert result.to_dict()["missing"] == result.missing
+    # It says what it counted for the LM head and loss (issue 35).
+    assert 'Counted for the LM head and loss: the fused linear cross-entropy (strategy "recompute"' in text
+    assert result.to_dict()["head"] == result.head

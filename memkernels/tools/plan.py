@@ -98,6 +98,7 @@ class Plan:
     nearest: str
     lora_rank: int = 16
     notes: list = dataclasses.field(default_factory=list)  # what the plan changed of what was asked, in words
+    head: str = ""  # what the activations count for the LM head and loss, in words
 
     @property
     def choices(self):
@@ -153,11 +154,14 @@ class Plan:
         out.append("")
         if not self.fits:
             out.append(f"NOTHING FITS: the nearest configuration ({self.config.label(self.gpus)}) needs "
-                       f"{format_size(self.missing)} more per GPU at micro-batch 1. {self.nearest}")
+                       f"{format_size(self.missing)} more per GPU at micro-batch 1. {self.nearest}"
+                       + (f" Counted for the LM head and loss: {self.head}." if self.head else ""))
         else:
             out.append(f"configuration: {self.config.label(self.gpus)}"
                        + (" + memkernels kernels" if self.kernels else ""))
         out.append(f"placement: {self.placement.describe()}")
+        if self.head and self.fits:
+            out.append(f"LM head and loss: {self.head}")
         out.append("per GPU:")
         for name, nbytes in self.breakdown().items():
             out.append(f"  {name:<46} {format_size(nbytes):>12}")
@@ -191,7 +195,7 @@ class Plan:
                 "accumulation": self.accumulation, "overhead": self.overhead,
                 "placement": self.placement.to_dict(), "breakdown": self.breakdown(),
                 "steps": [dataclasses.asdict(s) for s in self.steps], "alternatives": self.alternatives,
-                "integrations": self.integrations(), "notes": list(self.notes)}
+                "integrations": self.integrations(), "notes": list(self.notes), "head": self.head}
 
 
 def _bytes_arg(name, value, device=False, zero=False):
@@ -439,13 +443,15 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                 micro_batch=micro, accumulation=accumulation,
                 global_batch_tokens=(per_rank * seq * gpus) if per_rank else None,
                 step_seconds=step_flops / (tflops * 1e12), alternatives=alternatives, fits=chosen is not None,
-                missing=missing, nearest=nearest, lora_rank=lora_rank, notes=notes)
+                missing=missing, nearest=nearest, lora_rank=lora_rank, notes=notes,
+                head=_head_text(profile.head if use_kernels else None, fused=use_kernels))
 
 
-def _head_text(head):
+def _head_text(head, fused=True):
     """What the plan counts for the LM head and loss, in words."""
     if head is None:
-        return "the LM head and loss as the model computes them (apply() does not fuse this model's loss)"
+        return ("the model's own LM head and loss, logits materialized ("
+                + ("apply() does not fuse this model's loss" if fused else "memkernels' kernels not used") + ")")
     return (f"the fused linear cross-entropy (strategy \"{placement_mod.LOSS_STRATEGY}\": 8 B a token held for "
             f"backward; one chunk of {head.chunk_tokens:,} tokens' logits at a time in forward, one tile of "
             f"{head.tile_classes:,} classes for all tokens in backward; {format_size(head.forward_peak)} / "
