@@ -214,11 +214,11 @@ def test_whole_row_backward_takes_its_statistics_from_the_logits_it_recomputes(b
     hidden = torch.randn(6, 8, device=device)
     weight = torch.randn(n_classes, 8, device=device) / 3
     target = torch.randint(0, n_classes, (6,), device=device)
-    _, _, stats = llp._forward(hidden, weight, target, None, -100, 0.0, 1.0, True, 0)
+    _, _, stats, _ = llp._forward(hidden, weight, target, None, -100, 0.0, 1.0, True, False, 0)
     off = stats.clone()
     off[:, 1:] += 1e-6
     grads = [llp._backward(torch.ones(6, device=device), torch.ones(6, device=device), hidden, weight, target, None,
-                           saved, -100, 0.0, 1.0, True, 0, True, True, False) for saved in (stats, off)]
+                           saved, -100, 0.0, 1.0, True, False, 0, True, True, False) for saved in (stats, off)]
     for exact, from_off in zip(*grads):
         assert torch.equal(exact, from_off)
     if n_classes == 1:
@@ -307,3 +307,31 @@ def test_benchmark_llama_head_row_on_meta():
     assert ours["held"] == 12 * 8192
     assert eager["held"] >= 2 * 8192 * 128256 * 2  # the bf16 logits and their log-softmax at least
     assert ours["extra_peak"] <= eager["extra_peak"] / 8
+
+
+@pytest.mark.parametrize("chunk_size", [3, None])
+def test_metrics_match_float64_and_break_ties_as_argmax(backend, chunk_size):
+    """return_metrics: is the target z's first argmax (torch.argmax's rule for ties), the mean of z and log sum p^2,
+    from the forward's pass over each row; False / 0 for ignored tokens; logp, entropy and gradients unchanged."""
+    hidden = torch.randn(9, 8, dtype=torch.float64).float()
+    weight = (torch.randn(37, 8) / 3).requires_grad_()
+    target = torch.randint(0, 37, (9,))
+    z = (hidden.double() @ weight.detach().double().t()) / 0.7
+    target[0] = z[0].argmax()
+    target[2] = -100
+    logp, entropy, metrics = linear_logprobs(hidden, weight, target, temperature=0.7, return_entropy=True,
+                                             return_metrics=True, chunk_size=chunk_size)
+    kept = target != -100
+    p = torch.softmax(z, dim=-1)
+    assert metrics.is_top1.dtype == torch.bool and metrics.is_top1[0]
+    assert torch.equal(metrics.is_top1, kept & (z.argmax(1) == target.clamp(min=0)))
+    torch.testing.assert_close(metrics.mean_logit.double(), torch.where(kept, z.mean(1), 0.0), rtol=0, atol=1e-5)
+    torch.testing.assert_close(metrics.log_sum_sq_probs.double(), torch.where(kept, p.square().sum(1).log(), 0.0),
+                               rtol=0, atol=1e-5)
+    plain_logp, plain_entropy = linear_logprobs(hidden, weight, target, temperature=0.7, return_entropy=True,
+                                                chunk_size=chunk_size)
+    assert torch.equal(logp, plain_logp) and torch.equal(entropy, plain_entropy)
+    assert not metrics.mean_logit.requires_grad and logp.requires_grad
+    # Ties: all logits equal; only the first class is the argmax.
+    tied = linear_logprobs(torch.ones(3, 4), torch.zeros(5, 4), torch.tensor([0, 3, 4]), return_metrics=True)[1]
+    assert tied.is_top1.tolist() == [True, False, False]

@@ -19,7 +19,7 @@ Out-of-range targets: the CPU path raises; the Triton path (no host sync) writes
 results and gradient.
 """
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -66,6 +66,7 @@ def _logprobs_kernel(
     entropy_ptr,  # (N,) fp32 entropy; written if COMPUTE_STATS and HAS_ENTROPY
     grad_logp_ptr,  # (N,) fp32 incoming gradient of logp; read if WRITE_GRAD and HAS_GRAD_LOGP
     grad_entropy_ptr,  # (N,) fp32 incoming gradient of the entropy; read if WRITE_GRAD and HAS_GRAD_ENTROPY
+    metrics_ptr,  # (N, 3) fp32 (target is the first argmax, mean z, log sum p^2); written if HAS_METRICS
     stride_logits,
     stride_grad,
     n_cols,  # W: columns in this block (the whole vocabulary when COMPUTE_STATS)
@@ -78,6 +79,7 @@ def _logprobs_kernel(
     HAS_ENTROPY: tl.constexpr,
     HAS_GRAD_LOGP: tl.constexpr,
     HAS_GRAD_ENTROPY: tl.constexpr,
+    HAS_METRICS: tl.constexpr,  # only with COMPUTE_STATS
     COMPUTE_STATS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     BLOCK_V: tl.constexpr,
@@ -97,6 +99,10 @@ def _logprobs_kernel(
         running_max = tl.full((), float("-inf"), tl.float32)
         running_sum = tl.full((), 0.0, tl.float64)
         running_weighted = tl.full((), 0.0, tl.float64)
+        if HAS_METRICS:
+            z_sum = tl.full((), 0.0, tl.float64)
+            running_squares = tl.full((), 0.0, tl.float64)  # sum_j e_j^2 for the running max
+            max_before_target = tl.full((), float("-inf"), tl.float32)  # argmax takes the first maximum
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
@@ -112,6 +118,12 @@ def _logprobs_kernel(
             if HAS_ENTROPY:
                 terms = e.to(tl.float64) * centered.to(tl.float64)
                 running_weighted = rescale * (running_weighted + moved * running_sum) + tl.sum(terms, axis=0)
+            if HAS_METRICS:
+                z_sum += tl.sum(tl.where(mask, z, 0.0).to(tl.float64), axis=0)
+                e64 = e.to(tl.float64)
+                running_squares = running_squares * rescale * rescale + tl.sum(e64 * e64, axis=0)
+                before = tl.where(mask & (cols + col_offset < target), z, float("-inf"))
+                max_before_target = tl.maximum(max_before_target, tl.max(before, axis=0))
             running_sum = running_sum * rescale + tl.sum(e.to(tl.float64), axis=0)
             running_max = new_max
         row_max = tl.where(running_max == float("-inf"), 0.0, running_max)
@@ -127,6 +139,14 @@ def _logprobs_kernel(
             entropy = (log_sum64 - running_weighted / running_sum).to(tl.float32)
             tl.store(stats_row + 2, entropy)
             tl.store(entropy_ptr + row, tl.where(out_of_range, nan, tl.where(valid, entropy, 0.0)))
+        if HAS_METRICS:
+            kept = valid & (out_of_range == 0)
+            top1 = kept & (target_z >= row_max) & (target_z > max_before_target)
+            mean_z = (z_sum / n_classes).to(tl.float32)
+            log_sum_squares = (tl.log(running_squares) - 2.0 * log_sum64).to(tl.float32)
+            tl.store(metrics_ptr + row * 3, tl.where(top1, 1.0, 0.0))
+            tl.store(metrics_ptr + row * 3 + 1, tl.where(kept, mean_z, 0.0))
+            tl.store(metrics_ptr + row * 3 + 2, tl.where(kept, log_sum_squares, 0.0))
     else:
         row_max = tl.load(stats_row)
         log_sum = tl.load(stats_row + 1)
@@ -178,11 +198,13 @@ def _aot_variants():
             signature = {
                 "logits_ptr": f"*{dtype}", "grad_ptr": f"*{grad_dtype}", "target_ptr": "*i64", "stats_ptr": "*fp32",
                 "logp_ptr": "*fp32", "entropy_ptr": "*fp32", "grad_logp_ptr": "*fp32", "grad_entropy_ptr": "*fp32",
+                "metrics_ptr": "*fp32",
                 "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
                 "n_classes": "i32", "ignore_index": "i32", "softcap": "fp32", "temperature": "fp32",
             }
             constexprs = {"HAS_SOFTCAP": features, "HAS_ENTROPY": features, "HAS_GRAD_LOGP": 1,
-                          "HAS_GRAD_ENTROPY": features * write_grad, "COMPUTE_STATS": compute_stats,
+                          "HAS_GRAD_ENTROPY": features * write_grad, "HAS_METRICS": features * (1 - write_grad),
+                          "COMPUTE_STATS": compute_stats,
                           "WRITE_GRAD": write_grad, "BLOCK_V": MAX_BLOCK_V}
             variants.append({"signature": signature, "constexprs": constexprs, "num_warps": _num_warps(MAX_BLOCK_V),
                              "num_stages": 1,
@@ -194,8 +216,8 @@ aot.register(_logprobs_kernel, name="linear_logprobs", variants=_aot_variants())
 
 
 @on_tensor_device
-def _launch(logits, target, stats, cfg, *, logp=None, entropy=None, grad=None, grad_logp=None, grad_entropy=None,
-            col_offset=0):
+def _launch(logits, target, stats, cfg, *, logp=None, entropy=None, metrics=None, grad=None, grad_logp=None,
+            grad_entropy=None, col_offset=0):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -208,10 +230,11 @@ def _launch(logits, target, stats, cfg, *, logp=None, entropy=None, grad=None, g
         entropy if (compute_stats and entropy is not None) else dummy,
         grad_logp if grad_logp is not None else dummy,
         grad_entropy if grad_entropy is not None else dummy,
+        metrics if metrics is not None else dummy,
         logits.stride(0), grad.stride(0) if write_grad else logits.stride(0), n_cols, col_offset, cfg.n_classes,
         cfg.ignore_index, cfg.softcap if cfg.softcap else 1.0, cfg.temperature,
         HAS_SOFTCAP=bool(cfg.softcap), HAS_ENTROPY=cfg.with_entropy, HAS_GRAD_LOGP=grad_logp is not None,
-        HAS_GRAD_ENTROPY=grad_entropy is not None, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
+        HAS_GRAD_ENTROPY=grad_entropy is not None, HAS_METRICS=metrics is not None, COMPUTE_STATS=compute_stats, WRITE_GRAD=write_grad,
         BLOCK_V=block_v, num_warps=_num_warps(block_v),
     )
 
@@ -222,9 +245,10 @@ def stats_rows_triton(logits, target, cfg, *, grad=None, grad_logp=None, grad_en
     logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if cfg.with_entropy else None
     stats = torch.empty(n_rows, 3 if cfg.with_entropy else 2, dtype=torch.float32, device=logits.device)
-    _launch(logits, target, stats, cfg, logp=logp, entropy=entropy, grad=grad, grad_logp=grad_logp,
+    metrics = torch.empty(n_rows, 3, dtype=torch.float32, device=logits.device) if cfg.with_metrics else None
+    _launch(logits, target, stats, cfg, logp=logp, entropy=entropy, metrics=metrics, grad=grad, grad_logp=grad_logp,
             grad_entropy=grad_entropy)
-    return logp, entropy, stats
+    return logp, entropy, stats, metrics
 
 
 def grad_cols_triton(logits, target, stats, cfg, grad, grad_logp, grad_entropy, *, col_offset=0):
@@ -245,9 +269,9 @@ def _row_kernels(tensor):
 
 
 def _forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
-             ignore_index: int, softcap: float, temperature: float, with_entropy: bool, chunk_size: int
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy)
+             ignore_index: int, softcap: float, temperature: float, with_entropy: bool, with_metrics: bool,
+             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy, with_metrics)
     stats_rows, _ = _row_kernels(hidden)
     if resolve(hidden, _OP) == "torch" and target.device.type == "cpu":
         check_targets(target, cfg.n_classes, ignore_index)
@@ -256,29 +280,34 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, b
     logp = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
     entropy = torch.empty(n_tokens if with_entropy else 0, dtype=torch.float32, device=hidden.device)
     stats = torch.empty(n_tokens, 3 if with_entropy else 2, dtype=torch.float32, device=hidden.device)
+    metrics = torch.empty(n_tokens if with_metrics else 0, 3, dtype=torch.float32, device=hidden.device)
     for start in range(0, n_tokens, rows_per_chunk):
         end = min(start + rows_per_chunk, n_tokens)
         logits = head_logits(hidden[start:end], weight, bias)
-        logp[start:end], entropy_rows, stats[start:end] = stats_rows(logits, target[start:end], cfg)
+        logp[start:end], entropy_rows, stats[start:end], metrics_rows = stats_rows(logits, target[start:end], cfg)
         if with_entropy:
             entropy[start:end] = entropy_rows
+        if with_metrics:
+            metrics[start:end] = metrics_rows
         del logits
-    return logp, entropy, stats
+    return logp, entropy, stats, metrics
 
 
-def _forward_fake(hidden, weight, target, bias, ignore_index, softcap, temperature, with_entropy, chunk_size):
+def _forward_fake(hidden, weight, target, bias, ignore_index, softcap, temperature, with_entropy, with_metrics,
+                  chunk_size):
     n_tokens = hidden.shape[0]
     return (hidden.new_empty((n_tokens,), dtype=torch.float32),
             hidden.new_empty((n_tokens if with_entropy else 0,), dtype=torch.float32),
-            hidden.new_empty((n_tokens, 3 if with_entropy else 2), dtype=torch.float32))
+            hidden.new_empty((n_tokens, 3 if with_entropy else 2), dtype=torch.float32),
+            hidden.new_empty((n_tokens if with_metrics else 0, 3), dtype=torch.float32))
 
 
 def _backward(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], hidden: torch.Tensor,
               weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor], stats: torch.Tensor,
-              ignore_index: int, softcap: float, temperature: float, with_entropy: bool, chunk_size: int,
-              needs_hidden: bool, needs_weight: bool, needs_bias: bool
+              ignore_index: int, softcap: float, temperature: float, with_entropy: bool, with_metrics: bool,
+              chunk_size: int, needs_hidden: bool, needs_weight: bool, needs_bias: bool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy)
+    cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy, False)
     stats_rows, grad_cols = _row_kernels(hidden)
     grad_logp = None if grad_logp is None else grad_logp.float().contiguous()
     grad_entropy = None if grad_entropy is None or not with_entropy else grad_entropy.float().contiguous()
@@ -299,7 +328,7 @@ def _backward(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Te
 
 
 def _backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, stats, ignore_index, softcap, temperature,
-                   with_entropy, chunk_size, needs_hidden, needs_weight, needs_bias):
+                   with_entropy, with_metrics, chunk_size, needs_hidden, needs_weight, needs_bias):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             torch.empty_like(bias) if needs_bias else hidden.new_empty(0))
@@ -307,8 +336,8 @@ def _backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, stats,
 
 def _setup(ctx, inputs, output):
     hidden, weight, target, bias, *options = inputs
-    logp, entropy, stats = output
-    ctx.mark_non_differentiable(stats)
+    logp, entropy, stats, metrics = output
+    ctx.mark_non_differentiable(stats, metrics)
     if not entropy.numel():
         ctx.mark_non_differentiable(entropy)
     # A gradient that does not arrive (only logp or only the entropy used) comes as None, not a zero tensor.
@@ -318,14 +347,14 @@ def _setup(ctx, inputs, output):
 
 
 def _grad_with(backward):
-    def _grad(ctx, grad_logp, grad_entropy, grad_stats):
+    def _grad(ctx, grad_logp, grad_entropy, grad_stats, grad_metrics):
         hidden, weight, target, bias, stats = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 9
+            return (None,) * 10
         grads = backward(grad_logp, grad_entropy, hidden, weight, target, bias, stats, *ctx.options, *needs)
         grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
     return _grad
 
 
@@ -381,8 +410,17 @@ def _validate(hidden, weight, target, bias, temperature, softcap, ignore_index, 
         raise ValueError(f"chunk_size must be None or a positive int (tokens per chunk), got {chunk_size!r}")
 
 
+class LogprobMetrics(NamedTuple):
+    """Per-token statistics of the same distribution that trainers log (no gradient), each of target's shape;
+    False / 0 for ignored tokens. z is the soft-capped logits over the temperature."""
+
+    is_top1: torch.Tensor  # bool: the target is z's first argmax (torch.argmax's rule for ties)
+    mean_logit: torch.Tensor  # float32: the mean of z over the vocabulary
+    log_sum_sq_probs: torch.Tensor  # float32: log sum_j p_j^2 (the log of the probability two samples agree)
+
+
 def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softcap=None, return_entropy=False,
-                    chunk_size=None, ignore_index=-100):
+                    return_metrics=False, chunk_size=None, ignore_index=-100):
     """``log_softmax(cap(hidden @ weight.T + bias) / temperature)[target]`` per token, without the logits.
 
     Args:
@@ -392,12 +430,14 @@ def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softc
         temperature: the sampling temperature the logits are divided by (after the soft-cap), > 0.
         softcap: optional c > 0: the logits are ``c * tanh(logits / c)`` first (Gemma-2's final soft-cap).
         return_entropy: also return the per-token entropy ``-sum p log p`` of the same distribution.
+        return_metrics: also return a :class:`LogprobMetrics` (is the target the argmax, mean logit, log sum p^2),
+            computed in the forward's pass over each row (no extra GEMM), without gradient.
         chunk_size: tokens per forward chunk (and the backward's tile of classes holds as many logits);
             default: linear_cross_entropy's "recompute" sizes (see :mod:`memkernels.ops.linear_cross_entropy`).
         ignore_index: tokens with this target give 0 (log-prob and entropy) and no gradient.
     Returns:
-        logp, float32 of ``target``'s shape, or ``(logp, entropy)`` with ``return_entropy``. Both are
-        differentiable with respect to hidden, weight and bias.
+        logp, float32 of ``target``'s shape; ``(logp, entropy)`` with ``return_entropy``; the metrics last with
+        ``return_metrics``. logp and the entropy are differentiable with respect to hidden, weight and bias.
 
     Memory: between forward and backward 8 bytes a token (12 with the entropy) beyond the inputs; the
     largest transient is one chunk of logits (by default about 16 MiB, at least 590 tokens a chunk for half
@@ -411,8 +451,14 @@ def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softc
     n_tokens = target.numel()
     out_shape = target.shape
     hidden2d = hidden.reshape(n_tokens, hidden_size).contiguous()
-    logp, entropy, _ = apply_op(_op, _Function, hidden2d, weight.contiguous(), target.reshape(-1).long(), bias,
-                                ignore_index, float(softcap) if softcap is not None else 0.0, float(temperature),
-                                bool(return_entropy), chunk_size or 0)
-    logp = logp.view(out_shape)
-    return (logp, entropy.view(out_shape)) if return_entropy else logp
+    logp, entropy, _, metrics = apply_op(_op, _Function, hidden2d, weight.contiguous(), target.reshape(-1).long(), bias,
+                                         ignore_index, float(softcap) if softcap is not None else 0.0,
+                                         float(temperature), bool(return_entropy), bool(return_metrics),
+                                         chunk_size or 0)
+    results = [logp.view(out_shape)]
+    if return_entropy:
+        results.append(entropy.view(out_shape))
+    if return_metrics:
+        results.append(LogprobMetrics(metrics[:, 0].view(out_shape) != 0, metrics[:, 1].view(out_shape),
+                                      metrics[:, 2].view(out_shape)))
+    return results[0] if len(results) == 1 else tuple(results)

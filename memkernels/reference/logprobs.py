@@ -42,6 +42,7 @@ class LogprobConfig(NamedTuple):
     softcap: float  # 0.0: no soft-cap
     temperature: float
     with_entropy: bool  # statistics (N, 3) with the entropy, else (N, 2)
+    with_metrics: bool = False  # also (N, 3) metrics: target is the first argmax, mean z, log sum p^2
 
 
 def _row_blocks(logits):
@@ -83,23 +84,27 @@ def stats_rows(logits, target, cfg, *, grad=None, grad_logp=None, grad_entropy=N
     """Log-prob, entropy and statistics of full rows.
 
     logits: (R, V) float; target: (R,) int64.
-    Returns ``(logp, entropy, stats)``: logp and entropy (R,) float32 (entropy None without
+    Returns ``(logp, entropy, stats, metrics)``: logp and entropy (R,) float32 (entropy None without
     ``cfg.with_entropy``); stats (R, 2) float32 ``(max, log-sum)`` of z with ``lse = max + log-sum``,
-    (R, 3) with the entropy last when ``cfg.with_entropy``. With ``grad`` ((R, V), may be ``logits``) the
+    (R, 3) with the entropy last when ``cfg.with_entropy``; metrics (R, 3) float32 (1.0 where the target is z's
+    first argmax, the mean of z, log sum p^2; zeros for ignored rows), None without ``cfg.with_metrics``. With ``grad`` ((R, V), may be ``logits``) the
     gradient for the incoming ``grad_logp`` / ``grad_entropy`` ((R,) float32 or None) is written into it.
     """
     n_rows = logits.shape[0]
     logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if cfg.with_entropy else None
     stats = torch.empty(n_rows, 3 if cfg.with_entropy else 2, dtype=torch.float32, device=logits.device)
+    metrics = torch.empty(n_rows, 3, dtype=torch.float32, device=logits.device) if cfg.with_metrics else None
     for rows in _row_blocks(logits):
-        logp[rows], entropy_rows, stats[rows] = _stats_block(logits[rows], target[rows], cfg)
+        logp[rows], entropy_rows, stats[rows], metrics_rows = _stats_block(logits[rows], target[rows], cfg)
         if entropy is not None:
             entropy[rows] = entropy_rows
+        if metrics is not None:
+            metrics[rows] = metrics_rows
         if grad is not None:
             _write_grad(logits[rows], target[rows], stats[rows], cfg, grad[rows], _rows_of(grad_logp, rows),
                         _rows_of(grad_entropy, rows), 0)
-    return logp, entropy, stats
+    return logp, entropy, stats, metrics
 
 
 def _rows_of(values, rows):
@@ -125,7 +130,16 @@ def _stats_block(logits, target, cfg):
         entropy64 = log_sum - weighted / total
         columns.append(entropy64.float())
         entropy = _finish(entropy64.float(), valid, out_of_range)
-    return logp, entropy, torch.stack(columns, dim=1)
+    metrics = None
+    if cfg.with_metrics:
+        kept = valid & ~out_of_range
+        top1 = kept & (z.argmax(dim=1) == safe)  # argmax: the first maximum, as the kernel's rule
+        mean = (z.sum(dim=1, dtype=torch.float64) / cfg.n_classes).float()
+        log_sum_squares = ((e.double() * e.double()).sum(dim=1).log() - 2.0 * log_sum).float()
+        zero = torch.zeros((), device=z.device)
+        metrics = torch.stack([top1.float(), torch.where(kept, mean, zero), torch.where(kept, log_sum_squares, zero)],
+                              dim=1)
+    return logp, entropy, torch.stack(columns, dim=1), metrics
 
 
 def grad_cols(logits, target, stats, cfg, grad, grad_logp, grad_entropy, *, col_offset=0):
