@@ -122,7 +122,7 @@ def test_fused_head_gives_trls_outputs_and_gradients_with_bias_softcap_scale_and
     expected, calls = _counted(lambda: score(theirs))
     assert not calls  # a model patch_trainer did not see keeps TRL's kernel
     got, calls = _counted(lambda: score(ours))
-    assert calls == {"linear_logprobs": 1, "trl_metrics": 1}
+    assert calls == {"linear_logprobs": 1}  # the metrics come from the same pass (return_metrics)
 
     for field in ("loss", *outputs, "label_mask"):
         torch.testing.assert_close(getattr(got, field), getattr(expected, field), msg=lambda m, f=field: f"{f}: {m}")
@@ -221,12 +221,12 @@ def _sft_run(llama_dir, tmp_path, patched):
 
 
 def test_sft_loss_entropy_and_token_accuracy_match_trls(llama_dir, tmp_path):
-    """SFTTrainer: the loss and the entropy metric through linear_logprobs; mean_token_accuracy (is_top1) from
-    TRL's kernel without gradient."""
+    """SFTTrainer: the loss, the entropy metric and mean_token_accuracy (is_top1) through linear_logprobs, in one
+    pass over the head."""
     run, calls = _sft_run(llama_dir, tmp_path, patched=False)
     assert not calls
     patched_run, calls = _sft_run(llama_dir, tmp_path, patched=True)
-    assert calls == {"linear_logprobs": STEPS, "trl_metrics": STEPS}
+    assert calls == {"linear_logprobs": STEPS}
     _assert_same_run(run, patched_run, ("entropy", "mean_token_accuracy", "grad_norm"))
 
 
@@ -245,12 +245,12 @@ def _dpo_run(llama_dir, tmp_path, patched):
 
 
 def test_dpo_chosen_and_rejected_logps_match_trls(llama_dir, tmp_path):
-    """DPOTrainer: chosen/rejected log-probs of the policy and the reference through linear_logprobs; the
-    logits/* and mean_token_accuracy metrics from TRL's kernel without gradient."""
+    """DPOTrainer: chosen/rejected log-probs of the policy and the reference, the logits/* and mean_token_accuracy
+    metrics, all through linear_logprobs."""
     run, calls = _dpo_run(llama_dir, tmp_path, patched=False)
     assert not calls
     patched_run, calls = _dpo_run(llama_dir, tmp_path, patched=True)
-    assert calls == {"linear_logprobs": 2 * STEPS, "trl_metrics": STEPS}  # metrics: the policy's only
+    assert calls == {"linear_logprobs": 2 * STEPS}
     _assert_same_run(run, patched_run, ("logps/chosen", "logps/rejected", "rewards/chosen", "rewards/rejected",
                                         "rewards/margins", "entropy", "logits/chosen", "logits/rejected",
                                         "mean_token_accuracy", "grad_norm"))

@@ -35,11 +35,10 @@ global ``trl.trainer.utils._ChunkedLogProbFunction`` (once per process;
 ``trl.kernels.ChunkedLogProbFunction`` itself is not touched). A kernel call with a registered head
 weight is scored by ``linear_logprobs`` (logits ``(hidden * scale) @ W.T + bias * scale``, softcapped,
 divided by the temperature: TRL's formula, with TRL's arguments), which gives ``log_probs`` and
-``entropy`` with their gradients; any other call is TRL's kernel, untouched (other models in the
-process, a head replaced after patching, e.g. by FSDP). The per-token metrics ``linear_logprobs`` does
-not compute (``is_top1``, ``mean_logits``, ``log_sum_sq_probs``: no gradient) come from TRL's own
-kernel, run once more under ``torch.no_grad()`` (one more projection through the head, forward only):
-SFT's token accuracy and DPO's ``logits/*`` metrics. A DeepSpeed ZeRO-3 partitioned head stays on TRL's
+``entropy`` with their gradients, and the per-token metrics TRL asks for (``is_top1``, ``mean_logits``,
+``log_sum_sq_probs``: SFT's token accuracy, DPO's ``logits/*``) from the same pass over each row
+(``return_metrics``); any other call is TRL's kernel, untouched (other models in the
+process, a head replaced after patching, e.g. by FSDP). A DeepSpeed ZeRO-3 partitioned head stays on TRL's
 kernel: TRL gathers it only for the duration of its kernel's forward and again in its backward, while
 ``linear_logprobs`` reads the weight in its backward too.
 
@@ -47,8 +46,7 @@ Inside an autocast region the tokens are scored in the region's dtype, as TRL's 
 ``cast_lm_head_to_fp32`` TRL turns autocast off and hands float32 hidden states: float32 then).
 
 :data:`counts` tells which path ran: ``"linear_logprobs"`` (calls scored by ``linear_logprobs``),
-``"trl_metrics"`` (TRL's kernel run without gradient for ``is_top1`` / ``mean_logits`` /
-``log_sum_sq_probs``), ``"trl_kernel"`` (a registered head TRL's kernel scored: ZeRO-3).
+``"trl_kernel"`` (a registered head TRL's kernel scored: ZeRO-3).
 
 What :func:`patch_trainer` relies on is checked when it runs, on the installed TRL's code: the model's
 ``forward`` is ``add_fused_lm_head``'s (found under wrappers such as accelerate's autocast; a function
@@ -71,13 +69,13 @@ __all__ = ["patch_trainer", "unpatch_trainer", "counts", "UnsupportedTRL", "SUPP
 SUPPORTED_TRL = "1.16"  # the TRL whose add_fused_lm_head / ChunkedLogProbFunction this was written and tested against
 
 counts = collections.Counter()
-"""Kernel calls by path since import: ``"linear_logprobs"``, ``"trl_metrics"``, ``"trl_kernel"`` (see above)."""
+"""Kernel calls by path since import: ``"linear_logprobs"``, ``"trl_kernel"`` (see above)."""
 
 # What TRL's kernel takes (after ctx) and the per-token outputs it returns after log_probs, in order.
 _KERNEL_PARAMETERS = ("hidden", "weight", "bias", "targets", "temperature", "chunk_size", "final_logit_softcapping",
                       "logit_scale", "outputs")
 _OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-_METRIC_OUTPUTS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # no gradient; linear_logprobs has none of them
+_METRIC_OUTPUTS = ("log_sum_sq_probs", "mean_logits", "is_top1")  # no gradient: linear_logprobs' return_metrics
 
 # id(head weight) -> weakref to it, for the models patch_trainer patched: TRL's kernel called with one of these
 # weights is scored by linear_logprobs.
@@ -138,7 +136,7 @@ class _Kernel:
         if _is_partitioned(arguments["weight"]) or _is_partitioned(arguments["bias"]):
             counts["trl_kernel"] += 1
             return self.trl_kernel.apply(*args, **kwargs)
-        return _score(self.trl_kernel, **arguments)
+        return _score(**arguments)
 
 
 def _is_patched_head(weight):
@@ -151,36 +149,32 @@ def _is_partitioned(parameter):
     return parameter is not None and hasattr(parameter, "ds_id")
 
 
-def _score(trl_kernel, hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
-           outputs):
-    """TRL's kernel's five outputs, log_probs and entropy by ``linear_logprobs``."""
+def _score(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs):
+    """TRL's kernel's five outputs, by ``linear_logprobs`` (which sizes its own chunks: TRL's chunk_size is not used)."""
     from memkernels.functional import linear_logprobs
-    from memkernels.ops._autocast import _enabled
 
     # TRL's kernel computes in the autocast dtype inside an autocast region, else in the hidden states' dtype
     # (float32 under cast_lm_head_to_fp32, where TRL turns autocast off and casts the hidden states).
     device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if _enabled(device_type) else hidden.dtype
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     scaled_hidden, scaled_weight = hidden.to(dtype), weight.to(dtype)
     scaled_bias = None if bias is None else bias.to(dtype)
     if logit_scale != 1.0:  # (h @ W.T + b) * s == (h * s) @ W.T + b * s
         scaled_hidden = scaled_hidden * logit_scale
         scaled_bias = None if scaled_bias is None else scaled_bias * logit_scale
     with_entropy = "entropy" in outputs
-    scored = linear_logprobs(scaled_hidden, scaled_weight, targets, bias=scaled_bias, temperature=temperature,
-                             softcap=final_logit_softcapping, return_entropy=with_entropy)
-    log_probs, entropy = scored if with_entropy else (scored, None)
-    counts["linear_logprobs"] += 1
-
-    metrics = dict.fromkeys(_METRIC_OUTPUTS)
     wanted = tuple(name for name in _METRIC_OUTPUTS if name in outputs)
-    if wanted:
-        with torch.no_grad():
-            values = trl_kernel.apply(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
-                                      targets, temperature, chunk_size, final_logit_softcapping, logit_scale,
-                                      ("log_probs", *wanted))
-        metrics.update({name: value for name, value in zip(_OPTIONAL_OUTPUTS, values[1:]) if name in wanted})
-        counts["trl_metrics"] += 1
+    scored = linear_logprobs(scaled_hidden, scaled_weight, targets, bias=scaled_bias, temperature=temperature,
+                             softcap=final_logit_softcapping, return_entropy=with_entropy, return_metrics=bool(wanted))
+    scored = scored if isinstance(scored, tuple) else (scored,)
+    log_probs, entropy = scored[0], (scored[1] if with_entropy else None)
+    counts["linear_logprobs"] += 1
+    metrics = dict.fromkeys(_METRIC_OUTPUTS)
+    if wanted:  # from the same pass over each row (linear_logprobs' return_metrics), no second projection
+        computed = scored[-1]
+        metrics.update({"log_sum_sq_probs": computed.log_sum_sq_probs, "mean_logits": computed.mean_logit,
+                        "is_top1": computed.is_top1})
+        metrics = {name: (value if name in wanted else None) for name, value in metrics.items()}
     return (log_probs, entropy, *(metrics[name] for name in _METRIC_OUTPUTS))
 
 
