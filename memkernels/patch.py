@@ -43,8 +43,11 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   skipped, with the reason). The patched ``forward`` keeps the original's signature
   and docstring, so tools that inspect it (``Trainer``'s ``remove_unused_columns``)
   keep working. A ``peft`` model is seen through: its base model's loss is patched.
-  TRL's ``SFTTrainer`` does not reach this loss: it replaces ``model.forward`` with
-  its own chunked LM-head loss (the report says so).
+  TRL's trainers (SFT, GRPO, RLOO, DPO, KTO; TRL 1.16) do not reach this loss:
+  ``add_fused_lm_head`` replaces ``model.forward`` with their own chunked LM-head
+  scoring (``fused_lm_head=True``). ``memkernels.integrations.trl.patch_trainer(trainer)``,
+  called after the trainer is built, scores their tokens with ``linear_logprobs``
+  instead (the report says so).
 
 apply() never goes around a module's own forward: a module whose weights the fused
 path would read directly (GPT-2's ``c_proj``, BERT's ``output.dense``, the LM head,
@@ -563,8 +566,11 @@ def _plan(model, norms, mlp, loss, rope, report):
 
 _LOSS_NOTE = ("the fused loss runs when the model is called with labels in training mode (a plain training loop, "
               "transformers.Trainer); eval mode or skip_logits=False runs the model's own forward and returns the "
-              "logits. TRL's SFTTrainer will NOT use it: it replaces model.forward with its own chunked LM-head "
-              "loss (fused_lm_head=True), so under SFTTrainer only the norm and MLP replacements take effect.")
+              "logits. TRL's trainers (SFTTrainer, GRPOTrainer, RLOOTrainer, DPOTrainer, KTOTrainer) do NOT use it: "
+              "they replace model.forward with their own chunked LM-head scoring (fused_lm_head=True). Call "
+              "memkernels.integrations.trl.patch_trainer(trainer) after building the trainer to score their tokens "
+              "with memkernels' linear_logprobs; without it only the norm, MLP and RoPE replacements take effect "
+              "under TRL.")
 
 
 def _set_child(model, name, new):
