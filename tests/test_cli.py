@@ -329,3 +329,17 @@ def test_plan_and_estimate_share_the_model_and_seq_conventions(tmp_path, capsys)
     (tmp_path / "config.json").write_text(__import__("json").dumps(config))
     assert main(["plan", "--model", str(tmp_path), "--gpu-mem", "24GB", "--json"]) == 0
     assert __import__("json").loads(capsys.readouterr().out)["seq"] == 8192
+
+
+def test_replay_table_fits_a_100_column_terminal():
+    """`memkernels replay` on the shared traces: every line under 100 columns (it was 173: the model-vs-recorded
+    check was a column of its own, the notes one line each)."""
+    traces = os.path.join(os.path.dirname(ROOT), "shared", "traces")
+    if not os.path.isdir(traces):
+        pytest.skip(f"no recorded traces at {traces}")
+    result = subprocess.run([sys.executable, "-m", "memkernels.cli", "replay", "--repeats", "1", "--capacity", "12GB",
+                             traces], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("tinyllama_lora_step.pickle") for line in lines)
+    assert max(len(line) for line in lines) < 100, max(lines, key=len)

@@ -11,6 +11,7 @@ import os
 import pickle
 import statistics
 import sys
+import textwrap
 
 from memkernels.allocator import _C, _pool_config
 from memkernels.tools._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
@@ -649,6 +650,10 @@ def _fit_text(result, requests, capacity):
     )
 
 
+_NAME_WIDTH = 30  # trace names longer than this are cut, with "..."
+_TEXT_WIDTH = 100  # the notes under the table are wrapped to this width
+
+
 def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulated_device=False, file=None,
                        on_error=None, **config):
     """Print PyTorch's policy vs memkernels vs ideal for each trace (and each device in it).
@@ -663,9 +668,10 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
     out = file if file is not None else sys.stdout
     if isinstance(traces, (str, os.PathLike, dict)):  # one trace, not an iterable of them
         traces = [traces]
+    # Under 100 columns: the model-vs-recorded check goes on its own line under each row.
     header = (
-        f"{'trace':<38} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
-        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7} | {'model vs recorded segments (in order / any order)'}"
+        f"{'trace':<{_NAME_WIDTH}} {'dev':>3} {'ideal peak':>11} | {'PyTorch':>7} {'dev.alloc':>9} | "
+        f"{'memkernels':>10} {'dev.alloc':>9} {'ns/op':>7}"
     )
     print(header, file=out)
     print("-" * len(header), file=out)
@@ -678,18 +684,17 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
                 raise
             on_error(str(error))
     unchecked = [f"{row['trace']} (device {row['device']})" for row in rows if row["segment_match"] is None]
-    print("model of PyTorch checked against recorded segments on every trace but: "
-          + (", ".join(unchecked) if unchecked else "none"), file=out)
+    print(textwrap.fill("model of PyTorch checked against recorded segments on every trace but: "
+                        + (", ".join(unchecked) if unchecked else "none"), _TEXT_WIDTH), file=out)
     where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
-    print(
+    print(textwrap.fill(
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
         f"ns/op: memkernels' pool, median of runs, on {where}."
         + (" Expandable segments in both columns; dev.alloc counts page mappings." if config.get(
             "expandable_segments") else "")
         + (f" Under the {format_size(capacity)} capacity, a ratio column reads OOM for a policy that ran out of "
            "memory (the lines under each row say which)." if capacity is not None else ""),
-        file=out,
-    )
+        _TEXT_WIDTH), file=out)
     return rows
 
 
@@ -714,19 +719,22 @@ def _print_replay_rows(path, device, capacity, repeats, simulated_device, config
         if match is None:
             match_text = "nothing to check: no segment events, no segments in the snapshot"
         elif match["in_order"] is None:
-            match_text = (f"model's {match['model_segments']} final segments: {match['as_multiset']:.1%} among "
-                          f"the {match['trace_segments']} held at the dump")
+            match_text = (f"its {match['model_segments']} final ones: {match['as_multiset']:.1%} among the "
+                          f"{match['trace_segments']} held at the dump")
         else:
-            match_text = (f"{match['in_order']:.1%} / {match['as_multiset']:.1%} of {match['trace_segments']}"
-                          f" {match['source']} (model took {match['model_segments']})")
+            source = match["source"].replace(" events", "")
+            match_text = (f"{match['in_order']:.1%} in order, {match['as_multiset']:.1%} any order of "
+                          f"{match['trace_segments']} {source} (model {match['model_segments']})")
         ratios = [f"{_ratio(row[policy], ideal):.3f}" if row[policy]["num_ooms"] == 0 else "OOM"
                   for policy in ("pytorch", "memkernels")]
+        shown = name if len(name) <= _NAME_WIDTH else name[:_NAME_WIDTH - 3] + "..."
         print(
-            f"{name[:38]:<38} {d:>3} {format_size(ideal):>11} | {ratios[0]:>7} "
+            f"{shown:<{_NAME_WIDTH}} {d:>3} {format_size(ideal):>11} | {ratios[0]:>7} "
             f"{row['pytorch']['num_device_alloc']:>9} | {ratios[1]:>10} "
-            f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f} | {match_text}",
+            f"{row['memkernels']['num_device_alloc']:>9} {row['memkernels']['ns_per_op']:>7.0f}",
             file=out,
         )
+        print(f"    model vs recorded segments: {match_text}", file=out)
         if capacity is not None:
             for label, policy in (("PyTorch", "pytorch"), ("memkernels", "memkernels")):
                 print(f"    {label}: {_fit_text(row[policy], row['requests'], capacity)}", file=out)
