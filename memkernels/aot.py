@@ -339,6 +339,10 @@ def _subprocess_env():
     # The child must import the same memkernels and the same kernel modules as this process.
     paths = [package_root] + [os.path.abspath(p or os.curdir) for p in sys.path]
     env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    # Triton 3.9 warns on every compile while this is unset and then fuses multiplies and adds (its default, what
+    # the GPU's JIT launches do too); said explicitly here, so the check compiles the same code without the
+    # warning. A caller's own setting is kept.
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
     return env
 
 
