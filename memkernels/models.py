@@ -211,7 +211,8 @@ def _norm(config):
 
 
 class Attention(nn.Module):
-    """Causal self-attention with grouped-query heads; flash-style SDPA (saves q, k, v, out, lse)."""
+    """Causal self-attention with grouped-query heads; flash-style SDPA (saves q, k, v, out, lse). Positions come
+    from elsewhere (GPT-2's learned embeddings): ``forward(x)``; :class:`RotaryAttention` rotates q and k."""
 
     def __init__(self, config):
         super().__init__()
@@ -222,23 +223,45 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.num_kv_heads * config.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(config.num_heads * config.head_dim, config.hidden_size, bias=config.bias)
 
-    def forward(self, x, rope=None):
+    def project(self, x):
+        """q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim)."""
         batch, seq, _ = x.shape
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            q, k = _apply_rope(q, rope), _apply_rope(k, rope)
+        return q, k, v
+
+    def attend(self, q, k, v):
+        batch, _, seq, _ = q.shape
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                              enable_gqa=self.num_kv_heads != self.num_heads)
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
 
+    def forward(self, x, rope=None):
+        return self.attend(*self.project(x))
 
-def _apply_rope(x, rope):
-    cos, sin = rope  # (seq, head_dim) each, in x's dtype
+
+class RotaryAttention(Attention):
+    """:class:`Attention` with rotary positions: q and k rotated by ``rope`` = (cos, sin), each (seq, head_dim),
+    through :func:`apply_rotary_pos_emb` (Hugging Face's signature, so ``memkernels.apply`` fuses it as it does
+    Llama's)."""
+
+    def forward(self, x, rope=None):
+        q, k, v = self.project(x)
+        cos, sin = rope
+        q, k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+        return self.attend(q, k, v)
+
+
+def apply_rotary_pos_emb(q, k, cos, sin):
+    """Rotate-half RoPE: q (batch, heads, seq, d) and k (batch, kv_heads, seq, d) by cos, sin (batch or 1, seq, d)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x):
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 class MLP(nn.Module):
@@ -274,7 +297,7 @@ class Block(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.norm1 = _norm(config)
-        self.attn = Attention(config)
+        self.attn = RotaryAttention(config) if config.position == "rope" else Attention(config)
         self.norm2 = _norm(config)
         self.mlp = GatedMLP(config) if config.mlp in ("swiglu", "geglu") else MLP(config)
 
