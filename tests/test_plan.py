@@ -504,3 +504,20 @@ def test_nothing_fits_says_what_is_missing_and_by_how_much():
     # It says what it counted for the LM head and loss (issue 35).
     assert 'Counted for the LM head and loss: the fused linear cross-entropy (strategy "recompute"' in text
     assert result.to_dict()["head"] == result.head
+
+
+def test_full_finetuning_that_fits_only_with_optimizer_offload_says_host_memory_is_missing():
+    """Issue 35 point 7: with no host memory given, a GPU side that fits only once the optimizer state is on the
+    host said "activations need 66.69 GiB ..., 70.04 GiB is left" (reads as if it fit). It names the cause."""
+    import types
+
+    from memkernels.tools import plan as plan_mod
+
+    gib = 2**30
+    placement = types.SimpleNamespace(fits=True, predicted_peak=66 * gib, offload_bytes=0,
+                                      describe=lambda: "recompute layer: 0-31")
+    candidate = plan_mod.Candidate("full", 3, True, {"host_optimizer": 90 * gib, "parameters": 2 * gib}, 0, 70 * gib,
+                                   placement, 90 * gib)
+    reason = plan_mod._why_not(candidate, None, 8)
+    assert reason.startswith("fits on the GPU only with optimizer-state CPU offload")
+    assert "no host memory was given" in reason and "--host-mem" in reason and "90.00 GiB of host memory" in reason

@@ -510,6 +510,12 @@ def _optimizer_offload_step(mode, c, host_mem, gpus):
 
 
 def _why_not(c, host_mem, gpus):
+    if c.budget > 0 and c.placement.fits and c.optimizer_offload and host_mem is None:
+        # The GPU side fits, but only with the optimizer state on the host, and no host memory was given: saying
+        # "activations need X, Y (> X) is left" would read as a contradiction.
+        return (f"fits on the GPU only with optimizer-state CPU offload ({_gpu_short(c)}), which needs "
+                f"{format_size(c.host_needed)} of host memory ({_host_breakdown(c, gpus)}); no host memory was "
+                "given (host_mem=, --host-mem)")
     if c.budget > 0 and c.placement.fits and host_mem is not None and c.host_needed > host_mem:
         return (f"the GPU side fits only with optimizer-state offload, which needs {format_size(c.host_needed)} of "
                 f"host memory ({_host_breakdown(c, gpus)}); the node has {format_size(host_mem)}")
