@@ -145,6 +145,7 @@ def test_allocations_made_before_recording_count_as_live_from_the_start():
     assert d["allocated_bytes"] == 26 * MiB and d["largest_free_block"] == 6 * MiB
     assert any(row["frame"].startswith("<allocated before recording") and row["bytes"] == 2 * MiB
                for row in d["top"])
+    assert d["before_recording_bytes"] == 2 * MiB  # what replay's "ideal peak" leaves out, said in the text
 
 
 def test_the_cli_prints_the_post_mortem(tmp_path, capsys):
@@ -167,10 +168,14 @@ def test_recorded_traces_report_the_peak_and_the_counterfactual(path):
     _ops, _slots, trace_peak = trace_ops(events)
     # The trace's own peak, plus what was allocated before recording and still live.
     assert d["peak_live_bytes"] >= trace_peak and d["allocated_bytes"] == d["peak_live_bytes"]
+    # At explain's peak: what the trace recorded live then (at most replay's ideal peak) + what was there before.
+    assert d["peak_live_bytes"] <= trace_peak + d["before_recording_bytes"]
     for result in d["counterfactual"].values():
         assert result["peak_reserved_bytes"] >= d["peak_live_bytes"]  # no allocator holds less than is live
     text = explain(path).text()
     assert "no OOM in the trace; peak of live allocations" in text
+    if d["before_recording_bytes"]:
+        assert "allocated before the recording began (replay's \"ideal peak\" counts only what the trace" in text
     for _policy, label in POLICIES:
         assert label in text
 

@@ -324,7 +324,9 @@ class Explanation:
     asked, how many OOMs the trace holds); ``at`` (``"oom"`` or ``"peak"``); ``allocated_bytes``
     (live requested bytes), ``reserved_bytes`` (None when the snapshot has no segments),
     ``largest_free_block`` and ``fragmentation`` (None likewise); ``segment_events`` (False: reserved
-    is the final state's, the trace cannot say how it changed); ``peak_live_bytes``;
+    is the final state's, the trace cannot say how it changed); ``peak_live_bytes``; ``before_recording_bytes``
+    (of the allocations live at the peak or OOM, those made before the recording began: ``replay`` does not
+    replay them, so its "ideal peak" leaves them out);
     ``top`` (list of ``{"frame", "bytes", "count", "largest"}``, largest first);
     ``capacity`` (bytes the replays ran with, or None) and ``capacity_source``;
     ``counterfactual`` (see :func:`counterfactuals`); ``verdict`` (``"fragmentation"``,
@@ -368,7 +370,10 @@ def _device_text(d):
                      f"free on the device (stream {oom['stream']}), asked by {oom['frame']}"
                      + (f"; the trace holds {oom['count']} OOMs, this is the last" if oom["count"] > 1 else ""))
     else:
-        lines.append(f"  no OOM in the trace; peak of live allocations {format_size(d['peak_live_bytes'])}")
+        before = d["before_recording_bytes"]
+        lines.append(f"  no OOM in the trace; peak of live allocations {format_size(d['peak_live_bytes'])}"
+                     + (f", {format_size(before)} of it allocated before the recording began (replay's \"ideal "
+                        "peak\" counts only what the trace records)" if before else ""))
     where = "at the OOM" if oom else "at the peak"
     lines.append(f"  {where}: reserved {_size(d['reserved_bytes'])}, allocated {format_size(d['allocated_bytes'])}, "
                  f"largest free block {_size(d['largest_free_block'])}, fragmentation {_pct(d['fragmentation'])} "
@@ -464,6 +469,7 @@ def _explain_device(snapshot, device, top, capacity):
         "device": device, "oom": oom, "at": "oom" if oom else "peak", "allocated_bytes": allocated,
         "reserved_bytes": reserved, "largest_free_block": max(gaps, default=0) if segments is not None else None,
         "fragmentation": fragmentation, "peak_live_bytes": peak_live,
+        "before_recording_bytes": sum(a.size for addr, a in live.items() if addr in live_before),
         "segment_events": any(e["action"] in _SEGMENT_GROWTH for e in events),
         "top": sorted(groups.values(), key=lambda g: -g["bytes"])[:top],
         "capacity": capacity, "capacity_source": capacity_source,

@@ -688,6 +688,8 @@ def print_replay_table(traces, *, device=None, capacity=None, repeats=5, simulat
                         + (", ".join(unchecked) if unchecked else "none"), _TEXT_WIDTH), file=out)
     where = "the simulated CUDA device (virtual memory)" if simulated_device else "a virtual-address device"
     print(textwrap.fill(
+        "ideal peak: the most bytes live at once among the allocations the trace records (blocks allocated before "
+        "the recording began are not replayed; explain's peak of live allocations includes them). "
         "ratios: peak reserved / peak requested (ideal = 1.000). PyTorch: a model of its documented policy; "
         f"ns/op: memkernels' pool, median of runs, on {where}."
         + (" Expandable segments in both columns; dev.alloc counts page mappings." if config.get(
