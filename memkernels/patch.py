@@ -15,7 +15,8 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   input or holds more than its 1-D weight (and bias) is left alone and listed as
   skipped, with the reason.
 - GELU MLPs: memkernels' own ``MLP`` → ``FusedMLP``; Hugging Face GPT-2's
-  Conv1D MLP and BERT's intermediate/output pair → the same MLP computed with
+  Conv1D MLP, BERT's intermediate/output pair and the vision towers' fc1/fc2 MLPs
+  (SigLIP's, CLIP's: :data:`_FC_MLPS`) → the same MLP computed with
   ``gelu_linear`` (the activated tensor is never stored).
 - gated MLPs (SwiGLU / GeGLU: Llama, Mistral, Qwen2/3, Gemma 1-4, OLMo-2, Phi-3's packed
   ``gate_up_proj``, memkernels' own ``GatedMLP``) → ``gated_linear`` for the down
@@ -49,6 +50,14 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   called after the trainer is built, scores their tokens with ``linear_logprobs``
   instead (the report says so).
 
+Vision-language models (``...ForConditionalGeneration`` over a model with a ``language_model``: Qwen2.5-VL,
+Gemma 3) are the same walk over both towers: the language model's norms, gated MLPs and RoPE, the vision
+tower's norms and MLPs where their formulas match, the projector's norm; the loss is the wrapper's (its head
+is in :data:`CAUSAL_LM_HEADS`; the images go through the vision tower as before, and ``labels`` reach a
+multimodal model whose forward takes them, as Gemma 3's does). The report gives each row a ``tower`` and
+its summary lists what was fused and left alone per tower. Saved bytes per token are measured on a
+text-only forward (the vision tower's saving is not in that figure).
+
 apply() never goes around a module's own forward: a module whose weights the fused
 path would read directly (GPT-2's ``c_proj``, BERT's ``output.dense``, the LM head,
 the norms) is fused only when it is exactly the plain class (``nn.Linear``,
@@ -71,6 +80,7 @@ import inspect
 import itertools
 import sys
 import types
+import typing
 
 import torch
 import torch.nn.functional as F
@@ -131,6 +141,10 @@ CAUSAL_LM_HEADS = {
                                    "Exaone4ForCausalLM", "Glm4ForCausalLM")},
     "GraniteForCausalLM": LMHead(logit_scale=lambda config: 1.0 / config.logits_scaling),
     "CohereForCausalLM": LMHead(logit_scale=lambda config: config.logit_scale),
+    # vision-language models: the wrapper's forward is ``lm_head(language model's hidden states)`` then
+    # ``self.loss_function`` (Gemma 3's wrapper does not softcap, unlike Gemma3ForCausalLM)
+    "Qwen2_5_VLForConditionalGeneration": LMHead(),
+    "Gemma3ForConditionalGeneration": LMHead(),
 }
 
 
@@ -195,6 +209,20 @@ class _FusedGPT2MLP:
         return self.dropout(out)
 
 
+class _FusedFcMLP:
+    """A vision tower's MLP (fc1 → GELU activation_fn → fc2: SigLIP's, CLIP's) with gelu_linear for fc2."""
+
+    def forward(self, hidden_states):
+        from memkernels.ops.gelu_linear import gelu_linear
+        h = self.fc1(hidden_states)
+        return gelu_linear(h, self.fc2.weight, self.fc2.bias, approximate=self._memkernels_gelu)
+
+
+# Hugging Face MLP classes whose forward is exactly fc2(activation_fn(fc1(x))) (read in transformers 5's modeling
+# files); fused when the activation is a GELU.
+_FC_MLPS = ("SiglipMLP", "CLIPMLP")
+
+
 class _FusedBertLayer:
     """BERT's feed-forward (intermediate.dense → GELU → output.dense → dropout → LayerNorm(+x)) fused."""
 
@@ -249,8 +277,10 @@ def _keyword_arguments(cls, args, kwargs):
 def _output_class(cls):
     """The ModelOutput class the original forward returns (CausalLMOutputWithPast when unannotated)."""
     annotation = _forward_signature(cls).return_annotation
-    if isinstance(annotation, type) and {"loss", "logits"} <= {f.name for f in dataclasses.fields(annotation)}:
-        return annotation
+    for candidate in (annotation, *typing.get_args(annotation)):  # ``tuple | XOutput`` (vision-language models)
+        if dataclasses.is_dataclass(candidate) and isinstance(candidate, type) \
+                and {"loss", "logits"} <= {f.name for f in dataclasses.fields(candidate)}:
+            return candidate
     from transformers.modeling_outputs import CausalLMOutputWithPast
     return CausalLMOutputWithPast
 
@@ -280,6 +310,8 @@ class _FusedCausalLM:
         shift_labels = kwargs.pop("shift_labels", None)
         return_dict = kwargs.pop("return_dict", None)
         kwargs.pop("logits_to_keep", None)  # every position is scored
+        if _takes_labels(type(self.base_model)):  # Gemma 3's multimodal model is given them by its wrapper
+            kwargs["labels"] = labels
         outputs = self.base_model(**kwargs)
         hidden = outputs[0]
         if shift_labels is None:  # Hugging Face's shift: position t predicts labels[t + 1]
@@ -296,6 +328,11 @@ class _FusedCausalLM:
         fields = {f.name for f in dataclasses.fields(output_class)} - {"loss", "logits"}
         output = output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in fields})
         return output.to_tuple() if return_dict is False else output
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_labels(cls):
+    return "labels" in inspect.signature(cls.forward).parameters
 
 
 def _switch_class(module, mixin):
@@ -322,7 +359,12 @@ def _copy_function(fn):
 def _is_hf_causal_lm(module):
     """A Hugging Face causal LM with an output head (patched or not; whether the head is a plain
     nn.Linear memkernels can fuse is :func:`_loss_blocker`'s question)."""
-    return (type(module).__name__.endswith(("ForCausalLM", "LMHeadModel")) and hasattr(module, "base_model")
+    name = type(module).__name__
+    # a vision-language model (``...ForConditionalGeneration`` over a model with a ``language_model``), not an
+    # encoder-decoder of that name (T5, BART, Whisper)
+    vision_language = name.endswith("ForConditionalGeneration") and hasattr(
+        getattr(module, "base_model", None), "language_model")
+    return ((name.endswith(("ForCausalLM", "LMHeadModel")) or vision_language) and hasattr(module, "base_model")
             and hasattr(module, "get_output_embeddings") and isinstance(module.get_output_embeddings(), nn.Module)
             and module.base_model is not module)
 
@@ -361,6 +403,7 @@ class PatchReport:
             skipped.setdefault((row["type"], row["reason"]), 0)
             skipped[(row["type"], row["reason"])] += 1
         lines += [f"  left alone: {n} x {t} ({reason})" for (t, reason), n in skipped.items()]
+        lines += self._tower_lines()
         lines += [f"note: {note}" for note in self.notes]
         if self.bytes_per_token:
             before, after = self.bytes_per_token["before"], self.bytes_per_token["after"]
@@ -371,6 +414,22 @@ class PatchReport:
         return "\n".join(lines)
 
     __str__ = summary
+
+    def _tower_lines(self):
+        """A vision-language model's rows by tower (their ``tower`` key, which apply() sets for such models)."""
+        towers = {}
+        for key, rows in (("fused", self.replaced), ("left alone", self.skipped)):
+            for row in rows:
+                if "tower" in row:
+                    kinds = towers.setdefault(row["tower"], {"fused": {}, "left alone": {}})[key]
+                    kind = row["before"] if key == "fused" else row["type"]
+                    kinds[kind] = kinds.get(kind, 0) + 1
+        lines = ["by tower:"] if towers else []
+        for tower, parts in towers.items():
+            said = [f"{key} " + ", ".join(f"{n} x {kind}" for kind, n in kinds.items())
+                    for key, kinds in parts.items() if kinds]
+            lines.append(f"  {tower}: {'; '.join(said)}")
+        return lines
 
 
 # ----------------------------------------------------------------------------- measuring on a meta copy
@@ -493,6 +552,8 @@ def _mlp_blockers(kind, module):
         reads = (("fc1", module.fc1, (nn.Linear,)), ("fc2", module.fc2, (nn.Linear,)))
     elif kind == "gpt2_mlp":
         reads = (("c_proj", module.c_proj, (_conv1d(),)),)
+    elif kind == "fc_mlp":
+        reads = (("fc2", module.fc2, (nn.Linear,)),)
     else:
         reads = (("output.dense", module.output.dense, (nn.Linear,)),)
     return next((why for why in (_why_not_plain(m, kinds, what) for what, m, kinds in reads) if why), None)
@@ -537,6 +598,10 @@ def _plan(model, norms, mlp, loss, rope, report):
             why = "activation is not GELU" if _gelu_approximation(module.act) is None else None
         elif mlp and cls_name == "GPT2MLP":
             kind = "gpt2_mlp"
+        elif mlp and cls_name in _FC_MLPS and not isinstance(module, _FusedFcMLP):
+            kind = "fc_mlp"
+            act = getattr(module, "activation_fn", None)
+            why = f"activation {type(act).__name__} is not GELU" if _gelu_approximation(act) is None else None
         elif mlp and cls_name in ("BertLayer", "RobertaLayer") and hasattr(module, "intermediate"):
             kind = "bert_ffn"
         elif mlp and _is_gated_mlp(module):
@@ -547,7 +612,7 @@ def _plan(model, norms, mlp, loss, rope, report):
             kind = "rope"
             replacement = _rope_class(type(module), *site) if isinstance(site, tuple) else site
             why = replacement if isinstance(replacement, str) else None
-        if kind in ("mlp", "gpt2_mlp", "bert_ffn") and why is None:
+        if kind in ("mlp", "gpt2_mlp", "bert_ffn", "fc_mlp") and why is None:
             why = _mlp_blockers(kind, module)
         if kind is not None and why is not None:
             report.skipped.append({"name": name, "type": cls_name, "reason": why})
@@ -843,6 +908,29 @@ def _rope_class(base, name, original):
     return cls
 
 
+# Attribute names Hugging Face's vision-language models give their towers (transformers 5), and how the report
+# calls them.
+_TOWERS = {"visual": "vision", "vision_tower": "vision", "vision_model": "vision",
+           "multi_modal_projector": "projector", "language_model": "language model"}
+
+
+def _label_towers(model, report):
+    """Give each row of a vision-language model's report a ``tower`` (by its qualified name): the vision tower,
+    the projector, the language model, or its LM head and loss."""
+    found = _causal_lm(model)
+    if found is None or not type(found[1]).__name__.endswith("ForConditionalGeneration"):
+        return
+    prefixes = {}
+    for name, _ in model.named_modules():
+        label = _TOWERS.get(name.rpartition(".")[2])
+        if label and not any(name.startswith(prefix + ".") for prefix in prefixes):
+            prefixes[name] = f"{label} ({name})"
+    for row in report.replaced + report.skipped:
+        row["tower"] = next((label for prefix, label in prefixes.items()
+                             if row["name"] == prefix or row["name"].startswith(prefix + ".")),
+                            "LM head and loss" if row["name"] == found[0] else "other")
+
+
 def _check_flag(name, value):
     if not isinstance(value, bool):
         raise ValueError(f"memkernels.apply({name}={value!r}): must be True or False")
@@ -886,7 +974,7 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
     actions = _plan(model, norms, mlp, loss, rope, report)
     kinds = {kind for _, kind, _ in actions}
     fused_layer_norm, fused_rms_norm = _require("norms") if "norm" in kinds else (None, None)
-    fused_mlp = _require("mlp")[0] if kinds & {"mlp", "gpt2_mlp", "bert_ffn"} else None
+    fused_mlp = _require("mlp")[0] if kinds & {"mlp", "gpt2_mlp", "bert_ffn", "fc_mlp"} else None
     if kinds & {"lm_loss", "hf_loss"}:
         _require("loss")
     for name, kind, module in actions:
@@ -906,6 +994,9 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
                 continue
             _switch_class(module, _FusedGPT2MLP if kind == "gpt2_mlp" else _FusedBertLayer)
             module._memkernels_gelu = approximate
+        elif kind == "fc_mlp":
+            _switch_class(module, _FusedFcMLP)
+            module._memkernels_gelu = _gelu_approximation(module.activation_fn)
         elif kind == "lm_loss":
             _set_child(model, name, _CausalLMLoss())
         elif kind == "hf_loss":
@@ -919,6 +1010,7 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
         after = model.get_submodule(name) if name else model
         after_type = f"{type(after).__name__} ({mode})" if kind == "gated_mlp" else type(after).__name__
         report.replaced.append({"name": name, "before": before_type, "after": after_type})
+    _label_towers(model, report)
     if before is not None:
         after = _measure_or_note(model, report)
         if after is not None:

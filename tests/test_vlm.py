@@ -1,0 +1,151 @@
+"""memkernels.apply() on vision-language models (issue 37 point 2): tiny Qwen2.5-VL and Gemma 3 built from their
+transformers configs (random weights, random pixel values, fp32 on the CPU).
+
+apply() fuses the language model's norms, gated MLPs, RoPE and the LM head's loss (in the
+``...ForConditionalGeneration`` wrapper), and the vision tower's norms and MLPs where their formulas match; the
+images pass through the vision tower as before. Parity is test_patch.py's rule (against the unpatched model in
+float64, the patched model's loss and every gradient, vision tower's included, err at most 2x what the unpatched
+model errs in fp32, plus a floor of a few fp32 roundings).
+"""
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from memkernels.patch import apply  # noqa: E402
+from test_patch import _assert_parity, _loss_and_grads, _with_random_norm_weights  # noqa: E402
+
+VOCAB = 160
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=128)
+
+
+def _require(name):
+    if not hasattr(transformers, name):
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    return getattr(transformers, name)
+
+
+def _qwen2_5_vl():
+    """Qwen2.5-VL: a 2-block vision tower (RMSNorms, gated SiLU MLPs with biases, windowed attention) whose merger
+    turns 4 x 4 patches of 14 px into 4 image tokens; a 2-layer Qwen2 language model with multimodal RoPE."""
+    model_class, config_class = _require("Qwen2_5_VLForConditionalGeneration"), _require("Qwen2_5_VLConfig")
+    vision = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64, patch_size=14,
+                  spatial_merge_size=2, temporal_patch_size=2, window_size=56, fullatt_block_indexes=[1])
+    text = dict(TEXT, num_key_value_heads=2, rope_scaling={"type": "mrope", "mrope_section": [2, 2, 4]},
+                bos_token_id=0, eos_token_id=0)
+    config = config_class(text_config=text, vision_config=vision, image_token_id=150, video_token_id=151,
+                          vision_start_token_id=152, vision_end_token_id=153, attn_implementation="sdpa")
+    model = model_class(config)
+    ids = torch.randint(0, 140, (1, 24))
+    ids[0, 3], ids[0, 4:8], ids[0, 8] = 152, 150, 153  # <vision_start> 4 x <image> <vision_end>
+    labels = ids.clone()
+    labels[0, :9] = -100  # the prompt and the image are not scored
+    vc = config.vision_config
+    images = dict(pixel_values=torch.randn(16, vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2),
+                  image_grid_thw=torch.tensor([[1, 4, 4]]))
+    return model, ids, labels, images
+
+
+def _gemma3():
+    """Gemma 3: a 2-layer SigLIP vision tower (LayerNorms, GELU-tanh fc1/fc2 MLPs) on 28 x 28 px images in 7 px
+    patches, pooled to 4 tokens an image and normalized by the projector's Gemma RMSNorm; a 2-layer Gemma 3
+    language model. Its text config's softcap is set: the wrapper does not apply it (Gemma3ForCausalLM does)."""
+    model_class, config_class = _require("Gemma3ForConditionalGeneration"), _require("Gemma3Config")
+    text = dict(TEXT, num_key_value_heads=1, head_dim=16, final_logit_softcapping=0.5)
+    vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=28,
+                  patch_size=7)
+    config = config_class(text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=150,
+                          boi_token_index=151, eoi_token_index=152, attn_implementation="sdpa")
+    model = _with_random_norm_weights(model_class(config))
+    with torch.no_grad():  # initialized to zeros: the images would reach the language model as zeros, no gradient back
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0, 0.2)
+    ids = torch.randint(1, 140, (2, 20))
+    ids[:, 3:7] = 150  # 4 image tokens in each row
+    labels = ids.clone()
+    labels[:, :7] = -100
+    images = dict(pixel_values=torch.randn(2, 3, 28, 28), token_type_ids=(ids == 150).long())
+    return model, ids, labels, images
+
+
+MODELS = {"qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3}
+# What apply() must fuse in each tower (the report's ``tower`` labels, by their first word) and leave alone.
+FUSED = {
+    "qwen2_5_vl": {"vision": {"Qwen2_5_VLRMSNorm": 5, "Qwen2_5_VLMLP": 2},
+                   "language": {"Qwen2_5_VLRMSNorm": 5, "Qwen2MLP": 2, "Qwen2_5_VLAttention": 2},
+                   "LM": {"Qwen2_5_VLForConditionalGeneration": 1}},
+    "gemma3": {"vision": {"LayerNorm": 6, "SiglipMLP": 3},
+               "projector": {"Gemma3RMSNorm": 1},
+               "language": {"Gemma3RMSNorm": 13, "Gemma3MLP": 2, "Gemma3Attention": 2},
+               "LM": {"Gemma3ForConditionalGeneration": 1}},
+}
+LEFT_ALONE = {"qwen2_5_vl": {"vision": {"Qwen2_5_VLVisionAttention": 2}}, "gemma3": {}}
+
+
+def assert_patched_parity(model, patched, ids, labels, **kwargs):
+    """test_patch.assert_patched_parity with the image inputs: loss and every gradient of ``patched`` against
+    ``model``, both judged against float64; returns the patched model's gradients."""
+    reference = copy.deepcopy(model).double()
+    doubled = {k: v.double() if v.is_floating_point() else v for k, v in kwargs.items() if torch.is_tensor(v)}
+    loss64, grads64 = _loss_and_grads(reference, ids, labels, **{**kwargs, **doubled})
+    loss32, grads32 = _loss_and_grads(model, ids, labels, **kwargs)
+    loss_p, grads_p = _loss_and_grads(patched, ids, labels, **kwargs)
+    _assert_parity(loss64.reshape(1), loss32.reshape(1), loss_p.reshape(1), "loss")
+    assert set(grads_p) == set(grads32)
+    global_scale = max(g.abs().max().item() for g in grads64.values())
+    for name, g64 in grads64.items():
+        _assert_parity(g64, grads32[name], grads_p[name], name, scale=max(g64.abs().max().item(), global_scale * 1e-3))
+    return grads_p
+
+
+def _by_tower(rows, key):
+    towers = {}
+    for row in rows:
+        kinds = towers.setdefault(row["tower"].split()[0], {})
+        kinds[row[key]] = kinds.get(row[key], 0) + 1
+    return towers
+
+
+def _build(name):
+    torch.manual_seed(0)
+    model, ids, labels, images = MODELS[name]()
+    return model.train(), ids, labels, images
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_report_lists_each_tower(name):
+    model, *_ = _build(name)
+    report = apply(model)
+    assert _by_tower(report.replaced, "before") == FUSED[name]
+    assert _by_tower(report.skipped, "type") == LEFT_ALONE[name]
+    assert all(row["reason"] for row in report.skipped)
+    summary = report.summary()
+    assert "by tower:" in summary and "LM head and loss: fused 1 x" in summary
+    assert report.bytes_per_token["after"] < report.bytes_per_token["before"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_loss_and_gradients_match_with_images(name):
+    model, ids, labels, images = _build(name)
+    patched = copy.deepcopy(model)
+    apply(patched, measure=False)
+    kwargs = dict(images, use_cache=False)
+
+    # The fused loss is what runs: no logits are materialized, the output keeps the wrapper's fields.
+    out = patched(input_ids=ids, labels=labels, **kwargs)
+    expected = model(input_ids=ids, labels=labels, **kwargs)
+    assert out.logits is None and type(out) is type(expected)
+    assert out.image_outputs is not None
+    torch.testing.assert_close(out.loss, expected.loss, rtol=1e-5, atol=1e-6)
+
+    grads = assert_patched_parity(model, patched, ids, labels, **images)  # test_patch's _loss: use_cache=False
+    vision = [n for n in grads if ".visual." in n or ".vision_tower." in n]
+    assert vision and all(grads[n].abs().sum() > 0 for n in vision if "norm" in n or "mlp" in n)  # images reach the loss
+
+    # eval mode: the model's own forward, logits as before
+    patched.eval(), model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(patched(input_ids=ids, **kwargs).logits, model(input_ids=ids, **kwargs).logits,
+                                   rtol=1e-5, atol=1e-5)
