@@ -71,6 +71,8 @@ def _gemma3():
 
 
 MODELS = {"qwen2_5_vl": _qwen2_5_vl, "gemma3": _gemma3}
+# The CAUSAL_LM_HEADS entries these models test (test_apply_training.py tests the text-only ones).
+HEADS = {"Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl", "Gemma3ForConditionalGeneration": "gemma3"}
 # What apply() must fuse in each tower (the report's ``tower`` labels, by their first word) and leave alone.
 FUSED = {
     "qwen2_5_vl": {"vision": {"Qwen2_5_VLRMSNorm": 5, "Qwen2_5_VLMLP": 2},
@@ -149,3 +151,9 @@ def test_loss_and_gradients_match_with_images(name):
     with torch.no_grad():
         torch.testing.assert_close(patched(input_ids=ids, **kwargs).logits, model(input_ids=ids, **kwargs).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_every_vision_language_head_is_tested_here():
+    assert set(HEADS.values()) == set(MODELS)
+    for name in MODELS:
+        assert set(FUSED[name]["LM"]) <= set(HEADS)
