@@ -92,7 +92,7 @@ def run_report(args):
     from memkernels._backend import get_backend, resolve
     from memkernels.tools.estimate import breakdown_chart, estimate, estimate_table
     from memkernels.models import TransformerLM, load_config, synthetic_batch
-    from memkernels.tools.profile import compare_steps
+    from memkernels.tools.profile import compare_steps, format_bytes
 
     load_config(args.model)  # a bad --model or --out fails now, not after the training step
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -118,6 +118,7 @@ def run_report(args):
 
     _progress(2, total, "one training step per embedded model: eager PyTorch vs memkernels")
     failure = None
+    measured = []  # one line per embedded model, for the chart: what was measured, beside the estimated bars
     for name, style, baseline, ids in embedded:
         n_params = sum(p.numel() for p in baseline.parameters())
         print(f"== {name} ({n_params / 1e6:.1f}M parameters, {style})")
@@ -132,6 +133,10 @@ def run_report(args):
             print(f"ERROR: {failure}\n")
             continue
         comparison = compare_steps(baseline, optimized, ids, ids, timed_steps=args.timed_steps)
+        peaks = comparison.baseline["peak_bytes"], comparison.optimized["peak_bytes"]
+        measured.append(f"{name}: one training step of {REPORT_BATCH} x {REPORT_SEQ} tokens, fp32 on {device}: peak "
+                        f"{format_bytes(peaks[0])} eager -> {format_bytes(peaks[1])} memkernels "
+                        f"({(peaks[1] - peaks[0]) / peaks[0]:+.0%})")
         print(patch_report.summary())
         print()
         print(comparison.step_table())
@@ -161,7 +166,7 @@ def run_report(args):
     _progress(4, total, f"writing {args.out}")
     if estimates:
         try:
-            breakdown_chart(estimates, args.out, gpu_bytes=args.gpu_mem,
+            breakdown_chart(estimates, args.out, gpu_bytes=args.gpu_mem, measured=measured,
                             title=f"{estimates[0][1].model}, batch {args.batch} x seq {args.seq}"
                                   f"{f', shard {args.shard}' if args.shard > 1 else ''}: memory per GPU")
             print(f"\nwrote {os.path.abspath(args.out)}")

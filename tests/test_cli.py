@@ -343,3 +343,22 @@ def test_replay_table_fits_a_100_column_terminal():
     lines = result.stdout.splitlines()
     assert any(line.startswith("tinyllama_lora_step.pickle") for line in lines)
     assert max(len(line) for line in lines) < 100, max(lines, key=len)
+
+
+def test_the_chart_says_its_bars_are_estimates_and_shows_what_was_measured(tmp_path, monkeypatch):
+    """report's PNG: the title says the bars are estimated on the meta device, and the measured training steps'
+    lines are printed under the chart (issue 38: nothing in the PNG said which was which)."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from memkernels.tools.estimate import breakdown_chart
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    measured = ["tiny-gpt: one training step of 4 x 256 tokens, fp32 on cpu: peak 339.24 MiB eager -> 156.77 MiB "
+                "memkernels (-54%)"]
+    breakdown_chart([("bf16", estimate("gpt2", batch=1, seq=128))], str(tmp_path / "chart.png"), title="gpt2",
+                    measured=measured)
+    figure = figures[0]
+    assert figure.axes[0].get_title() == "gpt2\nbars: estimated on the meta device, not measured"
+    assert [text.get_text() for text in figure.texts] == ["measured on this machine:\n" + measured[0]]

@@ -297,6 +297,8 @@ def _finish_weight_grad(front, rest, scale, dtype):
 
 # float32 dX of a chunk on the CPU: one GEMM per this many classes, summed in float64 (_hidden_grad).
 HIDDEN_GRAD_VOCAB_BLOCK = 128
+# _hidden_grad's batched GEMMs: float32 products of at most this many bytes at a time.
+HIDDEN_GRAD_GROUP_BYTES = 2 * 2**20
 
 
 def _hidden_grad_block(grad_logits):
@@ -324,7 +326,8 @@ def _hidden_grad(grad_logits, weight, out):
     over the group in float64: a few ops per chunk instead of two per block, the same sums (a GEMM per block of
     HIDDEN_GRAD_VOCAB_BLOCK classes, float64 across blocks). At 32k classes that was 500 ops per chunk, which
     anything that sees every op (a dispatch mode, the memory meters) paid for: 7 of the 9.5 s of the loss in a
-    metered CPU step of tiny-llama. A group holds at most DEFAULT_CHUNK_BYTES of products.
+    metered CPU step of tiny-llama. A group holds at most HIDDEN_GRAD_GROUP_BYTES of products (with 16 MiB the
+    report's tiny models peaked 13 MiB higher).
     """
     n_classes, block = grad_logits.shape[1], _hidden_grad_block(grad_logits)
     if block >= n_classes:
@@ -332,7 +335,7 @@ def _hidden_grad(grad_logits, weight, out):
         return
     n_rows, hidden_size = out.shape
     full_blocks = n_classes // block
-    group = max(1, min(full_blocks, DEFAULT_CHUNK_BYTES // max(1, n_rows * hidden_size * 4)))
+    group = max(1, min(full_blocks, HIDDEN_GRAD_GROUP_BYTES // max(1, n_rows * hidden_size * 4)))
     total = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
     for first in range(0, full_blocks, group):
         count = min(group, full_blocks - first)

@@ -469,11 +469,13 @@ def estimate_table(estimates):
     return _table(header, rows)
 
 
-def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
+def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None, measured=()):
     """Write a stacked-bar PNG of :class:`MemoryEstimate` breakdowns (one bar each) to ``path``.
 
     Needs matplotlib; raises ImportError naming the fix without it. Bars are labeled by
-    each estimate's configuration; ``gpu_bytes`` draws the per-GPU capacity line.
+    each estimate's configuration; ``gpu_bytes`` draws the per-GPU capacity line. The title says the bars
+    are estimates (meta device); ``measured``: lines of measured results (``memkernels report``'s training
+    steps) printed under the chart, so that what was measured and what was estimated stay apart.
     """
     try:
         import matplotlib
@@ -501,12 +503,18 @@ def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None):
         ax.text(len(estimates) - 0.5, gpu_bytes / gib,
                 f"GPU: {gpu_bytes / gib:.1f} GiB ", va="bottom", ha="right", zorder=5)
     ax.set_ylabel("memory per GPU (GiB)")
-    ax.set_title(title or "memory per GPU by configuration")
+    ax.set_title((title or "memory per GPU by configuration") + "\nbars: estimated on the meta device, not measured",
+                 fontsize=11)
     ax.legend(loc="upper right", fontsize=9)
     ax.set_ylim(0, top)
     ax.grid(axis="y", alpha=0.3)
     plt.setp(ax.get_xticklabels(), fontsize=10)
-    fig.tight_layout()
+    measured = list(measured)
+    footer = 0.035 * (len(measured) + 1) if measured else 0.0
+    if measured:
+        fig.text(0.01, 0.01, "\n".join(["measured on this machine:"] + measured), fontsize=8, va="bottom",
+                 family="monospace")
+    fig.tight_layout(rect=(0, footer, 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
