@@ -335,13 +335,13 @@ def test_meta_walks_two_row_blocks_with_the_cpu_peak(monkeypatch, option_name):
         n_rows, n_classes = 98, 1000  # 20 blocks of 5 rows, the last one of 3
         options = dict(OPTIONS[option_name])
         use_weight = options.pop("weight", False)
-        figures, walk = {}, reference._row_blocks
+        figures, walk = {}, reference.row_blocks
         for device in ("cpu", "meta"):
             logits = (torch.randn(n_rows, n_classes) * 4.0).to(torch.bfloat16).to(device).requires_grad_()
             target = make_target(n_rows, n_classes).to(device)
             weight = (torch.rand(n_classes) + 0.5).to(device) if use_weight else None
             calls = []
-            monkeypatch.setattr(reference, "_row_blocks", lambda x: calls.append(len(walk(x))) or walk(x))
+            monkeypatch.setattr(reference, "row_blocks", lambda x: calls.append(len(walk(x))) or walk(x))
             with flop_counter() as counter:
                 with PeakBytesMeter() as forward:
                     loss = cross_entropy(logits, target, weight=weight, **options)

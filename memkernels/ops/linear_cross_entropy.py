@@ -607,7 +607,9 @@ _ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, 
 # public function
 
 
-def _validate(hidden, weight, bias, strategy, chunk_size, reduction):
+def validate_head(hidden, weight, bias):
+    """Raise TypeError/ValueError naming the argument unless hidden (..., H), weight (V, H) and bias (V,) or None
+    make an LM head: floating point, one dtype and device. Shared with linear_logprobs."""
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise TypeError("hidden must be a floating-point tensor of shape (..., H)")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -618,10 +620,15 @@ def _validate(hidden, weight, bias, strategy, chunk_size, reduction):
     if weight.dtype != hidden.dtype or weight.device != hidden.device:
         raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
                          f"{hidden.device}); cast one of them")
-    if bias is not None and (bias.shape != (weight.shape[0],) or bias.dtype != hidden.dtype
-                             or bias.device != hidden.device):
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)
+                             or bias.dtype != hidden.dtype or bias.device != hidden.device):
         raise ValueError(f"bias must have shape ({weight.shape[0]},), dtype {hidden.dtype} and device "
-                         f"{hidden.device}; got {tuple(bias.shape)}, {bias.dtype}, {bias.device}")
+                         f"{hidden.device}; got {tuple(getattr(bias, 'shape', ()))}, {getattr(bias, 'dtype', None)}, "
+                         f"{getattr(bias, 'device', None)}")
+
+
+def _validate(hidden, weight, bias, strategy, chunk_size, reduction):
+    validate_head(hidden, weight, bias)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool)

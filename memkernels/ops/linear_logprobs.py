@@ -33,7 +33,7 @@ from memkernels.ops._device_guard import on_tensor_device
 from memkernels.ops._host import next_power_of_2
 from memkernels.ops.cross_entropy import _cast_rne, _tanh
 from memkernels.ops.linear_cross_entropy import (head_logits, recompute_chunk_tokens, recompute_tile_classes,
-                                                 tiled_head_backward)
+                                                 tiled_head_backward, validate_head)
 from memkernels.reference import logprobs as reference
 from memkernels.reference.cross_entropy import check_targets
 
@@ -370,23 +370,9 @@ _Function = autograd_pair(_op, _forward, _setup, _grad_with(_backward_op), _grad
 
 
 def _validate(hidden, weight, target, bias, temperature, softcap, ignore_index, chunk_size):
-    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
-        raise TypeError("hidden must be a floating-point tensor of shape (..., H)")
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be the LM head's (V, H) matrix, got shape {tuple(getattr(weight, 'shape', ()))}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight has shape {tuple(weight.shape)} but hidden's last dimension is {hidden.shape[-1]}; "
-                         "weight must be (V, H) with H = hidden.shape[-1]")
+    validate_head(hidden, weight, bias)
     if weight.shape[0] < 1:
         raise ValueError("weight must have at least one row (the vocabulary size V >= 1)")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise ValueError(f"weight ({weight.dtype}, {weight.device}) must match hidden ({hidden.dtype}, "
-                         f"{hidden.device}); cast one of them")
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != (weight.shape[0],)
-                             or bias.dtype != hidden.dtype or bias.device != hidden.device):
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), dtype {hidden.dtype} and device "
-                         f"{hidden.device}; got {tuple(getattr(bias, 'shape', ()))}, {getattr(bias, 'dtype', None)}, "
-                         f"{getattr(bias, 'device', None)}")
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a tensor of token ids, got {type(target).__name__}")
     if target.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):

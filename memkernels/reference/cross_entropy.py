@@ -42,7 +42,9 @@ import torch
 BLOCK_ELEMENTS = 2**20
 
 
-def _row_blocks(logits):
+def row_blocks(logits):
+    """Row slices of ``logits`` (R, V), each of at most BLOCK_ELEMENTS logits (one row at least): the blocks the
+    references walk (cross-entropy's and :mod:`memkernels.reference.logprobs`'); on meta three of them."""
     n_rows, n_cols = logits.shape
     rows = max(1, BLOCK_ELEMENTS // max(n_cols, 1))
     blocks = [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
@@ -113,7 +115,7 @@ def _target_terms(target, cfg):
     return valid, out_of_range, safe, w_t
 
 
-def _finish(values, valid, out_of_range):
+def finish_rows(values, valid, out_of_range):
     """Zero for ignored rows, NaN for rows with an out-of-range target."""
     values = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
     return torch.where(out_of_range, torch.full((), float("nan"), device=values.device), values)
@@ -135,7 +137,7 @@ def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
     ce = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     zt = torch.empty_like(ce) if cfg.z_loss else None
     lse_parts = torch.empty(n_rows, 2, dtype=torch.float32, device=logits.device)
-    for rows in _row_blocks(logits):
+    for rows in row_blocks(logits):
         ce[rows], z_rows, lse_parts[rows] = _loss_block(logits[rows], target[rows], cfg)
         if zt is not None:
             zt[rows] = z_rows
@@ -165,8 +167,8 @@ def _loss_block(logits, target, cfg):
             smooth = cfg.class_weight_sum * lse - y.double() @ cfg.class_weight.double()
         ce = (1.0 - eps) * ce + eps / cfg.n_classes * smooth
     ce = ce.float()
-    ce = _finish(ce, valid, out_of_range)
-    zt = _finish((cfg.z_loss * (lse * lse)).float(), valid, out_of_range) if cfg.z_loss else None
+    ce = finish_rows(ce, valid, out_of_range)
+    zt = finish_rows((cfg.z_loss * (lse * lse)).float(), valid, out_of_range) if cfg.z_loss else None
     return ce, zt, lse_parts
 
 
@@ -177,7 +179,7 @@ def grad_rows(logits, target, lse_parts, cfg, grad, loss_scale, z_scale, *, col_
     lse_parts: (R, 2) from :func:`loss_rows`;
     grad: (R, W) buffer written in place (may be ``logits``); scales as in :func:`loss_rows`.
     """
-    for rows in _row_blocks(logits):
+    for rows in row_blocks(logits):
         _write_grad(*_softcapped_with_slope(logits[rows], cfg), target[rows], lse_parts[rows], cfg, grad[rows],
                     _rows_of(loss_scale, rows), _rows_of(z_scale, rows), col_offset)
 

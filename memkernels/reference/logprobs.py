@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from memkernels.reference.cross_entropy import BLOCK_ELEMENTS
+from memkernels.reference.cross_entropy import finish_rows, row_blocks
 
 
 class LogprobConfig(NamedTuple):
@@ -43,18 +43,6 @@ class LogprobConfig(NamedTuple):
     temperature: float
     with_entropy: bool  # statistics (N, 3) with the entropy, else (N, 2)
     with_metrics: bool = False  # also (N, 3) metrics: target is the first argmax, mean z, log sum p^2
-
-
-def _row_blocks(logits):
-    n_rows, n_cols = logits.shape
-    rows = max(1, BLOCK_ELEMENTS // max(n_cols, 1))
-    blocks = [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
-    if logits.device.type == "meta" and len(blocks) > 3:
-        # Meta tensors hold no values: the first block, the second (which starts with what the first left
-        # alive, as every later one does) and the last (maybe smaller) allocate what all of them do, in a
-        # fraction of the time (as cross-entropy's reference does, see there).
-        blocks = [blocks[0], blocks[1], blocks[-1]]
-    return blocks
 
 
 def _scaled(logits, cfg):
@@ -74,12 +62,6 @@ def _target_terms(target, cfg):
     return valid, out_of_range, safe
 
 
-def _finish(values, valid, out_of_range):
-    """Zero for ignored rows, NaN for rows with an out-of-range target."""
-    values = torch.where(valid, values, torch.zeros((), dtype=values.dtype, device=values.device))
-    return torch.where(out_of_range, torch.full((), float("nan"), device=values.device), values)
-
-
 def stats_rows(logits, target, cfg, *, grad=None, grad_logp=None, grad_entropy=None):
     """Log-prob, entropy and statistics of full rows.
 
@@ -95,7 +77,7 @@ def stats_rows(logits, target, cfg, *, grad=None, grad_logp=None, grad_entropy=N
     entropy = torch.empty_like(logp) if cfg.with_entropy else None
     stats = torch.empty(n_rows, 3 if cfg.with_entropy else 2, dtype=torch.float32, device=logits.device)
     metrics = torch.empty(n_rows, 3, dtype=torch.float32, device=logits.device) if cfg.with_metrics else None
-    for rows in _row_blocks(logits):
+    for rows in row_blocks(logits):
         logp[rows], entropy_rows, stats[rows], metrics_rows = _stats_block(logits[rows], target[rows], cfg)
         if entropy is not None:
             entropy[rows] = entropy_rows
@@ -121,7 +103,7 @@ def _stats_block(logits, target, cfg):
     total = e.sum(dim=1, dtype=torch.float64)
     log_sum = total.log()
     valid, out_of_range, safe = _target_terms(target, cfg)
-    logp = _finish(((z.gather(1, safe[:, None]).squeeze(1) - shift).double() - log_sum).float(), valid,
+    logp = finish_rows(((z.gather(1, safe[:, None]).squeeze(1) - shift).double() - log_sum).float(), valid,
                    out_of_range)
     columns = [shift, log_sum.float()]
     entropy = None
@@ -129,7 +111,7 @@ def _stats_block(logits, target, cfg):
         weighted = (e.double() * centered.double()).sum(dim=1)
         entropy64 = log_sum - weighted / total
         columns.append(entropy64.float())
-        entropy = _finish(entropy64.float(), valid, out_of_range)
+        entropy = finish_rows(entropy64.float(), valid, out_of_range)
     metrics = None
     if cfg.with_metrics:
         kept = valid & ~out_of_range
@@ -149,7 +131,7 @@ def grad_cols(logits, target, stats, cfg, grad, grad_logp, grad_entropy, *, col_
     :func:`stats_rows`; grad: (R, W) buffer written in place (may be ``logits``); grad_logp, grad_entropy:
     (R,) float32 incoming gradients, or None for zero.
     """
-    for rows in _row_blocks(logits):
+    for rows in row_blocks(logits):
         _write_grad(logits[rows], target[rows], stats[rows], cfg, grad[rows], _rows_of(grad_logp, rows),
                     _rows_of(grad_entropy, rows), col_offset)
 
