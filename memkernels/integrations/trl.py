@@ -169,13 +169,13 @@ def _score(hidden, weight, bias, targets, temperature, chunk_size, final_logit_s
     scored = scored if isinstance(scored, tuple) else (scored,)
     log_probs, entropy = scored[0], (scored[1] if with_entropy else None)
     counts["linear_logprobs"] += 1
-    metrics = dict.fromkeys(_METRIC_OUTPUTS)
+    metrics = {}
     if wanted:  # from the same pass over each row (linear_logprobs' return_metrics), no second projection
         computed = scored[-1]
-        metrics.update({"log_sum_sq_probs": computed.log_sum_sq_probs, "mean_logits": computed.mean_logit,
-                        "is_top1": computed.is_top1})
-        metrics = {name: (value if name in wanted else None) for name, value in metrics.items()}
-    return (log_probs, entropy, *(metrics[name] for name in _METRIC_OUTPUTS))
+        values = {"log_sum_sq_probs": computed.log_sum_sq_probs, "mean_logits": computed.mean_logit,
+                  "is_top1": computed.is_top1}
+        metrics = {name: values[name] for name in wanted}
+    return (log_probs, entropy, *(metrics.get(name) for name in _METRIC_OUTPUTS))
 
 
 def _checked_kernel():
