@@ -114,12 +114,17 @@ def test_vocab_not_a_block_multiple(backend, dtype, strategy):
     run_check(dtype, 8, 16, 32003, "mean", strategy, "combined", chunk_size=3, unit_grad=strategy == "chunked")
 
 
+@pytest.mark.parametrize("grouped", [True, False], ids=["bmm-groups", "block-by-block"])
 @pytest.mark.parametrize("n_rows", [1, 2, 3, 5, 8])
-def test_chunked_float32_hidden_grad_error_grows_with_the_block_not_the_vocabulary(n_rows):
+def test_chunked_float32_hidden_grad_error_grows_with_the_block_not_the_vocabulary(n_rows, grouped, monkeypatch):
     """A chunk's float32 dX sums V = 32003 products per element. MKL's GEMM for a few rows sums them in
     one running total (error ~ sqrt(V) roundings: ~100 ulps of max|dX| measured at 1-5 rows, ~10 at 8);
     _hidden_grad sums blocks of HIDDEN_GRAD_VOCAB_BLOCK classes in float64, so its error is that of a
-    block's sum, ~sqrt(block) roundings in any order: bound 4 * sqrt(block) half-ulps (45)."""
+    block's sum, ~sqrt(block) roundings in any order: bound 4 * sqrt(block) half-ulps (45). Both ways of summing
+    the blocks: in bmm groups, and one block at a time (what a chunk too large for a group of two takes)."""
+    if not grouped:
+        monkeypatch.setattr(lce, "HIDDEN_GRAD_GROUP_BYTES", 1)
+        monkeypatch.setattr(torch, "bmm", None)  # this path must not batch
     n_classes = 32003
     grad_logits = torch.randn(n_rows, n_classes) / n_classes
     weight = torch.randn(n_classes, 16) / 4

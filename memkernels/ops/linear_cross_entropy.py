@@ -327,25 +327,28 @@ def _hidden_grad(grad_logits, weight, out):
     HIDDEN_GRAD_VOCAB_BLOCK classes, float64 across blocks). At 32k classes that was 500 ops per chunk, which
     anything that sees every op (a dispatch mode, the memory meters) paid for: 7 of the 9.5 s of the loss in a
     metered CPU step of tiny-llama. A group holds at most HIDDEN_GRAD_GROUP_BYTES of products (with 16 MiB the
-    report's tiny models peaked 13 MiB higher).
+    report's tiny models peaked 13 MiB higher); with their float64 sum that is at most ~2 x that much transient
+    beyond the one-block loop's (bench_step's CPU step: 1.45 -> 1.63 MiB). Where a group would hold one block,
+    the loop runs as before (each block's GEMM into ``out``): large chunks get no transient beyond it.
     """
     n_classes, block = grad_logits.shape[1], _hidden_grad_block(grad_logits)
     if block >= n_classes:
         torch.mm(grad_logits, weight, out=out)
         return
     n_rows, hidden_size = out.shape
-    full_blocks = n_classes // block
-    group = max(1, min(full_blocks, HIDDEN_GRAD_GROUP_BYTES // max(1, n_rows * hidden_size * 4)))
     total = torch.zeros(out.shape, dtype=torch.float64, device=out.device)
-    for first in range(0, full_blocks, group):
-        count = min(group, full_blocks - first)
+    group = max(1, min(n_classes // block, HIDDEN_GRAD_GROUP_BYTES // max(1, n_rows * hidden_size * 4)))
+    # Groups of two blocks or more go through bmm; one block at a time, its GEMM goes straight into out (below).
+    batched_blocks = n_classes // block if group > 1 else 0
+    for first in range(0, batched_blocks, group):
+        count = min(group, batched_blocks - first)
         start, end = first * block, (first + count) * block
         products = torch.bmm(grad_logits[:, start:end].view(n_rows, count, block).transpose(0, 1),
                              weight[start:end].view(count, block, hidden_size))
         total += products.sum(0, dtype=torch.float64)
         del products
-    if full_blocks * block < n_classes:
-        total += torch.mm(grad_logits[:, full_blocks * block:], weight[full_blocks * block:], out=out)
+    for start in range(batched_blocks * block, n_classes, block):  # the last partial block, or every block
+        total += torch.mm(grad_logits[:, start:start + block], weight[start:start + block], out=out)
     out.copy_(total)
 
 
