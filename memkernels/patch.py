@@ -21,8 +21,8 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
 - gated MLPs (SwiGLU / GeGLU: Llama, Mistral, Qwen2/3, Gemma 1-4, OLMo-2, Phi-3's packed
   ``gate_up_proj``, memkernels' own ``GatedMLP``) → ``gated_linear`` for the down
   projection: gate and up are saved, act(gate) * up never is. ``mlp="recompute"``
-  saves only the MLP's input and recomputes gate and up in backward (plain Linear
-  projections; LoRA MLPs keep the saving variant). ``peft`` LoRA projections are
+  saves only the MLP's input and recomputes gate and up in backward, a long input in
+  token chunks (plain Linear projections; LoRA MLPs keep the saving variant). ``peft`` LoRA projections are
   fused too: adapters on gate/up are called as they are, the adapter on down_proj
   gets one more ``gated_linear`` with lora_A as its weight. Left alone, with the
   reason: mixture-of-experts experts, quantized (bitsandbytes) or DoRA down
@@ -721,19 +721,32 @@ def _plan_gated_mlp(name, module, actions, report):
 
 
 class _FusedGatedMLPForward:
-    """A gated MLP whose down projection is gated_linear (its forward; see _gated_mlp_forward)."""
+    """A gated MLP whose down projection is gated_linear (its forward; see gated_mlp_forward)."""
 
     def forward(self, x):
-        return _gated_mlp_forward(self, x)
+        return gated_mlp_forward(self, x)
 
 
-def _gated_mlp_forward(mlp, x):
+def can_recompute_gated_mlp(module):
+    """Whether ``module`` is a gated MLP apply() fused whose projections gated_mlp_recompute can read itself
+    (plain, hook-free nn.Linear: LoRA or hooked ones keep the saving variant, which calls them as modules)."""
+    from memkernels.nn.mlp import gated_mlp_parts
+
+    return isinstance(module, _FusedGatedMLPForward) and all(
+        p is None or _why_not_plain(p, (nn.Linear,), "projection") is None for p in gated_mlp_parts(module)[:3])
+
+
+def gated_mlp_forward(mlp, x, recompute=None):
+    """The forward of a gated MLP apply() fused: gated_mlp_recompute (saves only x; long inputs in token chunks)
+    when ``recompute`` (default: as apply() set it) and the projections allow it, else the saving variant
+    (gate and up saved, gated_linear for the down projection, LoRA adapters on their own)."""
     from memkernels.nn.mlp import gated_mlp_parts
     from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
 
     gate_proj, up_proj, down_proj, _ = gated_mlp_parts(mlp)
     activation = mlp._memkernels_gated_activation
-    if mlp._memkernels_recompute and all(p is None or type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
+    recompute = mlp._memkernels_recompute if recompute is None else recompute
+    if recompute and all(p is None or type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
         up_weight, up_bias = (None, None) if up_proj is None else (up_proj.weight, up_proj.bias)
         return gated_mlp_recompute(x, gate_proj.weight, gate_proj.bias, up_weight, up_bias, down_proj.weight,
                                    down_proj.bias, activation=activation)
@@ -754,13 +767,9 @@ def _patch_gated_mlp(module, recompute):
     """Switch ``module`` to its fused subclass; returns the mode shown in the report."""
     from memkernels.nn.mlp import gated_activation, gated_mlp_parts
 
-    gate, up, down, act = gated_mlp_parts(module)
     _switch_class(module, _FusedGatedMLPForward)
-    module._memkernels_gated_activation = gated_activation(act)
-    # recompute reads every projection's weights itself: only plain hook-free nn.Linear projections
-    # (LoRA or hooked ones keep the saving variant, which calls gate_proj and up_proj as modules)
-    module._memkernels_recompute = recompute and all(
-        p is None or _why_not_plain(p, (nn.Linear,), "projection") is None for p in (gate, up, down))
+    module._memkernels_gated_activation = gated_activation(gated_mlp_parts(module)[3])
+    module._memkernels_recompute = recompute and can_recompute_gated_mlp(module)
     return "recompute" if module._memkernels_recompute else "saves gate, up"
 
 

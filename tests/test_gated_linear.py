@@ -1,5 +1,6 @@
 """gated_linear, gated_mlp_recompute and FusedGatedMLP against eager PyTorch in float64, and their memory contract."""
 import contextlib
+import functools
 import gc
 import os
 import types
@@ -133,16 +134,21 @@ def eager_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_b
     return F.linear(act(gate, activation) * up, down_weight, down_bias)
 
 
-def recompute_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation="silu"):
+def recompute_mlp(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation="silu",
+                  chunk_size=None):
     return gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                               activation=activation)
+                               activation=activation, chunk_size=chunk_size)
 
 
+# 34 tokens: one chunk; chunks of 5 (even split: 7 chunks, the last of 4); of 16 (12, 12, 10)
+@pytest.mark.parametrize("chunk_size", [None, 5, 16], ids=["whole", "chunks5", "chunks16"])
 @pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
 @pytest.mark.parametrize("has_bias", [True, False], ids=["bias", "nobias"])
 @pytest.mark.parametrize("dtype, activation", [(torch.float32, "silu"), (torch.float16, "gelu"),
                                                (torch.bfloat16, "gelu_tanh")], ids=str)
-def test_recompute_matches_float64(backend, dtype, activation, has_bias, packed):
+def test_recompute_matches_float64(backend, dtype, activation, has_bias, packed, chunk_size):
+    """Outputs and every gradient against float64, whole and in token chunks (the chunked weight and bias
+    gradients summed in float32: no less accurate than eager's one GEMM)."""
     hidden, width = 24, 61
 
     def param(*shape, scale=1.0):
@@ -154,9 +160,9 @@ def test_recompute_matches_float64(backend, dtype, activation, has_bias, packed)
     gate_bias = param(gate_weight.shape[0]) if has_bias else None
     up_bias = param(width) if has_bias and not packed else None
     down_weight, down_bias = param(hidden, width, scale=width ** -0.5), param(hidden) if has_bias else None
-    check_against_reference(recompute_mlp, eager_mlp,
+    check_against_reference(functools.partial(recompute_mlp, chunk_size=chunk_size), eager_mlp,
                             [x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias],
-                            kwargs={"activation": activation})
+                            kwargs={"activation": activation}, name=f"gated_mlp_recompute(chunk_size={chunk_size})")
 
 
 @pytest.mark.parametrize("needed", [(True, False, False, False), (False, True, False, False),
@@ -186,7 +192,24 @@ def test_recompute_runs_two_extra_gemms_not_three(backend, monkeypatch):
         y.backward(torch.ones_like(y))
     assert log == ["mm", "mm",  # gate and up recomputed
                    ("gated_linear_backward", backend), "mm", "mm",  # dy @ W and dW: no forward GEMM
-                   "mm", "mm", "addmm_", "mm"]  # dx and dW of gate, dx accumulated and dW of up
+                   "mm", "mm", "mm", "mm"]  # dx and dW of gate, of up (the two dx summed as eager's autograd does)
+
+
+def test_recompute_in_chunks_runs_the_same_gemms_a_chunk(backend, monkeypatch):
+    # 5 tokens in chunks of 2, 2 and 1: per chunk gate and up recomputed, the down projection's backward keeping
+    # the product, and every weight gradient added into its buffer (addmm_), dx written row block by row block
+    module = FusedGatedMLP(16, 40, recompute=True)
+    x = torch.randn(5, 16, requires_grad=True)
+    weights = (module.gate_proj, module.up_proj, module.down_proj)
+    y = gated_mlp_recompute(x, *_projection_arguments(weights), chunk_size=2)
+    with step_log(monkeypatch, gated_module._STEPS, matmuls=True) as log:
+        y.backward(torch.ones_like(y))
+    chunk = ["mm", "mm",  # gate and up recomputed
+             ("gated_linear_backward_product", backend), "mm",  # dy @ W, then c over it
+             "addmm_",  # dW of down += dy.T @ c
+             "mm", "addmm_",  # dx of gate into its rows, dW of gate +=
+             "addmm_", "addmm_"]  # dx of up added, dW of up +=
+    assert log == chunk * 3
 
 
 # --------------------------------------------------------------------------------------------
@@ -345,6 +368,46 @@ def test_fused_gated_mlp_saved_bytes(backend, dtype, packed):
         assert held == sorted([x.nbytes] + [p.nbytes for p in mlp.parameters() if p.dim() == 2]), recompute
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_recompute_in_chunks_holds_one_chunks_tensors_whatever_the_length(dtype, packed):
+    """Over twice the tokens, chunk by chunk, the forward's peak grows by exactly the larger output and the
+    backward's by exactly the larger grad_x: the I-wide tensors held (gate, up, their gradients, the product)
+    are one chunk's. Run whole, the same inputs' peaks grow by several I-wide tensors of the extra tokens.
+    The torch backend: the buffers are the shared algorithm's (memkernels/ops/_act_linear.py) on both, and the
+    interpreter's own copies of a launch's arguments would need a gc.collect() after every pass."""
+    hidden, width, chunk = 16, 256, 32
+    element = torch.finfo(dtype).bits // 8
+
+    def peaks(tokens, chunk_size):
+        torch.manual_seed(0)
+        mlp = FusedGatedMLP(hidden, width, recompute=True, packed=packed, dtype=dtype)
+        x = torch.randn(tokens, hidden, dtype=dtype, requires_grad=True)
+        grad = torch.randn(tokens, hidden, dtype=dtype)
+        weights = (mlp.gate_up_proj, mlp.down_proj) if packed else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        with PeakBytesMeter() as forward:
+            y = gated_mlp_recompute(x, *_projection_arguments(weights), activation="silu", backend="torch",
+                                    chunk_size=chunk_size)
+        with PeakBytesMeter() as backward:
+            y.backward(grad)
+        return forward.peak_bytes, backward.peak_bytes
+
+    short, long = peaks(2 * chunk, chunk), peaks(4 * chunk, chunk)
+    assert long[0] - short[0] == 2 * chunk * hidden * element  # y
+    assert long[1] - short[1] == 2 * chunk * hidden * element  # grad_x
+    whole_short, whole_long = peaks(2 * chunk, None), peaks(4 * chunk, None)
+    assert whole_long[1] - whole_short[1] >= 2 * chunk * hidden * element + 2 * chunk * 4 * width * element
+    assert long[1] < whole_long[1]
+
+
+def _projection_arguments(linears):
+    """gated_mlp_recompute's weight and bias arguments from (gate, up, down) or (gate_up, down) nn.Linears."""
+    *projections, down = linears
+    gate, up = projections if len(projections) == 2 else (projections[0], None)
+    return (gate.weight, gate.bias, None if up is None else up.weight, None if up is None else up.bias,
+            down.weight, down.bias)
+
+
 # --------------------------------------------------------------------------------------------
 # Modules
 
@@ -467,9 +530,11 @@ def test_custom_ops_pass_opcheck(backend):
                               (grad_out, gate, up, weight, packed, needs_inputs, needs_weight, activation, backend))
 
 
-@pytest.mark.parametrize("recompute", [False, True], ids=["saved", "recompute"])
-def test_torch_compile_fullgraph(backend, recompute):
-    mlp = FusedGatedMLP(24, 40, recompute=recompute, packed=recompute)
+@pytest.mark.parametrize("recompute", [False, True, "chunks"], ids=["saved", "recompute", "recompute-chunks"])
+def test_torch_compile_fullgraph(backend, recompute, monkeypatch):
+    if recompute == "chunks":  # 10 tokens in chunks of 4, 3 and 3
+        monkeypatch.setattr(gated_module, "CHUNK_TOKENS", 4)
+    mlp = FusedGatedMLP(24, 40, recompute=bool(recompute), packed=bool(recompute))
     compiled, graph_ops = compile_recording_ops(mlp)
     x = torch.randn(2, 5, 24, requires_grad=True)
     y = compiled(x)
@@ -477,5 +542,6 @@ def test_torch_compile_fullgraph(backend, recompute):
     expected_grad = torch.autograd.grad(mlp(x).sum(), x)[0]
     torch.testing.assert_close(x.grad, expected_grad)
     assert "memkernels.gated_linear.default" in graph_ops["forward"]
-    assert "memkernels.gated_linear_backward.default" in graph_ops["backward"]
+    backward_step = "gated_linear_backward_product" if recompute == "chunks" else "gated_linear_backward"
+    assert f"memkernels.{backward_step}.default" in graph_ops["backward"]
     assert not any("silu" in op for ops in graph_ops.values() for op in ops)

@@ -157,6 +157,52 @@ def test_placement_with_the_fused_head_real_runs(build, dtype):
     assert place(build(dtype, HEAD_VOCAB), batch=BATCH, seq=SEQ, budget=1).predicted_peak > floor
 
 
+# ----------------------------------------------------------------------------- the tiled MLP in the plan
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_placement_recomputes_fused_mlps_in_token_chunks(monkeypatch, dtype):
+    """With the kernels, "recompute mlp" is the fused MLP's own recompute (gated_mlp_recompute: gate and up
+    replayed, two GEMMs where a checkpoint replays three), in token chunks over a long input: chunks of 64 of
+    the step's 256 tokens here. The plan counts the chunked transient and FLOPs: applied, each placement
+    measures at or under budget and within 3% of its prediction, its added FLOPs equal the measured, and its
+    gradients equal the unplanned fused model's (float32: at PyTorch's float32 tolerance, the weight gradients
+    being summed chunk by chunk; bf16: the op's accuracy is tested against float64 in test_gated_linear)."""
+    from memkernels.ops import gated_linear
+    from memkernels.tools import placement as placement_module
+    monkeypatch.setattr(gated_linear, "CHUNK_TOKENS", 64)
+    monkeypatch.setattr(placement_module, "_profiles", {})  # profiles measured with other chunks
+    chunked = []
+    whole_backward = gated_linear._chunked_backward
+    monkeypatch.setattr(gated_linear, "_chunked_backward", lambda ctx, *args: chunked.append(ctx.step)
+                        or whole_backward(ctx, *args))
+    ids = torch.randint(0, HEAD_VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    _, eager_flops, _ = _step(_llama(dtype, HEAD_VOCAB), ids)
+    fused_peak, _, fused_grads = _step(_fused_unplanned(_llama, dtype, HEAD_VOCAB), ids)
+    assert not chunked
+    seen = 0
+    for budget in (int(0.9 * fused_peak), int(0.75 * fused_peak)):
+        placement = place(_llama(dtype, HEAD_VOCAB), batch=BATCH, seq=SEQ, budget=budget, kernels=True)
+        assert placement.fits, (budget, placement.describe())
+        mlps = sum(choice.actions.get("mlp") == "recompute" for choice in placement.choices)
+        model = _llama(dtype, HEAD_VOCAB)
+        memkernels.apply(model, placement)
+        assert sum(type(m).__name__.startswith("KernelRecomputed") for m in model.modules()) == mlps
+        chunked.clear()
+        peak, flops, grads = _step(model, ids)
+        assert chunked == [64] * (2 * mlps)  # the metered step's backward and the counted one's
+        where = f"budget {budget:,}: {placement.describe()}"
+        assert peak <= budget, (where, peak)
+        assert abs(peak - placement.predicted_peak) <= 0.03 * placement.predicted_peak, (where, peak,
+                                                                                         placement.predicted_peak)
+        assert flops - eager_flops == placement.recompute_flops, where
+        if dtype == torch.float32:
+            for name, grad in grads.items():
+                torch.testing.assert_close(grad, fused_grads[name], msg=f"{where}: {name}")
+        seen += mlps
+    assert seen, "no placement recomputed an MLP: the test's budgets no longer reach the option"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens, hidden, classes", [
     (256, 64, 96),  # one chunk, one tile holding every class

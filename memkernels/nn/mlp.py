@@ -136,7 +136,9 @@ class FusedGatedMLP(nn.Module):
 
     Saves gate and up (2*I elements per token; eager PyTorch keeps gate, act(gate), up and the
     product, 4*I). With ``recompute=True`` it saves only x, which the caller keeps anyway (the
-    norm's output), and recomputes gate and up in backward: 0 new bytes, two more GEMMs.
+    norm's output), and recomputes gate and up in backward: 0 new bytes, two more GEMMs; over
+    more than 8,192 tokens it runs in token chunks, so backward holds one chunk's I-wide tensors
+    (:func:`~memkernels.ops.gated_linear.gated_mlp_recompute`).
 
     Parameters are Hugging Face's: ``gate_proj``, ``up_proj``, ``down_proj`` nn.Linear modules
     (``packed=True``: one ``gate_up_proj`` [2*I, H] whose first half is gate, Phi-3's layout), so

@@ -330,6 +330,22 @@ def backward(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weigh
     return grads + ([grad_weight] if needs_weight else [])
 
 
+def backward_keeping_product(grad_out2d, gate2d, up2d, weight, packed, activation, backend):
+    """backward's input gradients followed by the product c [M, I] itself in place of dW, as one list: for a
+    caller that sums dW over token chunks (gated_mlp_recompute's chunked backward: dW += dy.T @ c into a
+    float32 buffer). c is formed over g in the pass that gives the gradients, as in backward; one slab,
+    so the caller keeps [M, I] within TRANSIENT_BYTES."""
+    grads, grad_gate, grad_up = grad_input_buffers(gate2d, up2d is not None, packed)
+    product = grad_out2d @ weight  # dL/dc, then c
+    PASSES[backend].product_backward(product, gate2d, up2d, activation, grad_gate, grad_up, True)
+    return grads + [product]
+
+
+def backward_keeping_product_fake(grad_out2d, gate2d, up2d, weight, packed, activation):
+    """backward_keeping_product's outputs, unfilled."""
+    return grad_input_buffers(gate2d, up2d is not None, packed)[0] + [gate2d.new_empty(gate2d.shape)]
+
+
 def backward_fake(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation):
     """backward's outputs, unfilled (the custom op's fake implementation)."""
     grads = grad_input_buffers(gate2d, up2d is not None, packed)[0] if needs_inputs else []

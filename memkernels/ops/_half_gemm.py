@@ -28,7 +28,8 @@ _register_cpu_kernel()
 
 
 def addmm_float32_(accumulator, a, b):
-    """accumulator (float32) += a @ b, operands in their own dtype, accumulated in float32."""
-    if a.dtype == torch.float32:
+    """accumulator += a @ b: half operands into a float32 accumulator (accumulated in float32), or operands of
+    the accumulator's own dtype."""
+    if a.dtype == accumulator.dtype:
         return accumulator.addmm_(a, b)
     return torch.addmm(accumulator, a, b, out_dtype=torch.float32, out=accumulator)

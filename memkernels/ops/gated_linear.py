@@ -10,7 +10,8 @@ that has given d_gate and d_up (memkernels/ops/_act_linear.py, shared with gelu_
 - db:      db = dy.sum(0)                                          a deterministic torch reduction
 
 This file adds the custom ops, autograd and the public functions. :class:`GatedMLPRecomputeFunction`
-is the whole MLP saving only its input x.
+is the whole MLP saving only its input x, over a long input in token chunks (the tiled MLP: the I-wide
+tensors held are one chunk's; the weight gradients summed over chunks in float32).
 
 File order: steps → autograd → public functions.
 """
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from memkernels.ops import _act_linear, _autocast
 from memkernels.ops._act_linear import TRITON_DTYPES, Step, bias_grad
 from memkernels.ops._custom_op import apply_op, autograd_pair
+from memkernels.ops._half_gemm import addmm_float32_
 from memkernels._backend import resolve, triton_interpreted
 from memkernels.reference.act_linear import ACTIVATIONS
 
@@ -61,6 +63,11 @@ _STEPS = {
         "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, bool needs_inputs, "
         "bool needs_weight, str activation, str backend) -> Tensor[]",
         _act_linear.backward, _act_linear.backward_fake),
+    "backward_product": Step(
+        "gated_linear_backward_product",
+        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, str backend) "
+        "-> Tensor[]",
+        _act_linear.backward_keeping_product, _act_linear.backward_keeping_product_fake),
 }
 
 
@@ -129,56 +136,148 @@ _GatedLinearFunction = autograd_pair(_STEPS["forward"].custom_op, _STEPS["forwar
                                      _backward_with(_STEPS["backward"].implementation))
 
 
+# Tokens per chunk of gated_mlp_recompute over a long input (module constant: tests shrink it). The
+# I-wide tensors of a chunk (gate, up, their gradients, the product: five in backward) are what a recomputed
+# MLP holds at once; 8192 tokens keep every GEMM compute-bound (M >= 4096 at H = 4096).
+CHUNK_TOKENS = 8192
+
+
+def chunk_tokens(rows, width, element_size, chunk_size=None):
+    """Tokens per chunk of a recomputed gated MLP over ``rows`` tokens of intermediate size ``width``:
+    ``chunk_size`` (default :data:`CHUNK_TOKENS`), at most what keeps one [chunk, width] tensor within
+    _act_linear.TRANSIENT_BYTES, split evenly (no short last chunk); ``rows`` when one chunk holds them all."""
+    limit = min(chunk_size or CHUNK_TOKENS, max(1, _act_linear.TRANSIENT_BYTES // max(1, width * element_size)))
+    if rows <= limit:
+        return max(rows, 1)
+    count = -(-rows // limit)
+    return -(-rows // count)
+
+
 class GatedMLPRecomputeFunction(torch.autograd.Function):
     """down(act(gate(x)) * up(x)) saving only x (and the parameters): gate and up are recomputed in
     backward, two GEMMs of the MLP's nine.
 
     ``up_weight`` None: ``gate_weight`` [2*I, H] (and ``gate_bias``) is the packed gate_up projection.
+    Over more tokens than :func:`chunk_tokens` gives, forward and backward run chunk by chunk, so the
+    I-wide tensors held at once are a chunk's, not the sequence's; the weight and bias gradients are
+    summed over the chunks in float32 for half dtypes (in their own dtype otherwise) and rounded once.
     """
 
     @staticmethod
-    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, backend):
+    def forward(ctx, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, activation, backend,
+                chunk_size):
         x2d = x.reshape(-1, x.shape[-1])
-        gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
-        out = _traced_or_eager("forward")(gate2d, up2d, down_weight, down_bias, activation, backend)
+        rows = x2d.shape[0]
+        step = chunk_tokens(rows, down_weight.shape[1], x.element_size(), chunk_size)
+        forward_step = _traced_or_eager("forward")
+        if step >= rows:
+            out = forward_step(*_project(x2d, gate_weight, gate_bias, up_weight, up_bias), down_weight, down_bias,
+                               activation, backend)
+        else:
+            out = x2d.new_empty(rows, down_weight.shape[0])
+            for start in range(0, rows, step):
+                part = slice(start, start + step)
+                out[part] = forward_step(*_project(x2d[part], gate_weight, gate_bias, up_weight, up_bias),
+                                         down_weight, down_bias, activation, backend)
         ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
         ctx.has_down_bias = down_bias is not None
         ctx.activation = activation
         ctx.backend = backend
+        ctx.step = step
         return out.view(*x.shape[:-1], down_weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         x, gate_weight, gate_bias, up_weight, up_bias, down_weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad
         x2d = x.reshape(-1, x.shape[-1])
-        projections_need = any(needs[:5])
-        gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
-        grads, grad_down_weight, grad_down_bias = _down_backward(
-            _traced_or_eager("backward"), ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]),
-            gate2d, up2d, down_weight, up_weight is None, projections_need, needs[5], ctx.has_down_bias and needs[6])
-        del gate2d, up2d  # the recomputed activations go before the projections' gradients come
-        grad_x = grad_gate_weight = grad_gate_bias = grad_up_weight = grad_up_bias = None
-        if projections_need:
-            # each projection's output gradient is dropped as soon as it is used, as eager's autograd does
-            grad_gate, *grad_up = grads
-            del grads
-            grad_x, grad_gate_weight, grad_gate_bias = _projection_backward(
-                grad_gate, x2d, gate_weight, gate_bias, needs[0], needs[1], needs[2], None)
-            del grad_gate
-            if grad_up:
-                grad_x, grad_up_weight, grad_up_bias = _projection_backward(
-                    grad_up[0], x2d, up_weight, up_bias, needs[0], needs[3], needs[4], grad_x)
-        if grad_x is not None:
-            grad_x = grad_x.view(x.shape)
-        return (grad_x, grad_gate_weight, grad_gate_bias, grad_up_weight, grad_up_bias, grad_down_weight,
-                grad_down_bias, None, None)
+        grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.step < x2d.shape[0]:
+            grads = _chunked_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, up_bias, down_weight)
+        else:
+            grads = _whole_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, up_bias, down_weight)
+        grad_x, *rest = grads
+        return (None if grad_x is None else grad_x.view(x.shape), *rest, None, None, None)
+
+
+def _whole_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, up_bias, down_weight):
+    """(grad_x [M, H], dW and db of gate, of up, of down) over all tokens at once."""
+    needs = ctx.needs_input_grad
+    projections_need = any(needs[:5])
+    gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
+    grads, grad_down_weight, grad_down_bias = _down_backward(
+        _traced_or_eager("backward"), ctx.backend, ctx.activation, grad_out2d, gate2d, up2d, down_weight,
+        up_weight is None, projections_need, needs[5], ctx.has_down_bias and needs[6])
+    del gate2d, up2d  # the recomputed activations go before the projections' gradients come
+    grad_x = grad_gate_weight = grad_gate_bias = grad_up_weight = grad_up_bias = None
+    if projections_need:
+        # each projection's output gradient is dropped as soon as it is used, as eager's autograd does
+        grad_gate, *grad_up = grads
+        del grads
+        grad_x, grad_gate_weight, grad_gate_bias = _projection_backward(
+            grad_gate, x2d, gate_weight, gate_bias, needs[0], needs[1], needs[2], None)
+        del grad_gate
+        if grad_up:
+            grad_x, grad_up_weight, grad_up_bias = _projection_backward(
+                grad_up[0], x2d, up_weight, up_bias, needs[0], needs[3], needs[4], grad_x)
+    return grad_x, grad_gate_weight, grad_gate_bias, grad_up_weight, grad_up_bias, grad_down_weight, grad_down_bias
+
+
+def _sum_dtype(dtype):
+    """The dtype a gradient is summed over chunks in: float32 for half dtypes (rounded once, at the end)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _chunked_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, up_bias, down_weight):
+    """_whole_backward's gradients, ``ctx.step`` tokens at a time: per chunk gate and up are recomputed, the
+    down projection's backward gives their gradients and the product c (:func:`_act_linear.backward_keeping_product`),
+    and every weight and bias gradient is added into a zeroed buffer of :func:`_sum_dtype`; grad_x is written row block by
+    row block."""
+    needs = ctx.needs_input_grad
+    packed = up_weight is None
+    wanted = [(index, tensor) for index, tensor in enumerate((gate_weight, gate_bias, up_weight, up_bias, down_weight))
+              if tensor is not None and needs[index + 1]]
+    sums = {index: torch.zeros(tensor.shape, dtype=_sum_dtype(tensor.dtype), device=tensor.device)
+            for index, tensor in wanted}
+    down_bias_sum = None
+    if ctx.has_down_bias and needs[6]:
+        down_bias_sum = grad_out2d.new_zeros(down_weight.shape[0], dtype=_sum_dtype(grad_out2d.dtype))
+    grad_x = x2d.new_empty(x2d.shape) if needs[0] else None
+    projections = ((gate_weight, 0, 1),) if packed else ((gate_weight, 0, 1), (up_weight, 2, 3))
+    backward_step = _traced_or_eager("backward_product")
+    for start in range(0, x2d.shape[0], ctx.step):
+        part = slice(start, start + ctx.step)
+        x_part, grad_out_part = x2d[part], grad_out2d[part]
+        *grads, product = backward_step(grad_out_part, *_project(x_part, gate_weight, gate_bias, up_weight, up_bias),
+                                        down_weight, packed, ctx.activation, ctx.backend)
+        if 4 in sums:
+            addmm_float32_(sums[4], grad_out_part.t(), product)
+        del product
+        if down_bias_sum is not None:
+            down_bias_sum.add_(grad_out_part.sum(0, dtype=down_bias_sum.dtype))
+        for grad, (weight, weight_index, bias_index) in zip(grads, projections):
+            if grad_x is not None and weight_index == 0:
+                torch.mm(grad, weight, out=grad_x[part])
+            elif grad_x is not None:
+                grad_x[part].addmm_(grad, weight)
+            if weight_index in sums:
+                addmm_float32_(sums[weight_index], grad.t(), x_part)
+            if bias_index in sums:
+                sums[bias_index].add_(grad.sum(0, dtype=sums[bias_index].dtype))
+        del grads
+    weights = (gate_weight, gate_bias, up_weight, up_bias, down_weight)
+    results = [sums[index].to(weights[index].dtype) if index in sums else None for index in range(5)]
+    down_bias_grad = None if down_bias_sum is None else down_bias_sum.to(grad_out2d.dtype)
+    return grad_x, *results, down_bias_grad
 
 
 def _projection_backward(grad, x2d, weight, bias, needs_x, needs_weight, needs_bias, grad_x):
-    """(grad_x plus this projection's dx, dW, db) of ``F.linear(x2d, weight, bias)`` from its output's gradient."""
+    """(grad_x plus this projection's dx, dW, db) of ``F.linear(x2d, weight, bias)`` from its output's gradient.
+
+    The two projections' dx are summed as eager's autograd sums them (each rounded, then added), not with
+    addmm_'s one rounding: the recompute MLP's gradients are then bitwise those of the saving variant, which a
+    plan that switches one for the other relies on (tests/test_plan.py)."""
     if needs_x:
-        grad_x = grad @ weight if grad_x is None else grad_x.addmm_(grad, weight)
+        grad_x = grad @ weight if grad_x is None else grad_x.add_(grad @ weight)
     grad_weight = grad.t() @ x2d if needs_weight else None
     grad_bias = bias_grad(grad) if bias is not None and needs_bias else None
     return grad_x, grad_weight, grad_bias
@@ -290,23 +389,34 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
 
 
 def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *,
-                        activation="silu", backend=None):
+                        activation="silu", backend=None, chunk_size=None):
     """``down(act(gate(x)) * up(x))`` saving only x: gate and up are recomputed in backward.
 
     x: [..., H]; gate_weight / up_weight: [I, H] (or ``up_weight`` None and ``gate_weight`` the packed
     [2*I, H] gate_up projection, first half gate); down_weight: [N, I]; biases optional. All one dtype
     and device. Returns [..., N]. Used by ``FusedGatedMLP(recompute=True)``. Under ``torch.autocast``
     every tensor argument is cast to the region's dtype first, as the three ``F.linear`` calls would be.
+
+    ``chunk_size``: tokens per chunk over a long input (default :data:`CHUNK_TOKENS`, 8192; fewer where one
+    [chunk, I] tensor would pass 1 GiB): forward and backward hold the I-wide tensors of one chunk (backward
+    five: gate, up, their gradients, the product), not of the whole input, and the weight and bias gradients
+    are summed over chunks in float32 buffers for half dtypes (weight-sized: 4 bytes an element of the three
+    projections, beside the gradients themselves). An input of at most one chunk runs whole, as before.
     """
     return _autocast.call(_STEPS["forward"].name,
-                          functools.partial(_gated_mlp_recompute, activation=activation, backend=backend),
+                          functools.partial(_gated_mlp_recompute, activation=activation, backend=backend,
+                                            chunk_size=chunk_size),
                           x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, positions=range(7))
 
 
 def _gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *, activation,
-                         backend):
+                         backend, chunk_size):
     owner = "gated_mlp_recompute"
     check_activation(activation, owner)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):
+        raise ValueError(f"{owner}: chunk_size={chunk_size!r} must be a positive number of tokens (or None for "
+                         f"the default, {CHUNK_TOKENS})")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError(f"{owner}: x must be a tensor of shape [..., hidden_size]")
     projections = [("gate_weight", gate_weight, gate_bias)] + ([] if up_weight is None else
@@ -329,4 +439,4 @@ def _gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_wei
     width = gate_weight.shape[0] // 2 if up_weight is None else gate_weight.shape[0]
     _check_weight(down_weight, down_bias, width, x, owner)
     return GatedMLPRecomputeFunction.apply(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                                           activation, _resolve_backend(backend, x, owner))
+                                           activation, _resolve_backend(backend, x, owner), chunk_size)

@@ -5,7 +5,10 @@ the layer itself or for its attention / MLP submodule, one of three actions:
 
 - ``"recompute"``: the module's forward runs under ``torch.utils.checkpoint`` (non-reentrant,
   ``preserve_rng_state=True``: dropout masks are replayed exactly), so only its inputs stay
-  saved and backward recomputes the rest.
+  saved and backward recomputes the rest. A gated MLP that :func:`memkernels.apply` fused recomputes
+  in its kernel instead (:func:`~memkernels.ops.gated_linear.gated_mlp_recompute`): it too saves only
+  its input, but replays two GEMMs (gate, up) where a checkpoint replays three, and a long input runs
+  in token chunks, so its backward holds one chunk's I-wide tensors, not the sequence's.
 - ``"offload"``: the module's forward runs inside one shared
   :class:`~memkernels.offload.OffloadActivations` block, so what it saves goes to pinned
   host memory and comes back for backward.
@@ -76,6 +79,14 @@ class _Recomputed:
                           context_fn=lambda: (contextlib.nullcontext(), context()), **kwargs)
 
 
+class _KernelRecomputed:
+    """A fused gated MLP's forward through gated_mlp_recompute (see the module doc)."""
+
+    def forward(self, x):
+        from memkernels.patch import gated_mlp_forward
+        return gated_mlp_forward(self, x, recompute=True)
+
+
 class _Offloaded:
     """forward inside the shared OffloadActivations block."""
 
@@ -97,17 +108,24 @@ class _OffloadedCheckpoint(_Recomputed):
             return super().forward(*args, **kwargs)
 
 
-_MIXINS = {"recompute": _Recomputed, "offload": _Offloaded, "offload_checkpoint": _OffloadedCheckpoint}
-_CLASS_PREFIX = {"recompute": "Recomputed", "offload": "Offloaded", "offload_checkpoint": "OffloadCheckpointed"}
+_MIXINS = {"recompute": _Recomputed, "offload": _Offloaded, "offload_checkpoint": _OffloadedCheckpoint,
+           "kernel_recompute": _KernelRecomputed}
+_CLASS_PREFIX = {"recompute": "Recomputed", "offload": "Offloaded", "offload_checkpoint": "OffloadCheckpointed",
+                 "kernel_recompute": "KernelRecomputed"}
 
 
 def wrap(module, action, offload=None, recompute_context=None):
-    """Switch ``module``'s class so its forward is recomputed, offloaded or both (``action``).
+    """Switch ``module``'s class so its forward is recomputed, offloaded or both (``action``; a fused gated
+    MLP's ``"recompute"`` runs in its kernel, see the module doc).
 
     ``recompute_context``: a callable returning a context manager the recompute runs in
     (the meta measurement routes attention to the flash op there too: backward, and so the
     recompute, may run on another thread than the forward's TorchFunctionMode).
     """
+    if action == "recompute":
+        from memkernels.patch import can_recompute_gated_mlp
+        if can_recompute_gated_mlp(module):
+            action = "kernel_recompute"
     mixin = _MIXINS[action]
     base = type(module)
     if base.__module__ == __name__:
