@@ -375,7 +375,17 @@ _PLAN_ARGUMENT = re.compile(r"^plan\((\w+)=(.*?)\):")
 _PLAN_FLAGS = {"model": "--model", "gpu_mem": "--gpu-mem", "seq": "--seq", "gpus": "--gpus",
                "global_batch_tokens": "--global-tokens", "host_mem": "--host-mem", "dtype": "--dtype",
                "optimizer": "--optimizer", "finetune": "--finetune", "lora_rank": "--lora-rank",
-               "zero_stage": "--zero-stage"}
+               "zero_stage": "--zero-stage", "max_overhead": "--max-overhead", "link_gbps": "--link-gbps"}
+
+
+def _seq_or_max(text):
+    """--seq: a positive number of tokens, or "max"."""
+    if text.strip().lower() == "max":
+        return "max"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or 'max'") from None
 
 
 def _add_plan(subparsers):
@@ -393,8 +403,10 @@ def _add_plan(subparsers):
     parser.add_argument("--model", required=True,
                         help=f"{models} (any case), a Hugging Face config.json path or a model directory holding one")
     parser.add_argument("--gpu-mem", required=True, help="memory of one GPU, e.g. 24GB or 80GiB")
-    parser.add_argument("--seq", type=int, default=ESTIMATE_SEQ,
-                        help=f"tokens per sequence (default {ESTIMATE_SEQ}, as estimate's and report's)")
+    parser.add_argument("--seq", type=_seq_or_max, default=ESTIMATE_SEQ,
+                        help=f"tokens per sequence (default {ESTIMATE_SEQ}, as estimate's and report's), or 'max': "
+                        "the longest that fits in the fine-tuning mode asked for (within --max-overhead when given), "
+                        "by doubling and bisection (a plan per length tried: about a minute)")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default: 1)")
     parser.add_argument("--global-tokens", default=None,
                         help="tokens per optimizer step: decimal units (4M = 4,000,000) or binary ones (64Ki = "
@@ -409,7 +421,14 @@ def _add_plan(subparsers):
                         help=f"first mode tried: {', '.join(FINETUNE_MODES)} (default: full; the flow falls back to "
                         "LoRA, then QLoRA)")
     parser.add_argument("--lora-rank", type=int, default=16, help="LoRA rank of the LoRA/QLoRA modes (default: 16)")
-    parser.add_argument("--zero-stage", type=int, default=None, help="force a ZeRO stage (default: lowest that fits)")
+    parser.add_argument("--zero-stage", type=int, default=None,
+                        help="force a ZeRO stage (default: of those that fit, the one adding the least step time)")
+    parser.add_argument("--max-overhead", default=None,
+                        help="most added step time accepted, e.g. 10%% or 0.1 (modelled: recompute, offload not hidden "
+                        "behind compute, ZeRO-3's all-gathers); plans above it do not count as fitting")
+    parser.add_argument("--link-gbps", type=float, default=100.0,
+                        help="per-GPU collective bandwidth in GB/s for ZeRO-3's parameter all-gathers (default 100; "
+                        "about 350 in an H100 node's NVLink, 45 over 400 Gb/s InfiniBand)")
     parser.add_argument("--no-kernels", action="store_true", help="plan without memkernels' fused kernels")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
 
@@ -426,7 +445,8 @@ def _add_plan(subparsers):
             result = plan(args.model, gpu_mem=gpu_mem, seq=args.seq, gpus=args.gpus,
                           global_batch_tokens=tokens, host_mem=host_mem, dtype=args.dtype,
                           optimizer=args.optimizer, finetune=args.finetune, lora_rank=args.lora_rank,
-                          kernels=not args.no_kernels, zero_stage=args.zero_stage)
+                          kernels=not args.no_kernels, zero_stage=args.zero_stage,
+                          max_overhead=args.max_overhead, link_gbps=args.link_gbps)
         except ValueError as error:  # plan() names its Python argument; the user typed a flag
             raise ValueError(_PLAN_ARGUMENT.sub(lambda m: f"{_PLAN_FLAGS.get(m[1], m[1])} {m[2]}:", str(error),
                                                 count=1)) from error

@@ -567,3 +567,70 @@ def test_full_finetuning_that_fits_only_with_optimizer_offload_says_host_memory_
     reason = plan_mod._why_not(candidate, None, 8)
     assert reason.startswith("fits on the GPU only with optimizer-state CPU offload")
     assert "no host memory was given" in reason and "--host-mem" in reason and "90.00 GiB of host memory" in reason
+
+
+# ----------------------------------------------------------------------------- the search: least added step time
+
+
+def test_the_search_takes_the_stage_of_least_added_time_not_the_lowest_that_fits():
+    """Llama-3-8B at 64k tokens on 8 x 80 GB: ZeRO-2 is the lowest stage that fits (every layer recomputed); ZeRO-3
+    frees 13 GiB of parameters for activations, recomputes less and, with its all-gathers counted, adds less. The
+    plan takes the least, lists the other stages that fit as runners-up, and forcing a stage gives its figure."""
+    result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536)
+    assert result.fits and result.runners_up
+    assert all(result.overhead <= other["overhead"] for other in result.runners_up)
+    forced = {stage: plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536, zero_stage=stage) for stage in (2, 3)}
+    assert min(forced.values(), key=lambda p: p.overhead).config.zero_stage == result.config.zero_stage
+    assert {other["zero_stage"] for other in result.runners_up} >= {2, 3} - {result.config.zero_stage}
+    assert result.config.gather_seconds > 0 if result.config.zero_stage == 3 else True
+    assert "runner-up: ZeRO-" in result.table() and "adds the least step time" in result.table()
+
+
+def test_host_memory_never_makes_a_plan_worse():
+    """With host memory given, offload joins the options, but the offload the cheapest placement wants may not fit
+    the host (Llama-3-8B at 64k: 164 GiB per GPU x 8 > 1 TB): the placement is then solved within the host's
+    share (a price on moved bytes), never falling back to "nothing fits" where recompute alone fits."""
+    without = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536)
+    with_host = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536, host_mem="1TB")
+    assert without.fits and with_host.fits and with_host.config.finetune == "full"
+    assert with_host.config.host_needed <= 1 << 40
+    assert with_host.placement.offload_bytes > 0
+    assert with_host.overhead <= without.overhead
+
+
+@pytest.mark.parametrize("value, expected", [("10%", 0.10), (" 2.5% ", 0.025), (0.1, 0.1), (0, 0.0)])
+def test_max_overhead_takes_fractions_and_percentages(value, expected):
+    from memkernels.tools.plan import _fraction
+    assert _fraction("max_overhead", value) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("value", ["ten", -0.1, True, "%", float("nan")])
+def test_max_overhead_bad_input_names_the_argument(value):
+    with pytest.raises(ValueError, match=r"plan\(max_overhead="):
+        plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=8192, max_overhead=value)
+
+
+def test_max_overhead_refuses_plans_above_it_and_says_what_it_would_take():
+    """Over the cap a configuration does not count as fitting: at 64k tokens on 8 x 80 GB without host memory full
+    fine-tuning, LoRA and QLoRA fit in memory only at +17-22%, so at 10% each step says so and nothing fits; the
+    message says how much memory would meet the cap; with a cap below what the fused loss's own recompute costs
+    (0.6%) it says to raise the cap."""
+    capped = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536, max_overhead="10%")
+    assert not capped.fits and capped.missing > 0
+    assert "fits in memory only at +" in capped.table() and "above max_overhead=10.0%" in capped.table()
+    assert "Within 10.0% it would fit on GPUs of" in capped.nearest
+    floor = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536, finetune="qlora", max_overhead=0.001)
+    assert not floor.fits and "raise --max-overhead" in floor.nearest
+    uncapped = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536, max_overhead=1.0)
+    assert uncapped.fits and uncapped.overhead == plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536).overhead
+
+
+def test_seq_max_is_the_longest_length_that_fits():
+    """seq="max": the plan at the longest multiple of 1,024 tokens that fits in the mode asked for; 1,024 more
+    does not."""
+    from memkernels.tools.plan import SEQ_STEP
+    result = plan("tiny-llama", gpu_mem="1.5GB", seq="max")
+    assert result.fits and result.config.finetune == "full" and result.seq % SEQ_STEP == 0
+    assert "longest that fits" in result.notes[-1]
+    longer = plan("tiny-llama", gpu_mem="1.5GB", seq=result.seq + SEQ_STEP)
+    assert not longer.fits or longer.config.finetune != "full"

@@ -686,11 +686,14 @@ def _option_costs(profile, batch, options, *, tflops, pcie_gbps):
     return out
 
 
-def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0):
+def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0, host_budget=None):
     """The cheapest :class:`Placement` whose predicted peak fits ``budget`` bytes at micro-batch ``batch``.
 
     ``offload``: also consider activation offload (needs a CUDA device or the simulated one, and a
-    profile measured with ``offload=True``).
+    profile measured with ``offload=True``); ``host_budget``: the most bytes it may move to the host
+    (None: no limit). Over it, offloading is priced (a Lagrangian multiplier on moved bytes, the least
+    found by bisection that brings the placement within the host budget; at worst no offload at all),
+    so a host budget never leaves a plan worse than no offload.
     ``tflops``: sustained throughput of a GPU (TFLOP/s) for the recompute cost; ``pcie_gbps``:
     host link bandwidth (GB/s). When nothing fits, returns the placement with the lowest
     predicted peak, ``fits=False``.
@@ -701,6 +704,32 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     options = [o for o in (LAYER_OPTIONS if offload else _RECOMPUTE_ONLY)
                if all(part in profile.parts + ("layer",) for part in o.actions)]
     costs = _option_costs(profile, batch, options, tflops=tflops, pcie_gbps=pcie_gbps)
+    placement = _placement(profile, batch, budget, options, costs, tflops, price=0.0)
+    if host_budget is None or placement.offload_bytes <= host_budget:
+        return placement
+    best = (_placement(profile, batch, budget, _without_offload(options), costs, tflops, price=0.0)
+            if placement.fits else placement)
+    low, high = -21.0, -3.0  # log10 of the price in seconds per byte moved: 1e-3 s a MB is beyond any recompute
+    for _ in range(20):
+        middle = (low + high) / 2
+        trial = _placement(profile, batch, budget, options, costs, tflops, price=10.0 ** middle)
+        if trial.offload_bytes <= host_budget:
+            high = middle
+            if trial.fits and (not best.fits or trial.added_seconds < best.added_seconds):
+                best = trial
+        else:
+            low = middle
+    return best
+
+
+def _without_offload(options):
+    """``options`` less those that move anything to the host."""
+    return [o for o in options if not o.offloaded]
+
+
+def _placement(profile, batch, budget, options, costs, tflops, price):
+    """The DP of the module docstring over ``options``, each option's seconds raised by ``price`` per byte it
+    moves to the host; the Placement's figures are the unpriced ones."""
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
     keep_peak = max(embed, tail, head, max(forward), max(backward))
     num_layers = profile.num_layers
@@ -712,7 +741,7 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     quantum = max(1, math.ceil(cap_bytes / _STATES))
     cap = math.ceil(cap_bytes / quantum)
     step = [costs[o.name][0] // quantum for o in options]
-    seconds = np.array([costs[o.name][2] for o in options])
+    seconds = np.array([costs[o.name][2] + price * costs[o.name][4] for o in options])
     dp = np.full(cap + 1, np.inf)
     dp[0] = 0.0
     back = np.zeros((num_layers, cap + 1), dtype=np.int16)

@@ -6,14 +6,18 @@ The flow walks the usual decision list in order of cost and records each step in
 1. mixed precision (the ``dtype`` asked for);
 2. memkernels' fused kernels (save memory without recompute);
 3. sharding over ``gpus`` ranks: ZeRO-1 (optimizer state), ZeRO-2 (+ gradients), ZeRO-3 / FSDP
-   (+ parameters), the lowest stage that fits;
+   (+ parameters): of the stages that fit, the one whose best micro-batch and placement add the
+   least step time (ZeRO-3's parameter all-gathers counted, see :func:`gather_seconds`; ties go to
+   the lower stage);
 4. selective checkpointing and 5. activation offload: a per-layer placement chosen by
    :func:`memkernels.tools.placement.solve` (a DP over layers against the activation budget);
 6. optimizer-state CPU offload (needs ``host_mem`` for the fp32 master weights and moments);
 7. LoRA, then QLoRA, when full fine-tuning cannot fit at micro-batch 1.
 
-Then the micro-batch is raised as far as the budget allows and accumulation =
-global / (micro x gpus). The activation budget is ``gpu_mem`` minus ``margin`` (default
+The micro-batch is the one of least added step time (a fraction of the step's compute) among those
+that fit, the larger on a tie, and accumulation = global / (micro x gpus). ``max_overhead`` refuses
+configurations above that fraction (the flow then falls back as when nothing fits, and says what
+it would take). The activation budget is ``gpu_mem`` minus ``margin`` (default
 1 GiB for the CUDA context and library workspaces + 5% of ``gpu_mem`` for fragmentation)
 minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP's gather buffers.
 """
@@ -54,10 +58,21 @@ class Candidate:
     budget: int
     placement: object
     host_needed: int
+    gather_seconds: float = 0.0  # ZeRO-3's parameter all-gathers, per micro-batch
+    step_seconds: float = 0.0  # compute of one sequence's step (cost model)
+    micro_batch: int = 1
+
+    @property
+    def overhead(self):
+        """Added step time of ``placement`` (recompute, offload, ZeRO-3 gathers) over the micro-batch's compute."""
+        return (self.placement.added_seconds + self.gather_seconds) / (self.placement.batch * self.step_seconds)
 
     @property
     def per_gpu_state(self):
         return sum(v for k, v in self.state.items() if k != "host_optimizer") + self.fsdp_buffers
+
+    def label_stage(self):
+        return f"ZeRO-{self.zero_stage}, " if self.zero_stage else ""
 
     def label(self, gpus):
         parts = [self.finetune if self.finetune != "full" else "full fine-tuning"]
@@ -99,6 +114,8 @@ class Plan:
     lora_rank: int = 16
     notes: list = dataclasses.field(default_factory=list)  # what the plan changed of what was asked, in words
     head: str = ""  # what the activations count for the LM head and loss, in words
+    max_overhead: float = None
+    runners_up: list = dataclasses.field(default_factory=list)  # [{zero_stage, micro_batch, overhead, ...}]
 
     @property
     def choices(self):
@@ -106,8 +123,8 @@ class Plan:
 
     @property
     def overhead(self):
-        """Predicted added step time, as a fraction of the step's compute time."""
-        return self.placement.added_seconds / self.step_seconds if self.step_seconds else 0.0
+        """Predicted added step time (recompute, offload, ZeRO-3's gathers), as a fraction of the step's compute."""
+        return self.config.overhead
 
     def breakdown(self):
         """{part: bytes} of one GPU at the chosen micro-batch."""
@@ -173,9 +190,15 @@ class Plan:
             tokens = self.micro_batch * self.gpus * self.accumulation * self.seq
             out.append(f"micro-batch {self.micro_batch} x {self.gpus} GPUs x {self.accumulation} accumulation steps "
                        f"x seq {self.seq} = {tokens:,} tokens per optimizer step")
-            out.append(f"predicted overhead: +{self.overhead:.1%} step time (recompute "
+            gathers = (f", ZeRO-3 parameter all-gathers {self.config.gather_seconds * 1e3:.0f} ms"
+                       if self.config.gather_seconds else "")
+            out.append(f"predicted overhead: +{self.overhead:.1%} step time (modelled: recompute "
                        f"{self.placement.recompute_flops / 1e12:.2f} TFLOP, offload "
-                       f"{format_size(self.placement.offload_bytes)} per micro-batch)")
+                       f"{format_size(self.placement.offload_bytes)} per micro-batch{gathers})"
+                       + (f"; max_overhead {self.max_overhead:.1%}" if self.max_overhead is not None else ""))
+            for other in self.runners_up:
+                out.append(f"  runner-up: ZeRO-{other['zero_stage']}, micro-batch {other['micro_batch']}: "
+                           f"+{other['overhead']:.1%} ({format_size(other['activations'])} of activations)")
         for alt in self.alternatives:
             out.append(alt["text"])
         lines = self.integrations()
@@ -195,7 +218,8 @@ class Plan:
                 "accumulation": self.accumulation, "overhead": self.overhead,
                 "placement": self.placement.to_dict(), "breakdown": self.breakdown(),
                 "steps": [dataclasses.asdict(s) for s in self.steps], "alternatives": self.alternatives,
-                "integrations": self.integrations(), "notes": list(self.notes), "head": self.head}
+                "integrations": self.integrations(), "notes": list(self.notes), "head": self.head,
+                "max_overhead": self.max_overhead, "runners_up": self.runners_up}
 
 
 def _bytes_arg(name, value, device=False, zero=False):
@@ -207,7 +231,7 @@ def _bytes_arg(name, value, device=False, zero=False):
     return value
 
 
-_UNITS = {"seq": "tokens per sequence", "gpus": "GPUs", "batch": "sequences", "budget": "bytes",
+_UNITS = {"seq": "tokens per sequence, or 'max'", "gpus": "GPUs", "batch": "sequences", "budget": "bytes",
           "global_batch_tokens": "tokens", "lora_rank": "", "max_micro_batch": "sequences"}
 
 
@@ -216,6 +240,20 @@ def _positive(name, value):
         unit = _UNITS.get(name)
         raise ValueError(f"plan({name}={value!r}): must be a positive int" + (f" ({unit})" if unit else ""))
     return value
+
+
+def _fraction(name, value):
+    """None, or a fraction from 0.1 or "10%"."""
+    if value is None:
+        return None
+    text = value.strip() if isinstance(value, str) else None
+    try:
+        number = float(text[:-1]) / 100 if text and text.endswith("%") else float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or isinstance(value, bool) or not math.isfinite(number) or number < 0:
+        raise ValueError(f"plan({name}={value!r}): give a non-negative fraction (0.1) or a percentage ('10%')")
+    return number
 
 
 def place(model, *, batch, seq, budget, offload=False, kernels=False, tflops=400.0, pcie_gbps=25.0):
@@ -246,18 +284,27 @@ def _micro_candidates(per_rank, max_micro):
 
 def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, host_mem=None, dtype="bf16",
          optimizer="adamw", finetune="full", lora_rank=16, pcie_gbps=25.0, tflops=400.0, margin=None,
-         kernels=True, max_micro_batch=1024, zero_stage=None):
+         kernels=True, max_micro_batch=1024, zero_stage=None, max_overhead=None, link_gbps=100.0):
     """Plan a training run so that it fits ``gpu_mem`` per GPU: a :class:`Plan` (``.table()``, ``.to_dict()``).
 
-    ``model_or_config``: a built-in name, a config (object, dict, config.json) or a model.
+    ``model_or_config``: a built-in name, a config (object, dict, config.json) or a model. ``seq="max"``: the
+    longest sequence that fits (within ``max_overhead`` when given), found by doubling from 4,096 tokens and then
+    bisection to a multiple of :data:`SEQ_STEP`; the plan at that length, with a note saying how it was found.
     ``gpu_mem`` / ``host_mem``: bytes or sizes like ``"80GB"`` (JEDEC: 80·2³⁰); ``host_mem`` is the
     host memory of all ``gpus`` together. ``seq``: tokens per sequence. ``global_batch_tokens``:
     tokens per optimizer step (not a multiple of seq x gpus: the nearest that is, said in ``notes``). ``finetune``: ``full``, ``lora`` or
     ``qlora`` (the first mode tried; the flow falls back to LoRA, then QLoRA). ``pcie_gbps``: host
     link GB/s, ``tflops``: sustained TFLOP/s per GPU (cost model). ``margin``: bytes kept free (0 allowed).
     ``kernels``: consider memkernels' fused kernels (measured; skipped when unavailable).
-    ``zero_stage``: force a ZeRO stage (default: the lowest that fits at micro-batch 1).
+    ``zero_stage``: force a ZeRO stage (default: of those that fit, the one adding the least step time).
+    ``max_overhead``: the most added step time accepted, a fraction (0.1) or a percentage ("10%"); configurations
+    above it count as not fitting. ``link_gbps``: per-GPU collective bandwidth in GB/s (NCCL bus bandwidth: about
+    350 within an H100 node's NVLink, 45 over 400 Gb/s InfiniBand), for ZeRO-3's parameter all-gathers.
     """
+    if isinstance(seq, str) and seq.strip().lower() == "max":
+        arguments = dict(locals())
+        return _longest(arguments.pop("model_or_config"), arguments)
+    max_overhead = _fraction("max_overhead", max_overhead)
     gpu_mem = _bytes_arg("gpu_mem", gpu_mem, device=True)
     _positive("seq", seq)
     _positive("gpus", gpus)
@@ -271,7 +318,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         raise ValueError(f"plan(dtype={dtype!r}): use one of {', '.join(DTYPES)}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"plan(optimizer={optimizer!r}): use one of {', '.join(OPTIMIZERS)}")
-    for name, value in (("pcie_gbps", pcie_gbps), ("tflops", tflops)):
+    for name, value in (("pcie_gbps", pcie_gbps), ("tflops", tflops), ("link_gbps", link_gbps)):
         if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"plan({name}={value!r}): must be a positive number")
     if zero_stage is not None and (zero_stage not in (0, 1, 2, 3) or (zero_stage and gpus == 1)):
@@ -344,7 +391,14 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
     else:
         steps.append(Step("memkernels kernels", False, "", "", "kernels=False"))
 
-    def candidate(mode, stage, opt_offload, act_offload):
+    sequence_seconds = profile.step_flops / (tflops * 1e12)
+
+    def solve(micro, budget, host_optimizer=0):
+        host_budget = None if host_mem is None else max(0, host_mem - host_optimizer) // gpus
+        return placement_mod.solve(profile, micro, max(budget, 1), offload=act_offload, tflops=tflops,
+                                   pcie_gbps=pcie_gbps, host_budget=host_budget)
+
+    def candidate(mode, stage, opt_offload):
         trainable = None if mode == "full" else adapters
         params = num_parameters + (0 if mode == "full" else adapters)
         state = model_state_bytes(params, dtype=dtype, optimizer=optimizer, zero_stage=stage, ranks=gpus,
@@ -355,96 +409,215 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
             if gpus > 1 and stage == 3 else 0
         per_gpu = sum(v for k, v in state.items() if k != "host_optimizer") + fsdp
         budget = gpu_mem - margin - per_gpu
-        found = placement_mod.solve(profile, 1, max(budget, 1), offload=act_offload, tflops=tflops,
-                                    pcie_gbps=pcie_gbps)
+        found = solve(1, budget, state["host_optimizer"])
         host = state["host_optimizer"] + found.offload_bytes * gpus
-        return Candidate(mode, stage, opt_offload, state, fsdp, budget, found, host)
+        gathers = gather_seconds(state["parameters"] * gpus, gpus, link_gbps) if stage == 3 and gpus > 1 else 0.0
+        return Candidate(mode, stage, opt_offload, state, fsdp, budget, found, host, gathers, sequence_seconds)
+
+    def host_fits(c, placement):
+        return host_mem is None or c.state["host_optimizer"] + placement.offload_bytes * gpus <= host_mem
+
+    def memory_fits(c):
+        return c.budget > 0 and c.placement.fits and host_fits(c, c.placement)
 
     def fits(c):
-        return c.budget > 0 and c.placement.fits and (host_mem is None or c.host_needed <= host_mem)
+        return memory_fits(c) and (max_overhead is None or c.overhead <= max_overhead)
+
+    def cheapest_micro(c):
+        """``c`` at its micro-batch of least added step time (the larger on a tie) among those that fit."""
+        options = _micro_candidates(per_rank, max_micro_batch)
+        lo, hi = 0, len(options) - 1
+        while lo < hi:  # largest fitting micro-batch: fitting is monotone in it
+            mid = (lo + hi + 1) // 2
+            trial = solve(options[mid], c.budget, c.state["host_optimizer"])
+            if trial.fits and host_fits(c, trial):
+                lo = mid
+            else:
+                hi = mid - 1
+        best = c
+        for micro in options[1:lo + 1]:
+            trial = dataclasses.replace(c, placement=solve(micro, c.budget, c.state["host_optimizer"]), micro_batch=micro)
+            if trial.overhead <= best.overhead + 1e-12:
+                best = trial
+        return best
+
+    def closeness(c):
+        """How near a failing candidate comes: fitting the memory (the overhead cap binds) at the least overhead,
+        else with the most activation budget to spare."""
+        return (1, -c.overhead) if memory_fits(c) else (0, c.budget - c.placement.predicted_peak)
 
     stages = (zero_stage,) if zero_stage is not None else (0, 1, 2, 3) if gpus > 1 else (0,)
     modes = FINETUNE_MODES[FINETUNE_MODES.index(finetune):]
-    chosen, nearest_fail, alternatives = None, None, []
+    chosen, nearest_fail, alternatives, runners_up = None, None, [], []
     for mode in modes:
-        found = None
-        for stage in stages:
-            c = candidate(mode, stage, False, act_offload)
-            if fits(c):
-                found = c
-                break
-            if nearest_fail is None or c.budget - c.placement.predicted_peak > \
-                    nearest_fail.budget - nearest_fail.placement.predicted_peak:
-                nearest_fail = c
+        tried = [candidate(mode, stage, False) for stage in stages]
+        fitting = [cheapest_micro(c) for c in tried if fits(c)]
+        nearest_fail = max([c for c in tried if not fits(c)] + ([nearest_fail] if nearest_fail else []),
+                           key=closeness, default=nearest_fail)
+        found = min(fitting, key=lambda c: (round(c.overhead, 12), c.zero_stage)) if fitting else None
+        if found is not None:
+            runners_up = [c for c in sorted(fitting, key=lambda c: (round(c.overhead, 12), c.zero_stage))
+                          if c is not found]
         if gpus > 1:
-            steps.append(_sharding_step(mode, found, c, gpus, forced=zero_stage is not None))
+            steps.append(_sharding_step(mode, found, tried[-1], gpus, forced=zero_stage is not None,
+                                        others=runners_up, max_overhead=max_overhead))
         if found is None:
             # Optimizer-state CPU offload, at the highest stage tried.
-            c = candidate(mode, stages[-1], True, act_offload)
+            c = candidate(mode, stages[-1], True)
             steps.append(_optimizer_offload_step(mode, c, host_mem, gpus))
             if host_mem is not None and c.host_needed <= host_mem and fits(c):
-                found = c
-            elif c.budget - c.placement.predicted_peak > nearest_fail.budget - nearest_fail.placement.predicted_peak:
+                found = cheapest_micro(c)
+            elif closeness(c) > closeness(nearest_fail):
                 nearest_fail = c
         if found is not None:
             chosen = found
             break
-        steps.append(Step(f"{mode} fine-tuning", False, "", "", _why_not(c, host_mem, gpus)))
+        over_cap = (min((t for t in tried if memory_fits(t)), key=lambda t: t.overhead, default=None)
+                    if max_overhead is not None else None)
+        steps.append(Step(f"{mode} fine-tuning", False, "", "",
+                          _over_cap(over_cap, max_overhead) if over_cap else _why_not(c, host_mem, gpus)))
     if chosen is not None:
         if chosen.finetune != finetune:
             steps.append(Step(f"{chosen.finetune}", True, "", "",
-                              f"{finetune} fine-tuning cannot fit at micro-batch 1; {chosen.finetune} fits"))
+                              f"{finetune} fine-tuning cannot fit at micro-batch 1"
+                              + (f" within {max_overhead:.1%} added step time" if max_overhead is not None else "")
+                              + f"; {chosen.finetune} fits"))
     # LoRA / QLoRA shown with their own figures whatever was chosen.
     for mode in ("lora", "qlora"):
         if chosen is not None and chosen.finetune == mode:
             continue
         alt = None
         for stage in stages:
-            alt = candidate(mode, stage, False, act_offload)
+            alt = candidate(mode, stage, False)
             if fits(alt):
                 break
         per_gpu = alt.per_gpu_state + alt.placement.predicted_peak + margin
         alternatives.append({"finetune": mode, "zero_stage": alt.zero_stage, "fits": fits(alt), "per_gpu": per_gpu,
                              "model_state": alt.per_gpu_state, "activations": alt.placement.predicted_peak,
-                             "placement": alt.placement.describe(),
+                             "placement": alt.placement.describe(), "overhead": alt.overhead,
                              "recomputed_layers": sum(1 for ch in alt.placement.choices if ch.recomputed)})
         alternatives[-1]["text"] = (f"alternative {alt.label(gpus)}: {format_size(per_gpu)} per GPU at micro-batch 1 "
                             f"({'fits' if fits(alt) else 'does not fit'}; model state {format_size(alt.per_gpu_state)}"
                             f", activations {format_size(alt.placement.predicted_peak)} with "
-                            f"{alt.placement.describe()})")
+                            f"{alt.placement.describe()}; +{alt.overhead:.1%} step time)")
 
     config = chosen if chosen is not None else nearest_fail
-    micro, accumulation = 1, (per_rank or 1)
-    best = config.placement
+    micro, accumulation = config.micro_batch, (per_rank or 1)
     if chosen is not None:
-        candidates = _micro_candidates(per_rank, max_micro_batch)
-        lo, hi = 0, len(candidates) - 1
-        while lo < hi:  # largest fitting micro-batch: fitting is monotone in it
-            mid = (lo + hi + 1) // 2
-            trial = placement_mod.solve(profile, candidates[mid], config.budget, offload=act_offload, tflops=tflops,
-                                        pcie_gbps=pcie_gbps)
-            if trial.fits and (host_mem is None or config.state["host_optimizer"] + trial.offload_bytes * gpus
-                               <= host_mem):
-                lo = mid
-            else:
-                hi = mid - 1
-        micro = candidates[lo]
-        best = placement_mod.solve(profile, micro, config.budget, offload=act_offload, tflops=tflops,
-                                   pcie_gbps=pcie_gbps)
         accumulation = per_rank // micro if per_rank else 1
-        steps.append(_placement_step(best, act_offload))
-        steps.append(Step("micro-batch", True, "", "", f"largest that fits: {micro}"
+        steps.append(_placement_step(config.placement, act_offload))
+        steps.append(Step("micro-batch", True, "", "", f"least added step time of those that fit: {micro}"
                           + (f"; accumulation {accumulation} to reach the global batch" if per_rank else "")))
-    step_flops = micro * profile.step_flops
-    missing = 0 if chosen is not None else max(0, config.placement.predicted_peak - config.budget)
-    nearest = "" if chosen is not None else _nearest_fit(config, gpu_mem, gpus, host_mem, margin)
+    missing, nearest = 0, ""
+    if chosen is None and memory_fits(config):  # memory fits; the overhead cap binds
+        need = _budget_within(solve, config, max_overhead)
+        missing = 0 if need is None else max(0, need - config.budget)
+        nearest = _nearest_within(config, need, max_overhead, margin)
+    elif chosen is None:
+        missing = max(0, config.placement.predicted_peak - config.budget)
+        nearest = _nearest_fit(config, gpu_mem, gpus, host_mem, margin)
     return Plan(model=source.name, gpu_mem=gpu_mem, gpus=gpus, seq=seq, dtype=dtype, optimizer=optimizer,
-                margin=margin, host_mem=host_mem, kernels=use_kernels, steps=steps, config=config, placement=best,
-                micro_batch=micro, accumulation=accumulation,
+                margin=margin, host_mem=host_mem, kernels=use_kernels, steps=steps, config=config,
+                placement=config.placement, micro_batch=micro, accumulation=accumulation,
                 global_batch_tokens=(per_rank * seq * gpus) if per_rank else None,
-                step_seconds=step_flops / (tflops * 1e12), alternatives=alternatives, fits=chosen is not None,
+                step_seconds=micro * sequence_seconds, alternatives=alternatives, fits=chosen is not None,
                 missing=missing, nearest=nearest, lora_rank=lora_rank, notes=notes,
-                head=_head_text(profile.head if use_kernels else None, fused=use_kernels))
+                head=_head_text(profile.head if use_kernels else None, fused=use_kernels), max_overhead=max_overhead,
+                runners_up=[{"zero_stage": c.zero_stage, "micro_batch": c.micro_batch, "overhead": c.overhead,
+                             "activations": c.placement.predicted_peak, "placement": c.placement.describe()}
+                            for c in runners_up])
+
+
+SEQ_STEP = 1024  # seq="max" answers in multiples of this many tokens
+SEQ_CEILING = 1 << 22
+
+
+def _longest(model_or_config, arguments):
+    """plan(seq="max"): the Plan at the longest ``seq`` that fits in the fine-tuning mode asked for (a length
+    that fits only by falling back to LoRA / QLoRA does not count), assuming fitting is monotone in the
+    length (memory grows with it; the added time's share of the step, with it, as a rule)."""
+    source = _Source(model_or_config)
+    learned = source.config is not None and source.config.position == "learned"
+    ceiling = source.config.max_seq_len if learned else SEQ_CEILING
+    tried = {}
+
+    def attempt(tokens):
+        if tokens not in tried:
+            tried[tokens] = plan(model_or_config, **{**arguments, "seq": tokens})
+        return tried[tokens]
+
+    def fits(tokens):
+        return attempt(tokens).fits and attempt(tokens).config.finetune == arguments["finetune"]
+
+    low, high = 0, None  # the longest length known to fit, the shortest known not to
+    first = min(4 * SEQ_STEP, ceiling)
+    if fits(first):
+        low = first
+        while high is None and low < ceiling:
+            longer = min(2 * low, ceiling)
+            if fits(longer):
+                low = longer
+            else:
+                high = longer
+    else:
+        high = first
+        if first > SEQ_STEP and fits(SEQ_STEP):
+            low = SEQ_STEP
+    high = ceiling + 1 if high is None else high
+    while low and high - low > SEQ_STEP:
+        middle = (low + high) // 2 // SEQ_STEP * SEQ_STEP
+        if middle <= low:
+            break
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    within = (f" within {_fraction('max_overhead', arguments['max_overhead']):.1%} added step time"
+              if arguments.get("max_overhead") is not None else "")
+    if not low:
+        result = attempt(min(tried))
+        result.notes.append(f"seq=max: not even {min(tried):,} tokens fit{within} with {arguments['finetune']} "
+                            f"fine-tuning; below, the flow at {min(tried):,} tokens")
+        return result
+    result = attempt(low)
+    limit = f"{high:,} does not" if high <= ceiling else f"the model's limit is {ceiling:,}"
+    result.notes.append(f"seq=max: {low:,} tokens per sequence is the longest that fits{within} with "
+                        f"{arguments['finetune']} fine-tuning (multiples of "
+                        f"{SEQ_STEP:,}; {limit}; {len(tried)} plans tried)")
+    return result
+
+
+def gather_seconds(parameter_bytes, gpus, link_gbps):
+    """Seconds ZeRO-3 adds to a micro-batch: its parameters all-gathered twice (forward, then backward), each rank
+    receiving (gpus - 1) / gpus of ``parameter_bytes`` a time at ``link_gbps`` GB/s (NCCL's bus bandwidth),
+    counted as not hidden behind compute (an upper bound: FSDP prefetches the next layer's). ZeRO-1/2 move what
+    data parallelism moves anyway (gradients reduce-scattered, parameters gathered once a step)."""
+    return 2 * parameter_bytes * (gpus - 1) / gpus / (link_gbps * 1e9)
+
+
+def _budget_within(solve, config, max_overhead):
+    """The least activation budget at which ``config``'s micro-batch-1 placement adds at most ``max_overhead``
+    (bisection: the DP's added time never rises with the budget); None when keeping everything adds more."""
+    keep = solve(1, 1 << 62, config.state["host_optimizer"])
+    if dataclasses.replace(config, placement=keep).overhead > max_overhead:
+        return None
+    lo, hi = config.placement.predicted_peak, max(keep.keep_peak, config.placement.predicted_peak)
+    while hi - lo > (1 << 24):  # 16 MiB
+        mid = (lo + hi) // 2
+        if dataclasses.replace(config, placement=solve(1, mid, config.state["host_optimizer"])).overhead <= max_overhead:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _nearest_within(config, need, max_overhead, margin):
+    """What it would take to plan ``config`` within ``max_overhead``, in words."""
+    if need is None:
+        return (f"Keeping every activation still adds more than {max_overhead:.1%} "
+                "(the fused loss's recompute and ZeRO-3's gathers alone); raise --max-overhead.")
+    return (f"Within {max_overhead:.1%} it would fit on GPUs of {format_size(config.per_gpu_state + need + margin)}, "
+            "or at a shorter sequence (--seq max finds the longest).")
 
 
 def _head_text(head, fused=True):
@@ -458,16 +631,32 @@ def _head_text(head, fused=True):
             f"{format_size(head.backward_peak)} at its forward / backward peak per sequence, dX and dW included)")
 
 
-def _sharding_step(mode, found, last, gpus, forced):
+def _over_cap(c, max_overhead):
+    """Why a configuration that fits in memory was refused: its added step time, in words."""
+    return (f"fits in memory only at +{c.overhead:.1%} added step time ({c.label_stage()}micro-batch "
+            f"{c.micro_batch}: {c.placement.describe()}), above max_overhead={max_overhead:.1%}")
+
+
+def _sharding_step(mode, found, last, gpus, forced, others=(), max_overhead=None):
     if found is None:
+        if max_overhead is not None and last.budget > 0 and last.placement.fits:
+            return Step(f"sharding ({_MODE_LABEL[mode]})", False, "", "", "no stage fits within "
+                        f"{max_overhead:.1%} added step time")
         return Step(f"sharding ({_MODE_LABEL[mode]})", False, "", "", f"even ZeRO-3 over {gpus} GPUs leaves "
                     f"{format_size(max(last.budget, 0))} for activations, not enough")
+    compared = "; ".join(f"ZeRO-{c.zero_stage}: +{c.overhead:.1%}" for c in others)
     if found.zero_stage == 0:
-        return Step(f"sharding ({_MODE_LABEL[mode]})", False, "", "", "fits without sharding the model state")
+        return Step(f"sharding ({_MODE_LABEL[mode]})", False, "", "", "fits without sharding the model state, at the "
+                    f"least added step time (+{found.overhead:.1%}" + (f"; {compared})" if compared else ")"))
     what = {1: "optimizer state", 2: "optimizer state + gradients", 3: "optimizer state + gradients + parameters"}
-    return Step(f"sharding ({_MODE_LABEL[mode]})", True, f"{what[found.zero_stage]} divided by {gpus}",
-                "reduce-scatter / all-gather traffic",
-                f"ZeRO-{found.zero_stage} " + ("(asked for) fits" if forced else "is the lowest stage that fits"))
+    costs = "reduce-scatter / all-gather traffic" + (
+        f" (parameter all-gathers: {found.gather_seconds * 1e3:.0f} ms a micro-batch, counted)"
+        if found.zero_stage == 3 else "")
+    reason = "(asked for) fits" if forced else (
+        f"adds the least step time of the stages that fit: +{found.overhead:.1%}" + (f" ({compared})" if compared
+                                                                                     else ""))
+    return Step(f"sharding ({_MODE_LABEL[mode]})", True, f"{what[found.zero_stage]} divided by {gpus}", costs,
+                f"ZeRO-{found.zero_stage} {reason}")
 
 
 # Step names say which fine-tuning mode a step was tried for: "sharding (full)" read as "full sharding".
