@@ -25,8 +25,16 @@ Llama-3-8B on 8 x 80 GB (bf16, AdamW, full fine-tuning) at 8k-64k tokens per GPU
 fused linear cross-entropy counted, issue 35), its added FLOPs and its cold planning time (no
 profile cached).
 
+With ``--longest``, instead: the longest tokens per GPU per micro-batch (``plan(seq="max")``) at
+<= 10% added step time and at any cost, each with its plan and planning time, for Llama-3-8B full
+fine-tuning on 8 x 80 GB (without host memory and with 1 TB), Llama-3-8B QLoRA on one 24 GB and one
+80 GB GPU (beside unsloth's published 78,475 / 342,733 tokens) and Qwen2-72B on 8 x 80 GB with 1 TB
+and 2 TB of host memory. Every figure is the plan's model (memory measured on meta, time modelled at
+400 TFLOP/s, PCIe 25 GB/s, NCCL 100 GB/s), not a run.
+
     python benchmarks/bench_plan.py [--layers 8] [--hidden 128] [--seq 256] [--batch 2]
     python benchmarks/bench_plan.py --llama3-8b-only [--llama3-8b-seqs 65536]
+    python benchmarks/bench_plan.py --longest
 """
 import argparse
 import json
@@ -124,6 +132,8 @@ def main():
                         help="only the Llama-3-8B plans (a few seconds each), not the tiny-model comparison")
     parser.add_argument("--llama3-8b-seqs", default=",".join(map(str, LLAMA_3_8B_SEQS)),
                         help="tokens per GPU per micro-batch to plan Llama-3-8B at, comma-separated")
+    parser.add_argument("--longest", action="store_true",
+                        help="only the longest-sequence table (plan(seq='max'), about a minute a row)")
     parser.add_argument("--torch-budget", type=float, default=None,
                         help="internal: measure the compiled model at this activation_memory_budget and print JSON")
     args = parser.parse_args()
@@ -135,6 +145,9 @@ def main():
         return TransformerLM(config)
 
     ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0))
+    if args.longest:
+        longest()
+        return
     if args.llama3_8b_only:
         llama_3_8b(int(s) for s in args.llama3_8b_seqs.split(","))
         return
@@ -230,6 +243,43 @@ def llama_3_8b(seqs):
             added = head = "-"
         print(f"{seq:>7,} | {text:<58} | {format_size(chosen.predicted_peak):>11} | {added:>11} | {head:>13} | "
               f"{elapsed:>5.1f}s")
+
+
+# (label, plan() arguments, a published figure to print beside it)
+LONGEST = (
+    ("Llama-3-8B full, 8 x 80 GB", dict(model_or_config="llama-3-8b", gpu_mem="80GB", gpus=8), ""),
+    ("Llama-3-8B full, 8 x 80 GB, 1 TB host", dict(model_or_config="llama-3-8b", gpu_mem="80GB", gpus=8,
+                                                   host_mem="1TB"), ""),
+    ("Llama-3-8B QLoRA, 1 x 24 GB", dict(model_or_config="llama-3-8b", gpu_mem="24GB", finetune="qlora"),
+     "unsloth: 78,475"),
+    ("Llama-3-8B QLoRA, 1 x 80 GB", dict(model_or_config="llama-3-8b", gpu_mem="80GB", finetune="qlora"),
+     "unsloth: 342,733"),
+    ("Qwen2-72B full, 8 x 80 GB, 1 TB host", dict(model_or_config="qwen2-72b", gpu_mem="80GB", gpus=8,
+                                                  host_mem="1TB"), ""),
+    ("Qwen2-72B full, 8 x 80 GB, 2 TB host", dict(model_or_config="qwen2-72b", gpu_mem="80GB", gpus=8,
+                                                  host_mem="2TB"), ""),
+)
+
+
+def longest():
+    """The longest tokens per GPU per micro-batch each configuration of :data:`LONGEST` plans, at <= 10% added step
+    time and at any cost, cold (no profile cached before each search)."""
+    from memkernels.tools import placement
+    print("longest tokens per GPU per micro-batch (plan(seq='max'); modelled, not run):")
+    print(f"{'configuration':<40} | {'cap':>5} | {'tokens':>9} | {'plan':<44} | {'added':>6} | {'time':>6} | published")
+    for label, arguments, published in LONGEST:
+        for cap in ("10%", None):
+            placement._profiles.clear()
+            start = time.perf_counter()
+            result = plan(seq="max", max_overhead=cap, **arguments)
+            elapsed = time.perf_counter() - start
+            found = "longest that fits" in result.notes[-1]
+            tokens = f"{result.seq:,}" if found else "none"
+            text = (f"{result.config.label(arguments.get('gpus', 1))}, micro {result.micro_batch}" if found
+                    else result.notes[-1][:44])
+            added = f"{result.overhead:.1%}" if found else "-"
+            print(f"{label:<40} | {cap or 'any':>5} | {tokens:>9} | {text:<44} | {added:>6} | {elapsed:>5.0f}s | "
+                  f"{published}")
 
 
 if __name__ == "__main__":

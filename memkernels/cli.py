@@ -379,13 +379,11 @@ _PLAN_FLAGS = {"model": "--model", "gpu_mem": "--gpu-mem", "seq": "--seq", "gpus
 
 
 def _seq_or_max(text):
-    """--seq: a positive number of tokens, or "max"."""
-    if text.strip().lower() == "max":
-        return "max"
+    """--seq: a number of tokens, or "max"; anything else goes to plan() as typed, whose one-line error names it."""
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of tokens or 'max'") from None
+        return "max" if text.strip().lower() == "max" else text
 
 
 def _add_plan(subparsers):

@@ -453,6 +453,16 @@ def test_cli_plan_json_and_error():
     assert data["fits"] and data["micro_batch"] * 8 * data["accumulation"] * 4000 == 4_000_000
 
 
+def test_cli_plan_seq_max_with_max_overhead():
+    """--seq max --max-overhead 25%: the longest length within the cap, said in a note, and the plan's overhead
+    at or under it."""
+    ok = subprocess.run([sys.executable, "-m", "memkernels.cli", "plan", "--model", "tiny-llama", "--gpu-mem", "1.5GB",
+                         "--seq", "max", "--max-overhead", "25%", "--json"], capture_output=True, text=True, check=True)
+    data = json.loads(ok.stdout)
+    assert data["fits"] and data["max_overhead"] == 0.25 and data["overhead"] <= 0.25
+    assert f"seq=max: {data['seq']:,} tokens per sequence is the longest that fits within 25.0%" in data["notes"][-1]
+
+
 @pytest.mark.parametrize("args, argument", [
     (["--gpu-mem", "80"], "--gpu-mem"),  # a bare number: GB or GiB?
     (["--gpu-mem", "2GB"], "--gpu-mem"),  # below the model state of the leanest configuration
@@ -461,6 +471,10 @@ def test_cli_plan_json_and_error():
     (["--global-tokens", "4Q"], "--global-tokens"),
     (["--finetune", "lorra"], "--finetune"),
     (["--zero-stage", "7"], "--zero-stage"),
+    (["--seq", "maximum"], "--seq"),
+    (["--max-overhead", "ten"], "--max-overhead"),
+    (["--max-overhead=-5%"], "--max-overhead"),
+    (["--link-gbps", "0"], "--link-gbps"),
 ])
 def test_cli_plan_bad_input_one_line(args, argument):
     """The error names the flag the user typed, not plan()'s Python argument."""

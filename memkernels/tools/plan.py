@@ -59,13 +59,13 @@ class Candidate:
     placement: object
     host_needed: int
     gather_seconds: float = 0.0  # ZeRO-3's parameter all-gathers, per micro-batch
-    step_seconds: float = 0.0  # compute of one sequence's step (cost model)
+    sequence_seconds: float = 0.0  # compute of one sequence's training step (cost model)
     micro_batch: int = 1
 
     @property
     def overhead(self):
         """Added step time of ``placement`` (recompute, offload, ZeRO-3 gathers) over the micro-batch's compute."""
-        return (self.placement.added_seconds + self.gather_seconds) / (self.placement.batch * self.step_seconds)
+        return (self.placement.added_seconds + self.gather_seconds) / (self.placement.batch * self.sequence_seconds)
 
     @property
     def per_gpu_state(self):
