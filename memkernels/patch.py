@@ -25,8 +25,12 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   token chunks (plain Linear projections; LoRA MLPs keep the saving variant). ``peft`` LoRA projections are
   fused too: adapters on gate/up are called as they are, the adapter on down_proj
   gets one more ``gated_linear`` with lora_A as its weight. Left alone, with the
-  reason: mixture-of-experts experts, quantized (bitsandbytes) or DoRA down
+  reason: quantized (bitsandbytes) or DoRA down
   projections, and LoRA dropout on down_proj (it needs the product materialized).
+- mixture-of-experts experts in transformers' stacked layout (``gate_up_proj`` [E, 2*I, H],
+  ``down_proj`` [E, H, I], gate first, no bias) → the same routing with the down projection as
+  ``grouped_gated_linear``: gate_up saved per routed token, act(gate) * up never. Other layouts
+  (GPT-OSS's) are left alone, with the reason.
 - rope: an attention module whose forward calls a module-level function named like a RoPE
   (``apply_rotary_pos_emb``) that computes ``x * cos + rotate_half(x) * sin`` for q and k (probed once
   per function in float64) → the same class with that one call redirected to ``memkernels.functional.rope``
@@ -703,8 +707,13 @@ def _plan_gated_mlp(name, module, actions, report):
     cls_name = type(module).__name__
     if isinstance(module, _FusedGatedMLPForward):  # patched by an earlier apply()
         return
+    if isinstance(module, _FusedExperts):
+        return
     if cls_name.endswith("Experts"):
-        reason = "mixture-of-experts: routed experts have no fused kernel"
+        reason = _experts_blocker(module)
+        if reason is None:
+            actions.append((name, "experts", module))
+            return
     else:
         _, _, down, act = gated_mlp_parts(module)
         down_parts = _lora_down(down)
@@ -718,6 +727,79 @@ def _plan_gated_mlp(name, module, actions, report):
         report.skipped.append({"name": name, "type": cls_name, "reason": reason})
     else:
         actions.append((name, "gated_mlp", module))
+
+
+# ----------------------------------------------------------------------------- mixture-of-experts experts
+
+def _experts_blocker(module):
+    """Why a mixture-of-experts' experts module cannot take :func:`fused_experts_forward` (None when it can).
+
+    Recognized by structure: Hugging Face's stacked layout (``gate_up_proj`` [E, 2*I, H] and ``down_proj``
+    [E, H, I] Parameters, gate first, no bias, not transposed: Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, OLMoE
+    and the others built on transformers' ``use_experts_implementation``), the default gating
+    act(gate) * up with a SiLU or GELU activation."""
+    from memkernels.nn.mlp import gated_activation
+
+    layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+              "has_post_expert_norm": False, "_is_expert_parallel": False}
+    odd = [f"{key}={getattr(module, key)}" for key, expected in layout.items()
+           if getattr(module, key, expected) != expected]
+    if odd:
+        return f"mixture-of-experts experts with {', '.join(odd)}: only gate-first, bias-free stacked experts are fused"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[0] == down.shape[0]):
+        return ("mixture-of-experts experts not in the stacked layout (gate_up_proj [E, 2*I, H] and down_proj "
+                "[E, H, I] parameters)")
+    gating = getattr(type(module), "_apply_gate", None)
+    if gating is not None and gating.__name__ != "_default_apply_gate":
+        return (f"mixture-of-experts experts with their own gating ({type(module).__name__}._apply_gate, e.g. "
+                "GPT-OSS's clamped SwiGLU), not act(gate) * up")
+    activation = gated_activation(getattr(module, "act_fn", None))
+    if activation is None:
+        return f"mixture-of-experts activation {type(getattr(module, 'act_fn', None)).__name__} is not SiLU or GELU"
+    implementation = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    if implementation not in (None, "eager", "grouped_mm"):
+        return f"experts_implementation={implementation!r} (only 'eager' and 'grouped_mm' compute what is fused)"
+    return None
+
+
+class _FusedExperts:
+    """A mixture-of-experts' experts whose down projection is grouped_gated_linear (see fused_experts_forward)."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return fused_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+
+
+def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
+    """What transformers' experts forward computes (the routed tokens' gated MLPs, weighted and summed per
+    token) with the down projection through grouped_gated_linear: per routed token only the [2*I] gate_up is
+    saved for backward, act(gate) and act(gate) * up never are (eager keeps both: 4*I).
+
+    hidden_states [T, H]; top_k_index [T, k] (int); top_k_weights [T, k]. Routed tokens are sorted by
+    expert (stable), projected by one grouped GEMM, down-projected by another, weighted, put back in
+    token order and summed over the k choices (in the weights' dtype, then the input's, as
+    transformers' grouped_mm path does)."""
+    from memkernels.ops.grouped_gated_linear import grouped_gated_linear, grouped_mm
+
+    tokens, top_k = top_k_index.shape
+    expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
+    counts = torch.bincount(expert_ids, minlength=experts.gate_up_proj.shape[0])
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    gate_up = grouped_mm(hidden_states[order // top_k], experts.gate_up_proj.transpose(-2, -1), offsets)
+    routed = grouped_gated_linear(gate_up, experts.down_proj, offsets,
+                                  activation=experts._memkernels_gated_activation)
+    routed = routed * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+    restore = torch.empty_like(order)
+    restore[order] = torch.arange(order.numel(), device=order.device)
+    return routed[restore].view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
+
+
+def _patch_experts(module):
+    from memkernels.nn.mlp import gated_activation
+
+    _switch_class(module, _FusedExperts)
+    module._memkernels_gated_activation = gated_activation(module.act_fn)
 
 
 class _FusedGatedMLPForward:
@@ -983,7 +1065,7 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
     actions = _plan(model, norms, mlp, loss, rope, report)
     kinds = {kind for _, kind, _ in actions}
     fused_layer_norm, fused_rms_norm = _require("norms") if "norm" in kinds else (None, None)
-    fused_mlp = _require("mlp")[0] if kinds & {"mlp", "gpt2_mlp", "bert_ffn", "fc_mlp"} else None
+    fused_mlp = _require("mlp")[0] if kinds & {"mlp", "gpt2_mlp", "bert_ffn", "fc_mlp", "experts"} else None
     if kinds & {"lm_loss", "hf_loss"}:
         _require("loss")
     for name, kind, module in actions:
@@ -1014,6 +1096,8 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
             report.notes.append(_LOSS_NOTE)
         elif kind == "gated_mlp":
             mode = _patch_gated_mlp(module, mlp == "recompute")
+        elif kind == "experts":
+            _patch_experts(module)
         elif kind == "rope":
             module.__class__ = _rope_class(type(module), *_rope_site(type(module)))
         after = model.get_submodule(name) if name else model

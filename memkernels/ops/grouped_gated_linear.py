@@ -1,0 +1,187 @@
+"""Routed experts' gated down projection (mixture-of-experts MLPs): rows grouped by expert, each group
+``y = (act(gate) * up) @ weight[e].T``, from the packed [S, 2*I] gate_up of the routed tokens.
+
+The dense gated_linear's memory contract for experts: eager PyTorch keeps gate_up, act(gate) and the
+product per routed token (4*I elements) for backward; here only gate_up (2*I) is saved. The algorithm is
+_act_linear's with the GEMMs grouped:
+
+- forward:  c = act(gate) * up                    one elementwise pass into a transient buffer
+            y = grouped(c @ weight[e].T)          one grouped GEMM; c is freed
+- backward: g = grouped(dy @ weight[e])           [S, I]: dL/dc
+            one pass: d_gate, d_up from g, and c over g
+            dW[e] = dy[rows of e].T @ c[rows of e]   one grouped GEMM (2-D x 2-D -> [E, N, I])
+
+Rows are sorted by expert; ``offsets`` [E] (int32) holds each group's end row (a cumulative sum of the
+tokens per expert). The grouped GEMMs are ``torch._grouped_mm`` where the installed torch runs it for
+these operands (CPU: float32 / float16 / bfloat16 with 16-byte aligned strides; CUDA and meta: bfloat16),
+else a loop over experts, which reads ``offsets`` on the host (a device sync on CUDA) and runs one GEMM an
+expert: :func:`grouped_mm`.
+
+File order: the grouped GEMM → steps → autograd → public function.
+"""
+import functools
+
+import torch
+
+from memkernels.ops import _act_linear, _autocast
+from memkernels.ops._act_linear import Step
+from memkernels.ops._custom_op import apply_op, autograd_pair
+from memkernels.ops.gated_linear import _halves, _resolve_backend, check_activation
+
+
+# --------------------------------------------------------------------------------------------
+# The grouped GEMM
+
+
+def _aligned(tensor):
+    """torch._grouped_mm's layout rule: every stride but the unit one a multiple of 16 bytes, and the data too."""
+    size = tensor.element_size()
+    return tensor.data_ptr() % 16 == 0 and all(stride == 1 or (stride * size) % 16 == 0 for stride in tensor.stride())
+
+
+def _grouped_mm_runs(a, b):
+    if a.dtype != b.dtype:
+        return False
+    if a.device.type == "cpu":
+        return a.dtype in (torch.float32, torch.float16, torch.bfloat16) and _aligned(a) and _aligned(b)
+    return a.dtype == torch.bfloat16 and (a.device.type == "meta" or (_aligned(a) and _aligned(b)))
+
+
+def grouped_mm(a, b, offsets):
+    """Per expert e, the rows (or, for 2-D ``b``, the columns of ``a`` and rows of ``b``) from ``offsets[e-1]`` to
+    ``offsets[e]``: ``a`` [S, K] x ``b`` [E, K, N] -> [S, N]; ``a`` [M, S] x ``b`` [S, N] -> [E, M, N] (a weight
+    gradient; an expert without rows gets zeros). torch._grouped_mm where it runs, else a loop over experts."""
+    if _grouped_mm_runs(a, b):
+        return torch._grouped_mm(a, b, offs=offsets)
+    ends = offsets.tolist()
+    starts = [0] + ends[:-1]
+    if b.dim() == 3:
+        out = a.new_empty(a.shape[0], b.shape[-1])
+        for expert, (start, end) in enumerate(zip(starts, ends)):
+            torch.mm(a[start:end], b[expert], out=out[start:end])
+        return out
+    out = a.new_empty(len(ends), a.shape[0], b.shape[-1])
+    for expert, (start, end) in enumerate(zip(starts, ends)):
+        torch.mm(a[:, start:end], b[start:end], out=out[expert])
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Steps: the forward and the backward, each a custom op (memkernels/ops/_custom_op.py)
+
+
+def _forward(gate_up, weight, offsets, activation, backend):
+    """[S, N] from gate_up [S, 2*I] and weight [E, N, I]."""
+    product = _act_linear.PASSES[backend].product(*_halves(gate_up), activation)
+    return grouped_mm(product, weight.transpose(-2, -1), offsets)
+
+
+def _backward(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend):
+    """[d_gate_up [S, 2*I]] when ``needs_input``, then [dW [E, N, I]] when ``needs_weight``."""
+    passes = _act_linear.PASSES[backend]
+    gate, up = _halves(gate_up)
+    results = []
+    if needs_input:
+        grads, grad_gate, grad_up = _act_linear.grad_input_buffers(gate, True, packed=True)
+        product = grouped_mm(grad_out, weight, offsets)  # dL/dc, then c
+        passes.product_backward(product, gate, up, activation, grad_gate, grad_up, needs_weight)
+        results += grads
+    else:
+        product = passes.product(gate, up, activation)
+    if needs_weight:
+        results.append(grouped_mm(grad_out.t(), product, offsets))
+    return results
+
+
+def _backward_fake(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation):
+    return ([gate_up.new_empty(gate_up.shape)] if needs_input else []) + (
+        [weight.new_empty(weight.shape)] if needs_weight else [])
+
+
+_STEPS = {
+    "forward": Step("grouped_gated_linear",
+                    "(Tensor gate_up, Tensor weight, Tensor offsets, str activation, str backend) -> Tensor",
+                    _forward, lambda gate_up, weight, offsets, activation: gate_up.new_empty(gate_up.shape[0],
+                                                                                             weight.shape[1])),
+    "backward": Step("grouped_gated_linear_backward",
+                     "(Tensor grad_out, Tensor gate_up, Tensor weight, Tensor offsets, bool needs_input, "
+                     "bool needs_weight, str activation, str backend) -> Tensor[]", _backward, _backward_fake),
+}
+
+# A GEMM: under autocast gate_up and weight are cast to the region's dtype, as F.linear's are.
+_autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"},
+                   positions=(0, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _setup_context(ctx, inputs, output):
+    gate_up, weight, offsets, activation, backend = inputs
+    ctx.save_for_backward(gate_up, weight, offsets)
+    ctx.activation, ctx.backend = activation, backend
+
+
+def _backward_with(step):
+    def backward(ctx, grad_out):
+        gate_up, weight, offsets = ctx.saved_tensors
+        needs_input, needs_weight = ctx.needs_input_grad[:2]
+        if not (needs_input or needs_weight):
+            return None, None, None, None, None
+        results = step(grad_out.contiguous(), gate_up, weight, offsets, needs_input, needs_weight, ctx.activation,
+                       ctx.backend)
+        grad_gate_up = results[0] if needs_input else None
+        grad_weight = results[-1] if needs_weight else None
+        return grad_gate_up, grad_weight, None, None, None
+
+    return backward
+
+
+_GroupedGatedLinearFunction = autograd_pair(_STEPS["forward"].custom_op, _STEPS["forward"].implementation,
+                                            _setup_context, _backward_with(_STEPS["backward"].custom_op),
+                                            _backward_with(_STEPS["backward"].implementation))
+
+
+# --------------------------------------------------------------------------------------------
+# Public function
+
+
+def grouped_gated_linear(gate_up, weight, offsets, *, activation="silu", backend=None):
+    """Each expert's ``(act(gate) * up) @ weight[e].T`` over its rows, saving only gate_up for backward.
+
+    Args:
+        gate_up: [S, 2*I], the routed tokens' packed gate and up projections (first half gate), rows sorted
+            by expert; float32 / float16 / bfloat16 (the torch backend takes any floating dtype).
+        weight: [E, N, I], the experts' down projections (Hugging Face's stacked ``down_proj``), same dtype
+            and device.
+        offsets: [E] int32, each expert's end row (``tokens_per_expert.cumsum(0)``), ending at S.
+        activation: "silu", "gelu" or "gelu_tanh".
+        backend: None (by device), "torch" or "triton", as gated_linear's.
+
+    Returns:
+        [S, N] in the inputs' dtype.
+    """
+    return _autocast.call(_STEPS["forward"].name,
+                          functools.partial(_grouped_gated_linear, activation=activation, backend=backend),
+                          gate_up, weight, offsets, positions=(0, 1))
+
+
+def _grouped_gated_linear(gate_up, weight, offsets, *, activation, backend):
+    owner = "grouped_gated_linear"
+    check_activation(activation, owner)
+    if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"{owner}: gate_up must be a 2-D tensor [routed tokens, 2 * intermediate_size], got "
+                         f"{tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else gate_up}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3 or weight.shape[2] != gate_up.shape[1] // 2:
+        raise ValueError(f"{owner}: weight must be [experts, out_features, intermediate_size="
+                         f"{gate_up.shape[1] // 2}], got {tuple(weight.shape) if isinstance(weight, torch.Tensor) else weight}")
+    if weight.dtype != gate_up.dtype or weight.device != gate_up.device:
+        raise ValueError(f"{owner}: weight is {weight.dtype} on {weight.device} but gate_up {gate_up.dtype} on "
+                         f"{gate_up.device}; give them one dtype and device")
+    if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (weight.shape[0],)
+            or offsets.device != gate_up.device):
+        raise ValueError(f"{owner}: offsets must be an int32 tensor of shape ({weight.shape[0]},) (one end row per "
+                         f"expert) on {gate_up.device}")
+    return apply_op(_STEPS["forward"].custom_op, _GroupedGatedLinearFunction, gate_up, weight, offsets, activation,
+                    _resolve_backend(backend, gate_up, owner))
