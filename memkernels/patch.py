@@ -783,9 +783,12 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     from memkernels.ops.grouped_gated_linear import grouped_gated_linear, grouped_mm
 
     tokens, top_k = top_k_index.shape
+    count = experts.gate_up_proj.shape[0]
     expert_ids, order = torch.sort(top_k_index.reshape(-1), stable=True)
-    counts = torch.bincount(expert_ids, minlength=experts.gate_up_proj.shape[0])
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    # histc, not bincount: a fixed number of bins (meta tensors and CUDA graphs need the shape); float ids on the
+    # CPU (exact below 2**24), integers on CUDA, as transformers' grouped_mm path counts them
+    ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
+    offsets = torch.histc(ids, bins=count, min=0, max=count - 1).cumsum(0, dtype=torch.int32)
     gate_up = grouped_mm(hidden_states[order // top_k], experts.gate_up_proj.transpose(-2, -1), offsets)
     routed = grouped_gated_linear(gate_up, experts.down_proj, offsets,
                                   activation=experts._memkernels_gated_activation)

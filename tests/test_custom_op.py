@@ -14,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from memkernels.ops import _norm_ops, cross_entropy as cross_entropy_module, linear_cross_entropy as lce_module
 from memkernels.ops import gated_linear as gated_module, gelu_linear as gelu_module
+from memkernels.ops import grouped_gated_linear as grouped_module
 from memkernels.ops.cross_entropy import cross_entropy
 from memkernels.ops.gated_linear import gated_linear
 from memkernels.ops.gelu_linear import gelu_linear
@@ -27,6 +28,7 @@ TWINS = {
     "linear_cross_entropy chunked": lce_module._ChunkedFunction,
     "gelu_linear": gelu_module._GeLULinearFunction,
     "gated_linear": gated_module._GatedLinearFunction,
+    "grouped_gated_linear": grouped_module._GroupedGatedLinearFunction,
 }
 
 
