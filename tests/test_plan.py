@@ -612,6 +612,26 @@ def test_host_memory_never_makes_a_plan_worse():
     assert with_host.overhead <= without.overhead
 
 
+def test_a_host_budget_bounds_what_the_placement_moves():
+    """solve(host_budget=): what the placement moves stays within it, the added time never rises as it grows, and
+    a budget of 0 gives the recompute-only placement's time."""
+    from memkernels.tools import placement as placement_module
+    from memkernels.tools.estimate import _Source
+    profile = placement_module.measure_profile(_Source("llama-3-8b"), 65536, torch.bfloat16, kernels=True,
+                                               offload=True)
+    budget = 50 << 30
+    free = placement_module.solve(profile, 1, budget, offload=True)
+    recompute_only = placement_module.solve(profile, 1, budget)
+    assert free.offload_bytes > 100 << 30  # unbounded, it moves more than any budget below
+    times = []
+    for host in (0, 10 << 30, 50 << 30, 100 << 30):
+        bounded = placement_module.solve(profile, 1, budget, offload=True, host_budget=host)
+        assert bounded.fits and bounded.offload_bytes <= host, host
+        times.append(bounded.added_seconds)
+    assert times == sorted(times, reverse=True) and times[0] == pytest.approx(recompute_only.added_seconds)
+    assert times[-1] >= free.added_seconds
+
+
 @pytest.mark.parametrize("value, expected", [("10%", 0.10), (" 2.5% ", 0.025), (0.1, 0.1), (0, 0.0)])
 def test_max_overhead_takes_fractions_and_percentages(value, expected):
     from memkernels.tools.plan import _fraction

@@ -709,8 +709,10 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
         return placement
     best = (_placement(profile, batch, budget, _without_offload(options), costs, tflops, price=0.0)
             if placement.fits else placement)
-    low, high = -21.0, -3.0  # log10 of the price in seconds per byte moved: 1e-3 s a MB is beyond any recompute
-    for _ in range(20):
+    # log10 of the price in seconds per byte moved: from 1e-16 (a GB's copy priced at 0.1 us, nothing) to 1e-6 (a
+    # MB's at a second, more than any recompute); 12 halvings: the price within 0.6%
+    low, high = -16.0, -6.0
+    for _ in range(12):
         middle = (low + high) / 2
         trial = _placement(profile, batch, budget, options, costs, tflops, price=10.0 ** middle)
         if trial.offload_bytes <= host_budget:
