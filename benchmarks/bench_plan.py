@@ -225,7 +225,7 @@ def llama_3_8b(seqs):
     from memkernels.tools.sizes import format_size
     print("\nLlama-3-8B, 8 x 80 GB, bf16, AdamW, full fine-tuning, 1 sequence per GPU per micro-batch:")
     print(f"{'tokens':>7} | {'plan':<58} | {'activations':>11} | {'added FLOPs':>11} | {'of which head':>13} | "
-          f"{'cold':>6}")
+          f"{'added time':>10} | {'cold':>6}")
     for seq in seqs:
         placement._profiles.clear()
         start = time.perf_counter()
@@ -238,11 +238,12 @@ def llama_3_8b(seqs):
             text = f"{result.config.label(8)}, micro {result.micro_batch}, {recomputed} layers recompute"
             added = f"{chosen.recompute_flops / step_flops:.1%}"
             head = f"{chosen.head_recompute_flops / step_flops:.1%}"
+            overhead = f"{result.overhead:.1%}"  # recompute, offload not hidden, ZeRO-3's all-gathers
         else:
             text = f"NOTHING FITS: needs {format_size(result.missing)} more ({result.config.label(8)})"
-            added = head = "-"
+            added = head = overhead = "-"
         print(f"{seq:>7,} | {text:<58} | {format_size(chosen.predicted_peak):>11} | {added:>11} | {head:>13} | "
-              f"{elapsed:>5.1f}s")
+              f"{overhead:>10} | {elapsed:>5.1f}s")
 
 
 # (label, plan() arguments, a published figure to print beside it)

@@ -668,3 +668,12 @@ def test_seq_max_is_the_longest_length_that_fits():
     assert "longest that fits" in result.notes[-1]
     longer = plan("tiny-llama", gpu_mem="1.5GB", seq=result.seq + SEQ_STEP)
     assert not longer.fits or longer.config.finetune != "full"
+
+
+def test_when_the_host_binds_the_message_does_not_ask_for_bigger_gpus():
+    """Llama-3-8B at 384k tokens with 1 TB of host memory: the GPUs would hold the placement only by offloading
+    1.27 TiB per GPU; the message names the host memory it would take, not a GPU size below the 80 GB given."""
+    result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=393216, host_mem="1TB")
+    assert not result.fits
+    assert result.nearest.startswith("The GPUs would hold it") and "of host memory" in result.nearest
+    assert "the node has 1.00 TiB" in result.nearest

@@ -194,7 +194,9 @@ class Plan:
                        if self.config.gather_seconds else "")
             out.append(f"predicted overhead: +{self.overhead:.1%} step time (modelled: recompute "
                        f"{self.placement.recompute_flops / 1e12:.2f} TFLOP, offload "
-                       f"{format_size(self.placement.offload_bytes)} per micro-batch{gathers})"
+                       f"{format_size(self.placement.offload_bytes)} per micro-batch{gathers}"
+                       + ("; not counted: the optimizer step on the CPU and its PCIe traffic"
+                          if self.config.optimizer_offload else "") + ")"
                        + (f"; max_overhead {self.max_overhead:.1%}" if self.max_overhead is not None else ""))
             for other in self.runners_up:
                 out.append(f"  runner-up: ZeRO-{other['zero_stage']}, micro-batch {other['micro_batch']}: "
@@ -509,7 +511,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         steps.append(Step("micro-batch", True, "", "", f"least added step time of those that fit: {micro}"
                           + (f"; accumulation {accumulation} to reach the global batch" if per_rank else "")))
     missing, nearest = 0, ""
-    if chosen is None and memory_fits(config):  # memory fits; the overhead cap binds
+    if chosen is None and max_overhead is not None and memory_fits(config):  # memory fits; the cap binds
         need = _budget_within(solve, config, max_overhead)
         missing = 0 if need is None else max(0, need - config.budget)
         nearest = _nearest_within(config, need, max_overhead, margin)
@@ -730,6 +732,10 @@ def _placement_step(p, act_offload):
 
 def _nearest_fit(config, gpu_mem, gpus, host_mem, margin):
     need = config.per_gpu_state + config.placement.predicted_peak + margin
+    if need <= gpu_mem and host_mem is not None and config.host_needed > host_mem:
+        # the GPU side is held only by moving activations or optimizer state to a host that cannot take them
+        return (f"The GPUs would hold it ({format_size(need)} per GPU) with {format_size(config.host_needed)} of host "
+                f"memory ({_host_breakdown(config, gpus)}); the node has {format_size(host_mem)}.")
     text = f"It would fit on GPUs of {format_size(need)}"
     if (config.state["host_optimizer"] and host_mem is not None and config.host_needed > host_mem
             and config.budget > 0 and config.placement.fits):  # the host, not the GPU, is what binds
