@@ -560,7 +560,7 @@ def verdict_lines(results):
     if mine is None:
         return []
     recompute = results.get("recompute", {}).get("launches_per_layer")
-    beside = (f" ({HEADERS['recompute']}: {recompute:g}, its two recomputed GEMMs on top and one add fewer)"
+    beside = (f" ({HEADERS['recompute']}: {recompute:g}, its two recomputed GEMMs on top)"
               if recompute is not None else "")
     return [f"launches per layer <= Liger's ({liger:g}, {source}): {HEADERS['memkernels']} {mine:g}{beside}: "
             f"{'met' if done(results) else 'NOT met'}"]
