@@ -404,7 +404,7 @@ def _add_plan(subparsers):
     parser.add_argument("--seq", type=_seq_or_max, default=ESTIMATE_SEQ,
                         help=f"tokens per sequence (default {ESTIMATE_SEQ}, as estimate's and report's), or 'max': "
                         "the longest that fits in the fine-tuning mode asked for (within --max-overhead when given), "
-                        "by doubling and bisection (a plan per length tried: about a minute)")
+                        "by doubling and bisection (a plan per length tried: a minute or more, several with --host-mem)")
     parser.add_argument("--gpus", type=int, default=1, help="data-parallel ranks (default: 1)")
     parser.add_argument("--global-tokens", default=None,
                         help="tokens per optimizer step: decimal units (4M = 4,000,000) or binary ones (64Ki = "
