@@ -234,10 +234,9 @@ def _chunked_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, u
     row block."""
     needs = ctx.needs_input_grad
     packed = up_weight is None
-    wanted = [(index, tensor) for index, tensor in enumerate((gate_weight, gate_bias, up_weight, up_bias, down_weight))
-              if tensor is not None and needs[index + 1]]
+    parameters = (gate_weight, gate_bias, up_weight, up_bias, down_weight)  # needs[1:6]
     sums = {index: torch.zeros(tensor.shape, dtype=_sum_dtype(tensor.dtype), device=tensor.device)
-            for index, tensor in wanted}
+            for index, tensor in enumerate(parameters) if tensor is not None and needs[index + 1]}
     down_bias_sum = None
     if ctx.has_down_bias and needs[6]:
         down_bias_sum = grad_out2d.new_zeros(down_weight.shape[0], dtype=_sum_dtype(grad_out2d.dtype))
@@ -264,8 +263,7 @@ def _chunked_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, u
             if bias_index in sums:
                 sums[bias_index].add_(grad.sum(0, dtype=sums[bias_index].dtype))
         del grads
-    weights = (gate_weight, gate_bias, up_weight, up_bias, down_weight)
-    results = [sums[index].to(weights[index].dtype) if index in sums else None for index in range(5)]
+    results = [sums[index].to(parameters[index].dtype) if index in sums else None for index in range(5)]
     down_bias_grad = None if down_bias_sum is None else down_bias_sum.to(grad_out2d.dtype)
     return grad_x, *results, down_bias_grad
 

@@ -456,10 +456,11 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         fitting = [cheapest_micro(c) for c in tried if fits(c)]
         nearest_fail = max([c for c in tried if not fits(c)] + ([nearest_fail] if nearest_fail else []),
                            key=closeness, default=nearest_fail)
-        found = min(fitting, key=lambda c: (round(c.overhead, 12), c.zero_stage)) if fitting else None
-        if found is not None:
-            runners_up = [c for c in sorted(fitting, key=lambda c: (round(c.overhead, 12), c.zero_stage))
-                          if c is not found]
+        ranked = sorted(fitting, key=lambda c: (round(c.overhead, 12), c.zero_stage))
+        if ranked:
+            found, *runners_up = ranked
+        else:
+            found = None
         if gpus > 1:
             steps.append(_sharding_step(mode, found, tried[-1], gpus, forced=zero_stage is not None,
                                         others=runners_up, max_overhead=max_overhead))
@@ -574,8 +575,8 @@ def _longest(model_or_config, arguments):
             low = middle
         else:
             high = middle
-    within = (f" within {_fraction('max_overhead', arguments['max_overhead']):.1%} added step time"
-              if arguments.get("max_overhead") is not None else "")
+    cap = attempt(min(tried)).max_overhead  # as plan() parsed it
+    within = f" within {cap:.1%} added step time" if cap is not None else ""
     if not low:
         result = attempt(min(tried))
         result.notes.append(f"seq=max: not even {min(tried):,} tokens fit{within} with {arguments['finetune']} "
