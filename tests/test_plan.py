@@ -632,6 +632,55 @@ def test_a_host_budget_bounds_what_the_placement_moves():
     assert times[-1] >= free.added_seconds
 
 
+def _synthetic_profile(rng, num_layers, names):
+    """A LayerProfile of random byte figures small enough that the DP's quantum is one byte (no rounding)."""
+    from memkernels.tools.placement import LayerProfile
+
+    def per_batch(draw):
+        return {batch: draw() for batch in (1, 2)}
+
+    def segments():
+        figures = {"embed": rng.randint(0, 50), "tail": rng.randint(0, 50), "head": rng.randint(100, 3000)}
+        figures.update({f"{kind}{i}": rng.randint(100, 3000) for kind in ("fwd", "bwd") for i in range(4)})
+        return figures
+
+    def per_option(low, high):
+        return {name: 0 if name == "keep" else rng.randint(low, high) for name in names}
+
+    return LayerProfile(num_layers=num_layers, depth=4, seq=128, segments=per_batch(segments),
+                        resident=per_batch(lambda: rng.randint(0, 100)), savings=per_batch(lambda: per_option(0, 800)),
+                        extra=per_batch(lambda: per_option(0, 300)), recompute=per_option(1, 10 ** 12),
+                        keep_flops=10 ** 12, step_flops=10 ** 13, parts=("attn", "mlp"),
+                        moved=per_batch(lambda: per_option(0, 0)))
+
+
+def test_the_placement_dp_is_the_cheapest_of_every_placement_that_fits():
+    """solve() against brute force over every placement of up to 4 layers (figures of a byte quantum, so the
+    DP's rounding loses nothing): it fits exactly when some placement fits, and then at the least added time."""
+    import itertools
+    import random
+
+    from memkernels.tools.placement import LAYER_OPTIONS, predict_peak, solve
+    rng = random.Random(0)
+    options = [o for o in LAYER_OPTIONS if not o.offloaded]
+    fitting_seen = 0
+    for _ in range(40):
+        num_layers, batch, budget = rng.randint(1, 4), rng.choice((1, 2)), rng.randint(500, 4000)
+        profile = _synthetic_profile(rng, num_layers, [o.name for o in LAYER_OPTIONS])
+        chosen = solve(profile, batch, budget)
+        best = None
+        for choices in itertools.product(options, repeat=num_layers):
+            if predict_peak(profile, batch, list(choices)) <= budget:
+                seconds = sum(batch * profile.recompute[c.name] for c in choices) / 400e12
+                best = seconds if best is None else min(best, seconds)
+        assert chosen.fits == (best is not None)
+        if best is not None:
+            fitting_seen += 1
+            assert chosen.predicted_peak <= budget
+            assert chosen.added_seconds == pytest.approx(best, rel=1e-12)
+    assert 10 <= fitting_seen <= 30  # the draws cover both outcomes
+
+
 @pytest.mark.parametrize("value, expected", [("10%", 0.10), (" 2.5% ", 0.025), (0.1, 0.1), (0, 0.0)])
 def test_max_overhead_takes_fractions_and_percentages(value, expected):
     from memkernels.tools.plan import _fraction

@@ -748,25 +748,26 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
     dp[0] = 0.0
     back = np.zeros((num_layers, cap + 1), dtype=np.int16)
     origin = np.zeros((num_layers, cap + 1), dtype=np.int32)
-    states = np.arange(cap + 1)
     for i in range(num_layers):
         new = np.full(cap + 1, np.inf)
-        for k, option in enumerate(options):
+        for k in range(len(options)):
             need = max(0, math.ceil(needs[i][k] / quantum))
             if need > cap:
                 continue
-            candidate = np.where(states >= need, dp + seconds[k], np.inf)
-            target = np.minimum(states + step[k], cap)
+            candidate = dp + seconds[k]
+            candidate[:need] = np.inf
+            # State s moves to s + step, capped: below the cap each target has one source (a shift); the cap
+            # takes the cheapest of the sources that reach it, the one of most savings on a tie.
+            shift = min(step[k], cap)
+            src = np.arange(cap - shift + 1)
+            src[-1] = cap - int(np.argmin(candidate[cap - shift:][::-1]))
+            cand = candidate[src]
             # Later options win only when strictly cheaper: ties keep the earlier option.
-            order = np.lexsort((-states, candidate, target))
-            tgt, cand, src = target[order], candidate[order], states[order]
-            first = np.ones(len(tgt), dtype=bool)
-            first[1:] = tgt[1:] != tgt[:-1]
-            tgt, cand, src = tgt[first], cand[first], src[first]
-            better = cand < new[tgt]
-            new[tgt[better]] = cand[better]
-            back[i, tgt[better]] = k
-            origin[i, tgt[better]] = src[better]
+            better = cand < new[shift:]
+            targets = np.flatnonzero(better) + shift
+            new[targets] = cand[better]
+            back[i, targets] = k
+            origin[i, targets] = src[better]
         dp = new
     end = max(0, math.ceil(end_need / quantum))
     feasible = ends_fit and end <= cap and np.isfinite(dp[end:]).any()
