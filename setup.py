@@ -58,10 +58,14 @@ def _compile_args():
 
 
 def _sources():
+    """Every .cpp of csrc/ but tests, and of bindings/ only module.cpp: it includes the other binding files, so
+    pybind11's headers are compiled once, not once a file (csrc/bindings/module.cpp says what that saves)."""
+    bindings = os.path.join(ROOT, "csrc", "bindings")
     return sorted(
         os.path.relpath(p, ROOT)
         for p in glob.glob(os.path.join(ROOT, "csrc", "**", "*.cpp"), recursive=True)
         if os.sep + "tests" + os.sep not in p
+        and (os.path.dirname(p) != bindings or os.path.basename(p) == "module.cpp")
     )
 
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "bindings/handles.hpp"
 #include "cuda/api.hpp"
 #include "sim/sim.hpp"
 
@@ -14,16 +15,12 @@ namespace py = pybind11;
 
 namespace {
 
+using mk::bindings::as_event;
+using mk::bindings::as_int;
+using mk::bindings::as_ptr;
+using mk::bindings::as_stream;
 using mk::cuda::api;
 using mk::cuda::pinned_on;
-
-template <class T>
-T* as_ptr(std::uintptr_t value) {
-  return reinterpret_cast<T*>(value);
-}
-std::uintptr_t as_int(const void* p) { return reinterpret_cast<std::uintptr_t>(p); }
-cudaStream_t as_stream(std::uintptr_t value) { return reinterpret_cast<cudaStream_t>(value); }
-cudaEvent_t as_event(std::uintptr_t value) { return reinterpret_cast<cudaEvent_t>(value); }
 
 void check(cudaError_t err, const char* call) { MK_CUDA_CHECK(err, call); }
 void check(CUresult err, const char* call) { MK_CUDA_CHECK(err, call); }

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "bindings/handles.hpp"
 #include "cuda/offload_engine.hpp"
 
 namespace py = pybind11;
@@ -15,8 +16,8 @@ namespace {
 
 using mk::cuda::OffloadEngine;
 
-void* as_ptr(std::uintptr_t value) { return reinterpret_cast<void*>(value); }
-cudaStream_t as_stream(std::uintptr_t value) { return reinterpret_cast<cudaStream_t>(value); }
+using mk::bindings::as_ptr;
+using mk::bindings::as_stream;
 
 py::dict stats_dict(const mk::cuda::OffloadEngineStats& s) {
   py::dict pool;
@@ -63,11 +64,11 @@ void bind_offload(py::module_& m) {
            }),
            arg("max_pinned_bytes") = py::none(), arg("d2h_priority") = py::none(), arg("h2d_priority") = py::none())
       .def("offload", [](OffloadEngine& e, std::uintptr_t src, std::size_t nbytes, std::uintptr_t stream) {
-        return e.offload(as_ptr(src), nbytes, as_stream(stream));
+        return e.offload(as_ptr<void>(src), nbytes, as_stream(stream));
       }, arg("src"), arg("nbytes"), arg("stream"))
       .def("offload_done", &OffloadEngine::offload_done, arg("handle"))
       .def("prefetch", [](OffloadEngine& e, std::uint64_t handle, std::uintptr_t dst, std::uintptr_t stream) {
-        e.prefetch(handle, as_ptr(dst), as_stream(stream));
+        e.prefetch(handle, as_ptr<void>(dst), as_stream(stream));
       }, arg("handle"), arg("dst"), arg("stream"))
       .def("prefetch_done", &OffloadEngine::prefetch_done, arg("handle"))
       .def("wait", [](OffloadEngine& e, std::uint64_t handle, std::uintptr_t stream) {
