@@ -90,7 +90,7 @@ def run_report(args):
     import torch
 
     from memkernels._backend import get_backend, resolve
-    from memkernels.tools.estimate import breakdown_chart, estimate, estimate_table
+    from memkernels.tools.estimate import MARGIN_TEXT, breakdown_chart, estimate, estimate_table
     from memkernels.models import TransformerLM, load_config, synthetic_batch
     from memkernels.tools.profile import compare_steps, format_bytes
 
@@ -162,6 +162,7 @@ def run_report(args):
         print(f"{first.model}: {first.num_parameters / 1e9:.2f}B parameters, per-GPU batch {args.batch} x seq "
               f"{args.seq}{f', {args.shard}-way sharded' if args.shard > 1 else ''}, AdamW")
         print(estimate_table(estimates))
+        print(f"(a run also needs a margin kept free: {MARGIN_TEXT}, as estimate --gpu-mem and plan keep)")
 
     _progress(4, total, f"writing {args.out}")
     if estimates:
@@ -178,7 +179,7 @@ def run_report(args):
 # ----------------------------------------------------------------------------- estimate
 
 def run_estimate(args):
-    from memkernels.tools.estimate import estimate, fitting_options
+    from memkernels.tools.estimate import MARGIN_TEXT, default_margin, estimate, fitting_options
     from memkernels.tools.profile import _table, format_bytes
 
     options = {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
@@ -190,12 +191,15 @@ def run_estimate(args):
     print(result.table())
     if args.gpu_mem is None:
         return 0
-    print()
-    if result.total <= args.gpu_mem:
-        print(f"fits in {format_bytes(args.gpu_mem)}: {format_bytes(args.gpu_mem - result.total)} to spare")
+    margin = default_margin(args.gpu_mem)
+    need = result.total + margin
+    print(f"\nmargin kept free: {format_bytes(margin)} ({MARGIN_TEXT}; plan keeps the same)")
+    if need <= args.gpu_mem:
+        print(f"fits in {format_bytes(args.gpu_mem)}: {format_bytes(result.total)} + {format_bytes(margin)} margin, "
+              f"{format_bytes(args.gpu_mem - need)} to spare")
         return 0
-    print(f"does not fit in {format_bytes(args.gpu_mem)} (needs {format_bytes(result.total)}); "
-          "optimizations, cheapest first:")
+    print(f"does not fit in {format_bytes(args.gpu_mem)} (needs {format_bytes(result.total)} + "
+          f"{format_bytes(margin)} margin); optimizations, cheapest first:")
     rows, best = [], None
     for row in fitting_options(args.model, args.gpu_mem, **options):
         if row["error"]:
@@ -204,7 +208,7 @@ def run_estimate(args):
         rows.append((row["name"], row["cost"], format_bytes(row["total"]), "fits" if row["fits"] else "no"))
         if row["fits"] and best is None:
             best = row["name"]
-    print(_table(("option", "cost", "per GPU", "fits"), rows))
+    print(_table(("option", "cost", "per GPU", "fits with the margin"), rows))
     if best:
         print(f"\ncheapest that fits: {best}")
         return 0

@@ -24,14 +24,26 @@ forward (tests check it against a real CPU forward) but costs two tiny
 forwards, so a 80-layer model at sequence 32k estimates in well under a second.
 ``batch`` is the per-GPU micro-batch; activations are not sharded.
 
+The step's peak comes in backward, above what forward saved: gradients of
+intermediates, a recomputed layer, the loss's backward (eager's float32
+logits gradient). ``backward_transient`` is that difference, from the model
+``memkernels plan`` uses (:mod:`memkernels.tools.placement`: a few layers'
+forward and backward on meta under a peak meter), so ``activations +
+logits_loss + backward_transient`` is the figure plan prints as "activations
+(peak)" for the same configuration, and :func:`default_margin` is what both
+keep free on the GPU.
+
 - ``checkpointing``: per-layer activation checkpointing. Each layer keeps only
-  its input; backward recomputes one layer at a time, so one layer's full
-  activations are added back as the recompute peak.
-- ``offload``: saved activations of the layers go to pinned host memory and
-  come back just in time (memkernels' offload engine, double-buffered): the GPU
-  keeps two layers' worth in flight; the rest is reported as host memory.
+  its input; backward recomputes one layer at a time, in the transient as a
+  plan's "recompute layer" runs it (``memkernels.apply(model, plan)``).
+- ``offload``: every layer's saved tensors go to pinned host memory and come
+  back for backward (memkernels' offload engine, as plan models it);
+  ``host_offload`` is what goes to the host.
 - ``use_memkernels``: the model is patched with :func:`memkernels.apply`
-  (fused norms, GELU MLP, linear cross-entropy) before it is measured.
+  (fused norms, gated/GELU MLP, RoPE, linear cross-entropy) before it is
+  measured; the fused loss with plan's strategy ``"recompute"`` (8 bytes a
+  token held; ``"auto"`` takes ``"chunked"``, which holds the float32 dW
+  from forward to backward, only when that memory is free).
 
 Measured on the eager PyTorch graph as it runs on CPU/meta: attention as a
 flash kernel (q, k, v, output, log-sum-exp), ``nn.RMSNorm`` as PyTorch's
@@ -46,10 +58,11 @@ import torch
 from torch import nn
 
 from memkernels.models import TransformerLM, load_config
+from memkernels.tools import placement
 from memkernels.tools.profile import _table, format_bytes, ledger_forward
 
 __all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS", "FINETUNE_MODES", "model_state_bytes",
-           "lora_parameters", "QLORA_BYTES_PER_PARAM"]
+           "lora_parameters", "QLORA_BYTES_PER_PARAM", "default_margin", "MARGIN_TEXT"]
 
 # dtype -> (bytes per weight, bytes per gradient, bytes per fp32 master weight, torch dtype of compute)
 DTYPES = {"fp32": (4, 4, 0, torch.float32), "bf16": (2, 2, 4, torch.bfloat16), "fp16": (2, 2, 4, torch.float16)}
@@ -57,19 +70,29 @@ DTYPES = {"fp32": (4, 4, 0, torch.float32), "bf16": (2, 2, 4, torch.bfloat16), "
 OPTIMIZERS = {"adamw": 8, "adam": 8, "sgd": 4, "lion": 4}
 
 _PARTS = ("parameters", "gradients", "master_weights", "optimizer_state", "activations", "logits_loss",
-          "fsdp_buffers", "grad_accum_buffer")
+          "backward_transient", "fsdp_buffers", "grad_accum_buffer")
 _LABELS = {"parameters": "parameters", "gradients": "gradients", "master_weights": "fp32 master weights",
            "optimizer_state": "optimizer state", "activations": "activations", "logits_loss": "logits / loss",
-           "fsdp_buffers": "FSDP gather buffers",
+           "backward_transient": "backward transient", "fsdp_buffers": "FSDP gather buffers",
            "grad_accum_buffer": "fp32 grad accumulation"}
 # The same parts as narrow table columns (estimate_table).
 _COLUMNS = {"parameters": "params", "gradients": "grads", "master_weights": "master", "optimizer_state": "optimizer",
-            "activations": "activations", "logits_loss": "logits", "fsdp_buffers": "FSDP",
+            "activations": "activations", "logits_loss": "logits", "backward_transient": "bwd transient",
+            "fsdp_buffers": "FSDP",
             "grad_accum_buffer": "grad accum"}
 FINETUNE_MODES = ("full", "lora", "qlora")
 # QLoRA's NF4 base weights: 4 bits per weight, plus the double-quantized absmax constants
 # (one 8-bit constant per 64-weight block, one fp32 constant per 256 of those).
 QLORA_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
+# What a run needs besides its tensors, kept free by `estimate`'s verdict and `plan`'s budget alike.
+CONTEXT_BYTES = 1 << 30  # CUDA context + cuBLAS / NCCL workspaces
+FRAGMENTATION = 0.05  # of the GPU's memory: the caching allocator's blocks no tensor fits
+MARGIN_TEXT = "1 GiB for the CUDA context and library workspaces + 5% of the GPU's memory for fragmentation"
+
+
+def default_margin(gpu_mem):
+    """Bytes to keep free on a GPU of ``gpu_mem`` bytes: :data:`MARGIN_TEXT`."""
+    return CONTEXT_BYTES + int(FRAGMENTATION * gpu_mem)
 
 
 @dataclasses.dataclass
@@ -93,8 +116,8 @@ class MemoryEstimate:
     activations: int
     logits_loss: int
     fsdp_buffers: int
+    backward_transient: int  # the step's activation peak (in backward) above activations + logits_loss
     host_offload: int
-    recompute_peak: int  # part of ``activations``: one layer recomputed during backward (checkpointing)
     notes: list
     zero_stage: int = 0
     finetune: str = "full"
@@ -117,7 +140,7 @@ class MemoryEstimate:
 
     def to_dict(self):
         data = dataclasses.asdict(self)
-        data.update(total=self.total, model_state=self.model_state)
+        data.update(total=self.total, model_state=self.model_state, activation_peak=self.activation_peak)
         return data
 
     def describe(self):
@@ -128,6 +151,11 @@ class MemoryEstimate:
                                         ("memkernels", self.use_memkernels)) if on]
         return ", ".join(flags)
 
+    @property
+    def activation_peak(self):
+        """The step's activation peak (in backward): what ``memkernels plan`` calls "activations (peak)"."""
+        return self.activations + self.logits_loss + self.backward_transient
+
     def table(self):
         rows = [(name, format_bytes(nbytes)) for name, nbytes in self.breakdown().items()]
         rows.append(("total per GPU", format_bytes(self.total)))
@@ -137,7 +165,9 @@ class MemoryEstimate:
             rows.append(("host (optimizer state, all ranks)", format_bytes(self.host_optimizer)))
         head = (f"{self.model}: {self.num_parameters / 1e9:.2f}B parameters, batch {self.batch} x seq {self.seq}, "
                 f"{self.describe()}")
-        return "\n".join([head, _table(("per GPU", "bytes"), rows)] + [f"  note: {n}" for n in self.notes])
+        peak = (f"activation peak of the step: {format_bytes(self.activation_peak)} = activations + logits / loss + "
+                "backward transient (plan's \"activations (peak)\")")
+        return "\n".join([head, _table(("per GPU", "bytes"), rows), peak] + [f"  note: {n}" for n in self.notes])
 
     __str__ = table
 
@@ -202,6 +232,10 @@ class _Source:
         return self.config if self.config is not None else (self.hf_class, self.hf_config.to_json_string())
 
 
+# estimate's (checkpointing, offload) as the per-layer option of plan's placement model
+_LAYER_OPTION = {(False, False): "keep", (True, False): "recompute layer", (False, True): "offload layer",
+                 (True, True): "offload checkpoint"}
+
 _measured = {}  # (model key, layers, batch, seq, dtype, checkpointing, memkernels) -> result
 
 
@@ -220,6 +254,9 @@ def _measure_saved(source, num_layers, batch, seq, dtype, checkpointing, use_mem
     if use_memkernels:
         from memkernels.patch import apply
         apply(model, measure=False)
+        # The fused loss with plan's strategy ("recompute": 8 B a token held for backward), the one its
+        # "auto" takes when memory is short, and the one the step's peak (placement) is measured with.
+        placement.install_loss_strategy(model)
     ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
     if source.config is not None:
         ledger, _ = ledger_forward(model, ids, ids)
@@ -371,24 +408,27 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
     one, one_loss = measure(1, checkpointing)
     two, _ = measure(2, checkpointing)
     per_layer = two - one
-    saved = one + (num_layers - 1) * per_layer
+    activations = one + (num_layers - 1) * per_layer - one_loss
     notes = [f"activations measured on meta: 1 layer saves {format_bytes(one - one_loss)} besides the loss, "
              f"each further layer {format_bytes(per_layer)}, x {num_layers - 1}"]
-    recompute = 0
     if checkpointing:
-        full_one, _ = measure(1, False)
-        full_two, _ = measure(2, False)
-        recompute = full_two - full_one
-        saved += recompute
-        notes.append(f"checkpointing keeps each layer's input; backward recomputes one layer "
-                     f"(+{format_bytes(recompute)})")
-    activations = saved - one_loss
+        notes.append("checkpointing keeps each layer's input; backward recomputes one layer at a time")
+    # The step's peak: plan's model (memkernels.tools.placement), measured on a meta copy of a few layers
+    # running forward and backward, the same figure `memkernels plan` counts for this configuration.
+    option = placement.OPTION_BY_NAME[_LAYER_OPTION[checkpointing, offload]]
+    profile = placement.measure_profile(source, seq, DTYPES[dtype][3], kernels=use_memkernels, offload=offload)
+    peak = placement.predict_peak(profile, batch, [option] * num_layers)
     host = 0
     if offload:
-        offloaded_layers = max(num_layers - 2, 0)
-        host = offloaded_layers * per_layer
-        activations -= host
-        notes.append(f"offload: {offloaded_layers} layers' saved tensors live on the host; 2 in flight on the GPU")
+        _, _, savings, _, moved = profile.figures(batch)
+        base = _LAYER_OPTION[checkpointing, False]
+        activations -= num_layers * (savings[option.name] - savings[base])
+        host = num_layers * moved[option.name]
+        notes.append(f"offload ({option.name!r} in every layer, as plan models it): "
+                     f"{format_bytes(host)} of saved tensors go to the host and come back for backward")
+    backward_transient = peak - activations - one_loss
+    notes.append("backward transient: gradients of intermediates, a recomputed layer, the loss's backward: the "
+                 "step's peak above what forward saved (a few layers' step measured on meta, as plan does)")
 
     trainable, quantized = None, 0
     if finetune != "full":
@@ -419,8 +459,8 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
         shard_degree=shard_degree, checkpointing=checkpointing, offload=offload, use_memkernels=use_memkernels,
         parameters=state["parameters"], gradients=state["gradients"], master_weights=state["master_weights"],
         optimizer_state=state["optimizer_state"],
-        activations=activations, logits_loss=one_loss, fsdp_buffers=fsdp, host_offload=host,
-        recompute_peak=recompute, notes=notes, zero_stage=zero_stage, finetune=finetune,
+        activations=activations, logits_loss=one_loss, backward_transient=backward_transient, fsdp_buffers=fsdp,
+        host_offload=host, notes=notes, zero_stage=zero_stage, finetune=finetune,
         trainable_parameters=num_parameters if trainable is None else trainable,
         grad_accum_buffer=state["grad_accum_buffer"], host_optimizer=state["host_optimizer"])
 
@@ -440,7 +480,8 @@ OPTIONS = (
 
 
 def fitting_options(model_or_config, gpu_bytes, **kwargs):
-    """Which optimizations make a run fit ``gpu_bytes`` per GPU, cheapest first.
+    """Which optimizations make a run fit ``gpu_bytes`` per GPU with :func:`default_margin` kept free,
+    cheapest first.
 
     ``kwargs`` as :func:`estimate` (batch, seq, dtype, optimizer, shard_degree).
     Returns a list of dicts ``name``, ``cost``, ``total`` (bytes), ``fits``, or
@@ -449,6 +490,7 @@ def fitting_options(model_or_config, gpu_bytes, **kwargs):
     """
     if not isinstance(gpu_bytes, int) or gpu_bytes <= 0:
         raise ValueError(f"fitting_options(gpu_bytes={gpu_bytes!r}): must be a positive int (bytes)")
+    available = gpu_bytes - default_margin(gpu_bytes)
     rows = []
     for name, flags, cost in OPTIONS:
         options = dict(kwargs, **flags)
@@ -457,7 +499,7 @@ def fitting_options(model_or_config, gpu_bytes, **kwargs):
         except (ImportError, RuntimeError) as error:
             rows.append({"name": name, "cost": cost, "total": None, "fits": False, "error": str(error)})
             continue
-        rows.append({"name": name, "cost": cost, "total": total, "fits": total <= gpu_bytes, "error": None})
+        rows.append({"name": name, "cost": cost, "total": total, "fits": total <= available, "error": None})
     return rows
 
 

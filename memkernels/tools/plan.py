@@ -24,15 +24,12 @@ minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP
 import dataclasses
 import math
 
-from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _layer_numel, _Source, lora_parameters,
-                                 model_state_bytes)
+from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _layer_numel, _Source, default_margin,
+                                       lora_parameters, model_state_bytes)
 from memkernels.tools import placement as placement_mod
 from memkernels.tools.sizes import format_size, parse_count, parse_device_size, parse_size
 
 __all__ = ["plan", "place", "Plan", "Step"]
-
-CONTEXT_BYTES = 1 << 30  # CUDA context + cuBLAS / NCCL workspaces
-FRAGMENTATION = 0.05
 
 
 @dataclasses.dataclass
@@ -325,7 +322,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
             raise ValueError(f"plan({name}={value!r}): must be a positive number")
     if zero_stage is not None and (zero_stage not in (0, 1, 2, 3) or (zero_stage and gpus == 1)):
         raise ValueError(f"plan(zero_stage={zero_stage!r}): use 0, 1, 2 or 3 (1-3 need gpus > 1), or None")
-    margin = (CONTEXT_BYTES + int(FRAGMENTATION * gpu_mem) if margin is None
+    margin = (default_margin(gpu_mem) if margin is None
               else _bytes_arg("margin", margin, zero=True))
     per_rank, notes = None, []
     if global_batch_tokens is not None:
