@@ -6,6 +6,7 @@ training runs (README, "Traces", lists the sources). They are not part of the re
 checkout (or next to its parent, for a git worktree) is used.
 """
 import os
+import pickle
 
 import pytest
 
@@ -22,3 +23,16 @@ SKIP_REASON = (
     "(README, 'Traces', says where they come from)")
 
 needs_traces = pytest.mark.skipif(not TRACES, reason=SKIP_REASON)
+
+
+def write_trace(path, sizes_mib, frees=()):
+    """A made-up snapshot at ``path`` (a pathlib.Path) whose device 0 allocates ``sizes_mib`` in order
+    (address i+1 for the i-th) and frees the addresses in ``frees`` right after the allocation with the
+    same index: ``[(index, address), ...]``. Returns ``path``."""
+    events = []
+    for index, size in enumerate(sizes_mib):
+        events.append({"action": "alloc", "addr": index + 1, "size": size * 2**20, "stream": 0})
+        for addr in (a for i, a in frees if i == index):
+            events.append({"action": "free_completed", "addr": addr, "size": 0, "stream": 0})
+    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
+    return path

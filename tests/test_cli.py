@@ -1,6 +1,7 @@
 """The `memkernels` command: report, estimate and replay (the CLI's argument handling and its output)."""
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 from memkernels.cli import main
 from memkernels.tools.estimate import estimate
 from memkernels.tools.profile import format_bytes
+from recorded_traces import write_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB, MiB = 2**30, 2**20
@@ -89,6 +91,16 @@ def test_report_runs_and_writes_a_png(tmp_path):
     assert "saved for backward per token" not in result.stdout
     assert "bytes saved for backward by this training step (4 x 256 tokens), by category:" in result.stdout
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    # Issue 38: the estimate's rows are estimate's figures (activation peak in backward included), and the margin
+    # that estimate --gpu-mem and plan keep free is named.
+    fused = estimate("llama-3-8b", batch=1, seq=8192, shard_degree=8, use_memkernels=True)
+    row = next(line for line in result.stdout.splitlines() if line.startswith("bf16 + memkernels (no ckpt/offload)"))
+    cells = re.split(r"\s{2,}", row.strip())  # configuration, params, grads, master, optimizer, activations, ...
+    assert cells[5:8] == [format_bytes(getattr(fused, part)) for part in ("activations", "logits_loss",
+                                                                           "backward_transient")]
+    assert cells[-1] == format_bytes(fused.total)
+    assert ("(a run also needs a margin kept free: 1 GiB for the CUDA context and library workspaces + 5% of the "
+            "GPU's memory for fragmentation, as estimate --gpu-mem and plan keep)") in result.stdout
 
 
 # ----------------------------------------------------------------------------- --version, sizes, defaults
@@ -176,18 +188,6 @@ def test_estimate_takes_a_model_directory_holding_a_config_json(tmp_path, capsys
 
 # ----------------------------------------------------------------------------- replay
 
-def _write_trace(path, sizes_mib, frees=()):
-    """A snapshot whose device 0 allocates ``sizes_mib`` in order (address i+1 for the i-th) and
-    frees the addresses in ``frees`` right after the allocation with the same index."""
-    events = []
-    for index, size in enumerate(sizes_mib):
-        events.append({"action": "alloc", "addr": index + 1, "size": size * MiB, "stream": 0})
-        for addr in (a for i, a in frees if i == index):
-            events.append({"action": "free_completed", "addr": addr, "size": 0, "stream": 0})
-    path.write_bytes(pickle.dumps({"segments": [], "device_traces": [events]}))
-    return path
-
-
 def test_replay_names_unreadable_traces_replays_the_others_and_exits_1(tmp_path):
     empty = tmp_path / "empty.pickle"
     empty.write_bytes(b"")
@@ -195,7 +195,7 @@ def test_replay_names_unreadable_traces_replays_the_others_and_exits_1(tmp_path)
     corrupt.write_bytes(pickle.dumps({"device_traces": [[{"action": "alloc"}] * 3]})[:-9])
     not_a_snapshot = tmp_path / "list.pickle"
     not_a_snapshot.write_bytes(pickle.dumps([1, 2, 3]))
-    good = _write_trace(tmp_path / "good.pickle", [3, 30])
+    good = write_trace(tmp_path / "good.pickle", [3, 30])
     result = subprocess.run([sys.executable, "-m", "memkernels.cli", "replay", "--repeats", "1", str(empty),
                              str(corrupt), str(good), str(not_a_snapshot)],
                             cwd=ROOT, capture_output=True, text=True)
@@ -211,7 +211,7 @@ def test_replay_names_unreadable_traces_replays_the_others_and_exits_1(tmp_path)
 
 
 def test_replay_of_a_device_one_trace_lacks_skips_that_trace_only(tmp_path, capsys):
-    one_device = _write_trace(tmp_path / "one.pickle", [3])
+    one_device = write_trace(tmp_path / "one.pickle", [3])
     two_devices = tmp_path / "two.pickle"
     events = pickle.loads(one_device.read_bytes())["device_traces"][0]
     two_devices.write_bytes(pickle.dumps({"segments": [], "device_traces": [[], events]}))
@@ -223,8 +223,8 @@ def test_replay_of_a_device_one_trace_lacks_skips_that_trace_only(tmp_path, caps
 
 
 def test_replay_takes_a_directory(tmp_path, capsys):
-    _write_trace(tmp_path / "a.pickle", [3, 30])
-    _write_trace(tmp_path / "b.pickle", [5])
+    write_trace(tmp_path / "a.pickle", [3, 30])
+    write_trace(tmp_path / "b.pickle", [5])
     (tmp_path / "notes.txt").write_text("not a trace")
     assert main(["replay", "--repeats", "1", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -237,7 +237,7 @@ def test_replay_takes_a_directory(tmp_path, capsys):
 def test_replay_under_a_capacity_says_per_policy_whether_it_fit(tmp_path, capsys):
     """Live bytes reach 768 MiB, then a 512 MiB request cannot fit 1 GiB under either policy; the
     later 256 MiB request fits again. Ratios are printed only for runs that fit."""
-    path = _write_trace(tmp_path / "t.pickle", [512, 256, 512, 256], frees=[(2, 1)])
+    path = write_trace(tmp_path / "t.pickle", [512, 256, 512, 256], frees=[(2, 1)])
     assert main(["replay", "--repeats", "1", "--capacity", "1GiB", str(path)]) == 1  # did not fit: status 1
     captured = capsys.readouterr()
     out = captured.out

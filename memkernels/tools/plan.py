@@ -383,8 +383,12 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                 mlps = {"swiglu": "SwiGLU MLPs", "geglu": "GeGLU MLPs"}.get(mlp, "GELU MLPs" if mlp else "MLPs")
                 costs = (f"{fused.head_recompute / 1e12:.2f} TFLOP a sequence (the loss recomputes its logits in "
                          "backward)" if fused.head is not None else "no recompute")
+                # The two peaks are estimate's "activation peak of the step" for the same run, with and without
+                # --memkernels: the figure a reader can check across the commands.
                 steps.append(Step("memkernels kernels", True, f"{format_size(plain_peak - fused_peak)} of activation "
-                                  "peak at micro-batch 1", costs, f"fused norms and {mlps}; " + _head_text(fused.head)))
+                                  f"peak at micro-batch 1, every layer kept: {format_size(plain_peak)} -> "
+                                  f"{format_size(fused_peak)}", costs,
+                                  f"fused norms and {mlps}; " + _head_text(fused.head)))
             else:
                 steps.append(Step("memkernels kernels", False, "", "", "they save nothing measurable on this model"))
     else:
