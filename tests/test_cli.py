@@ -13,7 +13,7 @@ from memkernels.tools.profile import format_bytes
 from recorded_traces import write_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-GiB, MiB = 2**30, 2**20
+GiB = 2**30
 
 
 def test_estimate_command_prints_the_breakdown_and_that_it_fits(capsys):
