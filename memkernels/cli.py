@@ -149,7 +149,7 @@ def run_report(args):
         print()
 
     _progress(3, total, f"estimating {args.model} at batch {args.batch} x seq {args.seq} (meta device)")
-    ladder, common = _report_configurations(args.batch, args.seq, args.dtype, args.shard)
+    ladder, common = _report_configurations(args.batch, args.seq, args.dtype, args.gpus)
     estimates = []
     for label, flags in ladder:
         try:
@@ -160,7 +160,7 @@ def run_report(args):
     if estimates:
         first = estimates[0][1]
         print(f"{first.model}: {first.num_parameters / 1e9:.2f}B parameters, per-GPU batch {args.batch} x seq "
-              f"{args.seq}{f', {args.shard}-way sharded' if args.shard > 1 else ''}, AdamW")
+              f"{args.seq}{f', ZeRO-3 over {args.gpus} GPUs' if args.gpus > 1 else ''}, AdamW")
         print(estimate_table(estimates))
         print(f"(a run also needs a margin kept free: {MARGIN_TEXT}, as estimate --gpu-mem and plan keep)")
 
@@ -169,7 +169,7 @@ def run_report(args):
         try:
             breakdown_chart(estimates, args.out, gpu_bytes=args.gpu_mem, measured=measured,
                             title=f"{estimates[0][1].model}, batch {args.batch} x seq {args.seq}"
-                                  f"{f', shard {args.shard}' if args.shard > 1 else ''}: memory per GPU")
+                                  f"{f', ZeRO-3 x {args.gpus}' if args.gpus > 1 else ''}: memory per GPU")
             print(f"\nwrote {os.path.abspath(args.out)}")
         except ImportError as error:
             print(f"\nno chart: {error}")
@@ -183,7 +183,7 @@ def run_estimate(args):
     from memkernels.tools.profile import _table, format_bytes
 
     options = {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
-               "shard_degree": args.shard}
+               "shard_degree": args.gpus, "zero_stage": args.zero_stage}
     if args.gpu_mem is not None:
         print(_size_used("--gpu-mem", args.gpu_mem))
     result = estimate(args.model, checkpointing=args.checkpointing, offload=args.offload,
@@ -233,7 +233,9 @@ def _add_report(subparsers):
     report.add_argument("--seq", type=_positive, default=ESTIMATE_SEQ, help="sequence length of the estimate")
     report.add_argument("--dtype", choices=[d for d in DTYPES if d != "fp32"], default="bf16",
                         help="mixed precision of the estimate's configurations")
-    report.add_argument("--shard", type=_positive, default=8, help="FSDP/ZeRO-3 shard degree of the estimate")
+    report.add_argument("--gpus", "--shard", dest="gpus", type=_positive, default=8,
+                        help="data-parallel GPUs of the estimate, model state sharded over them as ZeRO-3 / FSDP "
+                        "(default 8; --shard is its older name)")
     report.add_argument("--gpu-mem", type=_size_argument(parse_device_size, "--gpu-mem"), default=None,
                         help=f"draw a capacity line: {MEMORY_FORMS}")
     report.add_argument("--timed-steps", type=_nonnegative, default=3,
@@ -260,7 +262,12 @@ def _add_estimate(subparsers):
                      help="training precision: bf16/fp16 mixed (fp32 master weights) or plain fp32 (default: bf16)")
     est.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
                      help="optimizer whose state is counted (default: adamw)")
-    est.add_argument("--shard", type=_positive, default=1, help="FSDP/ZeRO-3 shard degree (default: 1, no sharding)")
+    est.add_argument("--gpus", "--shard", dest="gpus", type=_positive, default=1,
+                     help="data-parallel GPUs the model state is sharded over, as plan's --gpus (default: 1, no "
+                     "sharding; --shard is its older name)")
+    est.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                     help="what is sharded over --gpus: 1 optimizer state, 2 + gradients, 3 + parameters (FSDP) "
+                     "(default: 3 when --gpus > 1; plan chooses the stage itself)")
     est.add_argument("--gpu-mem", type=_size_argument(parse_device_size, "--gpu-mem"), default=None,
                      help=f"GPU capacity: {MEMORY_FORMS}")
     est.add_argument("--checkpointing", action="store_true",

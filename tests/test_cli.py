@@ -339,6 +339,21 @@ def test_plan_and_estimate_share_the_model_and_seq_conventions(tmp_path, capsys)
     assert __import__("json").loads(capsys.readouterr().out)["seq"] == 8192
 
 
+def test_estimate_takes_plans_gpus_and_zero_stage_and_shard_stays_their_older_name(capsys):
+    """estimate and report said --shard N where plan says --gpus N --zero-stage S (issue 38)."""
+    outputs = {}
+    for flags in (["--gpus", "8"], ["--shard", "8"], ["--gpus", "8", "--zero-stage", "3"],
+                  ["--gpus", "8", "--zero-stage", "1"]):
+        assert main(["estimate", "--model", "llama-2-7b", "--seq", "1024", *flags]) == 0
+        outputs[" ".join(flags)] = capsys.readouterr().out
+    assert outputs["--gpus 8"] == outputs["--shard 8"] == outputs["--gpus 8 --zero-stage 3"]
+    assert ", ZeRO-3 x 8" in outputs["--gpus 8"].splitlines()[0]
+    assert ", ZeRO-1 x 8" in outputs["--gpus 8 --zero-stage 1"].splitlines()[0]
+    stage_1 = estimate("llama-2-7b", batch=1, seq=1024, shard_degree=8, zero_stage=1)
+    total = next(line for line in outputs["--gpus 8 --zero-stage 1"].splitlines() if line.startswith("total per GPU"))
+    assert total.split()[-2:] == format_bytes(stage_1.total).split()
+
+
 def test_replay_table_fits_a_100_column_terminal():
     """`memkernels replay` on the shared traces: every line under 100 columns (it was 173: the model-vs-recorded
     check was a column of its own, the notes one line each)."""

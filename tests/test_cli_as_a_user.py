@@ -43,20 +43,20 @@ def test_estimate_and_plan_print_the_same_activation_peak_and_margin_for_one_run
     eager_peak, fused_peak = re.search(r"every layer kept: (\S+ \w+) -> (\S+ \w+);", "\n".join(plan)).groups()
     plan_margin = _figure(plan, r"^  margin \(context, workspaces, fragmentation\)\s+(\S+ \w+)$")
 
-    code, fused, _ = memkernels("estimate", *LLAMA_3_8B, "--shard", "8", "--memkernels", "--gpu-mem", "80GB")
+    code, fused, _ = memkernels("estimate", *LLAMA_3_8B, "--gpus", "8", "--memkernels", "--gpu-mem", "80GB")
     assert code == 0
     assert fused[0].startswith("--gpu-mem: 80.00 GiB = 85,899,345,920 bytes")
     assert re.fullmatch(r"fits in 80\.00 GiB: \S+ GiB \+ 5\.00 GiB margin, \S+ GiB to spare", fused[-1]), fused[-1]
     assert _figure(fused, r"^activation peak of the step: (\S+ \w+) = ") == fused_peak
     assert _figure(fused, r"^margin kept free: (\S+ \w+) \(") == plan_margin == "5.00 GiB"
 
-    code, eager, _ = memkernels("estimate", *LLAMA_3_8B, "--shard", "8")
+    code, eager, _ = memkernels("estimate", *LLAMA_3_8B, "--gpus", "8")
     assert code == 0 and eager[0].startswith("llama-3-8b: 8.03B parameters, batch 1 x seq 8192")
     assert _figure(eager, r"^activation peak of the step: (\S+ \w+) = ") == eager_peak
 
 
 def test_estimate_that_does_not_fit_names_the_cheapest_option_that_does():
-    code, out, _ = memkernels("estimate", *LLAMA_3_8B, "--shard", "8", "--gpu-mem", "40GB")
+    code, out, _ = memkernels("estimate", *LLAMA_3_8B, "--gpus", "8", "--gpu-mem", "40GB")
     assert code == 0
     assert any(line.startswith("does not fit in 40.00 GiB (needs ") and "+ 3.00 GiB margin)" in line for line in out)
     assert out[-1] == "cheapest that fits: checkpointing"
