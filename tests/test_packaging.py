@@ -115,14 +115,25 @@ def test_cpp_sources_include_the_header_of_every_standard_name_they_use():
 
 
 @pytest.mark.slow
-def test_wheel_builds_in_a_venv_without_torch(tmp_path):
+def test_wheel_builds_from_the_sdist_in_a_venv_without_torch(tmp_path):
+    """The sdist through the in-tree backend, then a wheel from that sdist alone: an sdist once lacked the C++
+    headers, the binding files module.cpp includes and the backend itself (MANIFEST.in). Built from a copy
+    without the checkout's egg-info: setuptools adds the files an old SOURCES.txt lists to the sdist."""
+    source = tmp_path / "source"
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "*.so"))
+    sdist = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.path.insert(0, '_build'); import mk_build_backend as backend; "
+         f"print(backend.build_sdist({str(tmp_path / 'sdist')!r}))"],
+        cwd=source, capture_output=True, text=True)
+    assert sdist.returncode == 0, sdist.stdout + sdist.stderr
+    archive = tmp_path / "sdist" / sdist.stdout.split()[-1]
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = str(env_dir / "bin" / "python")
     has_torch = subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0
     assert not has_torch, "the fresh venv must not have torch for this test to mean anything"
     result = subprocess.run(
-        [python, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), ROOT],
+        [python, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(archive)],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
