@@ -122,6 +122,12 @@ BUILTIN_CONFIGS = {
                               mlp="swiglu", position="rope", tie_embeddings=False),
 }
 
+# Hugging Face model types load_config translates into a ModelConfig (memkernels' own TransformerLM). Others that
+# transformers knows (mixture-of-experts families among them) are built by transformers itself where a tool needs
+# the model: estimate and plan (memkernels.tools.estimate._Source).
+TRANSLATED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma")
+
+
 _GELU_ACTS = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh"}
 
 
@@ -156,7 +162,7 @@ def _from_hf_dict(cfg, name):
             qkv_bias=model_type == "qwen2" or bool(cfg.get("attention_bias", False)),
             head_dim=cfg.get("head_dim"), rope_theta=cfg.get("rope_theta", 10000.0), embedding_scale=gemma)
     raise ValueError(f"model config: Hugging Face model_type={model_type!r} is not supported; supported: "
-                     "gpt2, llama, mistral, qwen2, gemma (or pass a built-in name: "
+                     f"{', '.join(TRANSLATED_MODEL_TYPES)} (or pass a built-in name: "
                      f"{', '.join(BUILTIN_CONFIGS)})")
 
 
@@ -166,13 +172,15 @@ def _file_kind(error):
     return f"text that is not valid JSON ({error})"
 
 
-def load_config(spec):
-    """A :class:`ModelConfig` from a built-in name, a HF config (object or dict) or a config.json path."""
+def hf_config_dict(spec):
+    """``(config dict, name)`` of a Hugging Face config given as a dict, a ``PretrainedConfig``, a config.json path
+    or the model directory holding one; None for a built-in name or a :class:`ModelConfig`. A path that does not
+    hold a config.json's JSON object raises ValueError naming it."""
     if isinstance(spec, ModelConfig):
-        return spec
+        return None
     if isinstance(spec, str):
         if spec.lower() in BUILTIN_CONFIGS:  # names as people type them: Llama-3-8B, GPT2
-            return BUILTIN_CONFIGS[spec.lower()]
+            return None
         if os.path.isdir(spec) and os.path.isfile(os.path.join(spec, "config.json")):
             spec = os.path.join(spec, "config.json")  # a Hugging Face model directory
         if spec.endswith(".json") or os.path.sep in spec:
@@ -188,20 +196,35 @@ def load_config(spec):
             if not isinstance(data, dict):
                 raise ValueError(f"model {spec!r}: holds a JSON {type(data).__name__}; a Hugging Face "
                                  "config.json is a JSON object of the model's hyperparameters")
-            try:
-                return _from_hf_dict(data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec)
-            except ValueError as error:
-                raise ValueError(f"{error} (read from {spec!r})") from None
+            data["_read_from"] = spec
+            return data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec
         raise ValueError(f"unknown model {spec!r}; use a built-in name ({', '.join(BUILTIN_CONFIGS)}) "
                          "or the path of a Hugging Face config.json")
     if isinstance(spec, dict):
-        return _from_hf_dict(spec, spec.get("_name_or_path") or spec.get("model_type", "hf-config"))
+        return dict(spec), spec.get("_name_or_path") or spec.get("model_type", "hf-config")
     if hasattr(spec, "to_dict") and hasattr(spec, "model_type"):  # a transformers PretrainedConfig
         data = spec.to_dict()
         data.setdefault("model_type", spec.model_type)
-        return _from_hf_dict(data, data.get("_name_or_path") or spec.model_type)
+        return data, data.get("_name_or_path") or spec.model_type
     raise ValueError(f"model: cannot read a model config from {type(spec).__name__}; pass a built-in name, "
                      "a ModelConfig, a Hugging Face config (object or dict) or a config.json path")
+
+
+def load_config(spec):
+    """A :class:`ModelConfig` from a built-in name, a HF config (object or dict) or a config.json path."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    hf = hf_config_dict(spec)
+    if hf is None:
+        return BUILTIN_CONFIGS[spec.lower()]
+    data, name = hf
+    read_from = data.pop("_read_from", None)
+    try:
+        return _from_hf_dict(data, name)
+    except ValueError as error:
+        if read_from is None:
+            raise
+        raise ValueError(f"{error} (read from {read_from!r})") from None
 
 
 def _norm(config):

@@ -385,3 +385,20 @@ def test_the_chart_says_its_bars_are_estimates_and_shows_what_was_measured(tmp_p
     figure = figures[0]
     assert figure.axes[0].get_title() == "gpt2\nbars: estimated on the meta device, not measured"
     assert [text.get_text() for text in figure.texts] == ["measured on this machine:\n" + measured[0]]
+
+
+def test_estimate_and_plan_take_a_mixture_of_experts_config_json(tmp_path, capsys):
+    """Issue 37 point 4: a Qwen3-MoE config.json (a family transformers builds, not memkernels' own model) was refused
+    ("model_type='qwen3_moe' is not supported")."""
+    pytest.importorskip("transformers")
+    model_dir = tmp_path / "tiny-qwen3-moe"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(__import__("json").dumps({
+        "model_type": "qwen3_moe", "vocab_size": 211, "hidden_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+        "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 128}))
+    assert main(["estimate", "--model", str(model_dir), "--seq", "64"]) == 0
+    assert capsys.readouterr().out.startswith("tiny-qwen3-moe: 0.00B parameters, batch 1 x seq 64, bf16 mixed")
+    assert main(["plan", "--model", str(model_dir), "--seq", "64", "--gpu-mem", "24GB", "--json"]) == 0
+    result = __import__("json").loads(capsys.readouterr().out)
+    assert result["fits"] and result["seq"] == 64

@@ -284,3 +284,48 @@ def test_estimate_table_has_a_column_per_part_and_the_total_last():
         assert row.count(" B") + row.count("iB") == len(_PARTS) + 1
     assert accumulated.grad_accum_buffer > 0 and rows[1].rstrip().endswith(format_bytes(accumulated.total))
 
+
+
+def _qwen3_moe(top_k, layers=3):
+    """A tiny Qwen3-MoE config dict (8 experts, ``top_k`` routed per token): a family memkernels does not translate
+    into its own TransformerLM, so estimate and plan have transformers build it."""
+    return {"model_type": "qwen3_moe", "vocab_size": 211, "hidden_size": 64, "num_hidden_layers": layers,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+            "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": top_k,
+            "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("top_k", [1, 4])
+def test_mixture_of_experts_config_is_estimated_per_routed_token_as_its_cpu_forward_saves(top_k):
+    """Issue 37 point 4: a mixture-of-experts config (dict, as config.json gives it) is estimated: its expert
+    parameters in the model state, its activations as a real CPU forward saves them, byte for byte, float32
+    included (torch._grouped_mm's meta kernel takes bfloat16 only: the meta forward gives it its shape rule)."""
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Qwen3MoeConfig"):
+        pytest.skip(f"transformers {transformers.__version__} has no Qwen3-MoE")
+    config = _qwen3_moe(top_k)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
+    ids = torch.randint(0, 211, (2, 40))
+    with SavedBytesMeter() as meter:
+        model(input_ids=ids, labels=ids, use_cache=False)
+    result = estimate(config, batch=2, seq=40, dtype="fp32")
+    assert result.num_parameters == sum(p.numel() for p in model.parameters())  # all 8 experts' weights
+    assert result.activations + result.logits_loss == meter.new_bytes
+    assert result.backward_transient > 0 and result.model == "qwen3_moe"
+
+
+def test_mixture_of_experts_activations_grow_with_the_routed_tokens_not_the_experts():
+    pytest.importorskip("transformers")
+    one, four = (estimate(_qwen3_moe(k), batch=2, seq=40, dtype="fp32") for k in (1, 4))
+    more_experts = estimate(dict(_qwen3_moe(1), num_experts=16), batch=2, seq=40, dtype="fp32")
+    assert four.activations > one.activations
+    # 8 more experts add parameters, and to the activations only, per layer, the router's score for each token and
+    # new expert (float32) and the grouped GEMM's offset for each new expert (int32): nothing expert-wide.
+    layers, tokens, new_experts = 3, 2 * 40, 8
+    assert more_experts.activations - one.activations == layers * new_experts * 4 * (tokens + 1)
+    assert more_experts.num_parameters > one.num_parameters
+
+
+def test_a_family_transformers_does_not_know_is_named():
+    with pytest.raises(ValueError, match="model_type='no-such-family' is neither one memkernels translates"):
+        estimate({"model_type": "no-such-family", "hidden_size": 8}, batch=1, seq=8)

@@ -240,6 +240,41 @@ def test_flop_counter_counts_every_addmm_overload():
         assert counter.get_total_flops() == 2 * 4 * 5 * 6, dtype
 
 
+def test_flop_counter_counts_grouped_matmuls_forward_and_backward():
+    """torch._grouped_mm (Hugging Face's mixture-of-experts experts) has no formula in torch's counter: a Qwen3-MoE
+    plan counted its experts' GEMMs as free (1.68 TFLOP of recompute for 48 layers instead of 16.5)."""
+    rows, width, out, experts = 32, 16, 8, 4
+    a = torch.randn(rows, width, requires_grad=True)
+    b = torch.randn(experts, width, out, requires_grad=True)
+    offsets = torch.tensor([8, 16, 24, 32], dtype=torch.int32)
+    with flop_counter() as counter:
+        result = torch._grouped_mm(a, b, offs=offsets)
+        forward = counter.get_total_flops()
+        result.backward(torch.randn_like(result))  # dX (2-D x 3-D) and dW (2-D x 2-D into one matrix per expert)
+    assert forward == 2 * rows * width * out and counter.get_total_flops() == 3 * forward
+
+
+def test_plan_counts_a_mixture_of_experts_per_routed_token():
+    """Issue 37 point 4: the plan's FLOPs of a mixture-of-experts config grow with the tokens routed to experts,
+    by the experts' GEMMs exactly: per routed token 2 x H x 2I (gate and up) + 2 x I x H (down) forward, twice
+    that backward."""
+    pytest.importorskip("transformers")
+    from memkernels.tools import placement
+
+    hidden, width, layers, seq = 64, 32, 3, 64
+    profiles = {}
+    for top_k in (2, 4):
+        config = {"model_type": "qwen3_moe", "vocab_size": 211, "hidden_size": hidden, "num_hidden_layers": layers,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
+                  "moe_intermediate_size": width, "num_experts": 8, "num_experts_per_tok": top_k,
+                  "max_position_embeddings": 128}
+        profiles[top_k] = placement.measure_profile(_Source(config), seq, torch.float32)
+    per_routed_token = 3 * 6 * hidden * width
+    assert profiles[4].step_flops - profiles[2].step_flops == per_routed_token * seq * 2 * layers
+    assert (profiles[4].recompute["recompute mlp"] - profiles[2].recompute["recompute mlp"]
+            == per_routed_token // 3 * seq * 2)  # one layer's MLP forward, replayed
+
+
 def test_llama3_8b_at_64k_tokens_per_gpu_fits_with_the_fused_head():
     """Issue 35: with the eager head's logits-sized transients (~95 GiB at 64k tokens) nothing fit, even QLoRA
     with every layer recomputed; the fused loss holds 8 B a token, and full fine-tuning fits on 8 x 80 GB."""

@@ -57,7 +57,7 @@ import math
 import torch
 from torch import nn
 
-from memkernels.models import TransformerLM, load_config
+from memkernels.models import TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config
 from memkernels.tools import placement
 from memkernels.tools.profile import _table, format_bytes, ledger_forward
 
@@ -204,7 +204,38 @@ class _Source:
             self.layers_attr = _hf_layers_attr(self.hf_config)
             self.config = None
         else:
-            self.config = load_config(model_or_config)
+            hf = hf_config_dict(model_or_config)
+            if hf is not None and hf[0].get("model_type") not in TRANSLATED_MODEL_TYPES:
+                self._from_transformers(*hf)
+            else:
+                self.config = load_config(model_or_config)
+
+    def _from_transformers(self, data, name):
+        """A family memkernels does not translate (mixture-of-experts ones among them): transformers builds it."""
+        read_from = data.pop("_read_from", None)
+        where = f" (read from {read_from!r})" if read_from else ""
+        try:
+            import transformers
+        except ImportError:
+            raise ImportError(f"model {name!r}{where}: model_type {data.get('model_type')!r} is built by transformers, "
+                              "which is not installed: pip install transformers") from None
+        model_type = data.pop("model_type", None)
+        try:
+            hf_config = transformers.AutoConfig.for_model(model_type, **data)
+        except ValueError as error:
+            raise ValueError(f"model config: model_type={model_type!r}{where} is neither one memkernels translates "
+                             f"({', '.join(TRANSLATED_MODEL_TYPES)}) nor one transformers {transformers.__version__} "
+                             f"knows ({error})") from None
+        with torch.device("meta"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(hf_config)
+            except ValueError as error:
+                raise ValueError(f"model config: model_type={model_type!r}{where} has no causal-LM class in "
+                                 f"transformers ({error})") from None
+        hf_config._name_or_path = hf_config._name_or_path or name
+        self.hf_class, self.hf_config = type(model), model.config
+        self.layers_attr = _hf_layers_attr(self.hf_config)
+        self.config = None
 
     @property
     def name(self):
@@ -269,7 +300,12 @@ def _enable_checkpointing(model):
     if isinstance(model, TransformerLM):
         model.checkpointing = True
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+        # transformers 5.x's name; gradient_checkpointing_enable (older versions) warns there that it will go.
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable(activation_checkpointing_kwargs={"use_reentrant": True})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
         model.train()
 
 

@@ -108,15 +108,27 @@ def _mm_flops(_self_shape, a_shape, b_shape, *_args, out_shape=None, **_kwargs):
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
+def _grouped_mm_flops(a_shape, b_shape, *_args, out_shape=None, **_kwargs):
+    """``torch._grouped_mm``'s FLOPs (mixture-of-experts experts; torch's counter has no formula for it): every
+    row of the routed tokens meets one group's matrix, so 2 x M x K x N as one GEMM of the stacked rows. 2-D x 3-D
+    (forward, dX): a (M, K) by b (G, K, N); 2-D x 2-D (dW, groups split the contraction): a (K, M) by b (M, N)
+    into (G, K, N); 3-D x 3-D (batched): a (G, M, K) by b (G, K, N)."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    groups = a_shape[0] if len(a_shape) == 3 and len(b_shape) == 3 else 1
+    return 2 * groups * a_shape[-2] * a_shape[-1] * b_shape[-1]
+
+
 def flop_counter():
-    """A FlopCounterMode that also counts the CPU flash-attention op (what runs on CPU and on meta) and
-    every overload of addmm (the fused linear cross-entropy accumulates dX with addmm_ / addmm.dtype_out)."""
+    """A FlopCounterMode that also counts the CPU flash-attention op (what runs on CPU and on meta), every
+    overload of addmm (the fused linear cross-entropy accumulates dX with addmm_ / addmm.dtype_out) and
+    ``torch._grouped_mm`` (Hugging Face's mixture-of-experts experts)."""
     aten = torch.ops.aten
     return FlopCounterMode(display=False, custom_mapping={
         aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__,
         aten._scaled_dot_product_flash_attention_for_cpu_backward:
             flop_registry[aten._scaled_dot_product_flash_attention_backward].__wrapped__,
-        aten.addmm: _mm_flops, aten.addmm_: _mm_flops})
+        aten.addmm: _mm_flops, aten.addmm_: _mm_flops, aten._grouped_mm: _grouped_mm_flops})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memkernels import allocator
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
@@ -178,6 +179,24 @@ class _FlashAttentionOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _GroupedMatmulOnMeta(TorchDispatchMode):
+    """Let ``torch._grouped_mm`` (Hugging Face's default for mixture-of-experts experts) run on meta in any dtype.
+
+    Its meta kernel takes bfloat16 only (torch 2.13) where the CPU and CUDA kernels take float32 too; the output's
+    shape does not depend on the dtype, so other dtypes get the meta kernel's own shape rule.
+    """
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and args[0].device.type == "meta" \
+                and args[0].dtype != torch.bfloat16:
+            from torch._meta_registrations import _create_grouped_mm_output_tensor
+            bound = dict(zip(("mat_a", "mat_b", "offs", "bias", "out_dtype"), args), **kwargs)
+            return _create_grouped_mm_output_tensor(bound["mat_a"], bound["mat_b"], bound.get("offs"),
+                                                    bound.get("out_dtype"))
+        return func(*args, **kwargs)
+
+
 @contextlib.contextmanager
 def _meta_forward():
     """Make a meta forward save what a real run saves, and not stop on data-dependent checks.
@@ -198,7 +217,7 @@ def _meta_forward():
     if original is not None:
         masking.find_packed_sequence_indices = unpacked_on_meta
     try:
-        with _FlashAttentionOnMeta():
+        with _FlashAttentionOnMeta(), _GroupedMatmulOnMeta():
             yield
     finally:
         if original is not None:
