@@ -295,15 +295,29 @@ def _qwen3_moe(top_k, layers=3):
             "max_position_embeddings": 128}
 
 
-@pytest.mark.parametrize("top_k", [1, 4])
-def test_mixture_of_experts_config_is_estimated_per_routed_token_as_its_cpu_forward_saves(top_k):
+_SMALL_HF = {"vocab_size": 211, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128}
+MOE_CONFIGS = {
+    "qwen3_moe-top1": _qwen3_moe(1),
+    "qwen3_moe-top4": _qwen3_moe(4),
+    "mixtral": dict(_SMALL_HF, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, head_dim=16),
+    # a dense first layer, then routed experts beside a shared one; latent (MLA) attention
+    "deepseek_v3": dict(_SMALL_HF, model_type="deepseek_v3", n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=2,
+                        topk_group=1, kv_lora_rank=16, q_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+                        v_head_dim=16, num_key_value_heads=4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
+def test_mixture_of_experts_config_is_estimated_per_routed_token_as_its_cpu_forward_saves(name):
     """Issue 37 point 4: a mixture-of-experts config (dict, as config.json gives it) is estimated: its expert
     parameters in the model state, its activations as a real CPU forward saves them, byte for byte, float32
     included (torch._grouped_mm's meta kernel takes bfloat16 only: the meta forward gives it its shape rule)."""
     transformers = pytest.importorskip("transformers")
-    if not hasattr(transformers, "Qwen3MoeConfig"):
-        pytest.skip(f"transformers {transformers.__version__} has no Qwen3-MoE")
-    config = _qwen3_moe(top_k)
+    config = MOE_CONFIGS[name]
+    if config["model_type"] not in transformers.CONFIG_MAPPING:
+        pytest.skip(f"transformers {transformers.__version__} has no {config['model_type']}")
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**config))
     ids = torch.randint(0, 211, (2, 40))
     with SavedBytesMeter() as meter:
@@ -311,7 +325,7 @@ def test_mixture_of_experts_config_is_estimated_per_routed_token_as_its_cpu_forw
     result = estimate(config, batch=2, seq=40, dtype="fp32")
     assert result.num_parameters == sum(p.numel() for p in model.parameters())  # all 8 experts' weights
     assert result.activations + result.logits_loss == meter.new_bytes
-    assert result.backward_transient > 0 and result.model == "qwen3_moe"
+    assert result.backward_transient > 0 and result.model == config["model_type"]
 
 
 def test_mixture_of_experts_activations_grow_with_the_routed_tokens_not_the_experts():

@@ -256,8 +256,12 @@ class _Source:
             config = copy.deepcopy(self.hf_config)
             if num_layers is not None:
                 setattr(config, self.layers_attr, num_layers)
-            config._attn_implementation = "sdpa"
-            return self.hf_class(config)
+            config._attn_implementation = "sdpa"  # measured as the flash kernel a GPU runs (profile._meta_forward)
+            try:
+                return self.hf_class(config)
+            except ValueError as error:  # e.g. GPT-OSS (attention sinks): transformers has no SDPA path for it
+                raise ValueError(f"model {self.name!r}: its attention cannot run through PyTorch's SDPA, which the "
+                                 f"meta measurement needs to count what a flash kernel saves ({error})") from None
 
     def key(self):
         return self.config if self.config is not None else (self.hf_class, self.hf_config.to_json_string())
