@@ -262,7 +262,7 @@ def test_replay_under_a_capacity_says_per_policy_whether_it_fit(tmp_path, capsys
     (["replay", "--repeats", "0", "t.pickle"], "argument --repeats: 0 must be positive"),
     (["replay", "--repeats", "-3", "t.pickle"], "argument --repeats: -3 must be positive"),
     (["replay", "--device", "-1", "t.pickle"], "argument --device: -1 must be 0 or more"),
-    (["estimate", "--model", "gpt2", "--shard", "0"], "argument --shard: 0 must be positive"),
+    (["estimate", "--model", "gpt2", "--gpus", "0"], "argument --gpus/--shard: 0 must be positive"),
 ])
 def test_counts_below_their_range_are_refused_with_the_argument_named(argv, says, capsys):
     with pytest.raises(SystemExit) as exit_info:
