@@ -421,7 +421,9 @@ def _add_plan(subparsers):
                         help="tokens per optimizer step: decimal units (4M = 4,000,000) or binary ones (64Ki = "
                         "65,536); not a multiple of seq x gpus: the nearest that is, said in a note (default: "
                         "one micro-batch, no accumulation)")
-    parser.add_argument("--host-mem", default=None, help="host memory of all the GPUs' machines, e.g. 512GB")
+    parser.add_argument("--host-mem", default="auto",
+                        help="host memory of all the GPUs' machines for offload, e.g. 512GB; 0: none (default auto: on "
+                        "a machine with GPUs, half of its memory per machine the run needs; without a GPU, none)")
     parser.add_argument("--dtype", choices=list(DTYPES), default="bf16",
                         help="training precision: bf16/fp16 mixed (fp32 master weights) or plain fp32 (default: bf16)")
     parser.add_argument("--optimizer", choices=list(OPTIMIZERS), default="adamw",
@@ -448,7 +450,11 @@ def _add_plan(subparsers):
         from memkernels.tools.sizes import parse_count, parse_device_size, parse_size
 
         gpu_mem = parse_device_size(args.gpu_mem, what="--gpu-mem")
-        host_mem = None if args.host_mem is None else parse_size(args.host_mem, what="--host-mem")
+        host_mem = args.host_mem.strip().lower()
+        if host_mem not in ("auto", "0", "none"):
+            host_mem = parse_size(args.host_mem, what="--host-mem")
+        elif host_mem != "auto":
+            host_mem = None
         tokens = None if args.global_tokens is None else parse_count(args.global_tokens, what="--global-tokens")
         try:
             result = plan(args.model, gpu_mem=gpu_mem, seq=args.seq, gpus=args.gpus,

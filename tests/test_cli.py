@@ -335,7 +335,7 @@ def test_plan_and_estimate_share_the_model_and_seq_conventions(tmp_path, capsys)
     config = {"model_type": "llama", "vocab_size": 1000, "hidden_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 4, "intermediate_size": 128, "max_position_embeddings": 512}
     (tmp_path / "config.json").write_text(__import__("json").dumps(config))
-    assert main(["plan", "--model", str(tmp_path), "--gpu-mem", "24GB", "--json"]) == 0
+    assert main(["plan", "--model", str(tmp_path), "--gpu-mem", "24GB", "--host-mem", "0", "--json"]) == 0
     assert __import__("json").loads(capsys.readouterr().out)["seq"] == 8192
 
 
@@ -399,6 +399,7 @@ def test_estimate_and_plan_take_a_mixture_of_experts_config_json(tmp_path, capsy
         "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 128}))
     assert main(["estimate", "--model", str(model_dir), "--seq", "64"]) == 0
     assert capsys.readouterr().out.startswith("tiny-qwen3-moe: 0.00B parameters, batch 1 x seq 64, bf16 mixed")
-    assert main(["plan", "--model", str(model_dir), "--seq", "64", "--gpu-mem", "24GB", "--json"]) == 0
+    assert main(["plan", "--model", str(model_dir), "--seq", "64", "--gpu-mem", "24GB", "--host-mem", "0",
+                 "--json"]) == 0
     result = __import__("json").loads(capsys.readouterr().out)
     assert result["fits"] and result["seq"] == 64

@@ -480,9 +480,36 @@ def test_a_zero_margin_is_a_margin():
     assert without.placement.budget > with_margin.placement.budget
 
 
+def test_host_memory_auto_is_half_of_a_gpu_machines_memory_per_machine(monkeypatch):
+    """Issue 35 point 3: --host-mem defaults to what the machine reports (the CLI's "auto"), where the machine
+    planning has GPUs; the plan says what it assumed. Without a GPU the machine is not the training one: none."""
+    from memkernels.tools import plan as plan_module
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(plan_module, "_memory_limit_bytes", lambda: 2**40)
+    assert plan_module.machine_host_memory(8)[0] == 2**39
+    assert plan_module.machine_host_memory(16)[0] == 2**40  # two machines of 8 GPUs
+    result = plan("tiny-llama", gpu_mem="1.5GB", seq=256, host_mem="auto")
+    assert result.host_mem == 2**39
+    assert result.notes[0].startswith("host memory for offload: 512.00 GiB assumed, half of this machine's "
+                                      "1.00 TiB x 1 machine(s) of 8 GPUs")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    result = plan("tiny-llama", gpu_mem="1.5GB", seq=256, host_mem="auto")
+    assert result.host_mem is None and "this machine has no CUDA GPU" in result.notes[0]
+
+
+def test_this_machines_memory_is_read_with_its_cgroup_limit():
+    from memkernels.tools.plan import _memory_limit_bytes
+    total = _memory_limit_bytes()
+    if total is None:
+        pytest.skip("no /proc/meminfo here")
+    with open("/proc/meminfo") as meminfo:
+        assert 0 < total <= int(meminfo.readline().split()[1]) * 1024  # the first line is MemTotal
+
+
 def test_cli_plan_json_and_error():
     ok = subprocess.run([sys.executable, "-m", "memkernels.cli", "plan", "--model", "llama-2-7b", "--gpu-mem", "80GB",
-                         "--gpus", "8", "--seq", "4000", "--global-tokens", "4M", "--json"],
+                         "--gpus", "8", "--seq", "4000", "--global-tokens", "4M", "--host-mem", "0", "--json"],
                         capture_output=True, text=True, check=True)
     data = json.loads(ok.stdout)
     assert data["fits"] and data["micro_batch"] * 8 * data["accumulation"] * 4000 == 4_000_000
@@ -492,7 +519,8 @@ def test_cli_plan_seq_max_with_max_overhead():
     """--seq max --max-overhead 25%: the longest length within the cap, said in a note, and the plan's overhead
     at or under it."""
     ok = subprocess.run([sys.executable, "-m", "memkernels.cli", "plan", "--model", "tiny-llama", "--gpu-mem", "1.5GB",
-                         "--seq", "max", "--max-overhead", "25%", "--json"], capture_output=True, text=True, check=True)
+                         "--seq", "max", "--max-overhead", "25%", "--host-mem", "0", "--json"], capture_output=True, text=True,
+                        check=True)
     data = json.loads(ok.stdout)
     assert data["fits"] and data["max_overhead"] == 0.25 and data["overhead"] <= 0.25
     assert f"seq=max: {data['seq']:,} tokens per sequence is the longest that fits within 25.0%" in data["notes"][-1]
@@ -513,7 +541,7 @@ def test_cli_plan_seq_max_with_max_overhead():
 ])
 def test_cli_plan_bad_input_one_line(args, argument):
     """The error names the flag the user typed, not plan()'s Python argument."""
-    command = ["plan", "--model", "llama-2-7b", "--gpu-mem", "24GB", "--seq", "4096"] + args
+    command = ["plan", "--model", "llama-2-7b", "--gpu-mem", "24GB", "--seq", "4096", "--host-mem", "0"] + args
     bad = subprocess.run([sys.executable, "-m", "memkernels.cli"] + command, capture_output=True, text=True)
     lines = bad.stderr.strip().splitlines()
     assert bad.returncode == 2 and len(lines) == 1 and argument in lines[0], bad.stderr

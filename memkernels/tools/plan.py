@@ -29,7 +29,7 @@ from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _laye
 from memkernels.tools import placement as placement_mod
 from memkernels.tools.sizes import format_size, parse_count, parse_device_size, parse_size
 
-__all__ = ["plan", "place", "Plan", "Step"]
+__all__ = ["plan", "place", "Plan", "Step", "machine_host_memory"]
 
 
 @dataclasses.dataclass
@@ -221,6 +221,49 @@ class Plan:
                 "max_overhead": self.max_overhead, "runners_up": self.runners_up}
 
 
+def _memory_limit_bytes():
+    """This machine's memory: MemTotal, or its cgroup's limit (v2 memory.max, v1 memory.limit_in_bytes) when
+    lower, as a container sees it. None where /proc/meminfo cannot be read (not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            total = next(int(line.split()[1]) * 1024 for line in meminfo if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as limit_file:
+                limit = limit_file.read().strip()
+        except OSError:
+            continue
+        if limit.isdigit():
+            total = min(total, int(limit))
+    return total
+
+
+def machine_host_memory(gpus):
+    """``(bytes, how)``: the host memory ``host_mem="auto"`` assumes for a run on ``gpus`` GPUs, or ``(None, why)``.
+
+    On a machine with CUDA GPUs: half of its memory (:func:`_memory_limit_bytes`) for each machine of its GPU count
+    the run needs, ceil(gpus / GPUs here), assuming identical machines. The other half is left to the OS, the
+    training processes and their data loaders: offload buffers are pinned (page-locked), so the OS cannot page
+    them out. Without a GPU, None: the machine planning is not the one that will train.
+    """
+    import torch
+
+    here = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if here == 0:
+        return None, ("no host memory assumed for offload: this machine has no CUDA GPU, so its memory is not the "
+                      "training machine's; give it with host_mem= / --host-mem")
+    total = _memory_limit_bytes()
+    if total is None:
+        return None, "no host memory assumed for offload: this machine's memory is unknown; give it with --host-mem"
+    machines = -(-gpus // here)
+    assumed = total // 2 * machines
+    return assumed, (f"host memory for offload: {format_size(assumed)} assumed, half of this machine's "
+                     f"{format_size(total)} x {machines} machine(s) of {here} GPUs; --host-mem sets it, "
+                     "--host-mem 0 plans without host memory")
+
+
 def _bytes_arg(name, value, device=False, zero=False):
     if isinstance(value, str):
         return (parse_device_size if device else parse_size)(value, what=f"plan({name}=...)")
@@ -290,7 +333,8 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
     longest sequence that fits (within ``max_overhead`` when given), found by doubling from 4,096 tokens and then
     bisection to a multiple of :data:`SEQ_STEP`; the plan at that length, with a note saying how it was found.
     ``gpu_mem`` / ``host_mem``: bytes or sizes like ``"80GB"`` (JEDEC: 80·2³⁰); ``host_mem`` is the
-    host memory of all ``gpus`` together. ``seq``: tokens per sequence. ``global_batch_tokens``:
+    host memory of all ``gpus`` together (None: plan without it; ``"auto"``: :func:`machine_host_memory`, said
+    in ``notes``). ``seq``: tokens per sequence. ``global_batch_tokens``:
     tokens per optimizer step (not a multiple of seq x gpus: the nearest that is, said in ``notes``). ``finetune``: ``full``, ``lora`` or
     ``qlora`` (the first mode tried; the flow falls back to LoRA, then QLoRA). ``pcie_gbps``: host
     link GB/s, ``tflops``: sustained TFLOP/s per GPU (cost model). ``margin``: bytes kept free (0 allowed).
@@ -309,6 +353,9 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
     _positive("gpus", gpus)
     _positive("lora_rank", lora_rank)
     _positive("max_micro_batch", max_micro_batch)
+    host_note = None
+    if isinstance(host_mem, str) and host_mem.strip().lower() == "auto":
+        host_mem, host_note = machine_host_memory(gpus)
     host_mem = None if host_mem is None else _bytes_arg("host_mem", host_mem)
     if finetune not in FINETUNE_MODES:
         raise ValueError(f"plan(finetune={finetune!r}): unknown fine-tuning mode; use one of "
@@ -324,7 +371,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         raise ValueError(f"plan(zero_stage={zero_stage!r}): use 0, 1, 2 or 3 (1-3 need gpus > 1), or None")
     margin = (default_margin(gpu_mem) if margin is None
               else _bytes_arg("margin", margin, zero=True))
-    per_rank, notes = None, []
+    per_rank, notes = None, [host_note] if host_note else []
     if global_batch_tokens is not None:
         tokens = parse_count(global_batch_tokens, what="plan(global_batch_tokens=...)") \
             if isinstance(global_batch_tokens, str) else _positive("global_batch_tokens", global_batch_tokens)
