@@ -354,7 +354,7 @@ def _metered_step(model, ids):
             param.grad = torch.zeros_like(param)
     meter = PeakBytesMeter()
     handles = []
-    with meter, _meta_forward(), torch.enable_grad():
+    with meter, _meta_forward(model), torch.enable_grad():
         timeline = _Timeline(meter)
         last = len(layers) - 1
 
@@ -394,7 +394,7 @@ def _step_flops(model, ids, head_recompute=False):
     (step FLOPs, FLOPs the fused loss replays))."""
     from memkernels.tools.profile import _meta_forward
     _MODELLED_HEAD.update(step=0, recompute=0, figures=None)
-    with _meta_forward(), torch.enable_grad(), flop_counter() as counter:
+    with _meta_forward(model), torch.enable_grad(), flop_counter() as counter:
         args, kwargs = lm_inputs(model, ids)
         _loss_of(model(*args, **kwargs)).backward()
     total = counter.get_total_flops() + _MODELLED_HEAD["step"]
