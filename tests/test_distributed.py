@@ -6,8 +6,8 @@ must equal single-process training on the whole batch. "Equal" is judged as
 everywhere in this project: against the unpatched model run in float64 on the
 whole batch, within 2x the error of the unpatched fp32 model (single process),
 plus a floor of a few fp32 roundings of the largest gradient. Models: GPT-style (GELU MLP) and
-Llama-style (SwiGLU through gated_linear, saving or recompute), and the latter with peft LoRA on every
-projection (only the adapters train).
+Llama-style (SwiGLU through gated_linear, saving or recompute), the latter with peft LoRA on every
+projection (only the adapters train), and transformers' Qwen3-MoE (routed experts through grouped GEMMs).
 """
 import copy
 import os
@@ -29,11 +29,38 @@ CONFIG = ModelConfig(name="dist-tiny", vocab_size=101, hidden_size=32, num_layer
 LLAMA_CONFIG = CONFIG.replace(name="dist-tiny-llama", norm="rmsnorm", mlp="swiglu", position="rope", bias=False,
                               num_kv_heads=2)
 MODELS = {"gelu": (CONFIG, True), "swiglu": (LLAMA_CONFIG, True), "swiglu-recompute": (LLAMA_CONFIG, "recompute"),
-          "swiglu-lora": (LLAMA_CONFIG, True)}  # peft LoRA (non-zero adapters) on every projection
+          "swiglu-lora": (LLAMA_CONFIG, True),  # peft LoRA (non-zero adapters) on every projection
+          "qwen3-moe": (CONFIG, True)}  # transformers' Qwen3-MoE: routed experts (stacked weights), grouped GEMMs
+# What apply() replaces: 5 norms, 2 MLPs (GELU or gated), the loss, and the Llama-style models' 2 rotary attentions;
+# Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks (its loss is its own).
+REPLACED = {"gelu": 8, "qwen3-moe": 13}
+MOE_CONFIG = {"vocab_size": 101, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16,
+              "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 32}
+
+
+class _CausalLM(torch.nn.Module):
+    """A Hugging Face causal LM called as TransformerLM is, ``model(ids, labels) -> loss``; ``double()`` takes
+    the experts' loop (torch._grouped_mm takes no float64)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids, labels):
+        return self.model(input_ids=ids, labels=labels, use_cache=False).loss
+
+    def double(self):
+        self.model.set_experts_implementation("eager")
+        return super().double()
 
 
 def _build(model_name):
     config, _ = MODELS[model_name]
+    if model_name == "qwen3-moe":
+        import transformers
+        return _CausalLM(transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.for_model("qwen3_moe", **MOE_CONFIG)))
     model = TransformerLM(config)
     if model_name.endswith("-lora"):
         import peft
@@ -72,7 +99,8 @@ def _worker(rank, mode, model_name, store_path, result_path):
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
             mesh = init_device_mesh("cpu", (WORLD,))
-            for block in patched.get_submodule("base_model.model.blocks" if model_name.endswith("-lora") else "blocks"):
+            layers = {"swiglu-lora": "base_model.model.blocks", "qwen3-moe": "model.model.layers"}.get(model_name, "blocks")
+            for block in patched.get_submodule(layers):
                 fully_shard(block, mesh=mesh)
             fully_shard(patched, mesh=mesh)
             patched(local, local).backward()
@@ -113,7 +141,6 @@ def test_gradients_equal_single_process_training(mode, model_name, tmp_path):
     for rank in range(WORLD):
         with open(f"{result_path}.{rank}") as handle:
             lines = handle.read().splitlines()
-        # 5 norms, 2 MLPs (GELU or gated), the loss; and the Llama-style models' 2 rotary attentions
-        assert lines[0] == f"replaced {8 if model_name == 'gelu' else 10}", lines[0]
+        assert lines[0] == f"replaced {REPLACED.get(model_name, 10)}", lines[0]
         assert lines[1:] == [], f"rank {rank}: " + "; ".join(lines[1:])
 
