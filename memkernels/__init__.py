@@ -26,7 +26,7 @@ _LAZY = {
     "FusedGatedMLP": "memkernels.nn",
     "ChunkedCrossEntropyLoss": "memkernels.nn",
     "LinearCrossEntropyLoss": "memkernels.nn",
-    "apply": "memkernels.patch",
+    "apply": "memkernels.tools.plan_apply",  # kernels (memkernels.patch.apply), or a plan carried out
     "activation_ledger": "memkernels.tools.profile",
     "memory_summary": "memkernels.tools.profile",
     "evaluate": "memkernels.tools.profile",

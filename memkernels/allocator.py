@@ -90,6 +90,10 @@ def pool_snapshot(pool):
 
 # Above this share of reserved memory held but unusable, memory_summary says so.
 FRAGMENTATION_WARNING = 0.2
+# What memory_summary() says without CUDA; memkernels.memory_summary() (tools/profile.py) says the same.
+NO_CUDA_MESSAGE = ("memory_summary: no CUDA device on this machine (torch.cuda.is_available() is False), so there "
+                   "is no device memory to summarize. activation_ledger(), evaluate() and estimate() work on the "
+                   "CPU and meta device.")
 
 
 def format_memory_summary(stats, device=0):
@@ -350,8 +354,6 @@ def memory_summary(device=None):
         import torch
 
         if not torch.cuda.is_available():
-            from memkernels.tools.profile import NO_CUDA_MESSAGE
-
             return NO_CUDA_MESSAGE
     index = _device_index(device)
     return format_memory_summary(_installed().stats(index), index)

@@ -1030,12 +1030,10 @@ def _check_flag(name, value):
         raise ValueError(f"memkernels.apply({name}={value!r}): must be True or False")
 
 
-def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
+def apply(model, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
     """Swap the fused memkernels kernels into ``model`` in place; returns a :class:`PatchReport`.
-
-    ``plan``: a :class:`memkernels.tools.plan.Plan` (or a per-layer ``Placement``): carry it out
-    instead (its kernels, then checkpointing / offload on exactly the modules it chose); returns
-    the :class:`memkernels.tools.plan_apply.ApplyReport`.
+    (``memkernels.apply(model, plan)``, which also carries out a plan, is
+    :func:`memkernels.tools.plan_apply.apply`: patching never imports the planner.)
 
     ``model``: any nn.Module (a memkernels :class:`~memkernels.models.TransformerLM`,
     a Hugging Face model, or your own module containing nn.LayerNorm/nn.RMSNorm).
@@ -1048,9 +1046,6 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
     Raises RuntimeError naming the missing op when a fused op needed by the
     model is not available.
     """
-    if plan is not None:
-        from memkernels.tools.plan_apply import apply_plan
-        return apply_plan(model, plan)
     if not isinstance(model, nn.Module):
         raise ValueError(f"memkernels.apply(model=...) needs an nn.Module, got {type(model).__name__}")
     for name, value in (("norms", norms), ("loss", loss), ("rope", rope), ("measure", measure)):

@@ -53,6 +53,7 @@ from memkernels.meters import PeakBytesMeter
 from memkernels.offload import OffloadActivations
 from memkernels.tools.profile import _FlashAttentionOnMeta
 from memkernels.tools import plan_apply
+from memkernels.tools.plan_apply import KERNELS, LOSS_STRATEGY, install_loss_strategy  # noqa: F401 (re-exported)
 
 __all__ = ["LayerOption", "LAYER_OPTIONS", "LayerProfile", "Placement", "measure_profile", "solve",
            "flop_counter"]
@@ -93,12 +94,9 @@ LAYER_OPTIONS = (
 OPTION_BY_NAME = {option.name: option for option in LAYER_OPTIONS}
 _RECOMPUTE_ONLY = tuple(o for o in LAYER_OPTIONS if not o.offloaded)
 _STATES = 4096
-# The kernels a plan measures and applies: fused norms and MLPs, and the fused linear cross-entropy
-# where apply() installs it, with the strategy below. Its meta step is not run (at a 128k vocabulary
-# it took seconds per step, a minute per plan): :class:`_ModelledLoss` stands in for it on meta, with
-# the bytes of :func:`fused_head_bytes`.
-KERNELS = {"norms": True, "mlp": True, "loss": True, "measure": False}
-LOSS_STRATEGY = "recompute"
+# The kernels a plan measures and applies (plan_apply.KERNELS, with the fused loss's LOSS_STRATEGY): the fused
+# loss's meta step is not run (at a 128k vocabulary it took seconds per step, a minute per plan):
+# :class:`_ModelledLoss` stands in for it on meta, with the bytes of :func:`fused_head_bytes`.
 
 
 def _mm_flops(_self_shape, a_shape, b_shape, *_args, out_shape=None, **_kwargs):
@@ -278,24 +276,14 @@ def _modelled_loss_class():
     return _ModelledLoss
 
 
-def install_loss_strategy(model, *, modelled_backend=None):
-    """Give the fused losses ``memkernels.apply`` installed in ``model`` the plan's :data:`LOSS_STRATEGY`;
-    with ``modelled_backend`` (meta copies only) swap them for the :class:`_ModelledHead` stand-in instead.
-    Returns how many there were."""
-    from memkernels.patch import _CausalLMLoss
-    count = 0
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, _CausalLMLoss):
-            continue
-        count += 1
-        if modelled_backend is None:
-            module.strategy = LOSS_STRATEGY
-            continue
+def _install_modelled_loss(model, backend):
+    """Swap the fused losses ``memkernels.apply`` installed in the meta copy ``model`` for the
+    :class:`_ModelledHead` stand-in of ``backend``'s loss (``"triton"``: a GPU's; ``"torch"``: the CPU path's)."""
+    for name, _ in plan_apply.fused_losses(model):
         stand_in = _modelled_loss_class()()
-        stand_in.backend = modelled_backend
+        stand_in.backend = backend
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, stand_in)
-    return count
 
 
 def _first_tensor(value):
@@ -539,7 +527,7 @@ def _build(source, depth, dtype, kernels=False, option=None, backend="triton"):
     if kernels:
         from memkernels.patch import apply
         apply(model, **KERNELS)
-        install_loss_strategy(model, modelled_backend=backend)
+        _install_modelled_loss(model, backend)
     offload = None
     if option is not None:
         choices = [OPTION_BY_NAME["keep"]] * depth

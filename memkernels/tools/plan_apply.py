@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["find_layers", "wrap", "remove", "apply_plan", "apply_placement", "ApplyReport", "OFFLOAD_OPTIONS"]
+__all__ = ["apply", "KERNELS", "LOSS_STRATEGY", "install_loss_strategy", "find_layers", "wrap", "remove", "apply_plan", "apply_placement", "ApplyReport", "OFFLOAD_OPTIONS"]
 
 # The shared OffloadActivations a plan's offloaded modules run in: every saved tensor of the
 # module moves, its last submodule's too, whatever the link hides (budget=None): the plan counted
@@ -193,7 +193,6 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
     kernel_report = None
     if kernels:
         from memkernels.patch import apply as apply_kernels
-        from memkernels.tools.placement import KERNELS, install_loss_strategy
         kernel_report = apply_kernels(model, **KERNELS)
         install_loss_strategy(model)
         prefix, layers = find_layers(model)
@@ -211,6 +210,44 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
             wrap(module, action, offload, recompute_context)
             wrapped.append((".".join(p for p in (prefix, str(index), child) if p), action))
     return ApplyReport(wrapped, kernel_report, offload)
+
+
+# The kernels a plan measures (memkernels.tools.placement) and applies: fused norms and MLPs, and the fused linear
+# cross-entropy where apply() installs it, with this strategy (8 B a token held for backward).
+KERNELS = {"norms": True, "mlp": True, "loss": True, "measure": False}
+LOSS_STRATEGY = "recompute"
+
+
+def fused_losses(model):
+    """``[(name, module)]`` of the fused losses ``memkernels.apply`` installed in ``model``."""
+    from memkernels.patch import _CausalLMLoss
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, _CausalLMLoss)]
+
+
+def install_loss_strategy(model):
+    """Give the fused losses ``memkernels.apply`` installed in ``model`` the plan's :data:`LOSS_STRATEGY`;
+    returns how many there were."""
+    losses = fused_losses(model)
+    for _, module in losses:
+        module.strategy = LOSS_STRATEGY
+    return len(losses)
+
+
+def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
+    """``memkernels.apply``: swap memkernels' fused kernels into ``model`` in place, or carry out a plan.
+
+    Without ``plan``: :func:`memkernels.patch.apply` (returns a :class:`~memkernels.patch.PatchReport`):
+    ``norms`` / ``mlp`` / ``loss`` / ``rope`` choose the kinds replaced (``mlp="recompute"`` also recomputes
+    gated MLPs' gate and up in backward), ``measure`` measures saved bytes per token before and after on a meta
+    copy. ``plan``: a :class:`memkernels.tools.plan.Plan` (or a per-layer ``Placement``): its kernels, then
+    checkpointing / offload on exactly the modules it chose (:func:`apply_plan`; returns an
+    :class:`ApplyReport`). Call it before wrapping the model in DDP/FSDP or ``torch.compile``.
+    The entry point lives here, with the planner, so that patching never imports the planner.
+    """
+    if plan is not None:
+        return apply_plan(model, plan)
+    from memkernels.patch import apply as apply_kernels
+    return apply_kernels(model, norms=norms, mlp=mlp, loss=loss, rope=rope, measure=measure)
 
 
 def apply_plan(model, plan, offload_options=None):

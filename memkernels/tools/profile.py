@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memkernels import allocator
+from memkernels.allocator import NO_CUDA_MESSAGE
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.tools.sizes import format_size as format_bytes  # "1.50 KiB"; the name profile's callers use
 
@@ -28,10 +29,6 @@ __all__ = ["memory_summary", "MemorySummary", "activation_ledger", "ActivationLe
            "EvaluationResult", "format_bytes", "CATEGORIES"]
 
 FRAGMENTATION_WARNING = 0.30
-# What memory_summary() says without CUDA (memkernels.allocator.memory_summary() says the same).
-NO_CUDA_MESSAGE = ("memory_summary: no CUDA device on this machine (torch.cuda.is_available() is False), so there "
-                   "is no device memory to summarize. activation_ledger(), evaluate() and estimate() work on the "
-                   "CPU and meta device.")
 CATEGORIES = ("embedding", "norm", "attention", "mlp", "logits/loss", "other")
 
 
@@ -95,7 +92,6 @@ def _memkernels_pool_stats(index):
         return None
     if _C.installed_device_pool() is None:
         return None
-    from memkernels import allocator
     stats = allocator.stats(index)
     return {"allocated_bytes": stats["allocated_bytes"]["current"],
             "reserved_bytes": stats["reserved_bytes"]["current"],
