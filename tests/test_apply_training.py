@@ -233,17 +233,19 @@ def test_linear_subclasses_and_hooked_modules_are_left_alone():
                                      pytest.param(_gemma, marks=pytest.mark.slow), _gpt2],
                          ids=["llama", "qwen2", "gemma", "gpt2"])
 def test_apply_under_bf16_autocast_matches_eager_under_autocast(factory):
-    """Two SGD steps under torch.autocast("cpu", bfloat16), on each of three freshly initialized
+    """Two SGD steps under torch.autocast("cpu", bfloat16), on each of eight freshly initialized
     models. At each step the eager and patched fp32 models take the float64 model's current
     weights, and their loss and every gradient are judged against it (the float64 model is never
     autocast). Copying the weights keeps one step's rounding from being amplified into the next.
 
-    The verdict: each gradient's worst RMS error over the six steps, patched against 2x eager's worst
-    (memkernels.testing's rule for few-element quantities), and the loss's mean error over the six
+    The verdict: each gradient's worst RMS error over the sixteen steps, patched against 2x eager's worst
+    (memkernels.testing's rule for few-element quantities), and the loss's mean error over the sixteen
     steps against 2x eager's mean (a worst-of-three still failed for Qwen2 in CI: 2.3x). Under bf16 one model's error is set by
     how its weights happen to round: over seeds 0-7 the Llama loss error of eager and of the fused
     gated MLP each ranged 6e-6..1.6e-4, their ratio 0.5..2.7 with a median near 1, the same ratio
-    for all steps of one model. So one model says nothing; the worst over three does. Gradients
+    for all steps of one model. So one model says nothing; many do: with three models the mean loss
+    ratio of Qwen2 reached 2.10 on an AMD EPYC CPU under this test's seed (at most 1.14 over seeds
+    0-3); with eight, 1.39 there and 0.51-1.02 over seeds 0-3 (a model costs ~0.3 s). Gradients
     are compared by RMS error, which separates a correct patch from a wrong one where the max
     error over a few bf16 roundings does not (figures below)."""
     errors, floors, loss_errors = {}, {}, {"eager": [], "patched": []}
@@ -253,7 +255,7 @@ def test_apply_under_bf16_autocast_matches_eager_under_autocast(factory):
         floors[quantity] = max(floors.get(quantity, 0.0), floor)
 
     eps = torch.finfo(torch.float32).eps
-    for _model in range(3):
+    for _model in range(8):
         reference = factory().double().train()
         eager = copy.deepcopy(reference).float()
         patched = copy.deepcopy(eager)
@@ -285,7 +287,7 @@ def test_apply_under_bf16_autocast_matches_eager_under_autocast(factory):
         # (tests/test_patch.py, test_patch_gated_mlp.py) catch finer ones. By max error the correct and
         # the 1%-off patch overlap (1.21-1.67 against 2.01-3.33).
         bound = 2
-        if quantity == "loss":  # one number per step: the mean over the six steps (see the docstring)
+        if quantity == "loss":  # one number per step: the mean over the steps (see the docstring)
             eager_error, patched_error = (sum(loss_errors[who]) / len(loss_errors[who]) for who in ("eager", "patched"))
         assert patched_error <= bound * eager_error + floor, (
             f"{quantity}: patched error {patched_error:.3e} > {bound} x eager error {eager_error:.3e} (loss: mean "
@@ -393,7 +395,11 @@ def test_sft_trainer_trains_and_the_report_says_it_does_not_use_the_fused_loss(t
         torch.manual_seed(0)
         model = _llama()
         if patched:
-            report = apply(model, measure=False)
+            # The loss alone: with the norms and MLPs fused too, the two runs would differ by their float32
+            # roundings (3.6e-6 of the loss on an AMD EPYC CPU, more than assert_close's default allows), where
+            # this test's question is only whether SFTTrainer's steps call the fused loss. Bypassed, it leaves
+            # the run bit for bit the unpatched one.
+            report = apply(model, norms=False, mlp=False, rope=False, measure=False)
             model.train()
             model(input_ids=ids[:1], labels=ids[:1])  # outside TRL the counter sees the fused loss
             assert len(calls) == 1
@@ -406,4 +412,4 @@ def test_sft_trainer_trains_and_the_report_says_it_does_not_use_the_fused_loss(t
     assert len(calls) == 1  # none during SFTTrainer's steps
     assert "do NOT use it" in report.summary() and "patch_trainer(trainer)" in report.summary()
     assert len(losses[True]) == 2
-    torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]))
+    assert losses[True] == losses[False]

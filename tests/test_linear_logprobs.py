@@ -47,10 +47,11 @@ def run_check(dtype, n_tokens, hidden_size, n_classes, option_name, chunk_size, 
         return (logp, entropy) if with_entropy else (logp,)
 
     # Random incoming gradients for both outputs (check_against_reference's default). dX sums over the V
-    # classes and dW over the tokens in GEMMs of other shapes than eager's; the entropy sums over V.
+    # classes, dW and dB over the tokens in GEMMs and sums of other shapes than eager's; the entropy sums over V.
     check_against_reference(fn, reference, (hidden, weight, target, bias),
                             name=f"linear_logprobs[{option_name}, entropy={with_entropy}]",
                             sum_length={**({"output[1]": n_classes} if with_entropy else {}),
+                                        **({"grad inputs[3]": n_tokens} if bias is not None else {}),
                                         "grad inputs[0]": n_classes, "grad inputs[1]": n_tokens})
 
 
