@@ -173,9 +173,9 @@ def _file_kind(error):
 
 
 def hf_config_dict(spec):
-    """``(config dict, name)`` of a Hugging Face config given as a dict, a ``PretrainedConfig``, a config.json path
-    or the model directory holding one; None for a built-in name or a :class:`ModelConfig`. A path that does not
-    hold a config.json's JSON object raises ValueError naming it."""
+    """``(config dict, name, path read or None)`` of a Hugging Face config given as a dict, a ``PretrainedConfig``, a
+    config.json path or the model directory holding one; None for a built-in name or a :class:`ModelConfig`. A
+    path that does not hold a config.json's JSON object raises ValueError naming it."""
     if isinstance(spec, ModelConfig):
         return None
     if isinstance(spec, str):
@@ -196,16 +196,15 @@ def hf_config_dict(spec):
             if not isinstance(data, dict):
                 raise ValueError(f"model {spec!r}: holds a JSON {type(data).__name__}; a Hugging Face "
                                  "config.json is a JSON object of the model's hyperparameters")
-            data["_read_from"] = spec
-            return data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec
+            return data, os.path.basename(os.path.dirname(os.path.abspath(spec))) or spec, spec
         raise ValueError(f"unknown model {spec!r}; use a built-in name ({', '.join(BUILTIN_CONFIGS)}) "
                          "or the path of a Hugging Face config.json")
     if isinstance(spec, dict):
-        return dict(spec), spec.get("_name_or_path") or spec.get("model_type", "hf-config")
+        return dict(spec), spec.get("_name_or_path") or spec.get("model_type", "hf-config"), None
     if hasattr(spec, "to_dict") and hasattr(spec, "model_type"):  # a transformers PretrainedConfig
         data = spec.to_dict()
         data.setdefault("model_type", spec.model_type)
-        return data, data.get("_name_or_path") or spec.model_type
+        return data, data.get("_name_or_path") or spec.model_type, None
     raise ValueError(f"model: cannot read a model config from {type(spec).__name__}; pass a built-in name, "
                      "a ModelConfig, a Hugging Face config (object or dict) or a config.json path")
 
@@ -215,10 +214,12 @@ def load_config(spec):
     if isinstance(spec, ModelConfig):
         return spec
     hf = hf_config_dict(spec)
-    if hf is None:
-        return BUILTIN_CONFIGS[spec.lower()]
-    data, name = hf
-    read_from = data.pop("_read_from", None)
+    return BUILTIN_CONFIGS[spec.lower()] if hf is None else translate_hf_config(*hf)
+
+
+def translate_hf_config(data, name, read_from=None):
+    """A :class:`ModelConfig` from :func:`hf_config_dict`'s ``(config dict, name, path read or None)``, for the
+    :data:`TRANSLATED_MODEL_TYPES`; ValueError naming the path for any other."""
     try:
         return _from_hf_dict(data, name)
     except ValueError as error:

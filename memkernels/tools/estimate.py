@@ -57,7 +57,8 @@ import math
 import torch
 from torch import nn
 
-from memkernels.models import TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config
+from memkernels.models import (TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config,
+                               translate_hf_config)
 from memkernels.tools import placement
 from memkernels.tools.profile import _table, format_bytes, ledger_forward
 
@@ -204,22 +205,23 @@ class _Source:
             self.layers_attr = _hf_layers_attr(self.hf_config)
             self.config = None
         else:
-            hf = hf_config_dict(model_or_config)
-            if hf is not None and hf[0].get("model_type") not in TRANSLATED_MODEL_TYPES:
-                self._from_transformers(*hf)
-            else:
+            hf = hf_config_dict(model_or_config)  # (dict, name, path read), read once
+            if hf is None:
                 self.config = load_config(model_or_config)
+            elif hf[0].get("model_type") in TRANSLATED_MODEL_TYPES:
+                self.config = translate_hf_config(*hf)
+            else:
+                self._from_transformers(*hf)
 
-    def _from_transformers(self, data, name):
+    def _from_transformers(self, data, name, read_from):
         """A family memkernels does not translate (mixture-of-experts ones among them): transformers builds it."""
-        read_from = data.pop("_read_from", None)
         where = f" (read from {read_from!r})" if read_from else ""
         try:
             import transformers
         except ImportError:
             raise ImportError(f"model {name!r}{where}: model_type {data.get('model_type')!r} is built by transformers, "
                               "which is not installed: pip install transformers") from None
-        model_type = data.pop("model_type", None)
+        model_type = data.pop("model_type", None)  # data is hf_config_dict's own copy
         try:
             hf_config = transformers.AutoConfig.for_model(model_type, **data)
         except ValueError as error:

@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["apply", "KERNELS", "LOSS_STRATEGY", "install_loss_strategy", "find_layers", "wrap", "remove", "apply_plan", "apply_placement", "ApplyReport", "OFFLOAD_OPTIONS"]
+__all__ = ["apply", "KERNELS", "LOSS_STRATEGY", "install_loss_strategy", "find_layers", "wrap", "remove", "apply_plan",
+           "apply_placement", "ApplyReport", "OFFLOAD_OPTIONS"]
 
 # The shared OffloadActivations a plan's offloaded modules run in: every saved tensor of the
 # module moves, its last submodule's too, whatever the link hides (budget=None): the plan counted
