@@ -10,6 +10,7 @@ import pytest
 from memkernels.cli import main
 from memkernels.tools.estimate import estimate
 from memkernels.tools.profile import format_bytes
+from moe_cases import qwen3_moe_config
 from recorded_traces import write_trace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -393,10 +394,7 @@ def test_estimate_and_plan_take_a_mixture_of_experts_config_json(tmp_path, capsy
     pytest.importorskip("transformers")
     model_dir = tmp_path / "tiny-qwen3-moe"
     model_dir.mkdir()
-    (model_dir / "config.json").write_text(__import__("json").dumps({
-        "model_type": "qwen3_moe", "vocab_size": 211, "hidden_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
-        "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 2, "max_position_embeddings": 128}))
+    (model_dir / "config.json").write_text(__import__("json").dumps(qwen3_moe_config(layers=2)))
     assert main(["estimate", "--model", str(model_dir), "--seq", "64"]) == 0
     assert capsys.readouterr().out.startswith("tiny-qwen3-moe: 0.00B parameters, batch 1 x seq 64, bf16 mixed")
     assert main(["plan", "--model", str(model_dir), "--seq", "64", "--gpu-mem", "24GB", "--host-mem", "0",

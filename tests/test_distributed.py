@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from memkernels.models import ModelConfig, TransformerLM
+from moe_cases import qwen3_moe_config
 from memkernels.patch import apply
 
 WORLD = 2
@@ -34,9 +35,6 @@ MODELS = {"gelu": (CONFIG, True), "swiglu": (LLAMA_CONFIG, True), "swiglu-recomp
 # What apply() replaces: 5 norms, 2 MLPs (GELU or gated), the loss, and the Llama-style models' 2 rotary attentions;
 # Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks (its loss is its own).
 REPLACED = {"gelu": 8, "qwen3-moe": 13}
-MOE_CONFIG = {"vocab_size": 101, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16,
-              "num_experts": 4, "num_experts_per_tok": 2, "max_position_embeddings": 32}
 
 
 class _CausalLM(torch.nn.Module):
@@ -60,7 +58,7 @@ def _build(model_name):
     if model_name == "qwen3-moe":
         import transformers
         return _CausalLM(transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model("qwen3_moe", **MOE_CONFIG)))
+            transformers.AutoConfig.for_model(**qwen3_moe_config(layers=2))))
     model = TransformerLM(config)
     if model_name.endswith("-lora"):
         import peft

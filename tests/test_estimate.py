@@ -15,6 +15,7 @@ import torch
 from memkernels.tools.estimate import estimate
 from memkernels.meters import SavedBytesMeter
 from memkernels.models import BUILTIN_CONFIGS, ModelConfig, TransformerLM, load_config, synthetic_batch
+from moe_cases import qwen3_moe_config
 
 # Published parameter counts (model cards / HF safetensors index totals).
 PUBLISHED_PARAMETERS = {"gpt2": 124_439_808, "gpt2-medium": 354_823_168, "llama-2-7b": 6_738_415_616,
@@ -286,20 +287,11 @@ def test_estimate_table_has_a_column_per_part_and_the_total_last():
 
 
 
-def _qwen3_moe(top_k, layers=3):
-    """A tiny Qwen3-MoE config dict (8 experts, ``top_k`` routed per token): a family memkernels does not translate
-    into its own TransformerLM, so estimate and plan have transformers build it."""
-    return {"model_type": "qwen3_moe", "vocab_size": 211, "hidden_size": 64, "num_hidden_layers": layers,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
-            "moe_intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": top_k,
-            "max_position_embeddings": 128}
-
-
 _SMALL_HF = {"vocab_size": 211, "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "max_position_embeddings": 128}
 MOE_CONFIGS = {
-    "qwen3_moe-top1": _qwen3_moe(1),
-    "qwen3_moe-top4": _qwen3_moe(4),
+    "qwen3_moe-top1": qwen3_moe_config(1),
+    "qwen3_moe-top4": qwen3_moe_config(4),
     "mixtral": dict(_SMALL_HF, model_type="mixtral", num_local_experts=4, num_experts_per_tok=2, head_dim=16),
     # a dense first layer, then routed experts beside a shared one; latent (MLA) attention
     "deepseek_v3": dict(_SMALL_HF, model_type="deepseek_v3", n_routed_experts=8, num_experts_per_tok=2,
@@ -330,8 +322,8 @@ def test_mixture_of_experts_config_is_estimated_per_routed_token_as_its_cpu_forw
 
 def test_mixture_of_experts_activations_grow_with_the_routed_tokens_not_the_experts():
     pytest.importorskip("transformers")
-    one, four = (estimate(_qwen3_moe(k), batch=2, seq=40, dtype="fp32") for k in (1, 4))
-    more_experts = estimate(dict(_qwen3_moe(1), num_experts=16), batch=2, seq=40, dtype="fp32")
+    one, four = (estimate(qwen3_moe_config(k), batch=2, seq=40, dtype="fp32") for k in (1, 4))
+    more_experts = estimate(dict(qwen3_moe_config(1), num_experts=16), batch=2, seq=40, dtype="fp32")
     assert four.activations > one.activations
     # 8 more experts add parameters, and to the activations only, per layer, the router's score for each token and
     # new expert (float32) and the grouped GEMM's offset for each new expert (int32): nothing expert-wide.

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from conftest import SIM_SYNC_TIMEOUT_S
+from moe_cases import qwen3_moe_config
 
 import memkernels
 from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, _Source, estimate, lora_parameters, model_state_bytes
@@ -264,10 +265,8 @@ def test_plan_counts_a_mixture_of_experts_per_routed_token():
     hidden, width, layers, seq = 64, 32, 3, 64
     profiles = {}
     for top_k in (2, 4):
-        config = {"model_type": "qwen3_moe", "vocab_size": 211, "hidden_size": hidden, "num_hidden_layers": layers,
-                  "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 128,
-                  "moe_intermediate_size": width, "num_experts": 8, "num_experts_per_tok": top_k,
-                  "max_position_embeddings": 128}
+        config = qwen3_moe_config(top_k, layers)
+        assert (config["hidden_size"], config["moe_intermediate_size"]) == (hidden, width)
         profiles[top_k] = placement.measure_profile(_Source(config), seq, torch.float32)
     per_routed_token = 3 * 6 * hidden * width
     assert profiles[4].step_flops - profiles[2].step_flops == per_routed_token * seq * 2 * layers
