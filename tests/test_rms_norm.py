@@ -240,13 +240,12 @@ def test_weight_gradient_is_bitwise_deterministic(backend, hidden):
     (lambda x, w: rms_norm(x, w.half()), TypeError, ["weight", "float16"]),  # x is fp32
     (lambda x, w: rms_norm(x, w, casting_mode="fp8"), ValueError, ["casting_mode", "llama"]),
     (lambda x, w: rms_norm(x, w, eps=-1.0), ValueError, ["eps"]),
-    (lambda x, w: rms_norm(x, None, offset=1.0), ValueError, ["offset", "weight"]),
     (lambda x, w: rms_norm(x[:, :0], None), ValueError, ["normalized shape"]),
     (lambda x, w: add_rms_norm(x, x[:1], w), ValueError, ["residual"]),
     (lambda x, w: add_rms_norm(x, x.half(), w), ValueError, ["residual"]),
     (lambda x, w: rms_norm(x.cpu().numpy(), w), TypeError, ["x", "Tensor"]),
 ], ids=["weight-shape", "weight-device", "int-x", "int-weight", "weight-dtype", "casting-mode", "eps",
-        "offset-without-weight", "empty-row", "residual-shape", "residual-dtype", "not-a-tensor"])
+        "empty-row", "residual-shape", "residual-dtype", "not-a-tensor"])
 def test_bad_input_names_the_argument(backend, call, error, words):
     x = torch.randn(3, 8)
     weight = torch.ones(8)
@@ -318,6 +317,32 @@ def test_add_module_and_gemma_offset(backend):
     torch.testing.assert_close(residual_out, x + residual)
     torch.testing.assert_close(y, rms_norm_eager(x + residual, module.weight, 1e-6, offset=1.0,
                                                  casting_mode="gemma"))
+
+
+@pytest.mark.parametrize("memory_efficient", [False, True])
+@pytest.mark.parametrize("casting_mode", ["llama", "gemma", "none"])
+def test_an_offset_without_a_weight_scales_by_the_offset(backend, casting_mode, memory_efficient):
+    """weight=None with offset c is the norm with a zero weight (scale c + 0), in the function and in
+    FusedRMSNorm(elementwise_affine=False, offset=c), which used to drop the offset without a word."""
+    options = {"casting_mode": casting_mode, "memory_efficient": memory_efficient}
+    module = memkernels.FusedRMSNorm(24, eps=1e-6, elementwise_affine=False, offset=0.5, dtype=torch.bfloat16,
+                                     **options)
+    grad = torch.randn(5, 24, dtype=torch.bfloat16)
+    runs = []
+    for call in (lambda x: rms_norm(x, None, offset=0.5, **options), module,
+                 lambda x: rms_norm(x, torch.zeros(24), offset=0.5, **options)):
+        x = torch.randn(5, 24, generator=torch.Generator().manual_seed(0)).bfloat16().requires_grad_()
+        y = call(x)
+        y.backward(grad)
+        runs.append((y, x.grad))
+    for y, dx in runs[1:]:
+        assert torch.equal(y, runs[0][0]) and torch.equal(dx, runs[0][1])
+    x = runs[0][1].new_tensor(torch.randn(5, 24, generator=torch.Generator().manual_seed(0)).bfloat16())
+    expected = rms_norm_eager(x, torch.zeros(24), offset=0.5, casting_mode=casting_mode)  # its rounding points
+    torch.testing.assert_close(runs[0][0], expected, atol=0, rtol=2 ** -7)  # one bf16 ulp
+    # Without an offset there is no scale at all, as before.
+    x = torch.randn(5, 24)
+    torch.testing.assert_close(rms_norm(x, None), rms_norm_eager(x, torch.zeros(24), offset=1.0))
 
 
 def test_from_module_rejects_non_norms():

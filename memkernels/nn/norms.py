@@ -58,7 +58,7 @@ class _FusedNorm(nn.Module):
     def _run(self, x, residual):
         y, residual_out = normalize(
             type(self).__name__, x, residual, self.weight, self.bias, self._eps_for(x),
-            self.offset if self.weight is not None else 0.0, self._is_rms,
+            self.offset, self._is_rms,
             self.casting_mode if self._is_rms else "gemma", self.memory_efficient, self.normalized_shape,
             self.in_place)
         return (y, residual_out) if self._has_residual else y
@@ -127,7 +127,8 @@ class FusedRMSNorm(_FusedNorm):
         normalized_shape: int or tuple; the trailing dims normalized together.
         eps: None (default, as nn.RMSNorm) means torch.finfo(torch.float32).eps, the
             epsilon of the fp32 compute type, as nn.RMSNorm does for fp32/fp16/bf16.
-        elementwise_affine: learn ``weight`` (initialized to 1 - offset).
+        elementwise_affine: learn ``weight`` (initialized to 1 - offset); without one the
+            scale is the offset alone (none when offset is 0).
         bias: learn a ``bias`` too (default False, as nn.RMSNorm).
         offset: scale is (offset + weight); 1.0 for Gemma.
         casting_mode, memory_efficient, in_place: see memkernels.functional.rms_norm.

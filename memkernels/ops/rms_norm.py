@@ -26,7 +26,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="l
     Args:
         x: [..., *normalized_shape], float32/float16/bfloat16, any strides
             (non-contiguous input is copied once).
-        weight: normalized_shape, x's dtype or float32; None for no scale.
+        weight: normalized_shape, x's dtype or float32; None for no scale (a zero
+            weight when ``offset`` is set: the scale is the offset alone).
         eps: added to the mean square.
         bias: optional, like weight (plain RMSNorm has none).
         offset: the scale is (offset + weight), e.g. 1.0 for Gemma.
