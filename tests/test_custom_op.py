@@ -12,7 +12,7 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memkernels.ops import _norm_ops, cross_entropy as cross_entropy_module, linear_cross_entropy as lce_module
+from memkernels.ops import _norm_ops, act_mul as act_mul_module, cross_entropy as cross_entropy_module, linear_cross_entropy as lce_module
 from memkernels.ops import gated_linear as gated_module, gelu_linear as gelu_module
 from memkernels.ops import grouped_gated_linear as grouped_module
 from memkernels.ops.cross_entropy import cross_entropy
@@ -29,6 +29,7 @@ TWINS = {
     "gelu_linear": gelu_module._GeLULinearFunction,
     "gated_linear": gated_module._GatedLinearFunction,
     "grouped_gated_linear": grouped_module._GroupedGatedLinearFunction,
+    "act_mul": act_mul_module._ActMulFunction,
 }
 
 
@@ -61,6 +62,7 @@ def test_eager_calls_dispatch_no_custom_op():
         cross_entropy(logits, target).backward()
         gelu_linear(x, down, backend="torch").sum().backward()
         gated_linear(x, x * 2, down, backend="torch").sum().backward()
+        act_mul_module.silu_mul(x, x * 2).sum().backward()
     memkernels_ops = [name for name in seen.names if name.startswith("memkernels::")]
     assert not memkernels_ops and "aten::mul" in seen.names  # the implementations ran, op by op
 

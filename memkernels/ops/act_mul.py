@@ -1,0 +1,155 @@
+"""act(a) * b (SiLU-mul, GeLU-mul) that saves only a and b: a gated MLP's elementwise core, for
+people who keep their own down projection (a LoRA'd, quantized or sharded one).
+
+Eager ``F.silu(a) * b`` keeps a (for silu), silu(a) and b (for the mul): three [..., I] tensors.
+Here the product is one elementwise pass and backward recomputes act(a) from a, so only a and b
+(which the caller's projections made, and usually still hold) are saved.
+
+- forward:  c = act(a) * b                       fp32 math, rounded once to a's dtype
+- backward: da = dc * b * act'(a), db = dc * act(a)  one pass reading dc, a and b
+
+The passes are the act-linear family's (memkernels/ops/_act_linear.py: Triton kernels, or their
+PyTorch twins in memkernels/reference/act_linear.py), so this op shares their AOT variants and
+their float64 tests.
+
+File order: steps → autograd → public functions.
+"""
+import functools
+
+import torch
+
+from memkernels._backend import resolve, triton_interpreted
+from memkernels.ops import _act_linear, _autocast
+from memkernels.ops._act_linear import TRITON_DTYPES, Step
+from memkernels.ops._custom_op import apply_op, autograd_pair
+
+# gelu_mul's approximate -> the activation's name in memkernels/ops/_act_linear.py
+_GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
+
+
+# --------------------------------------------------------------------------------------------
+# Steps: forward and backward, each a custom op taking ``backend`` last.
+
+
+def _rows(tensor):
+    """[M, I] view (or copy) of a [..., I] tensor."""
+    return tensor.reshape(-1, tensor.shape[-1]) if tensor.dim() else tensor.reshape(1, 1)
+
+
+def _forward(a, b, activation, backend):
+    """c [..., I] = act(a) * b, in a's dtype, contiguous."""
+    return _act_linear.PASSES[backend].product(_rows(a), _rows(b), activation).view(a.shape)
+
+
+def _backward(grad, a, b, activation, backend):
+    """[da, db], each [..., I] in a's dtype, from grad = dL/dc."""
+    a2d, b2d = _rows(a), _rows(b)
+    # Contiguous buffers (not empty_like, which keeps a transposed a's strides): the passes step rows by
+    # stride and take columns as contiguous.
+    grad_a, grad_b = (torch.empty(a2d.shape, dtype=a.dtype, device=a.device) for _ in range(2))
+    _act_linear.PASSES[backend].product_backward(_rows(grad).contiguous(), a2d, b2d, activation, grad_a, grad_b,
+                                                 False)
+    return [grad_a.view(a.shape), grad_b.view(b.shape)]
+
+
+_STEPS = {
+    "forward": Step("act_mul", "(Tensor a, Tensor b, str activation, str backend) -> Tensor", _forward,
+                    lambda a, b, activation: torch.empty_like(a, memory_format=torch.contiguous_format)),
+    "backward": Step("act_mul_backward", "(Tensor grad, Tensor a, Tensor b, str activation, str backend) -> Tensor[]",
+                     _backward, lambda grad, a, b, activation: [torch.empty_like(a), torch.empty_like(b)]),
+}
+# Elementwise, as F.silu and mul: autocast leaves the inputs as they are.
+_autocast.register(_STEPS["forward"].name, {"cpu": None, "cuda": None}, positions=(0, 1))
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _setup_context(ctx, inputs, output):
+    """Saves a and b only."""
+    a, b, activation, backend = inputs
+    ctx.save_for_backward(a, b)
+    ctx.activation, ctx.backend = activation, backend
+
+
+def _backward_with(step):
+    """act_mul's backward over ``step``: the custom op under torch.compile, its implementation in eager mode."""
+
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        needs_a, needs_b = ctx.needs_input_grad[:2]
+        if not (needs_a or needs_b):
+            return None, None, None, None
+        grad_a, grad_b = step(grad, a, b, ctx.activation, ctx.backend)
+        return grad_a if needs_a else None, grad_b if needs_b else None, None, None
+
+    return backward
+
+
+_ActMulFunction = autograd_pair(
+    _STEPS["forward"].custom_op, _STEPS["forward"].implementation, _setup_context,
+    _backward_with(_STEPS["backward"].custom_op), _backward_with(_STEPS["backward"].implementation))
+
+
+# --------------------------------------------------------------------------------------------
+# Public functions
+
+
+def _check_inputs(op_name, a, b, backend):
+    for name, tensor in (("a", a), ("b", b)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{op_name}: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+        if not tensor.is_floating_point():
+            raise TypeError(f"{op_name}: {name} has dtype {tensor.dtype}; pass a floating tensor")
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        raise ValueError(f"{op_name}: a is {tuple(a.shape)} {a.dtype} on {a.device} but b is {tuple(b.shape)} "
+                         f"{b.dtype} on {b.device}; they must match (broadcasting is not supported: expand b "
+                         "yourself)")
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"{op_name}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
+    if backend is None:
+        backend = resolve(a, op_name)
+    if backend == "triton" and not (a.is_cuda or (a.device.type == "cpu" and triton_interpreted())):
+        raise ValueError(f"{op_name}: backend='triton' cannot run on {a.device} tensors; Triton needs CUDA (or "
+                         "CPU tensors with TRITON_INTERPRET=1 set before triton is imported); use backend='torch' "
+                         "or None")
+    if backend == "triton" and a.dtype not in TRITON_DTYPES:
+        raise TypeError(f"{op_name}: a is {a.dtype}; the Triton backend takes float32, float16 or bfloat16 "
+                         "(use backend='torch' for other dtypes)")
+    return backend
+
+
+def _act_mul(a, b, *, activation, op_name, backend):
+    backend = _check_inputs(op_name, a, b, backend)
+    return apply_op(_STEPS["forward"].custom_op, _ActMulFunction, a, b, activation, backend)
+
+
+def _call(op_name, activation, a, b, backend):
+    return _autocast.call(_STEPS["forward"].name, functools.partial(_act_mul, activation=activation, op_name=op_name,
+                                                                    backend=backend), a, b)
+
+
+def silu_mul(a, b, *, backend=None):
+    """``F.silu(a) * b`` saving only a and b for backward (eager also keeps silu(a)).
+
+    Args:
+        a, b: [..., I], the same shape, dtype and device; float32 / float16 / bfloat16 (the
+            torch backend takes any floating dtype); any strides.
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" or "triton" forces one.
+
+    Returns:
+        [..., I] in a's dtype, computed in float32 and rounded once.
+    """
+    return _call("silu_mul", "silu", a, b, backend)
+
+
+def gelu_mul(a, b, *, approximate="none", backend=None):
+    """``F.gelu(a, approximate=approximate) * b`` saving only a and b for backward (GeGLU's core).
+
+    Args as :func:`silu_mul`; ``approximate``: "none" (exact, erf) or "tanh", as in ``F.gelu``.
+    """
+    if approximate not in _GELU_ACTIVATIONS:
+        raise ValueError(f"gelu_mul: approximate={approximate!r} is not supported; use 'none' or 'tanh'")
+    return _call("gelu_mul", _GELU_ACTIVATIONS[approximate], a, b, backend)
