@@ -722,11 +722,84 @@ def _plan_gated_mlp(name, module, actions, report):
         hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (down, getattr(down, "base_layer", down)))
         reason = (f"gated MLP activation {type(act).__name__} is not SiLU or GELU" if gated_activation(act) is None
                   else down_parts if isinstance(down_parts, str)
-                  else "down_proj has forward hooks, which fusing would skip" if hooked else None)
+                  else "down_proj has forward hooks, which fusing would skip" if hooked
+                  else _gated_mlp_formula_blocker(module))
     if reason:
         report.skipped.append({"name": name, "type": cls_name, "reason": reason})
     else:
         actions.append((name, "gated_mlp", module))
+
+
+# Attributes a gated MLP's forward may scale by, as down(act(gate * gate_multiplier) * up) * down_multiplier
+# (Falcon-H1's mlp_multipliers); honoured when the probe finds its forward uses them that way.
+GATED_MLP_MULTIPLIERS = ("gate_multiplier", "down_multiplier")
+
+# gated MLP class -> why its forward is not the fused formula (None when it is), probed once per class
+_PROBED_GATED_MLPS = {}
+
+
+def _gated_mlp_formula_blocker(module):
+    """Why ``module``'s forward is not down(act(gate [* gate_multiplier]) * up) [* down_multiplier] (None when it
+    is). Fusing by attribute names alone would silently drop whatever else a forward does (Falcon-H1 scales
+    gate and output); the class's own forward is run once, in float64, on small stand-in projections."""
+    cls = type(module)
+    if cls not in _PROBED_GATED_MLPS:
+        _PROBED_GATED_MLPS[cls] = _probe_gated_mlp(module)
+    return _PROBED_GATED_MLPS[cls]
+
+
+def _probe_gated_mlp(module):
+    from memkernels.nn.mlp import gated_activation, gated_mlp_parts
+    from memkernels.reference.act_linear import activation
+
+    gate, up, _, act = gated_mlp_parts(module)
+    hidden, width = 5, 7
+    generator = torch.Generator().manual_seed(0)
+
+    def stand_in(features_in, features_out, like):
+        linear = nn.Linear(features_in, features_out, bias=like.bias is not None, dtype=torch.float64)
+        with torch.no_grad():
+            for parameter in linear.parameters():
+                parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
+        return linear.requires_grad_(False)
+
+    probe = object.__new__(type(module))
+    probe.__dict__.update(module.__dict__)
+    projections = {"down_proj": stand_in(width, hidden, module.down_proj)}
+    if up is None:
+        projections["gate_up_proj"] = stand_in(hidden, 2 * width, gate)
+    else:
+        projections.update(gate_proj=stand_in(hidden, width, gate), up_proj=stand_in(hidden, width, up))
+    probe._modules = {**module._modules, **projections}
+    sizes = {"hidden_size": hidden, "intermediate_size": width}
+    probe.__dict__.update({name: value for name, value in sizes.items() if name in module.__dict__})
+    # Values no model uses, so a forward that ignores or misreads one shows.
+    multipliers = {"gate_multiplier": 0.75, "down_multiplier": 1.5}
+    multipliers = {name: multipliers[name] if hasattr(module, name) else 1.0 for name in GATED_MLP_MULTIPLIERS}
+    probe.__dict__.update({name: value for name, value in multipliers.items() if hasattr(module, name)})
+    x = torch.randn(2, 3, hidden, generator=generator, dtype=torch.float64)
+    try:
+        with torch.no_grad():
+            got = probe.forward(x)  # not __call__: no global module hooks fire
+    except Exception as error:
+        return f"{type(module).__name__}'s forward did not run on a lone input: {type(error).__name__}: {error}"
+    with torch.no_grad():
+        if up is None:
+            gate_out, up_out = projections["gate_up_proj"](x).split(width, dim=-1)
+        else:
+            gate_out, up_out = projections["gate_proj"](x), projections["up_proj"](x)
+        product = activation(gate_out * multipliers["gate_multiplier"], gated_activation(act)) * up_out
+        expected = projections["down_proj"](product) * multipliers["down_multiplier"]
+    if not (isinstance(got, torch.Tensor) and got.shape == expected.shape
+            and torch.allclose(got, expected, rtol=1e-12, atol=1e-12)):
+        return (f"{type(module).__name__}'s forward is not down_proj(act(gate) * up) (with its "
+                f"{' and '.join(GATED_MLP_MULTIPLIERS)}, when it has them), checked in float64")
+    return None
+
+
+def gated_mlp_multipliers(mlp):
+    """(gate_multiplier, down_multiplier) of a gated MLP, 1.0 where it has none."""
+    return tuple(float(getattr(mlp, name, 1.0)) for name in GATED_MLP_MULTIPLIERS)
 
 
 # ----------------------------------------------------------------------------- mixture-of-experts experts
@@ -817,7 +890,7 @@ def can_recompute_gated_mlp(module):
     (plain, hook-free nn.Linear: LoRA or hooked ones keep the saving variant, which calls them as modules)."""
     from memkernels.nn.mlp import gated_mlp_parts
 
-    return isinstance(module, _FusedGatedMLPForward) and all(
+    return isinstance(module, _FusedGatedMLPForward) and gated_mlp_multipliers(module)[0] == 1.0 and all(
         p is None or _why_not_plain(p, (nn.Linear,), "projection") is None for p in gated_mlp_parts(module)[:3])
 
 
@@ -830,22 +903,31 @@ def gated_mlp_forward(mlp, x, recompute=None):
 
     gate_proj, up_proj, down_proj, _ = gated_mlp_parts(mlp)
     activation = mlp._memkernels_gated_activation
+    gate_multiplier, down_multiplier = gated_mlp_multipliers(mlp)
     recompute = mlp._memkernels_recompute if recompute is None else recompute
-    if recompute and all(p is None or type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
+    if recompute and gate_multiplier == 1.0 and all(p is None or type(p) is nn.Linear
+                                                    for p in (gate_proj, up_proj, down_proj)):
         up_weight, up_bias = (None, None) if up_proj is None else (up_proj.weight, up_proj.bias)
-        return gated_mlp_recompute(x, gate_proj.weight, gate_proj.bias, up_weight, up_bias, down_proj.weight,
-                                   down_proj.bias, activation=activation)
+        out = gated_mlp_recompute(x, gate_proj.weight, gate_proj.bias, up_weight, up_bias, down_proj.weight,
+                                  down_proj.bias, activation=activation)
+        return out if down_multiplier == 1.0 else out * down_multiplier
     down = _lora_down(down_proj)
     if isinstance(down, str):  # a LoRA state changed after apply(): run the module's own forward
         return super(_FusedGatedMLPForward, mlp).forward(x)
     base, adapters = down
     gate = gate_proj(x)
-    operands = {"gate_up": gate} if up_proj is None else {"gate": gate, "up": up_proj(x)}
+    if up_proj is None:
+        if gate_multiplier != 1.0:  # the gate half scaled, as a new packed tensor (the scaled half alone would
+            half = gate.shape[-1] // 2  # keep the whole unscaled one alive through its up half)
+            gate = torch.cat((gate[..., :half] * gate_multiplier, gate[..., half:]), dim=-1)
+        operands = {"gate_up": gate}
+    else:
+        operands = {"gate": gate if gate_multiplier == 1.0 else gate * gate_multiplier, "up": up_proj(x)}
     out = gated_linear(**operands, weight=base.weight, bias=base.bias, activation=activation)
     for lora_a_weight, lora_b, scaling in adapters:
         cast = {key: value.to(lora_a_weight.dtype) for key, value in operands.items()}
         out = out + lora_b(gated_linear(**cast, weight=lora_a_weight, activation=activation)) * scaling
-    return out
+    return out if down_multiplier == 1.0 else out * down_multiplier
 
 
 def _patch_gated_mlp(module, recompute):
@@ -882,6 +964,14 @@ def _rope_site(cls):
     return _ROPE_SITES[cls]
 
 
+def _is_function(value):
+    """A plain function, or one the ``kernels`` package turned into a module instance so that a hub kernel can
+    replace it (transformers >= 5.25 with ``kernels`` installed: ``@use_kernel_forward_from_hub`` on
+    ``apply_rotary_pos_emb``); called outside a kernelized model, such an instance runs the function."""
+    return isinstance(value, types.FunctionType) or (isinstance(value, nn.Module)
+                                                      and hasattr(value, "kernel_layer_name"))
+
+
 def _find_rope_site(cls):
     forward = _defined_forward(cls)
     if forward is None or getattr(cls, "_memkernels_rope", None):
@@ -889,7 +979,7 @@ def _find_rope_site(cls):
     inner = inspect.unwrap(forward)  # under functools.wraps decorators (transformers' deprecate_kwarg)
     named = [(name, inner.__globals__[name]) for name in inner.__code__.co_names
              if any(part in name.lower() for part in _ROPE_NAME_PARTS) and name in inner.__globals__
-             and isinstance(inner.__globals__[name], types.FunctionType)]
+             and _is_function(inner.__globals__[name])]
     if not named:
         return None
     reasons = []
@@ -911,7 +1001,7 @@ def _probe_rope(function):
     q = torch.randn(2, 5, 3, 8, generator=generator, dtype=torch.float64).transpose(1, 2)
     k = torch.randn(2, 5, 2, 8, generator=generator, dtype=torch.float64).transpose(1, 2)
     cos, sin = (torch.randn(2, 5, 8, generator=generator, dtype=torch.float64) for _ in range(2))
-    who = f"{function.__module__}.{function.__qualname__}"
+    who = f"{function.__module__}.{getattr(function, '__qualname__', type(function).__qualname__)}"
     try:
         with torch.no_grad():
             got = function(q, k, cos, sin)

@@ -207,3 +207,56 @@ def test_lora_dropout_on_down_proj_is_left_alone():
     report = apply(_lora_model("llama", dropout=0.1), measure=False)
     reasons = {s["reason"] for s in report.skipped if s["type"] == "LlamaMLP"}
     assert reasons == {"LoRA dropout on down_proj (adapter 'default') needs act(gate) * up materialized"}
+
+
+# --------------------------------------------------------------------------------------------
+# Forwards that do more than down(act(gate) * up): probed, honoured or left alone
+
+
+def _falcon_h1():
+    return transformers.FalconH1ForCausalLM(transformers.FalconH1Config(
+        mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8,
+        head_dim=16, mlp_multipliers=[0.5, 3.0], **COMMON))
+
+
+@pytest.mark.parametrize("mlp", [True, "recompute"], ids=["saved", "recompute"])
+def test_falcon_h1_gate_and_down_multipliers_are_kept(mlp):
+    """Falcon-H1's MLP is down(act(gate * m_gate) * up) * m_down: fused by structure alone, the multipliers were
+    dropped without a word (logits 0.045 off). The probe finds them; gated_linear runs on the scaled gate; the
+    recompute variant, which forms gate itself, is not taken (the saving one is)."""
+    torch.manual_seed(0)
+    model = _falcon_h1().train()
+    patched = copy.deepcopy(model)
+    report = apply(patched, mlp=mlp, measure=False)
+    assert [r["after"] for r in _gated_rows(report)] == ["MemkernelsFalconH1MLP (saves gate, up)"] * 2
+    _check_parity(model, patched)
+
+
+def test_a_gated_mlp_whose_forward_does_more_is_left_alone_with_the_reason():
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    class ClampedMLP(LlamaMLP):  # GPT-OSS-style clamping of the gate: not what gated_linear computes
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x).clamp(max=0.5)) * self.up_proj(x))
+
+    model = FAMILIES["llama"]()
+    for layer in model.model.layers:
+        layer.mlp.__class__ = ClampedMLP
+    report = apply(model, measure=False)
+    assert _gated_rows(report) == []
+    reasons = {s["reason"] for s in report.skipped if s["type"] == "ClampedMLP"}
+    assert reasons == {"ClampedMLP's forward is not down_proj(act(gate) * up) (with its gate_multiplier and "
+                       "down_multiplier, when it has them), checked in float64"}
+
+
+def test_fused_gated_mlp_module_takes_the_multipliers():
+    from memkernels.nn.mlp import FusedGatedMLP
+
+    torch.manual_seed(0)
+    falcon = _falcon_h1().model.layers[0].feed_forward
+    fused = FusedGatedMLP.from_module(falcon)
+    assert (fused.gate_multiplier, fused.down_multiplier) == (0.5, 3.0)
+    x = torch.randn(2, 5, COMMON["hidden_size"])
+    torch.testing.assert_close(fused(x), falcon(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="recompute=True forms gate inside"):
+        FusedGatedMLP.from_module(falcon, recompute=True)

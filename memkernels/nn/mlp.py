@@ -146,15 +146,22 @@ class FusedGatedMLP(nn.Module):
 
     Shapes: [..., hidden_size] -> [..., hidden_size]; float32, float16 or bfloat16.
     ``activation``: "silu", "gelu" or "gelu_tanh".
+    ``gate_multiplier``, ``down_multiplier``: Falcon-H1's ``down(act(gate * gate_multiplier) * up) *
+    down_multiplier``, each one elementwise pass as in eager (default 1.0: none). ``recompute=True``
+    takes no gate multiplier (it forms gate inside gated_mlp_recompute).
     """
 
     def __init__(self, hidden_size, intermediate_size, *, activation="silu", bias=False, recompute=False,
-                 packed=False, device=None, dtype=None):
+                 packed=False, gate_multiplier=1.0, down_multiplier=1.0, device=None, dtype=None):
         super().__init__()
         from memkernels.ops.gated_linear import check_activation
         check_activation(activation, "FusedGatedMLP")
+        if recompute and gate_multiplier != 1.0:
+            raise ValueError(f"FusedGatedMLP: recompute=True forms gate inside gated_mlp_recompute, so it cannot scale "
+                             f"it by gate_multiplier={gate_multiplier}; use recompute=False")
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.activation, self.recompute = activation, bool(recompute)
+        self.gate_multiplier, self.down_multiplier = float(gate_multiplier), float(down_multiplier)
         linear = dict(bias=bias, device=device, dtype=dtype)
         if packed:
             self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, **linear)
@@ -172,8 +179,10 @@ class FusedGatedMLP(nn.Module):
         """A FusedGatedMLP sharing the projections (the nn.Linear modules themselves) of a gated MLP.
 
         ``mlp``: a Hugging Face LlamaMLP / MistralMLP / Qwen2MLP / Qwen3MLP / GemmaMLP / Phi3MLP
-        (packed ``gate_up_proj``), memkernels.models.GatedMLP, or anything with those attributes
-        whose projections are nn.Linear and whose activation is SiLU or a GELU.
+        (packed ``gate_up_proj``) / FalconH1MLP (its ``gate_multiplier`` and ``down_multiplier`` are
+        kept), memkernels.models.GatedMLP, or anything with those attributes whose projections are
+        nn.Linear and whose activation is SiLU or a GELU. (``memkernels.apply`` also checks that the
+        module's forward computes that formula; this constructor takes the attributes as given.)
         """
         gate, up, down, act = gated_mlp_parts(mlp)
         activation = gated_activation(act)
@@ -184,7 +193,8 @@ class FusedGatedMLP(nn.Module):
                 raise TypeError(f"FusedGatedMLP.from_module: {name} must be an nn.Linear, got "
                                 f"{type(module).__name__}")
         fused = cls(down.out_features, down.in_features, activation=activation, bias=down.bias is not None,
-                    recompute=recompute, packed=up is None, device="meta")
+                    recompute=recompute, packed=up is None, gate_multiplier=getattr(mlp, "gate_multiplier", 1.0),
+                    down_multiplier=getattr(mlp, "down_multiplier", 1.0), device="meta")
         if up is None:
             fused.gate_up_proj = gate
         else:
@@ -197,13 +207,24 @@ class FusedGatedMLP(nn.Module):
         down = self.down_proj
         if self.recompute:
             gate, up = (self.gate_up_proj, None) if self.packed else (self.gate_proj, self.up_proj)
-            return gated_mlp_recompute(x, gate.weight, gate.bias, None if up is None else up.weight,
-                                       None if up is None else up.bias, down.weight, down.bias,
-                                       activation=self.activation)
-        if self.packed:
-            return gated_linear(gate_up=self.gate_up_proj(x), weight=down.weight, bias=down.bias,
-                                activation=self.activation)
-        return gated_linear(self.gate_proj(x), self.up_proj(x), down.weight, down.bias, activation=self.activation)
+            out = gated_mlp_recompute(x, gate.weight, gate.bias, None if up is None else up.weight,
+                                      None if up is None else up.bias, down.weight, down.bias,
+                                      activation=self.activation)
+        elif self.packed:
+            gate_up = self.gate_up_proj(x)
+            if self.gate_multiplier != 1.0:
+                half = self.intermediate_size
+                gate_up = torch.cat((gate_up[..., :half] * self.gate_multiplier, gate_up[..., half:]), dim=-1)
+            out = gated_linear(gate_up=gate_up, weight=down.weight, bias=down.bias, activation=self.activation)
+        else:
+            gate = self.gate_proj(x)
+            if self.gate_multiplier != 1.0:
+                gate = gate * self.gate_multiplier
+            out = gated_linear(gate, self.up_proj(x), down.weight, down.bias, activation=self.activation)
+        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
 
     def extra_repr(self):
-        return f"activation={self.activation!r}, recompute={self.recompute}"
+        text = f"activation={self.activation!r}, recompute={self.recompute}"
+        if (self.gate_multiplier, self.down_multiplier) != (1.0, 1.0):
+            text += f", gate_multiplier={self.gate_multiplier}, down_multiplier={self.down_multiplier}"
+        return text
