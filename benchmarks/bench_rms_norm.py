@@ -283,7 +283,7 @@ def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
     and programs per SM, with the registers and spills of each compiled variant."""
     from memkernels.ops import _norm_kernels
 
-    defaults = (_norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels._programs_per_sm)
+    defaults = (_norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels.programs_per_sm)
     print(f"Norm backward sweep, {tokens} rows, {torch.cuda.get_device_name()} (us of GPU kernels per backward)")
     for dtype in (torch.bfloat16, torch.float32):
         for hidden in hidden_sizes:
@@ -296,14 +296,14 @@ def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
                 for per_warp in (128, 256, 512):
                     for per_sm in (1, 2):
                         _norm_kernels.BWD_ELEMENTS_PER_WARP = per_warp
-                        _norm_kernels._programs_per_sm = lambda num_warps, n=per_sm: n
-                        warps = _norm_kernels._backward_config(hidden, "LayerNorm" in name)[1]
+                        _norm_kernels.programs_per_sm = lambda num_warps, n=per_sm: n
+                        warps = _norm_kernels.backward_config(hidden, "LayerNorm" in name)[1]
                         try:
                             backward_us = sum(_kernel_microseconds(step).values()) - forward_us
                             print(f"  {name.split()[-1]:<16}{hidden:>6} {str(dtype).replace('torch.', ''):<9}"
                                   f"{warps:>3} warps {per_sm} per SM {backward_us:9.1f} us")
                         finally:
-                            _norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels._programs_per_sm = defaults
+                            _norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels.programs_per_sm = defaults
     try:  # triton's per-device kernel cache: (kernels by key, ...) in triton 3.6
         compiled = [k for cache in _norm_kernels._norm_bwd_kernel.device_caches.values() for k in cache[0].values()]
     except (AttributeError, IndexError, TypeError) as error:

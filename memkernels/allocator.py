@@ -34,7 +34,7 @@ _POOL_KEYS = (
 )
 
 
-def _C():
+def core():
     from memkernels import _C as extension
 
     return extension
@@ -43,8 +43,8 @@ def _C():
 # ---------------------------------------------------------------------- pool configuration
 
 
-def _pool_config(policy="memkernels", **config):
-    C = _C()
+def pool_config(policy="memkernels", **config):
+    C = core()
     if policy not in ("memkernels", "pytorch"):
         raise ValueError(f"policy must be 'memkernels' or 'pytorch', got {policy!r}")
     unknown = sorted(set(config) - set(_POLICY_KEYS) - set(_POOL_KEYS))
@@ -174,8 +174,8 @@ def install(**config):
             "initialized in this process, so PyTorch's own allocator may hold memory. Call install() at the "
             "start of the program, before creating any CUDA tensor."
         )
-    C = _C()
-    pool = C.install_device_pool(_pool_config(**config))
+    C = core()
+    pool = C.install_device_pool(pool_config(**config))
     _raise_torch_out_of_memory_error(torch)
     _avoid_record_stream(torch)
     plugin = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, C.DEVICE_POOL_ALLOC_SYMBOL, C.DEVICE_POOL_FREE_SYMBOL)
@@ -232,7 +232,7 @@ def _pool_record_stream(original):
         if _plugin is not None and tensor.device.type == "cuda":
             address = tensor.untyped_storage().data_ptr()
             try:
-                _installed().record_stream(address, stream.cuda_stream, tensor.device.index)
+                installed_pool().record_stream(address, stream.cuda_stream, tensor.device.index)
             except ValueError as error:  # memory the pool did not allocate (from_blob, DLPack)
                 if not warned:
                     warned.append(True)
@@ -254,7 +254,7 @@ def _raise_torch_out_of_memory_error(torch):
     loaded (csrc/cuda/torch_error.hpp); this hands it that library's path.
     """
     libc10 = os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so")
-    reason = _C().use_torch_out_of_memory_error(libc10 if os.path.isfile(libc10) else "libc10.so")
+    reason = core().use_torch_out_of_memory_error(libc10 if os.path.isfile(libc10) else "libc10.so")
     if reason:
         import warnings
 
@@ -319,8 +319,8 @@ class CudaMemoryCounters:
             torch.cuda.reset_peak_memory_stats(self.device)
 
 
-def _installed():
-    pool = _C().installed_device_pool()
+def installed_pool():
+    pool = core().installed_device_pool()
     if pool is None:
         raise RuntimeError("memkernels' pool is not installed: call memkernels.allocator.install() first")
     return pool
@@ -339,8 +339,8 @@ def _device_index(device):
 
 def stats(device=None):
     """Statistics of the installed pool on ``device`` (default: the current device); see docs/allocator.md."""
-    result = _installed().stats(_device_index(device))
-    result.update(_C().device_pool_counters())  # bad_frees, failed_allocs of the C entry points
+    result = installed_pool().stats(_device_index(device))
+    result.update(core().device_pool_counters())  # bad_frees, failed_allocs of the C entry points
     return result
 
 
@@ -350,29 +350,29 @@ def memory_summary(device=None):
     On a machine without CUDA (and no pool installed on the simulated device) it returns the
     plain message of :func:`memkernels.memory_summary` instead of raising.
     """
-    if _C().installed_device_pool() is None:
+    if core().installed_device_pool() is None:
         import torch
 
         if not torch.cuda.is_available():
             return NO_CUDA_MESSAGE
     index = _device_index(device)
-    return format_memory_summary(_installed().stats(index), index)
+    return format_memory_summary(installed_pool().stats(index), index)
 
 
 def snapshot():
     """The installed pool's state in PyTorch's snapshot format (``torch.cuda._memory_viz`` renders it)."""
-    return pool_snapshot(_installed())
+    return pool_snapshot(installed_pool())
 
 
 def empty_cache():
     """Return every whole free segment of every device to the device (after pending frees complete)."""
-    pool = _installed()
+    pool = installed_pool()
     for device in pool.devices():
         pool.empty_cache(device)
 
 
 def reset_peak_stats(device=None):
-    _installed().reset_peak_stats(_device_index(device))
+    installed_pool().reset_peak_stats(_device_index(device))
 
 
 def set_memory_cap(bytes=None, *, fraction=None, device=None):
@@ -384,11 +384,11 @@ def set_memory_cap(bytes=None, *, fraction=None, device=None):
         raise ValueError(f"bytes must be a positive int or None, got {bytes!r}")
     if fraction is not None and not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1] or None, got {fraction!r}")
-    _installed().set_memory_cap(bytes or 0, fraction or 0.0, _device_index(device))
+    installed_pool().set_memory_cap(bytes or 0, fraction or 0.0, _device_index(device))
 
 
 def reserve(bytes, *, device=None):
     """Allocate ``bytes`` now and keep them in the pool for the rest of the run (empty_cache keeps them)."""
     if not isinstance(bytes, int) or bytes <= 0:
         raise ValueError(f"bytes must be a positive int, got {bytes!r}")
-    _installed().reserve(bytes, 0, _device_index(device))
+    installed_pool().reserve(bytes, 0, _device_index(device))

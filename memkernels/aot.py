@@ -166,6 +166,11 @@ def registered():
     return {e.name: (e.module, e.qualname, [v["label"] for v in e.variants]) for e in _REGISTRY.values()}
 
 
+def variant_warps():
+    """{(name, variant label): num_warps} of everything registered in this process."""
+    return {(e.name, v["label"]): v["num_warps"] for e in _REGISTRY.values() for v in e.variants}
+
+
 def expected_compiles(names=None, archs=ARCHS):
     """{(name, label, arch)}: what check(names, archs) compiles, each variant on the archs it targets."""
     return {(e.name, v["label"], arch) for e in _select(names) for v in e.variants
@@ -395,7 +400,7 @@ def format_table(reports):
     return "\n".join(lines)
 
 
-def _ops_modules():
+def ops_modules():
     try:
         ops = importlib.import_module("memkernels.ops")
     except ModuleNotFoundError:
@@ -414,7 +419,7 @@ def main(argv=None):
         return subprocess.run([sys.executable, "-m", "memkernels.aot", *(argv if argv is not None else sys.argv[1:])],
                               env=_subprocess_env()).returncode
     archs = _validate_archs(args.arch or ARCHS)
-    for module in args.module or _ops_modules():
+    for module in args.module or ops_modules():
         importlib.import_module(module)
     reports = _compile_entries(_select(args.name), archs)
     if args.json:

@@ -180,7 +180,7 @@ def run_report(args):
 
 def run_estimate(args):
     from memkernels.tools.estimate import MARGIN_TEXT, default_margin, estimate, fitting_options
-    from memkernels.tools.profile import _table, format_bytes
+    from memkernels.tools.profile import text_table, format_bytes
 
     options = {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
                "shard_degree": args.gpus, "zero_stage": args.zero_stage}
@@ -208,7 +208,7 @@ def run_estimate(args):
         rows.append((row["name"], row["cost"], format_bytes(row["total"]), "fits" if row["fits"] else "no"))
         if row["fits"] and best is None:
             best = row["name"]
-    print(_table(("option", "cost", "per GPU", "fits with the margin"), rows))
+    print(text_table(("option", "cost", "per GPU", "fits with the margin"), rows))
     if best:
         print(f"\ncheapest that fits: {best}")
         return 0

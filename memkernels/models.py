@@ -124,7 +124,7 @@ BUILTIN_CONFIGS = {
 
 # Hugging Face model types load_config translates into a ModelConfig (memkernels' own TransformerLM). Others that
 # transformers knows (mixture-of-experts families among them) are built by transformers itself where a tool needs
-# the model: estimate and plan (memkernels.tools.estimate._Source).
+# the model: estimate and plan (memkernels.tools.estimate.ModelSource).
 TRANSLATED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma")
 
 

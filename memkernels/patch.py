@@ -91,7 +91,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkernels.models import MLP, LogitsLoss, TransformerLM
-from memkernels.tools.profile import _table, ledger_forward
+from memkernels.tools.profile import text_table, ledger_forward
 
 __all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 
@@ -237,7 +237,7 @@ class _FusedBertLayer:
         return self.output.LayerNorm(self.output.dropout(out) + attention_output)
 
 
-class _CausalLMLoss(nn.Module):
+class CausalLMLoss(nn.Module):
     """Next-token cross-entropy from hidden states through the LM head, logits never materialized.
 
     A module (no parameters, nothing in state_dict) so that the ledger files
@@ -401,7 +401,7 @@ class PatchReport:
             key = (row["before"], row["after"])
             counts[key] = counts.get(key, 0) + 1
         rows = [(before, after, n) for (before, after), n in counts.items()]
-        lines = ["memkernels.apply replaced:", _table(("module type", "now", "count"), rows) if rows else "  nothing"]
+        lines = ["memkernels.apply replaced:", text_table(("module type", "now", "count"), rows) if rows else "  nothing"]
         skipped = {}
         for row in self.skipped:
             skipped.setdefault((row["type"], row["reason"]), 0)
@@ -1177,10 +1177,10 @@ def apply(model, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
             _switch_class(module, _FusedFcMLP)
             module._memkernels_gelu = _gelu_approximation(module.activation_fn)
         elif kind == "lm_loss":
-            _set_child(model, name, _CausalLMLoss())
+            _set_child(model, name, CausalLMLoss())
         elif kind == "hf_loss":
             _switch_class(module, _FusedCausalLM)
-            module._memkernels_loss = _CausalLMLoss()
+            module._memkernels_loss = CausalLMLoss()
             report.notes.append(_LOSS_NOTE)
         elif kind == "gated_mlp":
             mode = _patch_gated_mlp(module, mlp == "recompute")

@@ -157,7 +157,7 @@ def backend(request):
 @pytest.fixture
 def cuda_nans(monkeypatch):
     """Make the interpreter's float32 arithmetic return CUDA's canonical NaN (0x7FFFFFFF) instead of
-    numpy's 0x7FC00000/0xFFC00000, which _cast_rne's old bit rounding happened to keep a NaN."""
+    numpy's 0x7FC00000/0xFFC00000, which cast_rne's old bit rounding happened to keep a NaN."""
     from triton.runtime import interpreter
 
     def canonical(handle):

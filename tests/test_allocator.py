@@ -23,7 +23,7 @@ KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
 def make_pool(capacity=8 * GiB, events=None, policy="memkernels", **config):
     upstream = _C.VirtualUpstream(capacity)
-    pool = _C.Pool(allocator._pool_config(policy=policy, **config), upstream, events)
+    pool = _C.Pool(allocator.pool_config(policy=policy, **config), upstream, events)
     return pool, upstream
 
 

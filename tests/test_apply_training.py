@@ -381,13 +381,13 @@ def test_sft_trainer_trains_and_the_report_says_it_does_not_use_the_fused_loss(t
     never called (counted), the run matches the unpatched one, and apply()'s report says so."""
     trl = pytest.importorskip("trl")
     calls = []
-    count_calls = patch._CausalLMLoss.forward
+    count_calls = patch.CausalLMLoss.forward
 
     def counting(self, *args, **kwargs):
         calls.append(1)
         return count_calls(self, *args, **kwargs)
 
-    monkeypatch.setattr(patch._CausalLMLoss, "forward", counting)
+    monkeypatch.setattr(patch.CausalLMLoss, "forward", counting)
     ids = torch.randint(3, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))
     dataset = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
     losses = {}

@@ -7,7 +7,7 @@ import triton.language as tl
 import memkernels
 from memkernels.meters import SavedBytesMeter
 from memkernels.nn.cross_entropy import ChunkedCrossEntropyLoss
-from memkernels.ops.cross_entropy import _cast_rne, cross_entropy
+from memkernels.ops.cross_entropy import cast_rne, cross_entropy
 from memkernels.reference.cross_entropy import eager_cross_entropy
 from memkernels.testing import check_against_reference
 
@@ -357,7 +357,7 @@ def test_meta_walks_two_row_blocks_with_the_cpu_peak(monkeypatch, option_name):
         memkernels.set_backend("auto")
 
 
-# float32 NaNs of every payload class and the infinities, as bits: _cast_rne's bit rounding must keep
+# float32 NaNs of every payload class and the infinities, as bits: cast_rne's bit rounding must keep
 # each NaN a NaN (0x7FFFFFFF is CUDA's canonical NaN; 0x7F800001 has its payload in the low half only).
 NAN_BITS = {
     "+quiet": 0x7FC00000, "-quiet": 0xFFC00000,
@@ -377,7 +377,7 @@ def _cast_rne_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # x_ptr: (n,) float32; out_ptr: (n,) bfloat16
     offsets = tl.arange(0, BLOCK)
     mask = offsets < n
-    tl.store(out_ptr + offsets, _cast_rne(tl.load(x_ptr + offsets, mask=mask), tl.bfloat16), mask=mask)
+    tl.store(out_ptr + offsets, cast_rne(tl.load(x_ptr + offsets, mask=mask), tl.bfloat16), mask=mask)
 
 
 def _cast_rne_bfloat16(x):

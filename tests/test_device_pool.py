@@ -32,7 +32,7 @@ def sim_device():
 
 
 def make_pool(**config):
-    return _C.make_device_pool(allocator._pool_config(**config))
+    return _C.make_device_pool(allocator.pool_config(**config))
 
 
 def test_segments_come_from_cudamalloc_and_go_back_with_cudafree():
@@ -137,13 +137,13 @@ def _entry_points(standin):
 
 def test_pluggable_allocator_entry_points(capfd, standin):
     alloc, free = _entry_points(standin)
-    pool = _C.install_device_pool(allocator._pool_config(trace_capacity=100))
+    pool = _C.install_device_pool(allocator.pool_config(trace_capacity=100))
     stream = device.stream_create()
     p = alloc(5 * MiB, 0, stream)
     assert p and sim.is_device_memory(p, 5 * MiB)
     assert pool.stats()["allocated_bytes"]["current"] == 5 * MiB
     with pytest.raises(ValueError, match="still has live allocations"):
-        _C.install_device_pool(allocator._pool_config())
+        _C.install_device_pool(allocator.pool_config())
     before = _C.device_pool_counters()["bad_frees"]
     free(p + 512, 5 * MiB, 0, stream)  # unknown pointer: reported, ignored
     free(p, 5 * MiB, 0, stream)
@@ -160,7 +160,7 @@ def test_pluggable_allocator_entry_points(capfd, standin):
 
 def test_python_api_over_the_installed_pool(standin):
     alloc, free = _entry_points(standin)
-    _C.install_device_pool(allocator._pool_config())
+    _C.install_device_pool(allocator.pool_config())
     allocator.reserve(32 * MiB, device=0)
     p = alloc(10 * MiB, 0, None)
     stats = allocator.stats(0)
@@ -223,7 +223,7 @@ def test_cli_replay_on_the_simulated_device(tmp_path, capsys):
 
 def test_pluggable_allocator_entry_points_with_expandable_segments(standin):
     alloc, free = _entry_points(standin)
-    pool = _C.install_device_pool(allocator._pool_config(expandable_segments=True, trace_capacity=100))
+    pool = _C.install_device_pool(allocator.pool_config(expandable_segments=True, trace_capacity=100))
     stream = device.stream_create()
     p = alloc(5 * MiB, 0, stream)
     q = alloc(3 * MiB, 0, stream)

@@ -154,12 +154,12 @@ def test_extrapolation_equals_a_full_depth_meta_forward():
 
 def test_offload_moves_the_layers_saves_to_the_host_as_plan_models_it():
     from memkernels.tools import placement
-    from memkernels.tools.estimate import _Source
+    from memkernels.tools.estimate import ModelSource
     base = estimate("llama-2-7b", batch=1, seq=1024)
     off = estimate("llama-2-7b", batch=1, seq=1024, offload=True)
     assert 0 < off.activations < base.activations / 20 and off.host_offload > 0.9 * base.activations
     assert off.logits_loss == base.logits_loss and off.backward_transient >= 0
-    profile = placement.measure_profile(_Source("llama-2-7b"), 1024, torch.bfloat16, offload=True)
+    profile = placement.measure_profile(ModelSource("llama-2-7b"), 1024, torch.bfloat16, offload=True)
     everywhere = [placement.OPTION_BY_NAME["offload layer"]] * 32
     assert off.activation_peak == placement.predict_peak(profile, 1, everywhere)
     assert off.host_offload == 32 * profile.figures(1)[4]["offload layer"]

@@ -19,7 +19,7 @@ PAGE = 2 * MiB
 
 def make_pool(capacity=8 * GiB, events=None, **config):
     upstream = _C.VirtualUpstream(capacity)
-    pool = _C.Pool(allocator._pool_config(expandable_segments=True, **config), upstream, events)
+    pool = _C.Pool(allocator.pool_config(expandable_segments=True, **config), upstream, events)
     return pool, upstream
 
 
@@ -224,7 +224,7 @@ def sim_device():
 
 
 def test_simulated_device_runs_the_vmm_calls(sim_device):
-    pool = _C.make_device_pool(allocator._pool_config(expandable_segments=True))
+    pool = _C.make_device_pool(allocator.pool_config(expandable_segments=True))
     p = pool.malloc(5 * MiB)
     counters = sim.counters()
     assert counters["cuMemAddressReserve"] == 1 and counters["cuMemCreate"] == 3 and counters["cuMemMap"] == 3
@@ -240,7 +240,7 @@ def test_simulated_device_runs_the_vmm_calls(sim_device):
 
 def test_simulated_device_refusal_releases_and_retries(sim_device):
     sim.set_capacity(64 * MiB)
-    pool = _C.make_device_pool(allocator._pool_config(expandable_segments=True, release_before_growth=-1))
+    pool = _C.make_device_pool(allocator.pool_config(expandable_segments=True, release_before_growth=-1))
     pool.free(pool.malloc(40 * MiB, stream=0))
     other = device.stream_create()
     q = pool.malloc(50 * MiB, stream=other)  # cuMemCreate fails until stream 0's pages are unmapped

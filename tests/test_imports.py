@@ -1,7 +1,9 @@
-"""The package's import graph has no circles (issue 34), counting imports inside functions too.
+"""The package's import graph has no circles (issue 34), counting imports inside functions too, and no module
+reaches into another's private names.
 
 A lazy import hides a circle from Python's import machinery but not from a reader: two modules that need each
-other are one module in two files. The graph is read from the source (ast), so it needs no import to run.
+other are one module in two files. A name with a leading underscore is a module's own business: another module
+that needs it makes it part of an interface nobody declared. The source is read with ast, so nothing is imported.
 """
 import ast
 import os
@@ -98,3 +100,64 @@ def test_patching_does_not_import_the_planner_and_the_allocator_no_tool():
         "memkernels.tools.profile"}  # the activation ledger apply(measure=True) reads
     for runtime in ("memkernels.allocator", "memkernels.offload", "memkernels.meters", "memkernels.device"):
         assert {name for name in graph[runtime] if name.startswith("memkernels.tools")} - helpers == set(), runtime
+
+
+# The compiled C++ core is a module named by extension-module convention, not a private name of the package.
+_EXTENSION_MODULES = {"_C"}
+
+
+def _resolve(node, package):
+    """The absolute module an ``ast.ImportFrom`` names."""
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+        base = ".".join(parts + ([base] if base else []))
+    return base
+
+
+def private_crossings(sources, packages):
+    """{(importer, module): {private names}} for ``sources`` ({dotted name: source text}; ``packages``: the names
+    that are packages, i.e. ``__init__``): names with one leading underscore that a module imports from another
+    (``from m import _x``) or reads off an imported module (``m._x``)."""
+    found = {}
+    for name, text in sources.items():
+        tree = ast.parse(text)
+        package = name if name in packages else name.rpartition(".")[0]
+        modules = {}  # local name -> the package module it is bound to
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = _resolve(node, package)
+                for alias in node.names:
+                    if f"{base}.{alias.name}" in sources:
+                        modules[alias.asname or alias.name] = f"{base}.{alias.name}"
+                    elif (base in sources and base != name and alias.name.startswith("_")
+                          and not alias.name.startswith("__") and alias.name not in _EXTENSION_MODULES):
+                        found.setdefault((name, base), set()).add(alias.name)
+            elif isinstance(node, ast.Import):
+                modules.update({alias.asname or alias.name: alias.name for alias in node.names
+                                if alias.name in sources})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and modules.get(node.value.id, name) != name
+                    and node.attr not in _EXTENSION_MODULES):
+                found.setdefault((name, modules[node.value.id]), set()).add(node.attr)
+    return found
+
+
+def test_no_module_reads_another_modules_private_names():
+    modules = _modules()
+    sources = {}
+    for name, path in modules.items():
+        with open(path) as source:
+            sources[name] = source.read()
+    packages = {name for name, path in modules.items() if path.endswith("__init__.py")}
+    assert private_crossings(sources, packages) == {}
+
+
+def test_the_private_name_walk_finds_planted_crossings():
+    sources = {"pkg": "", "pkg.a": "def _helper(): pass\n_TABLE = {}\n",
+               "pkg.b": "from pkg.a import _helper, public\n",
+               "pkg.c": "from pkg import a\nx = a._TABLE\ny = a.__name__\n",
+               "pkg.d": "from pkg import _C\nfrom . import a\nz = a._helper\n"}
+    assert private_crossings(sources, {"pkg"}) == {("pkg.b", "pkg.a"): {"_helper"}, ("pkg.c", "pkg.a"): {"_TABLE"},
+                                          ("pkg.d", "pkg.a"): {"_helper"}}

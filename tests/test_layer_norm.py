@@ -184,9 +184,9 @@ def test_only_requested_gradients(backend, needs):
 def test_group_sums_over_many_rows(backend, dtype):
     """4096 < H <= 8192 with a bias gradient: plain sums over groups of BWD_GROUP_ROWS rows, folded
     into compensated partial rows. Each interpreter program here gets three groups, the last short."""
-    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, _backward_config
-    hidden, programs = 4500, 4  # programs: _norm_kernels._num_programs under the interpreter
-    assert _backward_config(hidden, True)[3] == BWD_GROUP_ROWS  # the path under test
+    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, backward_config
+    hidden, programs = 4500, 4  # programs: _norm_kernels.num_programs under the interpreter
+    assert backward_config(hidden, True)[3] == BWD_GROUP_ROWS  # the path under test
     rows = 2 * programs * BWD_GROUP_ROWS + 5
     x = leaf(rows, hidden, dtype=dtype, shift=3.0)
     check_against_reference(layer_norm, layer_norm_eager, (x, *_params(hidden, dtype), 1e-5))
@@ -198,7 +198,7 @@ def test_chunked_backward_where_group_sums_would_run(backend, monkeypatch, dtype
     test_backward_rows_past_4096_loop_where_triton_spills_them): chunks of 4096, no group sums."""
     from memkernels.ops import _norm_kernels
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
-    assert _norm_kernels._backward_config(4500, True)[2:] == (False, 0)  # the path under test
+    assert _norm_kernels.backward_config(4500, True)[2:] == (False, 0)  # the path under test
     x = leaf(2 * _norm_kernels.BWD_GROUP_ROWS + 5, 4500, dtype=dtype, shift=3.0)
     check_against_reference(layer_norm, layer_norm_eager, (x, *_params(4500, dtype), 1e-5))
 

@@ -129,7 +129,7 @@ def sim_pool():
     device.use_sim()
     sim.configure(device_count=1, capacity=256 * MiB, host_capacity=None, granularity=2 * MiB, memory="virtual",
                   address_space=8 << 30, sync_timeout_s=SIM_SYNC_TIMEOUT_S)
-    pool = _C.make_device_pool(allocator._pool_config(release_before_growth=-1))
+    pool = _C.make_device_pool(allocator.pool_config(release_before_growth=-1))
     yield pool, sim
     pool.empty_cache(0)
     sim.reset()

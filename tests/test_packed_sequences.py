@@ -76,13 +76,13 @@ def _per_sequence_nll(model, features):
 def loss_calls(monkeypatch):
     """Each call of memkernels' fused loss: (targets, num_items_in_batch)."""
     calls = []
-    forward = patch._CausalLMLoss.forward
+    forward = patch.CausalLMLoss.forward
 
     def counting(self, hidden, weight, targets, bias=None, softcap=None, num_items_in_batch=None):
         calls.append((targets.detach().clone(), num_items_in_batch))
         return forward(self, hidden, weight, targets, bias, softcap, num_items_in_batch)
 
-    monkeypatch.setattr(patch._CausalLMLoss, "forward", counting)
+    monkeypatch.setattr(patch.CausalLMLoss, "forward", counting)
     return calls
 
 

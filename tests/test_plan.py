@@ -17,7 +17,7 @@ from conftest import SIM_SYNC_TIMEOUT_S
 from moe_cases import qwen3_moe_config
 
 import memkernels
-from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, _Source, estimate, lora_parameters, model_state_bytes
+from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, ModelSource, estimate, lora_parameters, model_state_bytes
 from memkernels.meters import PeakBytesMeter
 from memkernels.tools import plan_apply
 from memkernels.tools.placement import OPTION_BY_NAME, flop_counter
@@ -143,7 +143,7 @@ def test_placement_with_the_fused_head_real_runs(build, dtype):
         assert placement.head_recompute_flops == 2 * BATCH * SEQ * 64 * HEAD_VOCAB
         model = build(dtype, HEAD_VOCAB)
         memkernels.apply(model, placement)
-        assert [m.strategy for m in model.modules() if type(m).__name__ == "_CausalLMLoss"] == ["recompute"]
+        assert [m.strategy for m in model.modules() if type(m).__name__ == "CausalLMLoss"] == ["recompute"]
         peak, flops, grads = _step(model, ids)
         where = f"budget {budget:,}: {placement.describe()}"
         assert peak <= budget, (where, peak)
@@ -267,7 +267,7 @@ def test_plan_counts_a_mixture_of_experts_per_routed_token():
     for top_k in (2, 4):
         config = qwen3_moe_config(top_k, layers)
         assert (config["hidden_size"], config["moe_intermediate_size"]) == (hidden, width)
-        profiles[top_k] = placement.measure_profile(_Source(config), seq, torch.float32)
+        profiles[top_k] = placement.measure_profile(ModelSource(config), seq, torch.float32)
     per_routed_token = 3 * 6 * hidden * width
     assert profiles[4].step_flops - profiles[2].step_flops == per_routed_token * seq * 2 * layers
     assert (profiles[4].recompute["recompute mlp"] - profiles[2].recompute["recompute mlp"]
@@ -383,7 +383,7 @@ def test_lora_and_qlora_estimates():
     assert lora.gradients == 2 * adapters and lora.optimizer_state == 8 * adapters
     base = full.num_parameters
     assert lora.parameters == 2 * (base + adapters)
-    _, adapted = lora_parameters(_Source("llama-2-7b").build(), 16)
+    _, adapted = lora_parameters(ModelSource("llama-2-7b").build(), 16)
     assert qlora.parameters == 2 * (base + adapters - adapted) + math.ceil(adapted * QLORA_BYTES_PER_PARAM)
     assert QLORA_BYTES_PER_PARAM == pytest.approx(0.516, abs=1e-3)
 
@@ -426,7 +426,7 @@ def test_72b_case_study_host_memory_cannot_hold_optimizer_offload():
     result = plan("qwen2-72b", gpu_mem="80GB", gpus=8, seq=2048, host_mem="512GB")
     step = next(s for s in result.steps if s.name == "optimizer-state CPU offload (full fine-tuning)")
     assert not step.taken and "cannot hold" in step.reason
-    params = sum(p.numel() for p in _Source("qwen2-72b").build()
+    params = sum(p.numel() for p in ModelSource("qwen2-72b").build()
                  .parameters())
     host = model_state_bytes(params, dtype="bf16", optimizer_offload=True)["host_optimizer"]
     assert host == 12 * params and host == pytest.approx(864e9, rel=0.02)
@@ -588,7 +588,7 @@ def test_offload_prediction_on_simulated_device(simulated_device, option):
     peak, _, grads = _step(model, ids)
     for name, grad in grads.items():
         assert torch.equal(grad, base_grads[name]), name
-    profile = placement.measure_profile(_Source(reference), SEQ, torch.float32, offload=True)
+    profile = placement.measure_profile(ModelSource(reference), SEQ, torch.float32, offload=True)
     predicted = placement.predict_peak(profile, BATCH, choices)
     assert peak < base_peak
     assert abs(peak - predicted) <= 0.10 * predicted, (peak, predicted)
@@ -678,8 +678,8 @@ def test_a_host_budget_bounds_what_the_placement_moves():
     """solve(host_budget=): what the placement moves stays within it, the added time never rises as it grows, and
     a budget of 0 gives the recompute-only placement's time."""
     from memkernels.tools import placement as placement_module
-    from memkernels.tools.estimate import _Source
-    profile = placement_module.measure_profile(_Source("llama-3-8b"), 65536, torch.bfloat16, kernels=True,
+    from memkernels.tools.estimate import ModelSource
+    profile = placement_module.measure_profile(ModelSource("llama-3-8b"), 65536, torch.bfloat16, kernels=True,
                                                offload=True)
     budget = 50 << 30
     free = placement_module.solve(profile, 1, budget, offload=True)

@@ -86,7 +86,7 @@ def test_fuzz_invariants_hold_after_every_step(device_kind, policy, steps, expan
     rng = random.Random(random.getrandbits(64))  # conftest seeds `random` per test
     make_device = _virtual_device if device_kind == "virtual" else _simulated_device
     events, device_used, streams, make_pool = make_device(rng)
-    pool = make_pool(allocator._pool_config(policy=policy, expandable_segments=expandable))
+    pool = make_pool(allocator.pool_config(policy=policy, expandable_segments=expandable))
     live = {}  # addr -> (requested size, stream)
     addrs = []
     counts = dict.fromkeys(("malloc", "free", "oom", "record_stream", "empty_cache", "drain"), 0)
@@ -156,7 +156,7 @@ def test_stress_concurrent_malloc_free_from_threads(expandable):
     base_seed = random.getrandbits(64)
     events = _C.DelayedEvents(4, base_seed)
     upstream = _C.VirtualUpstream(64 * GiB)
-    pool = _C.Pool(allocator._pool_config(expandable_segments=expandable), upstream, events)
+    pool = _C.Pool(allocator.pool_config(expandable_segments=expandable), upstream, events)
     owners, owners_lock = {}, threading.Lock()
     handoff = queue.Queue()  # allocations freed by a thread other than the one that made them
     errors = []

@@ -457,7 +457,7 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(aot_ops_reports):
                   and r.fused_multiply_adds != 0]
     assert not contracted, contracted
     assert all(r.fused_multiply_adds > 0 for r in reports if "grouped" in r.variant)
-    # A backward block of 32 warps is alone on its SM (_programs_per_sm): a second block of 1024
+    # A backward block of 32 warps is alone on its SM (programs_per_sm): a second block of 1024
     # threads would need at most 32 registers a thread.
     warps = {v["label"]: v["num_warps"] for v in _norm_kernels._BACKWARD_VARIANTS}
     crowded = [(r.variant, r.arch, r.registers) for r in reports
@@ -473,7 +473,7 @@ def test_backward_grid_is_the_programs_an_sm_holds(monkeypatch):
     cuda = torch.device("cuda", 0)
 
     def programs(rows, hidden, with_db):
-        return _norm_kernels._num_programs(rows, cuda, _norm_kernels._backward_config(hidden, with_db)[1])
+        return _norm_kernels.num_programs(rows, cuda, _norm_kernels.backward_config(hidden, with_db)[1])
     assert programs(8192, 8192, False) == programs(8192, 4096, True) == programs(8192, 5000, True) == 132
     assert programs(8192, 16384, True) == 132  # chunked rows: blocks of 4096
     assert programs(8192, 2048, False) == programs(8192, 1024, True) == 264
@@ -495,17 +495,17 @@ def test_backward_rows_past_4096_loop_where_triton_spills_them(monkeypatch):
     8192, 240-984 bytes a thread, where 3.6, 3.8 and 3.9 fit them (`python -m memkernels.aot`);
     its rows of 4096 fit. Under it every row wider than 4096 loops over chunks of 4096."""
     from memkernels.ops import _norm_kernels
-    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, _backward_config, _wide_backward_rows_fit
+    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, backward_config, _wide_backward_rows_fit
     versions = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0", "3.10.0")
     assert [_wide_backward_rows_fit(v) for v in versions] == [True, False, False, True, True, True]
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", True)
-    assert _backward_config(8192, False) == (8192, 32, True, 0)
-    assert _backward_config(6000, True) == (8192, 32, True, BWD_GROUP_ROWS)
+    assert backward_config(8192, False) == (8192, 32, True, 0)
+    assert backward_config(6000, True) == (8192, 32, True, BWD_GROUP_ROWS)
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
     for hidden, with_db, memory_efficient in [(8192, False, False), (4097, False, True), (6000, True, False)]:
-        assert _backward_config(hidden, with_db, memory_efficient) == (4096, 32, False, 0)
+        assert backward_config(hidden, with_db, memory_efficient) == (4096, 32, False, 0)
     for with_db in (False, True):
-        assert _backward_config(4096, with_db) == (4096, 32, True, 0)
+        assert backward_config(4096, with_db) == (4096, 32, True, 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -513,7 +513,7 @@ def test_chunked_backward_of_rows_that_would_fit(backend, monkeypatch, dtype):
     """Rows of 4096 < H <= 8192 as triton 3.7 runs them: chunks of 4096, not one register-resident row."""
     from memkernels.ops import _norm_kernels
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
-    assert _norm_kernels._backward_config(5000, False)[2] is False  # the path under test
+    assert _norm_kernels.backward_config(5000, False)[2] is False  # the path under test
     x, residual = leaf(7, 5000, dtype=dtype), leaf(7, 5000, dtype=dtype)
     weight = leaf(5000, dtype=dtype, scale=0.5, shift=1.0)
     check_against_reference(rms_norm, rms_norm_eager, (x, weight, 1e-6))

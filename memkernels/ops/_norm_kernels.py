@@ -496,7 +496,7 @@ def _forward_config(hidden):
     return block, num_warps, single_pass
 
 
-def _backward_config(hidden, with_db, memory_efficient=False):
+def backward_config(hidden, with_db, memory_efficient=False):
     """(BLOCK, num_warps, SINGLE_PASS, GROUP_ROWS) of the backward: one block per row up to its widest
     spill-free block (with a bias gradient past BWD_MAX_BLOCK_WITH_DB: group sums, GROUP_ROWS > 0,
     except in memory_efficient mode, whose x̂ recovery spills there), else chunks of BWD_MAX_BLOCK_WITH_DB.
@@ -572,7 +572,7 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
     return y, residual_out, mean, rstd, fallback
 
 
-def _programs_per_sm(num_warps):
+def programs_per_sm(num_warps):
     """Backward programs per SM: as many as can be resident at once, at most two. A block of 32 warps
     (rows from 4096 up) is alone on its SM: two of its 1024 threads' blocks would need at most 32
     registers a thread, and the backward uses 40-64. A second program per SM would only run after
@@ -581,11 +581,11 @@ def _programs_per_sm(num_warps):
     return 1 if num_warps >= 32 else 2
 
 
-def _num_programs(rows, device, num_warps):
-    """Backward programs: _programs_per_sm per SM on a GPU; under the interpreter a few, so that
+def num_programs(rows, device, num_warps):
+    """Backward programs: programs_per_sm per SM on a GPU; under the interpreter a few, so that
     each program still sums several rows as it does on a GPU."""
     if device.type == "cuda":
-        return min(rows, _programs_per_sm(num_warps) * _multiprocessors(device.index))
+        return min(rows, programs_per_sm(num_warps) * _multiprocessors(device.index))
     return min(rows, 4)
 
 
@@ -603,8 +603,8 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     ``dx_out`` may be dy itself: every program reads a row chunk of dy before writing dx there.
     """
     rows, hidden = dy.shape
-    block, num_warps, single_pass, group_rows = _backward_config(hidden, needs_db, memory_efficient)
-    programs = max(_num_programs(rows, dy.device, num_warps), 1)
+    block, num_warps, single_pass, group_rows = backward_config(hidden, needs_db, memory_efficient)
+    programs = max(num_programs(rows, dy.device, num_warps), 1)
     dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
     dw = torch.empty_like(weight) if needs_dw else None
     db = torch.empty_like(bias) if needs_db else None
@@ -673,7 +673,7 @@ def _aot_variants():
         fwd_block, fwd_warps, _ = _forward_config(2 * FWD_MAX_BLOCK if width == "loop" else FWD_MAX_BLOCK)
         hidden = {"single": BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK, "grouped": BWD_MAX_BLOCK,
                   "loop": 2 * BWD_MAX_BLOCK}[width]
-        bwd_block, bwd_warps, single_pass, group_rows = _backward_config(hidden, bias, memory_efficient)
+        bwd_block, bwd_warps, single_pass, group_rows = backward_config(hidden, bias, memory_efficient)
         common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
                   "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
         if width != "grouped":  # its forward is the "single" one

@@ -54,7 +54,7 @@ MAX_BLOCK_V = 4096
 
 
 @triton.jit
-def _tanh(u):
+def tanh_fp32(u):
     # libdevice is a stub under the interpreter, so tanh is built from exp. For |u| >= 0.7,
     # 1 - 2 / (exp(2|u|) + 1) (exp overflowing to inf gives exactly 1); below, where that
     # cancels, the odd Taylor series to u^19. Measured in fp32 against float64 on [0, 9]:
@@ -76,7 +76,7 @@ def _tanh(u):
 
 
 @triton.jit
-def _cast_rne(x, dtype: tl.constexpr):
+def cast_rne(x, dtype: tl.constexpr):
     # fp32 -> dtype, rounding to nearest even. For bf16 the rounding is done on the bits: the
     # interpreter's bf16 cast truncates, and this gives the same bits as the GPU's cvt.rn there.
     # A NaN keeps its sign and high payload, made quiet: the rounding carry would turn a NaN whose low
@@ -96,7 +96,7 @@ def _load_capped(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
     # row_ptr: one row of logits; returns the (soft-capped) fp32 values, 0 before capping in padded lanes
     y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        y = softcap * _tanh(y / softcap)
+        y = softcap * tanh_fp32(y / softcap)
     return y
 
 
@@ -180,7 +180,7 @@ def _cross_entropy_kernel(
         lse = row_max.to(tl.float64) + log_sum64
         target_logit = tl.load(logits_row + safe_target).to(tl.float32)
         if HAS_SOFTCAP:
-            target_logit = softcap * _tanh(target_logit / softcap)
+            target_logit = softcap * tanh_fp32(target_logit / softcap)
         ce = target_weight * ((row_max - target_logit).to(tl.float64) + log_sum64)
         if SMOOTHING:
             ce = (1.0 - smoothing) * ce + smoothing_per_class * (weight_sum * lse - weighted_logit_sum)
@@ -208,7 +208,7 @@ def _cross_entropy_kernel(
             mask = cols < n_cols
             y = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_SOFTCAP:
-                capped = _tanh(y / softcap)  # kept: 1 - tanh^2 from y / softcap would add a rounding
+                capped = tanh_fp32(y / softcap)  # kept: 1 - tanh^2 from y / softcap would add a rounding
                 y = softcap * capped
             # Kept as two parts: a single fp32 lse carries an absolute rounding of eps*|lse|,
             # which exp would turn into a relative error of every probability.
@@ -227,7 +227,7 @@ def _cross_entropy_kernel(
                 g *= 1.0 - capped * capped
             g = tl.where(valid, g, 0.0)
             g = tl.where(out_of_range, nan, g)
-            tl.store(grad_row + cols, _cast_rne(g, grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_row + cols, cast_rne(g, grad_ptr.dtype.element_ty), mask=mask)
 
 
 def _aot_variants():

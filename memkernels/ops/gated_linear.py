@@ -33,7 +33,7 @@ from memkernels.reference.act_linear import ACTIVATIONS
 # custom op; the last argument, ``backend``, picks the Triton elementwise passes or their PyTorch twins.
 
 
-def _halves(gate_up):
+def halves(gate_up):
     """(gate, up) 2-D views of a packed [..., 2*I] tensor: first half gate."""
     gate_up2d = gate_up.reshape(-1, gate_up.shape[-1])
     width = gate_up2d.shape[1] // 2
@@ -43,7 +43,7 @@ def _halves(gate_up):
 def _operands(gate, up):
     """2-D gate and up; ``up`` None means ``gate`` is the packed gate_up."""
     if up is None:
-        return _halves(gate)
+        return halves(gate)
     return gate.reshape(-1, gate.shape[-1]), up.reshape(-1, up.shape[-1])
 
 
@@ -284,7 +284,7 @@ def _projection_backward(grad, x2d, weight, bias, needs_x, needs_weight, needs_b
 def _project(x2d, gate_weight, gate_bias, up_weight, up_bias):
     """(gate, up) [M, I] each from x2d [M, H]; ``up_weight`` None: one packed gate_up projection."""
     if up_weight is None:
-        return _halves(F.linear(x2d, gate_weight, gate_bias))
+        return halves(F.linear(x2d, gate_weight, gate_bias))
     return F.linear(x2d, gate_weight, gate_bias), F.linear(x2d, up_weight, up_bias)
 
 
@@ -300,7 +300,7 @@ def _check_tensor(name, tensor, like, owner):
         raise ValueError(f"{owner}: {name} is {tensor.dtype} but the input is {like.dtype}; cast them to one dtype")
 
 
-def _resolve_backend(backend, like, owner):
+def resolve_backend(backend, like, owner):
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"{owner}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
     if backend is None:
@@ -374,7 +374,7 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
                              f"last dim), got {tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else gate_up}")
         _check_weight(weight, bias, gate_up.shape[-1] // 2, gate_up, owner)
         return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate_up, None, weight, bias, activation,
-                        _resolve_backend(backend, gate_up, owner))
+                        resolve_backend(backend, gate_up, owner))
     if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor) or gate.dim() < 1:
         raise ValueError(f"{owner}: gate and up must be tensors of shape [..., intermediate_size] "
                          "(or pass gate_up= for the packed form)")
@@ -383,7 +383,7 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
     _check_tensor("up", up, gate, owner)
     _check_weight(weight, bias, gate.shape[-1], gate, owner)
     return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate, up, weight, bias, activation,
-                    _resolve_backend(backend, gate, owner))
+                    resolve_backend(backend, gate, owner))
 
 
 def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *,
@@ -437,4 +437,4 @@ def _gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_wei
     width = gate_weight.shape[0] // 2 if up_weight is None else gate_weight.shape[0]
     _check_weight(down_weight, down_bias, width, x, owner)
     return GatedMLPRecomputeFunction.apply(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                                           activation, _resolve_backend(backend, x, owner), chunk_size)
+                                           activation, resolve_backend(backend, x, owner), chunk_size)

@@ -26,7 +26,7 @@ import torch
 from memkernels.ops import _act_linear, _autocast
 from memkernels.ops._act_linear import Step
 from memkernels.ops._custom_op import apply_op, autograd_pair
-from memkernels.ops.gated_linear import _halves, _resolve_backend, check_activation
+from memkernels.ops.gated_linear import halves, resolve_backend, check_activation
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,14 +72,14 @@ def grouped_mm(a, b, offsets):
 
 def _forward(gate_up, weight, offsets, activation, backend):
     """[S, N] from gate_up [S, 2*I] and weight [E, N, I]."""
-    product = _act_linear.PASSES[backend].product(*_halves(gate_up), activation)
+    product = _act_linear.PASSES[backend].product(*halves(gate_up), activation)
     return grouped_mm(product, weight.transpose(-2, -1), offsets)
 
 
 def _backward(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend):
     """[d_gate_up [S, 2*I]] when ``needs_input``, then [dW [E, N, I]] when ``needs_weight``."""
     passes = _act_linear.PASSES[backend]
-    gate, up = _halves(gate_up)
+    gate, up = halves(gate_up)
     results = []
     if needs_input:
         grads, grad_gate, grad_up = _act_linear.grad_input_buffers(gate, True, packed=True)
@@ -184,4 +184,4 @@ def _grouped_gated_linear(gate_up, weight, offsets, *, activation, backend):
         raise ValueError(f"{owner}: offsets must be an int32 tensor of shape ({weight.shape[0]},) (one end row per "
                          f"expert) on {gate_up.device}")
     return apply_op(_STEPS["forward"].custom_op, _GroupedGatedLinearFunction, gate_up, weight, offsets, activation,
-                    _resolve_backend(backend, gate_up, owner))
+                    resolve_backend(backend, gate_up, owner))

@@ -83,7 +83,7 @@ from memkernels.ops._half_gemm import addmm_float32_
 from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
                                    reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.ops.cross_entropy import _cast_rne, row_kernels
+from memkernels.ops.cross_entropy import cast_rne, row_kernels
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def _scale_kernel(
     scale = tl.load(scale_ptr)
     if BFLOAT16_BITS:
         x = (tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        tl.store(x_ptr + offsets, _cast_rne(x * scale, tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
+        tl.store(x_ptr + offsets, cast_rne(x * scale, tl.bfloat16).to(tl.int16, bitcast=True), mask=mask)
     else:
         x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
         tl.store(x_ptr + offsets, (x * scale).to(x_ptr.dtype.element_ty), mask=mask)

@@ -31,7 +31,7 @@ from memkernels.ops import _autocast
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels.ops._host import next_power_of_2
-from memkernels.ops.cross_entropy import _cast_rne, _tanh
+from memkernels.ops.cross_entropy import cast_rne, tanh_fp32
 from memkernels.ops.linear_cross_entropy import (head_logits, recompute_chunk_tokens, recompute_tile_classes,
                                                  tiled_head_backward, validate_head)
 from memkernels.reference import logprobs as reference
@@ -48,7 +48,7 @@ def _load_scaled(row_ptr, cols, mask, softcap, temperature, HAS_SOFTCAP: tl.cons
     # a soft-cap, else x itself (unused)
     x = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_SOFTCAP:
-        capped = _tanh(x / softcap)
+        capped = tanh_fp32(x / softcap)
         x_capped = softcap * capped
     else:
         capped = x
@@ -177,7 +177,7 @@ def _logprobs_kernel(
                 g *= 1.0 - capped * capped
             g = tl.where(valid, g, 0.0)
             g = tl.where(out_of_range, nan, g)
-            tl.store(grad_row + cols, _cast_rne(g, grad_ptr.dtype.element_ty), mask=mask)
+            tl.store(grad_row + cols, cast_rne(g, grad_ptr.dtype.element_ty), mask=mask)
 
 
 def _num_warps(block_v):

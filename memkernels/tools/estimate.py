@@ -60,7 +60,7 @@ from torch import nn
 from memkernels.models import (TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config,
                                translate_hf_config)
 from memkernels.tools import placement
-from memkernels.tools.profile import _table, format_bytes, ledger_forward
+from memkernels.tools.profile import text_table, format_bytes, ledger_forward
 
 __all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS", "FINETUNE_MODES", "model_state_bytes",
            "lora_parameters", "QLORA_BYTES_PER_PARAM", "default_margin", "MARGIN_TEXT"]
@@ -168,7 +168,7 @@ class MemoryEstimate:
                 f"{self.describe()}")
         peak = (f"activation peak of the step: {format_bytes(self.activation_peak)} = activations + logits / loss + "
                 "backward transient (plan's \"activations (peak)\")")
-        return "\n".join([head, _table(("per GPU", "bytes"), rows), peak] + [f"  note: {n}" for n in self.notes])
+        return "\n".join([head, text_table(("per GPU", "bytes"), rows), peak] + [f"  note: {n}" for n in self.notes])
 
     __str__ = table
 
@@ -187,7 +187,7 @@ def _hf_layers_attr(config):
                      "(no num_hidden_layers / n_layer)")
 
 
-class _Source:
+class ModelSource:
     """How to build the model with a given number of layers, on meta."""
 
     def __init__(self, model_or_config):
@@ -258,7 +258,7 @@ class _Source:
             config = copy.deepcopy(self.hf_config)
             if num_layers is not None:
                 setattr(config, self.layers_attr, num_layers)
-            config._attn_implementation = "sdpa"  # measured as the flash kernel a GPU runs (profile._meta_forward)
+            config._attn_implementation = "sdpa"  # measured as the flash kernel a GPU runs (profile.meta_forward)
             try:
                 return self.hf_class(config)
             except ValueError as error:  # e.g. GPT-OSS (attention sinks): transformers has no SDPA path for it
@@ -315,7 +315,7 @@ def _enable_checkpointing(model):
         model.train()
 
 
-def _layer_numel(model):
+def layer_numel(model):
     blocks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
     if not blocks:
         return 0
@@ -434,13 +434,13 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
         raise ValueError(f"estimate(zero_stage={zero_stage!r}): use 0, 1, 2 or 3 (or None)")
     if finetune != "full":
         _positive_int("lora_rank", lora_rank)
-    source = _Source(model_or_config)
+    source = ModelSource(model_or_config)
     if source.config is not None and source.config.position == "learned" and seq > source.config.max_seq_len:
         raise ValueError(f"estimate(seq={seq}): {source.name} has learned positions up to "
                          f"{source.config.max_seq_len} tokens")
     full = source.build()
     num_parameters = sum(p.numel() for p in full.parameters())
-    layer_numel = _layer_numel(full)
+    layer_numel = layer_numel(full)
     num_layers = source.num_layers
     weight_bytes, grad_bytes, master_bytes, _ = DTYPES[dtype]
 
@@ -550,7 +550,7 @@ def estimate_table(estimates):
     header = ["configuration"] + [_COLUMNS[part] for part in _PARTS] + ["total"]
     rows = [[label.replace("\n", " ")] + [format_bytes(getattr(result, part)) for part in _PARTS]
             + [format_bytes(result.total)] for label, result in estimates]
-    return _table(header, rows)
+    return text_table(header, rows)
 
 
 def breakdown_chart(estimates, path, *, title=None, gpu_bytes=None, measured=()):

@@ -27,7 +27,7 @@ import os
 import pickle
 
 from memkernels.tools._torch_policy import round_size
-from memkernels.tools.replay import TraceError, _run_pool, _summary, load_trace, replay_pytorch_model, trace_ops
+from memkernels.tools.replay import TraceError, run_pool, summary, load_trace, replay_pytorch_model, trace_ops
 from memkernels.tools.sizes import format_size
 
 __all__ = ["explain", "Explanation", "load_snapshot", "user_frame", "demand_events", "counterfactuals"]
@@ -297,7 +297,7 @@ def counterfactuals(events, capacity):
         def run(cap):
             if policy.startswith("pytorch"):
                 return replay_pytorch_model(snapshot, capacity=cap, expandable_segments=expandable)
-            return _summary(*_run_pool(ops, num_slots, 0, cap, {"expandable_segments": expandable}), ops)
+            return summary(*run_pool(ops, num_slots, 0, cap, {"expandable_segments": expandable}), ops)
 
         unlimited = run(None)
         capped = unlimited if capacity is None else run(capacity)

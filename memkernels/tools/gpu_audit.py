@@ -919,10 +919,10 @@ def _rope_minimum(shape, e):
 
 
 def _norm_backward_programs(hidden, is_rms):
-    """memkernels' norm backward programs on an H100 at rows of ``hidden`` (_norm_kernels._num_programs)."""
+    """memkernels' norm backward programs on an H100 at rows of ``hidden`` (_norm_kernels.num_programs)."""
     from memkernels.ops import _norm_kernels
-    num_warps = _norm_kernels._backward_config(hidden, not is_rms)[1]
-    return _norm_kernels._programs_per_sm(num_warps) * _H100_SMS
+    num_warps = _norm_kernels.backward_config(hidden, not is_rms)[1]
+    return _norm_kernels.programs_per_sm(num_warps) * _H100_SMS
 
 
 def _norm_real_shape(is_rms):
@@ -936,12 +936,12 @@ def _norm_programs(shape):
     """Give the norm backward ``shape["P"]`` programs (the GPU's count at the real shape; the interpreter's
     default is a fixed few). Each program owns one float32 row of dw/db partial sums."""
     from memkernels.ops import _norm_kernels
-    original = _norm_kernels._num_programs
-    _norm_kernels._num_programs = lambda rows, device, num_warps: min(rows, shape["P"])
+    original = _norm_kernels.num_programs
+    _norm_kernels.num_programs = lambda rows, device, num_warps: min(rows, shape["P"])
     try:
         yield
     finally:
-        _norm_kernels._num_programs = original
+        _norm_kernels.num_programs = original
 
 
 # Liger's norm backwards, each with one program per SM, one float32 partial row (of dw, and of db) each.
@@ -1500,9 +1500,9 @@ _AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd", "norm_reduce_partials")
 def occupancy(names=None, archs=(80, 90)):
     """[(kernel, variant, arch, registers, shared bytes, warps, blocks per SM)] from the AOT compile."""
     from memkernels import aot
-    for module in aot._ops_modules():
+    for module in aot.ops_modules():
         __import__(module)
-    warps = {(e.name, v["label"]): v["num_warps"] for e in aot._REGISTRY.values() for v in e.variants}
+    warps = aot.variant_warps()
     rows = []
     for report in aot.check(names, archs):
         n_warps = warps[(report.kernel, report.variant)]

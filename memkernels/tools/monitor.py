@@ -109,7 +109,7 @@ class PoolStats:
         if pool is None:
             from memkernels import allocator
 
-            pool = allocator._installed()
+            pool = allocator.installed_pool()
         self.pool, self.device = pool, device
         self._recording = False
 

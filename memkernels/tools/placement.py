@@ -51,7 +51,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 from memkernels.meters import PeakBytesMeter
 from memkernels.offload import OffloadActivations
-from memkernels.tools.profile import _FlashAttentionOnMeta
+from memkernels.tools.profile import FlashAttentionOnMeta
 from memkernels.tools import plan_apply
 from memkernels.tools.plan_apply import KERNELS, LOSS_STRATEGY, install_loss_strategy  # noqa: F401 (re-exported)
 
@@ -259,9 +259,9 @@ class _ModelledHead(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=None)
 def _modelled_loss_class():
-    from memkernels.patch import _CausalLMLoss
+    from memkernels.patch import CausalLMLoss
 
-    class _ModelledLoss(_CausalLMLoss):
+    class _ModelledLoss(CausalLMLoss):
         """Stands in on meta for the fused loss a plan installs (:data:`LOSS_STRATEGY`): the same
         reshapes as ``linear_cross_entropy``, then :class:`_ModelledHead`."""
 
@@ -335,14 +335,14 @@ def lm_inputs(model, ids):
 
 def _metered_step(model, ids):
     """One forward + backward of ``model`` on meta ids, segmented by layer; returns the :class:`_Timeline`."""
-    from memkernels.tools.profile import _meta_forward
+    from memkernels.tools.profile import meta_forward
     _, layers = plan_apply.find_layers(model)
     for param in model.parameters():
         if param.requires_grad:  # gradients are model state: present before the step, as after the first one
             param.grad = torch.zeros_like(param)
     meter = PeakBytesMeter()
     handles = []
-    with meter, _meta_forward(model), torch.enable_grad():
+    with meter, meta_forward(model), torch.enable_grad():
         timeline = _Timeline(meter)
         last = len(layers) - 1
 
@@ -380,9 +380,9 @@ def _step_flops(model, ids, head_recompute=False):
     """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, layers' recompute included;
     a modelled fused loss's own recompute is not: ``head_recompute=True`` returns it beside, as
     (step FLOPs, FLOPs the fused loss replays))."""
-    from memkernels.tools.profile import _meta_forward
+    from memkernels.tools.profile import meta_forward
     _MODELLED_HEAD.update(step=0, recompute=0, figures=None)
-    with _meta_forward(model), torch.enable_grad(), flop_counter() as counter:
+    with meta_forward(model), torch.enable_grad(), flop_counter() as counter:
         args, kwargs = lm_inputs(model, ids)
         _loss_of(model(*args, **kwargs)).backward()
     total = counter.get_total_flops() + _MODELLED_HEAD["step"]
@@ -533,7 +533,7 @@ def _build(source, depth, dtype, kernels=False, option=None, backend="triton"):
         choices = [OPTION_BY_NAME["keep"]] * depth
         choices[_probe_layer(depth)] = option
         offload = _MetaOffload() if option.offloaded else None
-        plan_apply.apply_placement(model, choices, recompute_context=_FlashAttentionOnMeta, offload=offload)
+        plan_apply.apply_placement(model, choices, recompute_context=FlashAttentionOnMeta, offload=offload)
     return model, offload
 
 
@@ -541,7 +541,7 @@ _profiles = {}  # (model key, seq, dtype, kernels, backend) -> LayerProfile
 
 
 def measure_profile(source, seq, dtype, *, kernels=False, offload=False, backend="triton"):
-    """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``_Source``) at ``seq``
+    """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``ModelSource``) at ``seq``
     (cached per model, sequence length, dtype, kernels and backend). ``offload``: also measure the
     offload options (through :class:`_MetaOffload`; measured once, on first request). ``backend``:
     whose fused loss the kernels' profile counts (``"triton"``: a GPU's; ``"torch"``: the CPU path's,

@@ -24,7 +24,7 @@ minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP
 import dataclasses
 import math
 
-from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, _layer_numel, _Source, default_margin,
+from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, layer_numel, ModelSource, default_margin,
                                        lora_parameters, model_state_bytes)
 from memkernels.tools import placement as placement_mod
 from memkernels.tools.sizes import format_size, parse_count, parse_device_size, parse_size
@@ -313,7 +313,7 @@ def place(model, *, batch, seq, budget, offload=False, kernels=False, tflops=400
     _positive("budget", budget)
     parameter = next(model.parameters())
     backend = "triton" if parameter.device.type == "cuda" else "torch"
-    profile = placement_mod.measure_profile(_Source(model), seq, parameter.dtype, offload=offload, kernels=kernels,
+    profile = placement_mod.measure_profile(ModelSource(model), seq, parameter.dtype, offload=offload, kernels=kernels,
                                             backend=backend)
     return placement_mod.solve(profile, batch, budget, offload=offload, tflops=tflops, pcie_gbps=pcie_gbps)
 
@@ -384,14 +384,14 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         raise ValueError(f"plan(gpu_mem={format_size(gpu_mem)}): at most the margin ({format_size(margin)}); "
                          "give the GPU's memory, or a smaller margin=")
 
-    source = _Source(model_or_config)
+    source = ModelSource(model_or_config)
     if source.config is not None and source.config.position == "learned" and seq > source.config.max_seq_len:
         raise ValueError(f"plan(seq={seq}): {source.name} has learned positions up to "
                          f"{source.config.max_seq_len} tokens")
     compute_dtype = DTYPES[dtype][3]
     full = source.build()
     num_parameters = sum(p.numel() for p in full.parameters())
-    layer_numel = _layer_numel(full)
+    layer_numel = layer_numel(full)
     adapters, adapted = lora_parameters(full, lora_rank)
     weight_bytes, grad_bytes = DTYPES[dtype][:2]
     del full
@@ -587,7 +587,7 @@ def _longest(model_or_config, arguments):
     """plan(seq="max"): the Plan at the longest ``seq`` that fits in the fine-tuning mode asked for (a length
     that fits only by falling back to LoRA / QLoRA does not count), assuming fitting is monotone in the
     length (memory grows with it; the added time's share of the step, with it, as a rule)."""
-    source = _Source(model_or_config)
+    source = ModelSource(model_or_config)
     learned = source.config is not None and source.config.position == "learned"
     ceiling = source.config.max_seq_len if learned else SEQ_CEILING
     tried = {}

@@ -221,8 +221,8 @@ LOSS_STRATEGY = "recompute"
 
 def fused_losses(model):
     """``[(name, module)]`` of the fused losses ``memkernels.apply`` installed in ``model``."""
-    from memkernels.patch import _CausalLMLoss
-    return [(name, module) for name, module in model.named_modules() if isinstance(module, _CausalLMLoss)]
+    from memkernels.patch import CausalLMLoss
+    return [(name, module) for name, module in model.named_modules() if isinstance(module, CausalLMLoss)]
 
 
 def install_loss_strategy(model):

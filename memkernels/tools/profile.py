@@ -34,7 +34,7 @@ CATEGORIES = ("embedding", "norm", "attention", "mlp", "logits/loss", "other")
 
 
 
-def _table(header, rows):
+def text_table(header, rows):
     widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
     def line(cells):
         return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
@@ -76,7 +76,7 @@ class MemorySummary:
                 ("peak allocated", format_bytes(self.peak_allocated)),
                 ("peak reserved", format_bytes(self.peak_reserved)),
                 ("fragmentation", f"{self.fragmentation:.1%}" + ("  (above 30%!)" if self.fragmented else ""))]
-        return f"memory on {self.device} ({self.source} allocator)\n" + _table(("", "bytes"), rows)
+        return f"memory on {self.device} ({self.source} allocator)\n" + text_table(("", "bytes"), rows)
 
     __str__ = table
 
@@ -153,7 +153,7 @@ def memory_summary(device=None):
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
-class _FlashAttentionOnMeta(TorchFunctionMode):
+class FlashAttentionOnMeta(TorchFunctionMode):
     """Route unmasked SDPA on meta tensors to the flash kernel's op.
 
     On ``meta``, ``F.scaled_dot_product_attention`` picks the math fallback,
@@ -201,7 +201,7 @@ def _has_stacked_weights(model):
 
 
 @contextlib.contextmanager
-def _meta_forward(model=None):
+def meta_forward(model=None):
     """Make a meta forward of ``model`` save what a real run saves, and not stop on data-dependent checks.
 
     Hugging Face's mask code asks whether position ids describe packed sequences
@@ -222,7 +222,7 @@ def _meta_forward(model=None):
     try:
         grouped = _GroupedMatmulOnMeta() if model is not None and _has_stacked_weights(model) \
             else contextlib.nullcontext()
-        with _FlashAttentionOnMeta(), grouped:
+        with FlashAttentionOnMeta(), grouped:
             yield
     finally:
         if original is not None:
@@ -318,7 +318,7 @@ class ActivationLedger:
                   format_bytes(r["aliased_bytes"]), r["tensors"]) for r in rows]
         lines.append(("total", "", "", format_bytes(self.new_bytes), format_bytes(self.aliased_bytes),
                       sum(r["tensors"] for r in self.rows)))
-        return _table(("module", "type", "category", "new", "aliased", "tensors"), lines)
+        return text_table(("module", "type", "category", "new", "aliased", "tensors"), lines)
 
     __str__ = table
 
@@ -364,7 +364,7 @@ def ledger_forward(model, *inputs, **kwargs):
         raise ValueError(f"activation_ledger(model=...) needs an nn.Module, got {type(model).__name__}")
     meter = SavedBytesMeter()
     meta = _on_meta(model, list(inputs) + list(kwargs.values()))
-    with torch.enable_grad(), _meta_forward(model) if meta else contextlib.nullcontext():
+    with torch.enable_grad(), meta_forward(model) if meta else contextlib.nullcontext():
         with meter, _labelled_by_module(model, meter) as types:
             output = model(*inputs, **kwargs)
     return ActivationLedger(meter, types), output
@@ -404,7 +404,7 @@ class EvaluationResult:
         rows = [(name, format_bytes(r["peak_bytes"]), f"{r['step_seconds'] * 1e3:.1f} ms",
                  f"{r['max_batch']}{'+' if r['max_batch_capped'] else ''}") for name, r in self.results.items()]
         return (f"peak bytes and step time at batch {self.batch_size}; largest batch within "
-                f"{format_bytes(self.budget_bytes)}\n" + _table(("step", "peak", "time", "max batch"), rows))
+                f"{format_bytes(self.budget_bytes)}\n" + text_table(("step", "peak", "time", "max batch"), rows))
 
     __str__ = table
 
@@ -575,7 +575,7 @@ class StepComparison:
         total_b, total_o = self.baseline["ledger"].new_bytes, self.optimized["ledger"].new_bytes
         rows.append(("total", format_bytes(total_b), format_bytes(total_o),
                      f"{(total_o - total_b) / total_b:+.0%}" if total_b else ""))
-        return _table(("saved for backward", "baseline", "memkernels", "change"), rows)
+        return text_table(("saved for backward", "baseline", "memkernels", "change"), rows)
 
     def step_table(self):
         rows = [("loss", f"{self.baseline['loss']:.6f}", f"{self.optimized['loss']:.6f}",
@@ -590,7 +590,7 @@ class StepComparison:
                          f"{self.optimized['seconds']:.3f} s",
                          f"{self.optimized['seconds'] / self.baseline['seconds']:.2f}x"
                          if self.baseline["seconds"] else ""))
-        return _table(("", "baseline", "memkernels", "parity / change"), rows)
+        return text_table(("", "baseline", "memkernels", "parity / change"), rows)
 
     def device_label(self):
         """What the times were measured on, for their row: "median of N, <device>"."""

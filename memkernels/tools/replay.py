@@ -13,7 +13,7 @@ import statistics
 import sys
 import textwrap
 
-from memkernels.allocator import _C, _pool_config
+from memkernels.allocator import core, pool_config
 from memkernels.tools._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
 from memkernels.tools.sizes import format_size
 
@@ -170,12 +170,12 @@ def _simulated_device_pool(device, capacity, pool_config):
     device_module.sim.configure(
         device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count * ranges
     )
-    return _C().make_device_pool(pool_config)
+    return core().make_device_pool(pool_config)
 
 
-def _run_pool(ops, num_slots, device, capacity, config, simulated_device=False):
-    C = _C()
-    pool_config = _pool_config(**config)
+def run_pool(ops, num_slots, device, capacity, config, simulated_device=False):
+    C = core()
+    pool_config = pool_config(**config)
     if simulated_device:
         pool = _simulated_device_pool(device, capacity, pool_config)
     else:
@@ -216,11 +216,11 @@ def replay(trace, *, device=0, expandable_segments=False, capacity=None, simulat
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
     config = dict(config, expandable_segments=expandable_segments)
-    stats, run = _run_pool(ops, num_slots, device, capacity, config, simulated_device)
-    return _summary(stats, run, ops)
+    stats, run = run_pool(ops, num_slots, device, capacity, config, simulated_device)
+    return summary(stats, run, ops)
 
 
-def _summary(stats, run, ops):
+def summary(stats, run, ops):
     return {
         "peak_requested_bytes": stats["requested_bytes"]["peak"],
         "peak_allocated_bytes": stats["allocated_bytes"]["peak"],
@@ -330,8 +330,8 @@ def device_allocation_causes(trace, *, device=0, capacity=None, **config):
                          "of allocating segments: drop expandable_segments=True")
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
-    C = _C()
-    pool_config = _pool_config(**config)
+    C = core()
+    pool_config = pool_config(**config)
     pool = C.Pool(pool_config, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
     policy = pool_config.policy
     model = TorchPolicyModel(capacity=capacity)
@@ -545,8 +545,8 @@ def replay_periodic(trace, *, steps=6, device=0, capacity=None, expandable_segme
             live -= sizes[slot]
     ends = step_starts[1:] + [len(ops)]
 
-    C = _C()
-    pool = C.Pool(_pool_config(**dict(config, expandable_segments=expandable_segments)),
+    C = core()
+    pool = C.Pool(pool_config(**dict(config, expandable_segments=expandable_segments)),
                   C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
 
     def pool_counts():
@@ -617,9 +617,9 @@ def compare(trace, *, device=0, capacity=None, repeats=5, simulated_device=False
     ops, num_slots, peak_live = trace_ops(_device_events(snapshot, device))
     config = dict(config, expandable_segments=expandable_segments)
     runs = [
-        _run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(repeats)
+        run_pool(ops, num_slots, device, capacity_bytes, config, simulated_device) for _ in range(repeats)
     ]
-    memkernels = _summary(*runs[0], ops)
+    memkernels = summary(*runs[0], ops)
     memkernels["ns_per_op"] = statistics.median(run["elapsed_ns"] / max(run["ops"], 1) for _, run in runs)
     return {
         "pytorch": replay_pytorch_model(
