@@ -180,7 +180,7 @@ def run_report(args):
 
 def run_estimate(args):
     from memkernels.tools.estimate import MARGIN_TEXT, default_margin, estimate, fitting_options
-    from memkernels.tools.profile import text_table, format_bytes
+    from memkernels.tools.profile import format_bytes, text_table
 
     options = {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
                "shard_degree": args.gpus, "zero_stage": args.zero_stage}

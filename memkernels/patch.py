@@ -91,7 +91,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkernels.models import MLP, LogitsLoss, TransformerLM
-from memkernels.tools.profile import text_table, ledger_forward
+from memkernels.tools.profile import ledger_forward, text_table
 
 __all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 

@@ -60,7 +60,7 @@ from torch import nn
 from memkernels.models import (TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config,
                                translate_hf_config)
 from memkernels.tools import placement
-from memkernels.tools.profile import text_table, format_bytes, ledger_forward
+from memkernels.tools.profile import format_bytes, ledger_forward, text_table
 
 __all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS", "FINETUNE_MODES", "model_state_bytes",
            "lora_parameters", "QLORA_BYTES_PER_PARAM", "default_margin", "MARGIN_TEXT"]
@@ -440,7 +440,7 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
                          f"{source.config.max_seq_len} tokens")
     full = source.build()
     num_parameters = sum(p.numel() for p in full.parameters())
-    layer_numel = layer_numel(full)
+    numel_per_layer = layer_numel(full)
     num_layers = source.num_layers
     weight_bytes, grad_bytes, master_bytes, _ = DTYPES[dtype]
 
@@ -486,8 +486,8 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
                               optimizer_offload=optimizer_offload, grad_accumulation=grad_accumulation)
     fsdp = 0
     if shard_degree > 1 and zero_stage == 3:
-        layer_grads = layer_numel if finetune == "full" else 0
-        fsdp = layer_numel * 2 * weight_bytes + layer_grads * grad_bytes
+        layer_grads = numel_per_layer if finetune == "full" else 0
+        fsdp = numel_per_layer * 2 * weight_bytes + layer_grads * grad_bytes
         notes.append("FSDP/ZeRO-3: all model state divided by the shard degree; + one layer's gathered weights, "
                      "the next one prefetched, and one layer's unsharded gradients")
     elif shard_degree > 1 and zero_stage:

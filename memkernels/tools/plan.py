@@ -24,7 +24,7 @@ minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP
 import dataclasses
 import math
 
-from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, layer_numel, ModelSource, default_margin,
+from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, ModelSource, default_margin, layer_numel,
                                        lora_parameters, model_state_bytes)
 from memkernels.tools import placement as placement_mod
 from memkernels.tools.sizes import format_size, parse_count, parse_device_size, parse_size
@@ -391,7 +391,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
     compute_dtype = DTYPES[dtype][3]
     full = source.build()
     num_parameters = sum(p.numel() for p in full.parameters())
-    layer_numel = layer_numel(full)
+    numel_per_layer = layer_numel(full)
     adapters, adapted = lora_parameters(full, lora_rank)
     weight_bytes, grad_bytes = DTYPES[dtype][:2]
     del full
@@ -455,7 +455,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                                   trainable=trainable, quantized=adapted if mode == "qlora" else 0,
                                   optimizer_offload=opt_offload,
                                   grad_accumulation=per_rank is not None and per_rank > 1)
-        fsdp = layer_numel * (2 * weight_bytes + (grad_bytes if mode == "full" else 0)) \
+        fsdp = numel_per_layer * (2 * weight_bytes + (grad_bytes if mode == "full" else 0)) \
             if gpus > 1 and stage == 3 else 0
         per_gpu = sum(v for k, v in state.items() if k != "host_optimizer") + fsdp
         budget = gpu_mem - margin - per_gpu

@@ -158,7 +158,7 @@ def _check_capacity(capacity):
     return capacity
 
 
-def _simulated_device_pool(device, capacity, pool_config):
+def _simulated_device_pool(device, capacity, settings):
     """A pool over the device table on the simulated device, reconfigured for replay."""
     from memkernels import device as device_module
 
@@ -166,20 +166,20 @@ def _simulated_device_pool(device, capacity, pool_config):
     capacity = SIMULATED_DEFAULT_CAPACITY if capacity is None else capacity
     device_count = device + 1
     # Expandable segments reserve an address range the size of the device per (stream, pool).
-    ranges = 4 if pool_config.expandable_segments else 1
+    ranges = 4 if settings.expandable_segments else 1
     device_module.sim.configure(
         device_count=device_count, capacity=capacity, memory="virtual", address_space=capacity * device_count * ranges
     )
-    return core().make_device_pool(pool_config)
+    return core().make_device_pool(settings)
 
 
 def run_pool(ops, num_slots, device, capacity, config, simulated_device=False):
     C = core()
-    pool_config = pool_config(**config)
+    settings = pool_config(**config)
     if simulated_device:
-        pool = _simulated_device_pool(device, capacity, pool_config)
+        pool = _simulated_device_pool(device, capacity, settings)
     else:
-        pool = C.Pool(pool_config, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
+        pool = C.Pool(settings, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
     run = pool.replay(ops, num_slots, device)
     return pool.stats(device), run
 
@@ -331,9 +331,9 @@ def device_allocation_causes(trace, *, device=0, capacity=None, **config):
     capacity = _check_capacity(capacity)
     ops, num_slots, _ = trace_ops(_device_events(load_trace(trace), device))
     C = core()
-    pool_config = pool_config(**config)
-    pool = C.Pool(pool_config, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
-    policy = pool_config.policy
+    settings = pool_config(**config)
+    pool = C.Pool(settings, C.VirtualUpstream(UNLIMITED_CAPACITY if capacity is None else capacity))
+    policy = settings.policy
     model = TorchPolicyModel(capacity=capacity)
     ours, theirs = [None] * num_slots, [None] * num_slots
     causes = {cause: {"pool": 0, "pytorch_too": 0} for cause in ALLOCATION_CAUSES}
