@@ -444,7 +444,9 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
 
     Args:
         logits: (..., V) float32/float16/bfloat16.
-        target: (...) integer class ids in [0, V) or ``ignore_index``.
+        target: (...) integer class ids in [0, V) or ``ignore_index``. Out of range: ValueError on
+            the PyTorch path; the Triton path never reads back to the host, so there that row's loss
+            and gradient are NaN instead (any reduction is NaN; check targets yourself when in doubt).
         weight: optional (V,) class weights (as ``torch.nn.functional.cross_entropy``).
         label_smoothing: epsilon in [0, 1], PyTorch's definition (also with ``weight``).
         reduction: "none" (shape of ``target``, float32), "mean" or "sum" (0-d float32).

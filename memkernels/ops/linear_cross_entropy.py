@@ -727,7 +727,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
     Args:
         hidden: (..., H) float32/float16/bfloat16 activations.
         weight: (V, H) LM-head weight, same dtype; bias: optional (V,).
-        target: (...) integer class ids in [0, V) or ``ignore_index``.
+        target: (...) integer class ids in [0, V) or ``ignore_index``. Out of range: ValueError on
+            the PyTorch path; the Triton path never reads back to the host, so there that row's loss
+            and gradient are NaN instead (any reduction is NaN; check targets yourself when in doubt).
         class_weight: optional (V,) per-class loss weights (PyTorch's ``weight``).
         label_smoothing, reduction, softcap, z_loss, return_z_loss: as in
             :func:`memkernels.ops.cross_entropy.cross_entropy`.

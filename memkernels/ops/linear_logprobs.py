@@ -412,7 +412,9 @@ def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softc
     Args:
         hidden: (..., H) float32/float16/bfloat16 final hidden states.
         weight: (V, H) LM-head weight, same dtype; bias: optional (V,).
-        target: (...) integer token ids in [0, V) or ``ignore_index``, one per row of hidden.
+        target: (...) integer token ids in [0, V) or ``ignore_index``, one per row of hidden. Out of
+            range: ValueError on the PyTorch path; the Triton path never reads back to the host, so
+            there the row's results are NaN instead (check targets yourself when in doubt).
         temperature: the sampling temperature the logits are divided by (after the soft-cap), > 0.
         softcap: optional c > 0: the logits are ``c * tanh(logits / c)`` first (Gemma-2's final soft-cap).
         return_entropy: also return the per-token entropy ``-sum p log p`` of the same distribution.
