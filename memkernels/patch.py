@@ -180,8 +180,31 @@ def _why_not_plain(module, classes, what):
         kind = f"{type(module).__module__}.{type(module).__qualname__}"
         return (f"{what} is a {kind}, not a plain {'/'.join(c.__name__ for c in classes)}: fusing would go around "
                 "its forward (e.g. a peft LoRA layer's adapter, a quantized linear)")
+    return _dtensor_reason(module, what) or _hooks_reason(module, what)
+
+
+def _hooks_reason(module, what):
     if module._forward_hooks or module._forward_pre_hooks:
         return f"{what} has forward hooks, which fusing would skip"
+    return None
+
+
+@functools.cache
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def _dtensor_reason(module, what):
+    """Why ``module`` keeps its forward when tensor parallelism (``parallelize_module``) made its weights DTensors:
+    the fused ops compute on plain tensors, and the module's hooks redistribute its inputs and outputs."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters(recurse=False)):
+        return (f"{what}'s weights are DTensors (tensor parallelism): the fused ops take plain tensors, so it "
+                "keeps its own forward")
     return None
 
 
@@ -722,8 +745,9 @@ def _plan_gated_mlp(name, module, actions, report):
         hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (down, getattr(down, "base_layer", down)))
         reason = (f"gated MLP activation {type(act).__name__} is not SiLU or GELU" if gated_activation(act) is None
                   else down_parts if isinstance(down_parts, str)
-                  else "down_proj has forward hooks, which fusing would skip" if hooked
-                  else _gated_mlp_formula_blocker(module))
+                  else _dtensor_reason(getattr(down, "base_layer", down), "down_proj")
+                  or ("down_proj has forward hooks, which fusing would skip" if hooked
+                      else _gated_mlp_formula_blocker(module)))
     if reason:
         report.skipped.append({"name": name, "type": cls_name, "reason": reason})
     else:

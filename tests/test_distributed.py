@@ -142,3 +142,72 @@ def test_gradients_equal_single_process_training(mode, model_name, tmp_path):
         assert lines[0] == f"replaced {REPLACED.get(model_name, 10)}", lines[0]
         assert lines[1:] == [], f"rank {rank}: " + "; ".join(lines[1:])
 
+
+
+def _tensor_parallel_worker(rank, store_path, result_path):
+    """A tiny Hugging Face Llama under tensor parallelism (colwise q/k/v/gate/up, rowwise o/down, a vocabulary-
+    sharded head), then apply()'d: the DTensor modules keep their own forward, with the reason; the norms (plain
+    weights, replicated activations) are fused and the attention's RoPE runs fused on this rank's heads; the loss
+    and every gradient equal the unparallelized, unpatched model's. A norm made sequence-parallel (a DTensor
+    weight) is left alone, with the reason."""
+    import transformers
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    try:
+        torch.manual_seed(1234)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+        model = transformers.LlamaForCausalLM(config)
+        ids = torch.randint(0, config.vocab_size, (2, 16))
+        reference = copy.deepcopy(model)
+        expected_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
+        expected_loss.backward()
+        plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+        for index in range(config.num_hidden_layers):
+            layer = f"model.layers.{index}."
+            plan.update({layer + name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj",
+                                                                      "self_attn.v_proj", "mlp.gate_proj",
+                                                                      "mlp.up_proj")})
+            plan.update({layer + name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
+        parallelize_module(model, mesh, plan)
+        report = apply(model, measure=False)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        norms = torch.nn.Sequential(torch.nn.RMSNorm(64))
+        parallelize_module(norms, mesh, {"0": SequenceParallel()})
+        lines = [f"replaced {sorted({(r['before'], r['after']) for r in report.replaced})}",
+                 f"skipped {sorted({(s['type'], s['reason']) for s in report.skipped})}",
+                 f"norm {[s['reason'] for s in apply(norms, measure=False).skipped]}"]
+        if not torch.allclose(loss, expected_loss, rtol=1e-5, atol=1e-6):
+            lines.append(f"loss {loss.item()} != {expected_loss.item()}")
+        for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+            if not torch.allclose(grad, expected.grad, rtol=1e-4, atol=1e-6):
+                lines.append(f"{name}: {(grad - expected.grad).abs().max().item():.3e} off")
+        with open(f"{result_path}.{rank}", "w") as handle:
+            handle.write("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see _worker
+
+
+def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the_rest(tmp_path):
+    pytest.importorskip("transformers")
+    result_path = str(tmp_path / "result")
+    mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"), result_path), nprocs=WORLD, join=True)
+    dtensors = "'s weights are DTensors (tensor parallelism): the fused ops take plain tensors, so it keeps its own forward"
+    for rank in range(WORLD):
+        with open(f"{result_path}.{rank}") as handle:
+            lines = handle.read().splitlines()
+        assert lines == [  # formatted as the worker writes them; no loss or gradient line: all equal
+            f"replaced {[('LlamaAttention', 'MemkernelsRopeLlamaAttention'), ('LlamaRMSNorm', 'FusedRMSNorm')]}",
+            f"skipped {[('LlamaForCausalLM', 'lm_head' + dtensors), ('LlamaMLP', 'down_proj' + dtensors)]}",
+            f"norm {['the norm' + dtensors]}"], (rank, lines)
