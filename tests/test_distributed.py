@@ -211,3 +211,80 @@ def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the
             f"replaced {[('LlamaAttention', 'MemkernelsRopeLlamaAttention'), ('LlamaRMSNorm', 'FusedRMSNorm')]}",
             f"skipped {[('LlamaForCausalLM', 'lm_head' + dtensors), ('LlamaMLP', 'down_proj' + dtensors)]}",
             f"norm {['the norm' + dtensors]}"], (rank, lines)
+
+
+def _dtensor_norm_worker(rank, store_path, result_path, backend):
+    """rms_norm / add_rms_norm / layer_norm on a sequence-sharded DTensor x with replicated DTensor parameters (what
+    SequenceParallel hands a norm), and silu_mul on column-sharded gate and up: outputs laid out as the inputs, and
+    outputs and every gradient (a norm's weight and bias summed over the ranks' rows) equal to the single-process
+    call's."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import memkernels
+    from memkernels.functional import add_rms_norm, layer_norm, rms_norm, silu_mul
+
+    memkernels.set_backend(backend)  # "triton": the kernels through the interpreter (TRITON_INTERPRET=1 is inherited)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    lines = []
+    try:
+        torch.manual_seed(1234)
+        mesh = init_device_mesh("cpu", (WORLD,))
+        x, residual, weight, bias = torch.randn(2, 8, 16), torch.randn(2, 8, 16), torch.randn(16), torch.randn(16)
+        grad = torch.randn(2, 8, 16)
+        calls = {"rms_norm": lambda x, r, w, b: rms_norm(x, w),
+                 "add_rms_norm": lambda x, r, w, b: add_rms_norm(x, r, w)[0] * 2 + add_rms_norm(x, r, w)[1],
+                 "layer_norm": lambda x, r, w, b: layer_norm(x, w, b)}
+        for name, call in calls.items():
+            leaves = [t.clone().requires_grad_() for t in (x, residual, weight, bias)]
+            expected = call(*leaves)
+            expected.backward(grad)
+            shard = [distribute_tensor(t.clone(), mesh, [Shard(1)]).requires_grad_() for t in (x, residual)]
+            params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Replicate()])) for t in (weight, bias)]
+            out = call(*shard, *params)
+            if tuple(out.placements) != (Shard(1),):
+                lines.append(f"{name}: output placed {out.placements}")
+            out.backward(distribute_tensor(grad, mesh, [Shard(1)]))
+            pairs = [("y", out, expected)] + [(f"grad {i}", t.grad, leaf.grad)
+                                              for i, (t, leaf) in enumerate(zip(shard + params, leaves))
+                                              if leaf.grad is not None]
+            for what, got, want in pairs:
+                if not torch.allclose(got.full_tensor(), want, rtol=1e-5, atol=1e-6):
+                    lines.append(f"{name} {what}: {(got.full_tensor() - want).abs().max().item():.3e} off")
+        # silu_mul on column-sharded gate and up (ColwiseParallel with use_local_output=False): each rank its columns
+        gate, up = torch.randn(2, 8, 32), torch.randn(2, 8, 32)
+        leaves = [t.clone().requires_grad_() for t in (gate, up)]
+        expected = silu_mul(*leaves)
+        expected.backward(grad.repeat(1, 1, 2))
+        shard = [distribute_tensor(t.clone(), mesh, [Shard(2)]).requires_grad_() for t in (gate, up)]
+        out = silu_mul(*shard)
+        out.backward(distribute_tensor(grad.repeat(1, 1, 2), mesh, [Shard(2)]))
+        for what, got, want in [("y", out, expected)] + [("grad", t.grad, leaf.grad) for t, leaf in zip(shard, leaves)]:
+            if tuple(got.placements) != (Shard(2),) or not torch.allclose(got.full_tensor(), want, rtol=1e-5, atol=1e-6):
+                lines.append(f"silu_mul {what}: placed {got.placements}, {(got.full_tensor() - want).abs().max():.3e} off")
+        try:
+            rms_norm(distribute_tensor(x, mesh, [Shard(2)]), weight)
+            lines.append("a DTensor sharded over the normalized dim was taken")
+        except ValueError as error:
+            lines.append(str(error))
+        with open(f"{result_path}.{rank}", "w") as handle:
+            handle.write("\n".join(lines))
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # see _worker
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_norms_and_silu_mul_of_sharded_dtensors_match_one_process(backend, tmp_path):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    result_path = str(tmp_path / "result")
+    mp.spawn(_dtensor_norm_worker, args=(str(tmp_path / "store"), result_path, backend), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        with open(f"{result_path}.{rank}") as handle:
+            lines = handle.read().splitlines()
+        assert lines == ["rms_norm: x is a DTensor placed (Shard(dim=2),); the norm needs whole rows on every rank: "
+                         "redistribute x to Shard a token dim (sequence parallelism) or Replicate first"], (rank, lines)

@@ -14,6 +14,7 @@ PyTorch reference (memkernels/reference/_norm.py), as chosen by
 memkernels._backend.resolve in the public function. The public functions live
 in memkernels/ops/rms_norm.py and memkernels/ops/layer_norm.py.
 """
+import functools
 import math
 import weakref
 from typing import Optional
@@ -411,9 +412,71 @@ def _zero_weight(hidden, device):
     return weight
 
 
+@functools.cache
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, run):
+    """The norm of a DTensor ``x`` (tensor parallelism): each rank normalizes its own rows, so ``x`` must hold whole
+    rows on every rank (sharded over token dims, as sequence parallelism does, or replicated); ``residual`` is laid
+    out as x; a DTensor weight or bias must be replicated, and its gradient is each rank's partial sum when the rows
+    are sharded. Returns (y, residual_out or None) laid out as x."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    dtensor = _dtensor_class()
+    if normalized_shape is None:
+        normalized_shape = weight.shape if isinstance(weight, torch.Tensor) else x.shape[-1:]
+    row_dims = x.dim() - (1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape)))
+    placements = tuple(x.placements)
+    if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % x.dim() < row_dims) for p in placements):
+        raise ValueError(f"{op_name}: x is a DTensor placed {placements}; the norm needs whole rows on every rank: "
+                         "redistribute x to Shard a token dim (sequence parallelism) or Replicate first")
+    if residual is not None and (not isinstance(residual, dtensor) or tuple(residual.placements) != placements
+                                 or residual.device_mesh != x.device_mesh):
+        raise ValueError(f"{op_name}: x is a DTensor placed {placements}; residual must be a DTensor on the same "
+                         "mesh with the same placements")
+    sharded = any(isinstance(p, Shard) for p in placements)
+
+    def local(param, name):
+        if not isinstance(param, dtensor):
+            return param
+        if not all(isinstance(p, Replicate) for p in param.placements):
+            raise ValueError(f"{op_name}: {name} is a DTensor placed {tuple(param.placements)}; a norm's {name} must "
+                             "be replicated (SequenceParallel leaves it so)")
+        grad = [Partial() if sharded else Replicate()] * param.device_mesh.ndim
+        return param.to_local(grad_placements=grad)
+
+    y, residual_out = run(x.to_local(), None if residual is None else residual.to_local(), local(weight, "weight"),
+                          local(bias, "bias"))
+
+    def wrap(tensor):
+        return dtensor.from_local(tensor, x.device_mesh, placements, shape=x.shape, stride=x.stride())
+
+    return wrap(y), None if residual_out is None else wrap(residual_out)
+
+
 def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_mode, memory_efficient,
               normalized_shape, in_place=False):
-    """Validate, flatten to [M, H], run the custom op, reshape back. Returns (y, residual_out or None)."""
+    """Validate, flatten to [M, H], run the custom op, reshape back. Returns (y, residual_out or None).
+
+    A DTensor x runs on each rank's rows (:func:`_normalize_dtensor`)."""
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(x, dtensor):
+        return _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, functools.partial(
+            _normalize_local, op_name, eps=eps, offset=offset, is_rms=is_rms, casting_mode=casting_mode,
+            memory_efficient=memory_efficient, normalized_shape=normalized_shape, in_place=in_place))
+    return _normalize_local(op_name, x, residual, weight, bias, eps=eps, offset=offset, is_rms=is_rms,
+                            casting_mode=casting_mode, memory_efficient=memory_efficient,
+                            normalized_shape=normalized_shape, in_place=in_place)
+
+
+def _normalize_local(op_name, x, residual, weight, bias, *, eps, offset, is_rms, casting_mode, memory_efficient,
+                     normalized_shape, in_place):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op_name}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:

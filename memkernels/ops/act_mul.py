@@ -126,8 +126,36 @@ def _act_mul(a, b, *, activation, op_name, backend):
 
 
 def _call(op_name, activation, a, b, backend):
+    dtensor = _dtensor_class()
+    if dtensor is not None and isinstance(a, dtensor):
+        return _call_dtensor(op_name, activation, a, b, backend)
     return _autocast.call(_STEPS["forward"].name, functools.partial(_act_mul, activation=activation, op_name=op_name,
                                                                     backend=backend), a, b)
+
+
+@functools.cache
+def _dtensor_class():
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return None
+    return DTensor
+
+
+def _call_dtensor(op_name, activation, a, b, backend):
+    """act(a) * b of DTensors (tensor parallelism: gate and up column-sharded, or sequence-sharded): elementwise, so
+    each rank computes its own shard; a and b must be laid out alike, and not as partial sums (act is not linear)."""
+    from torch.distributed.tensor import Partial
+
+    placements = tuple(a.placements)
+    if not isinstance(b, _dtensor_class()) or tuple(b.placements) != placements or b.device_mesh != a.device_mesh:
+        raise ValueError(f"{op_name}: a is a DTensor placed {placements}; b must be a DTensor on the same mesh with "
+                         "the same placements")
+    if any(isinstance(p, Partial) for p in placements):
+        raise ValueError(f"{op_name}: a is a DTensor of partial sums {placements}; act(a) needs the sums: "
+                         "redistribute a and b to Shard or Replicate first")
+    out = _call(op_name, activation, a.to_local(), b.to_local(), backend)
+    return _dtensor_class().from_local(out, a.device_mesh, placements, shape=a.shape, stride=out.stride())
 
 
 def silu_mul(a, b, *, backend=None):
@@ -140,7 +168,8 @@ def silu_mul(a, b, *, backend=None):
             memkernels.set_backend); "torch" or "triton" forces one.
 
     Returns:
-        [..., I] in a's dtype, computed in float32 and rounded once.
+        [..., I] in a's dtype, computed in float32 and rounded once. DTensor a and b (laid out alike, not
+        partial sums) give a DTensor laid out as a, each rank computing its own shard.
     """
     return _call("silu_mul", "silu", a, b, backend)
 
