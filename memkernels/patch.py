@@ -90,6 +90,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memkernels.distributed import is_dtensor
 from memkernels.models import MLP, LogitsLoss, TransformerLM
 from memkernels.tools.profile import ledger_forward, text_table
 
@@ -189,20 +190,10 @@ def _hooks_reason(module, what):
     return None
 
 
-@functools.cache
-def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
-
-
 def _dtensor_reason(module, what):
     """Why ``module`` keeps its forward when tensor parallelism (``parallelize_module``) made its weights DTensors:
     the fused ops compute on plain tensors, and the module's hooks redistribute its inputs and outputs."""
-    dtensor = _dtensor_class()
-    if dtensor is not None and any(isinstance(p, dtensor) for p in module.parameters(recurse=False)):
+    if any(is_dtensor(p) for p in module.parameters(recurse=False)):
         return (f"{what}'s weights are DTensors (tensor parallelism): the fused ops take plain tensors, so it "
                 "keeps its own forward")
     return None

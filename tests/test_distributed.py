@@ -215,14 +215,14 @@ def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the
 
 def _dtensor_norm_worker(rank, store_path, result_path, backend):
     """rms_norm / add_rms_norm / layer_norm on a sequence-sharded DTensor x with replicated DTensor parameters (what
-    SequenceParallel hands a norm), and silu_mul on column-sharded gate and up: outputs laid out as the inputs, and
-    outputs and every gradient (a norm's weight and bias summed over the ranks' rows) equal to the single-process
-    call's."""
+    SequenceParallel hands a norm), silu_mul on column-sharded gate and up, and gated_linear colwise-then-rowwise
+    and sequence-sharded: outputs and every gradient (a norm's weight and bias summed over the ranks' rows) equal
+    to the single-process call's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import memkernels
-    from memkernels.functional import add_rms_norm, layer_norm, rms_norm, silu_mul
+    from memkernels.functional import add_rms_norm, gated_linear, layer_norm, rms_norm, silu_mul
 
     memkernels.set_backend(backend)  # "triton": the kernels through the interpreter (TRITON_INTERPRET=1 is inherited)
     torch.set_num_threads(1)
@@ -263,6 +263,23 @@ def _dtensor_norm_worker(rank, store_path, result_path, backend):
         for what, got, want in [("y", out, expected)] + [("grad", t.grad, leaf.grad) for t, leaf in zip(shard, leaves)]:
             if tuple(got.placements) != (Shard(2),) or not torch.allclose(got.full_tensor(), want, rtol=1e-5, atol=1e-6):
                 lines.append(f"silu_mul {what}: placed {got.placements}, {(got.full_tensor() - want).abs().max():.3e} off")
+        # gated_linear: gate and up sharded over I with the down weight over its I columns (colwise then rowwise:
+        # partial sums, the bias added once), and sharded over tokens with a replicated weight
+        down, down_bias = torch.randn(16, 32), torch.randn(16)
+        for layout, (act_place, weight_place) in {"colwise-rowwise": (Shard(2), Shard(1)),
+                                                  "sequence": (Shard(1), Replicate())}.items():
+            leaves = [t.clone().requires_grad_() for t in (gate, up, down, down_bias)]
+            expected = gated_linear(*leaves)
+            expected.backward(grad)
+            acts = [distribute_tensor(t.clone(), mesh, [act_place]).requires_grad_() for t in (gate, up)]
+            params = [torch.nn.Parameter(distribute_tensor(down.clone(), mesh, [weight_place])),
+                      torch.nn.Parameter(distribute_tensor(down_bias.clone(), mesh, [Replicate()]))]
+            out = gated_linear(*acts, *params)
+            out.backward(distribute_tensor(grad, mesh, list(out.placements)))
+            for what, got, want in [("y", out, expected)] + [(f"grad {i}", t.grad, leaf.grad)
+                                                             for i, (t, leaf) in enumerate(zip(acts + params, leaves))]:
+                if not torch.allclose(got.full_tensor(), want, rtol=1e-5, atol=1e-5):
+                    lines.append(f"gated_linear {layout} {what}: {(got.full_tensor() - want).abs().max():.3e} off")
         try:
             rms_norm(distribute_tensor(x, mesh, [Shard(2)]), weight)
             lines.append("a DTensor sharded over the normalized dim was taken")
@@ -278,7 +295,7 @@ def _dtensor_norm_worker(rank, store_path, result_path, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_norms_and_silu_mul_of_sharded_dtensors_match_one_process(backend, tmp_path):
+def test_norms_silu_mul_and_gated_linear_on_sharded_dtensors_match_one_process(backend, tmp_path):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton path on CPU tensors needs the interpreter")
     result_path = str(tmp_path / "result")

@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memkernels import _backend
+from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
 from memkernels.ops import _autocast
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.reference import _norm as reference
@@ -412,15 +413,6 @@ def _zero_weight(hidden, device):
     return weight
 
 
-@functools.cache
-def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
-
-
 def _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, run):
     """The norm of a DTensor ``x`` (tensor parallelism): each rank normalizes its own rows, so ``x`` must hold whole
     rows on every rank (sharded over token dims, as sequence parallelism does, or replicated); ``residual`` is laid
@@ -428,7 +420,6 @@ def _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, run
     are sharded. Returns (y, residual_out or None) laid out as x."""
     from torch.distributed.tensor import Partial, Replicate, Shard
 
-    dtensor = _dtensor_class()
     if normalized_shape is None:
         normalized_shape = weight.shape if isinstance(weight, torch.Tensor) else x.shape[-1:]
     row_dims = x.dim() - (1 if isinstance(normalized_shape, int) else len(tuple(normalized_shape)))
@@ -436,14 +427,14 @@ def _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, run
     if not all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim % x.dim() < row_dims) for p in placements):
         raise ValueError(f"{op_name}: x is a DTensor placed {placements}; the norm needs whole rows on every rank: "
                          "redistribute x to Shard a token dim (sequence parallelism) or Replicate first")
-    if residual is not None and (not isinstance(residual, dtensor) or tuple(residual.placements) != placements
+    if residual is not None and (not is_dtensor(residual) or tuple(residual.placements) != placements
                                  or residual.device_mesh != x.device_mesh):
         raise ValueError(f"{op_name}: x is a DTensor placed {placements}; residual must be a DTensor on the same "
                          "mesh with the same placements")
     sharded = any(isinstance(p, Shard) for p in placements)
 
     def local(param, name):
-        if not isinstance(param, dtensor):
+        if not is_dtensor(param):
             return param
         if not all(isinstance(p, Replicate) for p in param.placements):
             raise ValueError(f"{op_name}: {name} is a DTensor placed {tuple(param.placements)}; a norm's {name} must "
@@ -455,7 +446,7 @@ def _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, run
                           local(bias, "bias"))
 
     def wrap(tensor):
-        return dtensor.from_local(tensor, x.device_mesh, placements, shape=x.shape, stride=x.stride())
+        return dtensor_class().from_local(tensor, x.device_mesh, placements, shape=x.shape, stride=contiguous_stride(x.shape))
 
     return wrap(y), None if residual_out is None else wrap(residual_out)
 
@@ -465,8 +456,7 @@ def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_m
     """Validate, flatten to [M, H], run the custom op, reshape back. Returns (y, residual_out or None).
 
     A DTensor x runs on each rank's rows (:func:`_normalize_dtensor`)."""
-    dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(x, dtensor):
+    if is_dtensor(x):
         return _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, functools.partial(
             _normalize_local, op_name, eps=eps, offset=offset, is_rms=is_rms, casting_mode=casting_mode,
             memory_efficient=memory_efficient, normalized_shape=normalized_shape, in_place=in_place))

@@ -19,6 +19,7 @@ import functools
 import torch
 
 from memkernels._backend import resolve, triton_interpreted
+from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
 from memkernels.ops import _act_linear, _autocast
 from memkernels.ops._act_linear import TRITON_DTYPES, Step
 from memkernels.ops._custom_op import apply_op, autograd_pair
@@ -126,20 +127,10 @@ def _act_mul(a, b, *, activation, op_name, backend):
 
 
 def _call(op_name, activation, a, b, backend):
-    dtensor = _dtensor_class()
-    if dtensor is not None and isinstance(a, dtensor):
+    if is_dtensor(a):
         return _call_dtensor(op_name, activation, a, b, backend)
     return _autocast.call(_STEPS["forward"].name, functools.partial(_act_mul, activation=activation, op_name=op_name,
                                                                     backend=backend), a, b)
-
-
-@functools.cache
-def _dtensor_class():
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch built without distributed
-        return None
-    return DTensor
 
 
 def _call_dtensor(op_name, activation, a, b, backend):
@@ -148,14 +139,14 @@ def _call_dtensor(op_name, activation, a, b, backend):
     from torch.distributed.tensor import Partial
 
     placements = tuple(a.placements)
-    if not isinstance(b, _dtensor_class()) or tuple(b.placements) != placements or b.device_mesh != a.device_mesh:
+    if not is_dtensor(b) or tuple(b.placements) != placements or b.device_mesh != a.device_mesh:
         raise ValueError(f"{op_name}: a is a DTensor placed {placements}; b must be a DTensor on the same mesh with "
                          "the same placements")
     if any(isinstance(p, Partial) for p in placements):
         raise ValueError(f"{op_name}: a is a DTensor of partial sums {placements}; act(a) needs the sums: "
                          "redistribute a and b to Shard or Replicate first")
     out = _call(op_name, activation, a.to_local(), b.to_local(), backend)
-    return _dtensor_class().from_local(out, a.device_mesh, placements, shape=a.shape, stride=out.stride())
+    return dtensor_class().from_local(out, a.device_mesh, placements, shape=a.shape, stride=contiguous_stride(a.shape))
 
 
 def silu_mul(a, b, *, backend=None):
