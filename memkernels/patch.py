@@ -415,7 +415,8 @@ class PatchReport:
             key = (row["before"], row["after"])
             counts[key] = counts.get(key, 0) + 1
         rows = [(before, after, n) for (before, after), n in counts.items()]
-        lines = ["memkernels.apply replaced:", text_table(("module type", "now", "count"), rows) if rows else "  nothing"]
+        lines = ["memkernels.apply replaced:",
+                 text_table(("module type", "now", "count"), rows) if rows else "  nothing"]
         skipped = {}
         for row in self.skipped:
             skipped.setdefault((row["type"], row["reason"]), 0)

@@ -12,7 +12,8 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memkernels.ops import _norm_ops, act_mul as act_mul_module, cross_entropy as cross_entropy_module, linear_cross_entropy as lce_module
+from memkernels.ops import _norm_ops, act_mul as act_mul_module, cross_entropy as cross_entropy_module
+from memkernels.ops import linear_cross_entropy as lce_module
 from memkernels.ops import gated_linear as gated_module, gelu_linear as gelu_module
 from memkernels.ops import grouped_gated_linear as grouped_module
 from memkernels.ops.cross_entropy import cross_entropy

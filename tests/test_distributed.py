@@ -203,7 +203,8 @@ def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the
     pytest.importorskip("transformers")
     result_path = str(tmp_path / "result")
     mp.spawn(_tensor_parallel_worker, args=(str(tmp_path / "store"), result_path), nprocs=WORLD, join=True)
-    dtensors = "'s weights are DTensors (tensor parallelism): the fused ops take plain tensors, so it keeps its own forward"
+    dtensors = ("'s weights are DTensors (tensor parallelism): the fused ops take plain tensors, so it keeps its own "
+                "forward")
     for rank in range(WORLD):
         with open(f"{result_path}.{rank}") as handle:
             lines = handle.read().splitlines()
@@ -261,8 +262,9 @@ def _dtensor_norm_worker(rank, store_path, result_path, backend):
         out = silu_mul(*shard)
         out.backward(distribute_tensor(grad.repeat(1, 1, 2), mesh, [Shard(2)]))
         for what, got, want in [("y", out, expected)] + [("grad", t.grad, leaf.grad) for t, leaf in zip(shard, leaves)]:
-            if tuple(got.placements) != (Shard(2),) or not torch.allclose(got.full_tensor(), want, rtol=1e-5, atol=1e-6):
-                lines.append(f"silu_mul {what}: placed {got.placements}, {(got.full_tensor() - want).abs().max():.3e} off")
+            full = got.full_tensor()
+            if tuple(got.placements) != (Shard(2),) or not torch.allclose(full, want, rtol=1e-5, atol=1e-6):
+                lines.append(f"silu_mul {what}: placed {got.placements}, {(full - want).abs().max():.3e} off")
         # gated_linear: gate and up sharded over I with the down weight over its I columns (colwise then rowwise:
         # partial sums, the bias added once), and sharded over tokens with a replicated weight
         down, down_bias = torch.randn(16, 32), torch.randn(16)
@@ -280,11 +282,13 @@ def _dtensor_norm_worker(rank, store_path, result_path, backend):
                                                              for i, (t, leaf) in enumerate(zip(acts + params, leaves))]:
                 if not torch.allclose(got.full_tensor(), want, rtol=1e-5, atol=1e-5):
                     lines.append(f"gated_linear {layout} {what}: {(got.full_tensor() - want).abs().max():.3e} off")
-        try:
-            rms_norm(distribute_tensor(x, mesh, [Shard(2)]), weight)
-            lines.append("a DTensor sharded over the normalized dim was taken")
-        except ValueError as error:
-            lines.append(str(error))
+        for bad in (lambda: rms_norm(distribute_tensor(x, mesh, [Shard(2)]), weight),
+                    lambda: rms_norm(x, distribute_tensor(weight, mesh, [Replicate()]))):
+            try:
+                bad()
+                lines.append("taken")
+            except ValueError as error:
+                lines.append(str(error))
         with open(f"{result_path}.{rank}", "w") as handle:
             handle.write("\n".join(lines))
     finally:
@@ -304,4 +308,6 @@ def test_norms_silu_mul_and_gated_linear_on_sharded_dtensors_match_one_process(b
         with open(f"{result_path}.{rank}") as handle:
             lines = handle.read().splitlines()
         assert lines == ["rms_norm: x is a DTensor placed (Shard(dim=2),); the norm needs whole rows on every rank: "
-                         "redistribute x to Shard a token dim (sequence parallelism) or Replicate first"], (rank, lines)
+                         "redistribute x to Shard a token dim (sequence parallelism) or Replicate first",
+                         "rms_norm: x is a plain tensor but residual, weight or bias a DTensor; pass x as a DTensor "
+                         "(SequenceParallel's input) or every tensor as a plain one (.to_local())"], (rank, lines)

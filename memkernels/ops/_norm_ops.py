@@ -431,22 +431,23 @@ def _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, run
                                  or residual.device_mesh != x.device_mesh):
         raise ValueError(f"{op_name}: x is a DTensor placed {placements}; residual must be a DTensor on the same "
                          "mesh with the same placements")
-    sharded = any(isinstance(p, Shard) for p in placements)
+    # A parameter's gradient is a partial sum over the mesh dims whose ranks hold different rows.
+    param_grad = [Partial() if isinstance(p, Shard) else Replicate() for p in placements]
 
     def local(param, name):
         if not is_dtensor(param):
             return param
-        if not all(isinstance(p, Replicate) for p in param.placements):
+        if not all(isinstance(p, Replicate) for p in param.placements) or param.device_mesh != x.device_mesh:
             raise ValueError(f"{op_name}: {name} is a DTensor placed {tuple(param.placements)}; a norm's {name} must "
-                             "be replicated (SequenceParallel leaves it so)")
-        grad = [Partial() if sharded else Replicate()] * param.device_mesh.ndim
-        return param.to_local(grad_placements=grad)
+                             "be replicated on x's mesh (SequenceParallel leaves it so)")
+        return param.to_local(grad_placements=param_grad)
 
     y, residual_out = run(x.to_local(), None if residual is None else residual.to_local(), local(weight, "weight"),
                           local(bias, "bias"))
 
     def wrap(tensor):
-        return dtensor_class().from_local(tensor, x.device_mesh, placements, shape=x.shape, stride=contiguous_stride(x.shape))
+        return dtensor_class().from_local(tensor, x.device_mesh, placements, shape=x.shape,
+                                          stride=contiguous_stride(x.shape))
 
     return wrap(y), None if residual_out is None else wrap(residual_out)
 
@@ -456,6 +457,9 @@ def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_m
     """Validate, flatten to [M, H], run the custom op, reshape back. Returns (y, residual_out or None).
 
     A DTensor x runs on each rank's rows (:func:`_normalize_dtensor`)."""
+    if not is_dtensor(x) and any(is_dtensor(t) for t in (residual, weight, bias)):
+        raise ValueError(f"{op_name}: x is a plain tensor but residual, weight or bias a DTensor; pass x as a DTensor "
+                         "(SequenceParallel's input) or every tensor as a plain one (.to_local())")
     if is_dtensor(x):
         return _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, functools.partial(
             _normalize_local, op_name, eps=eps, offset=offset, is_rms=is_rms, casting_mode=casting_mode,
