@@ -216,14 +216,14 @@ def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the
 
 def _dtensor_norm_worker(rank, store_path, result_path, backend):
     """rms_norm / add_rms_norm / layer_norm on a sequence-sharded DTensor x with replicated DTensor parameters (what
-    SequenceParallel hands a norm), silu_mul on column-sharded gate and up, and gated_linear colwise-then-rowwise
-    and sequence-sharded: outputs and every gradient (a norm's weight and bias summed over the ranks' rows) equal
+    SequenceParallel hands a norm), silu_mul on column-sharded gate and up, and gated_linear and gelu_linear
+    colwise-then-rowwise and sequence-sharded: outputs and every gradient (a norm's weight and bias summed over the ranks' rows) equal
     to the single-process call's."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     import memkernels
-    from memkernels.functional import add_rms_norm, gated_linear, layer_norm, rms_norm, silu_mul
+    from memkernels.functional import add_rms_norm, gated_linear, gelu_linear, layer_norm, rms_norm, silu_mul
 
     memkernels.set_backend(backend)  # "triton": the kernels through the interpreter (TRITON_INTERPRET=1 is inherited)
     torch.set_num_threads(1)
@@ -270,18 +270,20 @@ def _dtensor_norm_worker(rank, store_path, result_path, backend):
         down, down_bias = torch.randn(16, 32), torch.randn(16)
         for layout, (act_place, weight_place) in {"colwise-rowwise": (Shard(2), Shard(1)),
                                                   "sequence": (Shard(1), Replicate())}.items():
-            leaves = [t.clone().requires_grad_() for t in (gate, up, down, down_bias)]
-            expected = gated_linear(*leaves)
-            expected.backward(grad)
-            acts = [distribute_tensor(t.clone(), mesh, [act_place]).requires_grad_() for t in (gate, up)]
-            params = [torch.nn.Parameter(distribute_tensor(down.clone(), mesh, [weight_place])),
-                      torch.nn.Parameter(distribute_tensor(down_bias.clone(), mesh, [Replicate()]))]
-            out = gated_linear(*acts, *params)
-            out.backward(distribute_tensor(grad, mesh, list(out.placements)))
-            for what, got, want in [("y", out, expected)] + [(f"grad {i}", t.grad, leaf.grad)
-                                                             for i, (t, leaf) in enumerate(zip(acts + params, leaves))]:
-                if not torch.allclose(got.full_tensor(), want, rtol=1e-5, atol=1e-5):
-                    lines.append(f"gated_linear {layout} {what}: {(got.full_tensor() - want).abs().max():.3e} off")
+            for op, operands in ((gated_linear, (gate, up)), (gelu_linear, (gate,))):
+                leaves = [t.clone().requires_grad_() for t in (*operands, down, down_bias)]
+                expected = op(*leaves)
+                expected.backward(grad)
+                acts = [distribute_tensor(t.clone(), mesh, [act_place]).requires_grad_() for t in operands]
+                params = [torch.nn.Parameter(distribute_tensor(down.clone(), mesh, [weight_place])),
+                          torch.nn.Parameter(distribute_tensor(down_bias.clone(), mesh, [Replicate()]))]
+                out = op(*acts, *params)
+                out.backward(distribute_tensor(grad, mesh, list(out.placements)))
+                for what, got, want in [("y", out, expected)] + [
+                        (f"grad {i}", t.grad, leaf.grad) for i, (t, leaf) in enumerate(zip(acts + params, leaves))]:
+                    full = got.full_tensor()
+                    if not torch.allclose(full, want, rtol=1e-5, atol=1e-5):
+                        lines.append(f"{op.__name__} {layout} {what}: {(full - want).abs().max():.3e} off")
         for bad in (lambda: rms_norm(distribute_tensor(x, mesh, [Shard(2)]), weight),
                     lambda: rms_norm(x, distribute_tensor(weight, mesh, [Replicate()]))):
             try:
@@ -299,7 +301,7 @@ def _dtensor_norm_worker(rank, store_path, result_path, backend):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_norms_silu_mul_and_gated_linear_on_sharded_dtensors_match_one_process(backend, tmp_path):
+def test_norms_and_act_linear_ops_on_sharded_dtensors_match_one_process(backend, tmp_path):
     if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton path on CPU tensors needs the interpreter")
     result_path = str(tmp_path / "result")

@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
+from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
 from memkernels.ops._custom_op import custom_op
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels.ops._host import cdiv, next_power_of_2
@@ -357,6 +358,50 @@ def bias_grad(grad_out2d):
     autograd does: one deterministic reduction (no atomics) that accumulates half dtypes in float32 and
     rounds once (float64 stays float64). A float32 sum cast back would be one launch and one copy more."""
     return grad_out2d.sum(0)
+
+
+def on_dtensors(owner, operands, weight, bias, run_local):
+    """An act-linear op on DTensors (tensor parallelism), each rank on its own shards, one mesh dim at a time:
+    ``operands`` ([..., I] each: gate and up, or gelu_linear's x) sharded over I (a colwise projection's output)
+    with ``weight`` [N, I] sharded over its I columns (a rowwise projection) give partial sums, as RowwiseParallel's
+    own matmul does; operands sharded over tokens (or replicated) with a replicated weight give a result sharded (or
+    replicated) as they are. ``run_local(local operands, local weight)`` is the op without bias; a replicated bias
+    is added once, by DTensor (which sums partial results first). Returns a DTensor [..., N]."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    names = "the operands, weight (and bias)"
+    if not all(is_dtensor(t) for t in (*operands, weight)) or (bias is not None and not is_dtensor(bias)):
+        raise ValueError(f"{owner}: {names} must all be DTensors or all plain tensors; under parallelize_module pass "
+                         "ColwiseParallel(use_local_output=False) outputs, or .to_local() everything")
+    first = operands[0]
+    mesh, placements = first.device_mesh, tuple(first.placements)
+    if any(tuple(t.placements) != placements or t.device_mesh != mesh for t in operands) \
+            or weight.device_mesh != mesh:
+        raise ValueError(f"{owner}: {names} must share one mesh, and the operands one layout; got "
+                         f"{[tuple(t.placements) for t in operands]}")
+    last = first.dim() - 1
+    out, out_grad, weight_grad = [], [], []
+    for dim, (mine, theirs) in enumerate(zip(placements, weight.placements)):
+        over_width = isinstance(mine, Shard) and mine.dim % first.dim() == last
+        if over_width and theirs == Shard(1):
+            out.append(Partial())  # each rank sums over its slice of I
+            out_grad.append(Replicate())
+            weight_grad.append(Shard(1))
+        elif not over_width and not isinstance(mine, Partial) and isinstance(theirs, Replicate):
+            out.append(mine)
+            out_grad.append(mine)
+            weight_grad.append(Partial() if isinstance(mine, Shard) else Replicate())
+        else:
+            raise ValueError(f"{owner}: on mesh dim {dim}, the operands are placed {mine} and weight {theirs}; "
+                             "supported: operands Shard over I with weight Shard(1) (colwise then rowwise), or "
+                             "operands Shard over a token dim or Replicate with weight Replicate")
+    if bias is not None and not all(isinstance(p, Replicate) for p in bias.placements):
+        raise ValueError(f"{owner}: bias must be replicated, got {tuple(bias.placements)}")
+    local = run_local([t.to_local() for t in operands], weight.to_local(grad_placements=weight_grad))
+    shape = (*first.shape[:-1], weight.shape[0])
+    result = dtensor_class().from_local(local, mesh, out, shape=torch.Size(shape), stride=contiguous_stride(shape),
+                                        grad_placements=out_grad)
+    return result if bias is None else result + bias
 
 
 # --------------------------------------------------------------------------------------------

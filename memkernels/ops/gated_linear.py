@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
+from memkernels.distributed import is_dtensor
 from memkernels.ops import _act_linear, _autocast
 from memkernels.ops._act_linear import TRITON_DTYPES, Step, bias_grad
 from memkernels.ops._custom_op import apply_op, autograd_pair
@@ -357,7 +357,10 @@ def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, ac
     Returns:
         [..., out_features] in the inputs' dtype. Only gate and up (or gate_up), and weight, are saved
         for backward: 2*I elements per token, against eager's 4*I. Under ``torch.autocast`` every
-        tensor argument is cast to the region's dtype first, as ``F.linear`` casts its own.
+        tensor argument is cast to the region's dtype first, as ``F.linear`` casts its own. DTensors (tensor
+        parallelism): gate and up sharded over I with weight sharded over its columns (colwise then rowwise:
+        partial sums), or sharded over tokens with a replicated weight
+        (``memkernels.ops._act_linear.on_dtensors``); not the packed form.
     """
     if any(is_dtensor(t) for t in (gate, up, weight, bias, gate_up)):
         return _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend)
@@ -367,49 +370,13 @@ def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, ac
 
 
 def _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend):
-    """gated_linear on DTensors (tensor parallelism), each rank on its own shards, one mesh dim at a time: gate and
-    up sharded over I (a colwise gate/up projection) with weight sharded over its I columns (a rowwise down
-    projection) give partial sums, as RowwiseParallel's own matmul does; gate and up sharded over tokens (or
-    replicated) with a replicated weight give a result sharded (or replicated) as they are. A replicated bias is
-    added once, by DTensor (which sums partial results first)."""
-    from torch.distributed.tensor import Partial, Replicate, Shard
-
+    """gated_linear on DTensors (tensor parallelism): see :func:`memkernels.ops._act_linear.on_dtensors`."""
     owner = "gated_linear"
     if gate_up is not None:
         raise ValueError(f"{owner}: the packed gate_up= form takes no DTensor (a shard of gate_up is not a shard of "
                          "gate and one of up); pass gate and up")
-    if not all(is_dtensor(t) for t in (gate, up, weight)) or (bias is not None and not is_dtensor(bias)):
-        raise ValueError(f"{owner}: gate, up, weight (and bias) must all be DTensors or all plain tensors; under "
-                         "parallelize_module pass ColwiseParallel(use_local_output=False) outputs, or .to_local() "
-                         "everything")
-    mesh, placements = gate.device_mesh, tuple(gate.placements)
-    if tuple(up.placements) != placements or up.device_mesh != mesh or weight.device_mesh != mesh:
-        raise ValueError(f"{owner}: gate, up and weight must share one mesh, and gate and up one layout; got "
-                         f"{placements} and {tuple(up.placements)}")
-    last = gate.dim() - 1
-    out, out_grad, weight_grad = [], [], []
-    for dim, (mine, theirs) in enumerate(zip(placements, weight.placements)):
-        if isinstance(mine, Shard) and mine.dim % gate.dim() == last and theirs == Shard(1):
-            out.append(Partial())  # each rank sums over its slice of I
-            out_grad.append(Replicate())
-            weight_grad.append(Shard(1))
-        elif (isinstance(mine, Replicate) or (isinstance(mine, Shard) and mine.dim % gate.dim() != last)) \
-                and isinstance(theirs, Replicate):
-            out.append(mine)
-            out_grad.append(mine)
-            weight_grad.append(Partial() if isinstance(mine, Shard) else Replicate())
-        else:
-            raise ValueError(f"{owner}: on mesh dim {dim}, gate is placed {mine} and weight {theirs}; supported: "
-                             "gate and up Shard over I with weight Shard(1) (colwise then rowwise), or gate and up "
-                             "Shard over a token dim or Replicate with weight Replicate")
-    if bias is not None and not all(isinstance(p, Replicate) for p in bias.placements):
-        raise ValueError(f"{owner}: bias must be replicated, got {tuple(bias.placements)}")
-    local = gated_linear(gate.to_local(), up.to_local(), weight.to_local(grad_placements=weight_grad),
-                         activation=activation, backend=backend)
-    shape = (*gate.shape[:-1], weight.shape[0])
-    result = dtensor_class().from_local(local, mesh, out, shape=torch.Size(shape), stride=contiguous_stride(shape),
-                                grad_placements=out_grad)
-    return result if bias is None else result + bias
+    return _act_linear.on_dtensors(owner, (gate, up), weight, bias, lambda operands, weight_local: gated_linear(
+        *operands, weight_local, activation=activation, backend=backend))
 
 
 def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):

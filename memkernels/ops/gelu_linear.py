@@ -19,6 +19,7 @@ import functools
 import torch
 
 from memkernels._backend import resolve, triton_interpreted
+from memkernels.distributed import is_dtensor
 from memkernels.ops import _act_linear, _autocast
 from memkernels.ops._act_linear import TRITON_DTYPES, Step, bias_grad
 from memkernels.ops._custom_op import apply_op, autograd_pair
@@ -144,10 +145,15 @@ def gelu_linear(x, weight, bias=None, *, approximate="none", backend=None):
             memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
 
     Returns:
-        [..., out_features] in x's dtype. Only x (and weight) is saved for backward.
+        [..., out_features] in x's dtype. Only x (and weight) is saved for backward. DTensors (tensor
+        parallelism): x sharded over in_features with weight sharded over its columns, or x sharded over
+        tokens with a replicated weight (see ``memkernels.ops._act_linear.on_dtensors``).
         Under ``torch.autocast`` x, weight and bias are cast to the region's dtype first, as
         ``F.linear`` casts them, and the result is in that dtype.
     """
+    if any(is_dtensor(t) for t in (x, weight, bias)):  # tensor parallelism: each rank on its shards
+        return _act_linear.on_dtensors("gelu_linear", (x,), weight, bias, lambda operands, weight_local: gelu_linear(
+            *operands, weight_local, approximate=approximate, backend=backend))
     return _autocast.call(_STEPS["forward"].name, functools.partial(_gelu_linear, approximate=approximate,
                                                                     backend=backend), x, weight, bias)
 
