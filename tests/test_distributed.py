@@ -147,9 +147,9 @@ def test_gradients_equal_single_process_training(mode, model_name, tmp_path):
 def _tensor_parallel_worker(rank, store_path, result_path):
     """A tiny Hugging Face Llama under tensor parallelism (colwise q/k/v/gate/up, rowwise o/down, a vocabulary-
     sharded head), then apply()'d: the DTensor modules keep their own forward, with the reason; the norms (plain
-    weights, replicated activations) are fused and the attention's RoPE runs fused on this rank's heads; the loss
-    and every gradient equal the unparallelized, unpatched model's. A norm made sequence-parallel (a DTensor
-    weight) is left alone, with the reason."""
+    weights, replicated activations) are fused and the attention's RoPE runs fused on this rank's heads; over two
+    SGD steps the loss and every gradient equal the unparallelized apply()'d model's. A norm made sequence-parallel
+    (a DTensor weight) is left alone, with the reason."""
     import transformers
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
@@ -164,10 +164,8 @@ def _tensor_parallel_worker(rank, store_path, result_path):
         config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                           num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
         model = transformers.LlamaForCausalLM(config)
-        ids = torch.randint(0, config.vocab_size, (2, 16))
-        reference = copy.deepcopy(model)
-        expected_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
-        expected_loss.backward()
+        reference = copy.deepcopy(model)  # unparallelized, apply()'d the same way
+        apply(reference, measure=False)
         plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
         for index in range(config.num_hidden_layers):
             layer = f"model.layers.{index}."
@@ -177,19 +175,26 @@ def _tensor_parallel_worker(rank, store_path, result_path):
             plan.update({layer + name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
         parallelize_module(model, mesh, plan)
         report = apply(model, measure=False)
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
         norms = torch.nn.Sequential(torch.nn.RMSNorm(64))
         parallelize_module(norms, mesh, {"0": SequenceParallel()})
         lines = [f"replaced {sorted({(r['before'], r['after']) for r in report.replaced})}",
                  f"skipped {sorted({(s['type'], s['reason']) for s in report.skipped})}",
                  f"norm {[s['reason'] for s in apply(norms, measure=False).skipped]}"]
-        if not torch.allclose(loss, expected_loss, rtol=1e-5, atol=1e-6):
-            lines.append(f"loss {loss.item()} != {expected_loss.item()}")
-        for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
-            grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-            if not torch.allclose(grad, expected.grad, rtol=1e-4, atol=1e-6):
-                lines.append(f"{name}: {(grad - expected.grad).abs().max().item():.3e} off")
+        optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+        for step in range(2):  # two optimizer steps: the second runs on weights the first changed
+            ids = torch.randint(0, config.vocab_size, (2, 16))
+            loss, expected_loss = (m(input_ids=ids, labels=ids, use_cache=False).loss for m in (model, reference))
+            loss.backward()
+            expected_loss.backward()
+            if not torch.allclose(loss, expected_loss, rtol=1e-5, atol=1e-6):
+                lines.append(f"step {step} loss {loss.item()} != {expected_loss.item()}")
+            for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
+                grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+                if not torch.allclose(grad, expected.grad, rtol=1e-4, atol=1e-6):
+                    lines.append(f"step {step} {name}: {(grad - expected.grad).abs().max().item():.3e} off")
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
         with open(f"{result_path}.{rank}", "w") as handle:
             handle.write("\n".join(lines))
     finally:
