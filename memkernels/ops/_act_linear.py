@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
+from memkernels._backend import resolve, triton_interpreted
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
 from memkernels.ops._custom_op import custom_op
 from memkernels.ops._device_guard import on_tensor_device
@@ -200,6 +201,23 @@ def _variant(signature, constexprs, label):
 for _name, _variants in _aot_variants().items():
     aot.register({"act_linear_product": _product_kernel, "act_linear_product_backward": _product_backward_kernel}[_name],
                  name=_name, variants=_variants)
+
+
+def resolve_backend(backend, like, owner, what="the input"):
+    """The backend an act-linear op runs on ``like`` (its first operand, called ``what`` in messages): ``backend``
+    ("triton", "torch", or None to pick by device), checked against the device and dtype Triton can take."""
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"{owner}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
+    if backend is None:
+        backend = resolve(like, owner)
+    if backend == "triton" and not (like.is_cuda or (like.device.type == "cpu" and triton_interpreted())):
+        raise ValueError(f"{owner}: backend='triton' cannot run on {like.device} tensors; Triton needs CUDA "
+                         "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported); "
+                         "use backend='torch' or None")
+    if backend == "triton" and like.dtype not in TRITON_DTYPES:
+        raise ValueError(f"{owner}: {what} is {like.dtype}; the Triton backend takes float32, float16 or "
+                         "bfloat16 (use backend='torch' for other dtypes)")
+    return backend
 
 
 # --------------------------------------------------------------------------------------------

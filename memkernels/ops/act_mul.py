@@ -18,10 +18,9 @@ import functools
 
 import torch
 
-from memkernels._backend import resolve, triton_interpreted
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
 from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import TRITON_DTYPES, Step
+from memkernels.ops._act_linear import Step
 from memkernels.ops._custom_op import apply_op, autograd_pair
 
 # gelu_mul's approximate -> the activation's name in memkernels/ops/_act_linear.py
@@ -107,18 +106,7 @@ def _check_inputs(op_name, a, b, backend):
         raise ValueError(f"{op_name}: a is {tuple(a.shape)} {a.dtype} on {a.device} but b is {tuple(b.shape)} "
                          f"{b.dtype} on {b.device}; they must match (broadcasting is not supported: expand b "
                          "yourself)")
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"{op_name}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
-    if backend is None:
-        backend = resolve(a, op_name)
-    if backend == "triton" and not (a.is_cuda or (a.device.type == "cpu" and triton_interpreted())):
-        raise ValueError(f"{op_name}: backend='triton' cannot run on {a.device} tensors; Triton needs CUDA (or "
-                         "CPU tensors with TRITON_INTERPRET=1 set before triton is imported); use backend='torch' "
-                         "or None")
-    if backend == "triton" and a.dtype not in TRITON_DTYPES:
-        raise TypeError(f"{op_name}: a is {a.dtype}; the Triton backend takes float32, float16 or bfloat16 "
-                         "(use backend='torch' for other dtypes)")
-    return backend
+    return _act_linear.resolve_backend(backend, a, op_name, "a")
 
 
 def _act_mul(a, b, *, activation, op_name, backend):

@@ -22,10 +22,9 @@ import torch.nn.functional as F
 
 from memkernels.distributed import is_dtensor
 from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import TRITON_DTYPES, Step, bias_grad
+from memkernels.ops._act_linear import Step, bias_grad
 from memkernels.ops._custom_op import apply_op, autograd_pair
 from memkernels.ops._half_gemm import addmm_float32_
-from memkernels._backend import resolve, triton_interpreted
 from memkernels.reference.act_linear import ACTIVATIONS
 
 
@@ -301,21 +300,6 @@ def _check_tensor(name, tensor, like, owner):
         raise ValueError(f"{owner}: {name} is {tensor.dtype} but the input is {like.dtype}; cast them to one dtype")
 
 
-def resolve_backend(backend, like, owner):
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"{owner}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
-    if backend is None:
-        backend = resolve(like, owner)
-    if backend == "triton" and not (like.is_cuda or (like.device.type == "cpu" and triton_interpreted())):
-        raise ValueError(f"{owner}: backend='triton' cannot run on {like.device} tensors; Triton needs CUDA "
-                         "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported); "
-                         "use backend='torch' or None")
-    if backend == "triton" and like.dtype not in TRITON_DTYPES:
-        raise ValueError(f"{owner}: the input is {like.dtype}; the Triton backend takes float32, float16 or "
-                         "bfloat16 (use backend='torch' for other dtypes)")
-    return backend
-
-
 def check_activation(activation, owner):
     if activation not in ACTIVATIONS:
         raise ValueError(f"{owner}: activation={activation!r} is not supported; use one of {', '.join(ACTIVATIONS)} "
@@ -390,7 +374,7 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
                              f"last dim), got {tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else gate_up}")
         _check_weight(weight, bias, gate_up.shape[-1] // 2, gate_up, owner)
         return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate_up, None, weight, bias, activation,
-                        resolve_backend(backend, gate_up, owner))
+                        _act_linear.resolve_backend(backend, gate_up, owner))
     if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor) or gate.dim() < 1:
         raise ValueError(f"{owner}: gate and up must be tensors of shape [..., intermediate_size] "
                          "(or pass gate_up= for the packed form)")
@@ -399,7 +383,7 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
     _check_tensor("up", up, gate, owner)
     _check_weight(weight, bias, gate.shape[-1], gate, owner)
     return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate, up, weight, bias, activation,
-                    resolve_backend(backend, gate, owner))
+                    _act_linear.resolve_backend(backend, gate, owner))
 
 
 def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *,
@@ -453,4 +437,4 @@ def _gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_wei
     width = gate_weight.shape[0] // 2 if up_weight is None else gate_weight.shape[0]
     _check_weight(down_weight, down_bias, width, x, owner)
     return GatedMLPRecomputeFunction.apply(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                                           activation, resolve_backend(backend, x, owner), chunk_size)
+                                           activation, _act_linear.resolve_backend(backend, x, owner), chunk_size)

@@ -18,10 +18,9 @@ import functools
 
 import torch
 
-from memkernels._backend import resolve, triton_interpreted
 from memkernels.distributed import is_dtensor
 from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import TRITON_DTYPES, Step, bias_grad
+from memkernels.ops._act_linear import Step, bias_grad
 from memkernels.ops._custom_op import apply_op, autograd_pair
 
 APPROXIMATIONS = ("none", "tanh")
@@ -160,13 +159,5 @@ def gelu_linear(x, weight, bias=None, *, approximate="none", backend=None):
 
 def _gelu_linear(x, weight, bias, *, approximate, backend):
     _check_inputs(x, weight, bias, approximate, backend)
-    if backend is None:
-        backend = resolve(x, "gelu_linear")
-    if backend == "triton" and not (x.is_cuda or (x.device.type == "cpu" and triton_interpreted())):
-        raise ValueError(f"gelu_linear: backend='triton' cannot run on {x.device} tensors; Triton needs CUDA "
-                         "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported); "
-                         "use backend='torch' or None")
-    if backend == "triton" and x.dtype not in TRITON_DTYPES:
-        raise ValueError(f"gelu_linear: x is {x.dtype}; the Triton backend takes float32, float16 or "
-                         "bfloat16 (use backend='torch' for other dtypes)")
+    backend = _act_linear.resolve_backend(backend, x, "gelu_linear", "x")
     return apply_op(_STEPS["forward"].custom_op, _GeLULinearFunction, x, weight, bias, approximate, backend)

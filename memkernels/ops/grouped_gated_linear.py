@@ -24,9 +24,9 @@ import functools
 import torch
 
 from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import Step
+from memkernels.ops._act_linear import Step, resolve_backend
 from memkernels.ops._custom_op import apply_op, autograd_pair
-from memkernels.ops.gated_linear import halves, resolve_backend, check_activation
+from memkernels.ops.gated_linear import check_activation, halves
 
 
 # --------------------------------------------------------------------------------------------
