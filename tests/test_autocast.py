@@ -111,8 +111,8 @@ def test_the_custom_ops_carry_the_policy_at_their_autocast_dispatch_key():
     target = torch.randint(0, 8, (4,))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = torch.ops.memkernels.gelu_linear(x, weight, None, "none", "torch")
-        loss, _, _ = torch.ops.memkernels.linear_cross_entropy_recompute(x, weight, target, None, None, -100, 0.0,
-                                                                         0.0, 0.0, "mean", 0)
+        loss, _, _, _ = torch.ops.memkernels.linear_cross_entropy_recompute(x, weight, target, None, None, -100,
+                                                                            0.0, 0.0, 0.0, "mean", 0, False)
         y = torch.ops.memkernels.norm_fwd(x.bfloat16(), None, weight[0].float(), None, 1e-6, 0.0, True, 0, False,
                                           False, "torch")[0]
         expected = F.cross_entropy(F.linear(x, weight), target)

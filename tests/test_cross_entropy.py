@@ -272,8 +272,12 @@ def test_fake_impl_shapes():
     with FakeTensorMode():
         logits = torch.empty(6, 100)
         target = torch.zeros(6, dtype=torch.long)
-        loss, z, lse = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1, "none")
+        loss, z, lse, predicted = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1,
+                                                                     "none", True)
         assert loss.shape == (6,) and z.shape == (6,) and lse.shape == (6, 2) and loss.dtype == torch.float32
+        assert predicted.shape == (6,) and predicted.dtype == torch.int64
+        *_, unasked = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1, "none", False)
+        assert unasked.shape == (0,)
 
 
 @pytest.mark.slow

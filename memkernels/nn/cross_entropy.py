@@ -18,12 +18,14 @@ class ChunkedCrossEntropyLoss(torch.nn.Module):
     """
 
     def __init__(self, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None,
-                 z_loss=0.0, return_z_loss=False, inplace_backward=False):
+                 z_loss=0.0, return_z_loss=False, inplace_backward=False, return_token_accuracy=False,
+                 return_predicted_tokens=False):
         super().__init__()
         self.register_buffer("weight", weight)
         self.options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction,
                         "softcap": softcap, "z_loss": z_loss, "return_z_loss": return_z_loss,
-                        "inplace_backward": inplace_backward}
+                        "inplace_backward": inplace_backward, "return_token_accuracy": return_token_accuracy,
+                        "return_predicted_tokens": return_predicted_tokens}
 
     def forward(self, logits, target):
         return cross_entropy(logits, target, weight=self.weight, **self.options)
@@ -37,12 +39,14 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     """
 
     def __init__(self, class_weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None,
-                 z_loss=0.0, strategy="auto", chunk_size=None, return_z_loss=False):
+                 z_loss=0.0, strategy="auto", chunk_size=None, return_z_loss=False, return_token_accuracy=False,
+                 return_predicted_tokens=False):
         super().__init__()
         self.register_buffer("class_weight", class_weight)
         self.options = {"ignore_index": ignore_index, "label_smoothing": label_smoothing, "reduction": reduction,
                         "softcap": softcap, "z_loss": z_loss, "strategy": strategy, "chunk_size": chunk_size,
-                        "return_z_loss": return_z_loss}
+                        "return_z_loss": return_z_loss, "return_token_accuracy": return_token_accuracy,
+                        "return_predicted_tokens": return_predicted_tokens}
 
     def forward(self, hidden, weight, target, bias=None):
         return linear_cross_entropy(hidden, weight, target, bias=bias, class_weight=self.class_weight,

@@ -5,6 +5,7 @@ for ``ignore_index``, class weights and ``reduction``; the per-row kernels live 
 :mod:`memkernels.ops.cross_entropy`.
 """
 import math
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -123,11 +124,52 @@ def validate_loss_args(target, n_classes, n_rows, *, ignore_index, label_smoothi
             raise ValueError(f"{weight_name} is on {class_weight.device} but the logits are on {device}")
 
 
-def finish_output(loss, z, out_shape, reduction, return_z_loss):
-    """Reshape per-row results to the target's shape; add the detached z-term when asked."""
+class CrossEntropyOutput(NamedTuple):
+    """What the losses return when asked for a metric: the fields not asked for are None.
+
+    loss: float32, as without the metric. z_loss: the detached z-term (``return_z_loss``).
+    token_accuracy (``return_token_accuracy``): float32, the fraction of kept rows (target not
+    ``ignore_index``) whose predicted class is their target, 0-d (NaN when no row is kept, like a
+    ``mean`` loss); with reduction "none" 1.0 or 0.0 per row in the target's shape, 0.0 for ignored rows.
+    predicted_tokens (``return_predicted_tokens``): int64 in the target's shape, each row's argmax
+    (``torch.argmax`` of its logits), -1 for ignored rows. Both are detached.
+    """
+
+    loss: torch.Tensor
+    z_loss: Optional[torch.Tensor]
+    token_accuracy: Optional[torch.Tensor]
+    predicted_tokens: Optional[torch.Tensor]
+
+
+def token_accuracy(predicted, target, ignore_index, reduction):
+    """CrossEntropyOutput.token_accuracy of flat predicted (N,) and target (N,) (no host sync)."""
+    kept = target != ignore_index
+    correct = (predicted == target) & kept
+    if reduction == "none":
+        return correct.float()
+    return (correct.sum(dtype=torch.float64) / kept.sum(dtype=torch.float64)).float()
+
+
+def finish_output(loss, z, out_shape, reduction, return_z_loss, predicted=None, target=None, ignore_index=None,
+                  return_token_accuracy=False, return_predicted_tokens=False):
+    """Reshape per-row results to the target's shape; add the detached z-term when asked; a
+    :class:`CrossEntropyOutput` when a metric is asked (``predicted`` (N,) and the flat ``target`` then)."""
     if reduction == "none":
         loss = loss.view(out_shape)
         z = z.view(out_shape) if z.numel() else z
-    if not return_z_loss:
-        return loss
-    return loss, (z.detach() if z.numel() else torch.zeros_like(loss).detach())
+    z = (z.detach() if z.numel() else torch.zeros_like(loss).detach()) if return_z_loss else None
+    if return_token_accuracy or return_predicted_tokens:
+        accuracy = token_accuracy(predicted, target, ignore_index, reduction) if return_token_accuracy else None
+        if accuracy is not None and reduction == "none":
+            accuracy = accuracy.view(out_shape)
+        return CrossEntropyOutput(loss, z, accuracy,
+                                  predicted.detach().view(out_shape) if return_predicted_tokens else None)
+    return (loss, z) if return_z_loss else loss
+
+
+def check_metric_flags(return_token_accuracy, return_predicted_tokens):
+    """Raise TypeError unless both metric flags are bools (a string would silently be true)."""
+    for name, flag in (("return_token_accuracy", return_token_accuracy),
+                       ("return_predicted_tokens", return_predicted_tokens)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be True or False, got {flag!r}")

@@ -45,8 +45,8 @@ from memkernels.ops._host import next_power_of_2
 from memkernels._backend import resolve
 from memkernels.ops import _autocast
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
-                                   reduce_rows, reduction_denominators, validate_loss_args)
+from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
+                                   grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.reference import cross_entropy as reference
 
 # Widest vocabulary block one program holds in registers at a time.
@@ -92,15 +92,6 @@ def cast_rne(x, dtype: tl.constexpr):
 
 
 @triton.jit
-def _load_capped(row_ptr, cols, mask, softcap, HAS_SOFTCAP: tl.constexpr):
-    # row_ptr: one row of logits; returns the (soft-capped) fp32 values, 0 before capping in padded lanes
-    y = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if HAS_SOFTCAP:
-        y = softcap * tanh_fp32(y / softcap)
-    return y
-
-
-@triton.jit
 def _cross_entropy_kernel(
     logits_ptr,  # (N, W) logits block, fp32/fp16/bf16, row stride stride_logits, unit column stride
     grad_ptr,  # (N, W) gradient out (may alias logits_ptr), row stride stride_grad; used if WRITE_GRAD
@@ -113,6 +104,7 @@ def _cross_entropy_kernel(
     z_ptr,  # (N,) fp32 per-row z-term z_loss * lse^2; written if COMPUTE_LOSS and HAS_Z
     loss_scale_ptr,  # (1,) or (N,) fp32 d(total)/d(row cross-entropy); read if WRITE_GRAD
     z_scale_ptr,  # (1,) or (N,) fp32 d(total)/d(row z-term); read if WRITE_GRAD and HAS_Z
+    predicted_ptr,  # (N,) int64 argmax of each row, -1 for ignored rows; written if COMPUTE_LOSS and PREDICT
     stride_logits,
     stride_grad,
     n_cols,  # W: columns in this block (the whole vocabulary when COMPUTE_LOSS)
@@ -130,6 +122,7 @@ def _cross_entropy_kernel(
     HAS_Z: tl.constexpr,
     COMPUTE_LOSS: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
+    PREDICT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -157,10 +150,26 @@ def _cross_entropy_kernel(
         running_max = tl.full((), float("-inf"), tl.float32)
         running_sum = tl.full((), 0.0, tl.float64)
         weighted_logit_sum = tl.full((), 0.0, tl.float64)  # sum_j w_j * y_j, for smoothing
+        if PREDICT:
+            best = tl.full((), float("-inf"), tl.float32)
+            best_col = tl.full((), 0, tl.int32)
+            first_nan = n_cols
         for start in range(0, n_cols, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
             mask = cols < n_cols
-            y = _load_capped(logits_row, cols, mask, softcap, HAS_SOFTCAP)
+            y = tl.load(logits_row + cols, mask=mask, other=0.0).to(tl.float32)
+            if PREDICT:
+                # torch.argmax's answer: the first NaN, else the first maximum. NaNs stay out of the max
+                # (a GPU's max drops them, the interpreter's keeps them); taken before the soft-cap, whose
+                # rounding could turn neighbouring large logits into ties.
+                first_nan = tl.minimum(first_nan, tl.min(tl.where(mask & (y != y), cols, n_cols), axis=0))
+                key = tl.where(mask & (y == y), y, float("-inf"))
+                tile_max = tl.max(key, axis=0)
+                tile_col = tl.min(tl.where(mask & (key == tile_max), cols, n_cols), axis=0)
+                best_col = tl.where(tile_max > best, tile_col, best_col)
+                best = tl.maximum(best, tile_max)
+            if HAS_SOFTCAP:
+                y = softcap * tanh_fp32(y / softcap)
             if SMOOTHING:
                 if HAS_WEIGHT:
                     w = tl.load(class_weight_ptr + col_offset + cols, mask=mask, other=0.0)
@@ -192,6 +201,9 @@ def _cross_entropy_kernel(
         if HAS_Z:
             z_term = tl.where(valid, (z_loss * (lse * lse)).to(tl.float32), 0.0)
             tl.store(z_ptr + row, tl.where(out_of_range, nan, z_term))
+        if PREDICT:
+            predicted = tl.where(first_nan < n_cols, first_nan, best_col)
+            tl.store(predicted_ptr + row, tl.where(valid, predicted.to(tl.int64), -1))
     else:
         row_max = tl.load(lse_ptr + 2 * row)
         log_sum = tl.load(lse_ptr + 2 * row + 1)
@@ -245,13 +257,13 @@ def _aot_variants():
                 "logits_ptr": f"*{dtype}", "grad_ptr": f"*{grad_dtype}", "target_ptr": "*i64",
                 "class_weight_ptr": "*fp32", "class_weight_sum_ptr": "*fp64", "lse_ptr": "*fp32",
                 "loss_ptr": "*fp32", "z_ptr": "*fp32", "loss_scale_ptr": "*fp32", "z_scale_ptr": "*fp32",
-                "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
+                "predicted_ptr": "*i64", "stride_logits": "i32", "stride_grad": "i32", "n_cols": "i32", "col_offset": "i32",
                 "n_classes": "i32", "ignore_index": "i32", "smoothing": "fp32", "smoothing_per_class": "fp32",
                 "softcap": "fp32", "z_loss": "fp32",
             }
             constexprs = {"SCALE_STRIDE": features, "HAS_WEIGHT": features, "SMOOTHING": features,
                           "HAS_SOFTCAP": features, "HAS_Z": features, "COMPUTE_LOSS": compute_loss,
-                          "WRITE_GRAD": write_grad, "BLOCK_V": MAX_BLOCK_V}
+                          "WRITE_GRAD": write_grad, "PREDICT": features, "BLOCK_V": MAX_BLOCK_V}
             variants.append({"signature": signature, "constexprs": constexprs,
                              "num_warps": _num_warps(MAX_BLOCK_V), "num_stages": 1,
                              "label": f"{dtype}-{pass_label}-{'all-options' if features else 'plain'}"})
@@ -259,7 +271,8 @@ def _aot_variants():
 
 
 @on_tensor_device
-def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col_offset, compute_loss):
+def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col_offset, compute_loss,
+            predicted=None):
     n_rows, n_cols = logits.shape
     if n_rows == 0:
         return
@@ -278,6 +291,7 @@ def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col
         z if (compute_loss and z is not None) else dummy,
         loss_scale if write_grad else dummy,
         z_scale if (write_grad and z_scale is not None) else dummy,
+        predicted if predicted is not None else target,
         logits.stride(0),
         grad.stride(0) if write_grad else logits.stride(0),
         n_cols,
@@ -295,6 +309,7 @@ def _launch(logits, target, cfg, *, lse, loss, z, grad, loss_scale, z_scale, col
         HAS_Z=cfg.z_loss != 0.0,
         COMPUTE_LOSS=compute_loss,
         WRITE_GRAD=write_grad,
+        PREDICT=predicted is not None,
         BLOCK_V=block_v,
         num_warps=_num_warps(block_v),
     )
@@ -307,14 +322,14 @@ def _num_warps(block_v):
 aot.register(_cross_entropy_kernel, name="cross_entropy", variants=_aot_variants())
 
 
-def loss_rows_triton(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
+def loss_rows_triton(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None, predicted=None):
     """Triton twin of :func:`memkernels.reference.cross_entropy.loss_rows` (same contract)."""
     n_rows = logits.shape[0]
     ce = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, 2, dtype=torch.float32, device=logits.device)
     z = torch.empty_like(ce) if cfg.z_loss else None
     _launch(logits, target, cfg, lse=lse, loss=ce, z=z, grad=grad, loss_scale=loss_scale, z_scale=z_scale,
-            col_offset=0, compute_loss=True)
+            col_offset=0, compute_loss=True, predicted=predicted)
     return ce, z, lse
 
 
@@ -335,26 +350,31 @@ def row_kernels(tensor, op_name):
 # cross_entropy on given logits
 
 
-def _forward(logits, target, cfg, reduction, backend):
-    loss_rows, _ = row_kernels(logits, "cross_entropy")
-    check_targets_if_cpu(backend, target, cfg)
-    ce, z, lse = loss_rows(logits, target, cfg)
-    loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
-    return loss, z_loss, lse
+def predicted_buffer(reference, n_rows, predict):
+    """The (N,) int64 buffer the row kernels write predicted classes into; (0,) when not asked."""
+    return torch.empty(n_rows if predict else 0, dtype=torch.int64, device=reference.device)
 
 
 def _cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],
                            ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
-                           reduction: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           reduction: str, predict: bool
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
-    return _forward(logits, target, cfg, reduction, resolve(logits, "cross_entropy"))
+    loss_rows, _ = row_kernels(logits, "cross_entropy")
+    check_targets_if_cpu(resolve(logits, "cross_entropy"), target, cfg)
+    predicted = predicted_buffer(logits, logits.shape[0], predict)
+    ce, z, lse = loss_rows(logits, target, cfg, predicted=predicted if predict else None)
+    loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
+    return loss, z_loss, lse, predicted
 
 
-def _cross_entropy_fake(logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction):
+def _cross_entropy_fake(logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction,
+                        predict):
     n_rows = logits.shape[0]
     loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
     z_shape = (0,) if not z_loss else ((n_rows,) if reduction == "none" else ())
-    return loss, logits.new_empty(z_shape, dtype=torch.float32), logits.new_empty((n_rows, 2), dtype=torch.float32)
+    return (loss, logits.new_empty(z_shape, dtype=torch.float32),
+            logits.new_empty((n_rows, 2), dtype=torch.float32), predicted_buffer(logits, n_rows, predict))
 
 
 def _cross_entropy_backward(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
@@ -374,20 +394,20 @@ def _cross_entropy_backward_fake(grad_loss, logits, target, lse, class_weight, i
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
+    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached), the logsumexp, the predictions
     # Their gradients arrive as None instead of zero tensors: autograd would launch a fill for each.
     ctx.set_materialize_grads(False)
-    logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction = inputs
+    logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction, _ = inputs
     ctx.save_for_backward(logits, target, output[2], class_weight)
     ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction)
 
 
 def _backward_with(backward):
-    def _backward(ctx, grad_loss, grad_z_loss, grad_lse):
+    def _backward(ctx, grad_loss, grad_z_loss, grad_lse, grad_predicted):
         # z_loss and lse are returned detached by the public function; only the loss carries gradient.
         logits, target, lse, class_weight = ctx.saved_tensors
         grad = backward(grad_loss, logits, target, lse, class_weight, *ctx.options)
-        return grad, None, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None, None
     return _backward
 
 
@@ -406,24 +426,28 @@ class _InplaceCrossEntropy(torch.autograd.Function):
     """Forward writes the reduction-scaled gradient into the logits; backward rescales it in place."""
 
     @staticmethod
-    def forward(ctx, logits, target, cfg, reduction, backend):
+    def forward(ctx, logits, target, cfg, reduction, backend, predict):
         loss_rows, _ = row_kernels(logits, "cross_entropy")
         check_targets_if_cpu(backend, target, cfg)
         denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
-        ce, z, _ = loss_rows(logits, target, cfg, grad=logits, loss_scale=loss_scale, z_scale=z_scale)
+        predicted = predicted_buffer(logits, logits.shape[0], predict)
+        # The predictions are taken in the loss pass, before the gradient overwrites the logits.
+        ce, z, _ = loss_rows(logits, target, cfg, grad=logits, loss_scale=loss_scale, z_scale=z_scale,
+                             predicted=predicted if predict else None)
         torch.autograd.graph.increment_version(logits)
         ctx.save_for_backward(logits)
         ctx.reduction = reduction
         loss, z_loss = reduce_rows(ce, z, denominators, reduction)
-        ctx.mark_non_differentiable(z_loss)
-        return loss, z_loss
+        ctx.mark_non_differentiable(z_loss, predicted)
+        ctx.set_materialize_grads(False)
+        return loss, z_loss, predicted
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_z_loss):
+    def backward(ctx, grad_loss, grad_z_loss, grad_predicted):
         (grad,) = ctx.saved_tensors  # a second backward fails here: the in-place rescale bumped its version
         scale = grad_loss.reshape(-1, 1) if ctx.reduction == "none" else grad_loss
         # float32 scale: the product is taken in float32 and rounded once to the gradient's dtype.
-        return grad.mul_(scale.float()), None, None, None, None
+        return grad.mul_(scale.float()), None, None, None, None, None
 
 
 def _check_inplace_allowed(logits):
@@ -439,7 +463,8 @@ def _check_inplace_allowed(logits):
 
 
 def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
-                  softcap=None, z_loss=0.0, return_z_loss=False, inplace_backward=False):
+                  softcap=None, z_loss=0.0, return_z_loss=False, inplace_backward=False, return_token_accuracy=False,
+                  return_predicted_tokens=False):
     """Cross-entropy of ``logits`` against class ids, without an N x V float32 log-softmax.
 
     Args:
@@ -455,8 +480,13 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
             (reduction "mean" averages it over the kept rows).
         return_z_loss: also return the z-term (already included in the loss), detached, for logging.
         inplace_backward: overwrite ``logits`` with their gradient during forward (see module docs).
+        return_token_accuracy: also return the fraction of kept rows whose argmax is their target
+            (per row with reduction "none"), taken in the loss's pass over the logits.
+        return_predicted_tokens: also return each row's argmax (-1 for ignored rows), from that pass.
     Returns:
-        loss, or ``(loss, z_loss)`` with ``return_z_loss``. float32.
+        loss, or ``(loss, z_loss)`` with ``return_z_loss``, float32; with either metric flag a
+        :class:`memkernels.functional.CrossEntropyOutput` ``(loss, z_loss, token_accuracy,
+        predicted_tokens)``, None in the fields not asked for.
     """
     if not isinstance(logits, torch.Tensor) or not logits.is_floating_point():
         raise TypeError("logits must be a floating-point tensor of shape (..., V)")
@@ -467,17 +497,20 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
     validate_loss_args(target, n_classes, n_rows, ignore_index=ignore_index, label_smoothing=label_smoothing,
                        reduction=reduction, softcap=softcap, z_loss=z_loss, class_weight=weight,
                        device=logits.device)
+    check_metric_flags(return_token_accuracy, return_predicted_tokens)
+    predict = return_token_accuracy or return_predicted_tokens
     out_shape = target.shape
     target = target.reshape(-1).long()
     softcap = float(softcap) if softcap is not None else 0.0
     if inplace_backward:
         _check_inplace_allowed(logits)
         cfg = make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, weight)
-        loss, z = _InplaceCrossEntropy.apply(logits.view(n_rows, n_classes), target, cfg, reduction,
-                                             resolve(logits, "cross_entropy"))
+        loss, z, predicted = _InplaceCrossEntropy.apply(logits.view(n_rows, n_classes), target, cfg, reduction,
+                                                        resolve(logits, "cross_entropy"), predict)
     else:
-        loss, z, _ = apply_op(_cross_entropy_op, _CrossEntropyFunction,
-                              logits.reshape(n_rows, n_classes).contiguous(), target,
-                              None if weight is None else weight.detach(), ignore_index,
-                              float(label_smoothing), softcap, float(z_loss), reduction)
-    return finish_output(loss, z, out_shape, reduction, return_z_loss)
+        loss, z, _, predicted = apply_op(_cross_entropy_op, _CrossEntropyFunction,
+                                         logits.reshape(n_rows, n_classes).contiguous(), target,
+                                         None if weight is None else weight.detach(), ignore_index,
+                                         float(label_smoothing), softcap, float(z_loss), reduction, predict)
+    return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
+                         return_token_accuracy, return_predicted_tokens)

@@ -80,10 +80,10 @@ from memkernels._backend import resolve
 from memkernels.ops import _autocast
 from memkernels.ops._host import cdiv
 from memkernels.ops._half_gemm import addmm_float32_
-from memkernels.ops._loss import (check_targets_if_cpu, finish_output, forward_grad_scales, grad_scales, make_config,
-                                   reduce_rows, reduction_denominators, validate_loss_args)
+from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
+                                   grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.ops.cross_entropy import cast_rne, row_kernels
+from memkernels.ops.cross_entropy import cast_rne, predicted_buffer, row_kernels
 
 
 @triton.jit
@@ -352,9 +352,10 @@ def _hidden_grad(grad_logits, weight, out):
     out.copy_(total)
 
 
-def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None):
+def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None, predicted=None):
     """Loss over token chunks; with ``grads`` = (dX or None, (front, rest) or None, dB64 or None) also
-    the gradients (see :func:`_weight_grad_accumulator` for dW).
+    the gradients (see :func:`_weight_grad_accumulator` for dW); with ``predicted`` (N,) int64 each token's
+    argmax class (-1 where ignored), from the loss's pass over each chunk's logits.
 
     Returns (loss, z_loss, lse) with lse (N, 2) float32 (the logsumexp as max + log-sum).
     """
@@ -377,8 +378,10 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
         end = min(start + rows_per_chunk, n_tokens)
         hidden_rows = hidden[start:end]
         logits = head_logits(hidden_rows, weight, bias)
+        predicted_rows = None if predicted is None else predicted[start:end]
         if grads is None:
-            ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg)
+            ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg,
+                                                              predicted=predicted_rows)
         else:
             # The GEMMs take the gradient rounded once to the input dtype (as eager's do), written in
             # place over the logits: half operands, float32 accumulation. Half inputs with a bias: the
@@ -386,7 +389,8 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
             half_with_bias = logits.dtype != torch.float32 and grad_bias64 is not None
             grad_chunk = torch.empty_like(logits, dtype=torch.float32) if half_with_bias else logits
             ce[start:end], z_rows, lse[start:end] = loss_rows(logits, target[start:end], cfg, grad=grad_chunk,
-                                                              loss_scale=loss_scale, z_scale=z_scale)
+                                                              loss_scale=loss_scale, z_scale=z_scale,
+                                                              predicted=predicted_rows)
             if grad_bias64 is not None:
                 grad_bias64 += grad_chunk.sum(0, dtype=torch.float64)
             rounded = logits if grad_chunk is logits else logits.copy_(grad_chunk)
@@ -472,9 +476,12 @@ def _empty(reference_tensor):
 def _recompute_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                        bias: Optional[torch.Tensor], class_weight: Optional[torch.Tensor], ignore_index: int,
                        label_smoothing: float, softcap: float, z_loss: float, reduction: str,
-                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       chunk_size: int, predict: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
-    return _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction)
+    predicted = predicted_buffer(hidden, hidden.shape[0], predict)
+    loss, z, lse = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
+                                   predicted=predicted if predict else None)
+    return loss, z, lse, predicted
 
 
 def _loss_shapes(hidden, z_loss, reduction):
@@ -485,9 +492,10 @@ def _loss_shapes(hidden, z_loss, reduction):
 
 
 def _recompute_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
-                    reduction, chunk_size):
+                    reduction, chunk_size, predict):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
-    return loss, z, hidden.new_empty((hidden.shape[0], 2), dtype=torch.float32)
+    return (loss, z, hidden.new_empty((hidden.shape[0], 2), dtype=torch.float32),
+            predicted_buffer(hidden, hidden.shape[0], predict))
 
 
 def _recompute_backward_impl(grad_loss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor,
@@ -511,21 +519,21 @@ def _recompute_backward_fake(grad_loss, hidden, weight, target, bias, lse, class
 
 
 def _recompute_setup(ctx, inputs, output):
-    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached) and the logsumexp
+    ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached), the logsumexp, the predictions
     # Their gradients arrive as None instead of zero tensors: autograd would launch a fill for each.
     ctx.set_materialize_grads(False)
-    hidden, weight, target, bias, class_weight, *options = inputs
+    hidden, weight, target, bias, class_weight, *options, _ = inputs  # the last: predict, forward's alone
     ctx.save_for_backward(hidden, weight, target, bias, class_weight, output[2])
     ctx.options = tuple(options)
 
 
 def _recompute_grad_with(backward):
-    def _recompute_grad(ctx, grad_loss, grad_z_loss, grad_lse):
+    def _recompute_grad(ctx, grad_loss, grad_z_loss, grad_lse, grad_predicted):
         hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
         grads = backward(grad_loss, hidden, weight, target, bias, lse, class_weight, *ctx.options, *needs)
         grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None
     return _recompute_grad
 
 
@@ -548,22 +556,25 @@ _RecomputeFunction = autograd_pair(_recompute_op, _recompute_forward, _recompute
 
 def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                      class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
-                     z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool, needs_weight: bool,
-                     needs_bias: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                     z_loss: float, reduction: str, chunk_size: int, predict: bool, needs_hidden: bool,
+                     needs_weight: bool, needs_bias: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     grad_hidden = torch.empty_like(hidden) if needs_hidden else None
     grad_weight_parts = _weight_grad_accumulator(weight) if needs_weight else None
     grad_bias64 = torch.zeros(bias.shape, dtype=torch.float64, device=bias.device) if needs_bias else None
+    predicted = predicted_buffer(hidden, hidden.shape[0], predict)
     loss, z_loss_out, _ = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
-                                          grads=(grad_hidden, grad_weight_parts, grad_bias64))
+                                          grads=(grad_hidden, grad_weight_parts, grad_bias64),
+                                          predicted=predicted if predict else None)
     grad_weight_parts = grad_weight_parts or (_empty(hidden), _empty(hidden))
     grads = tuple(g if g is not None else _empty(hidden) for g in (grad_hidden, grad_bias64))
-    return (loss, z_loss_out, grads[0]) + grad_weight_parts + grads[1:]
+    return (loss, z_loss_out, predicted, grads[0]) + grad_weight_parts + grads[1:]
 
 
 def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
-                  reduction, chunk_size, needs_hidden, needs_weight, needs_bias):
+                  reduction, chunk_size, predict, needs_hidden, needs_weight, needs_bias):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
     grad_weight_parts = (_empty(hidden), _empty(hidden))
     if needs_weight:
@@ -572,7 +583,7 @@ def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, labe
         front_rows, rest_rows = (n_classes - n_classes // 2, n_classes // 2) if half else (n_classes, 0)
         grad_weight_parts = (weight.new_empty((front_rows, hidden_size), dtype=torch.float32),
                              weight.new_empty((rest_rows, hidden_size) if half else (0,), dtype=torch.float32))
-    return (loss, z,
+    return (loss, z, predicted_buffer(hidden, hidden.shape[0], predict),
             torch.empty_like(hidden) if needs_hidden else _empty(hidden),
             *grad_weight_parts,
             bias.new_empty(bias.shape, dtype=torch.float64) if needs_bias else _empty(hidden))
@@ -583,7 +594,7 @@ def _chunked_setup(ctx, inputs, output):
     # and autograd must not materialize zero V x H gradients for them in the backward.
     ctx.mark_non_differentiable(*output[1:])
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(*output[2:])
+    ctx.save_for_backward(*output[3:])
     ctx.dtypes = (inputs[1].dtype, None if inputs[3] is None else inputs[3].dtype)
     ctx.needs = inputs[-3:]
 
@@ -598,7 +609,7 @@ def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
     grad_weight = (_finish_weight_grad(grad_weight_front, grad_weight_rest, scale, weight_dtype)
                    if needs_weight else None)
     grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
-    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None
+    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None, None
 
 
 _chunked_op = custom_op("memkernels::linear_cross_entropy_chunked", _chunked_forward, _chunked_fake)
@@ -721,7 +732,8 @@ def pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, grad_needed
 
 def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None, ignore_index=-100,
                          label_smoothing=0.0, reduction="mean", softcap=None, z_loss=0.0, strategy="auto",
-                         chunk_size=None, return_z_loss=False):
+                         chunk_size=None, return_z_loss=False, return_token_accuracy=False,
+                         return_predicted_tokens=False):
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materializing the logits.
 
     Args:
@@ -731,8 +743,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             the PyTorch path; the Triton path never reads back to the host, so there that row's loss
             and gradient are NaN instead (any reduction is NaN; check targets yourself when in doubt).
         class_weight: optional (V,) per-class loss weights (PyTorch's ``weight``).
-        label_smoothing, reduction, softcap, z_loss, return_z_loss: as in
-            :func:`memkernels.ops.cross_entropy.cross_entropy`.
+        label_smoothing, reduction, softcap, z_loss, return_z_loss, return_token_accuracy,
+        return_predicted_tokens: as in :func:`memkernels.ops.cross_entropy.cross_entropy`; the
+            predictions come from each chunk's logits in the loss's pass (no extra GEMM).
         strategy: "auto", "chunked" or "recompute" (see the module docstring).
         chunk_size: tokens per logits chunk; default: as many as fit the transient budget (16 MiB;
             for "chunked" at least 1/8 of dX + float32 dW and at least 1180 tokens for half inputs, 80 for
@@ -740,7 +753,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             inputs, 80 and 160 for float32; see the module docstring).
     Returns:
         float32 loss (shape of ``target`` for reduction "none", else 0-d), or
-        ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached).
+        ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached); with either metric flag a
+        :class:`memkernels.functional.CrossEntropyOutput`.
 
     Under ``torch.autocast`` hidden, weight and bias are cast to the region's dtype first (as
     ``F.linear`` casts them) and the loss stays float32 (as PyTorch's policy keeps cross-entropy).
@@ -753,21 +767,24 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
     validate_loss_args(target, weight.shape[0], n_tokens, ignore_index=ignore_index,
                        label_smoothing=label_smoothing, reduction=reduction, softcap=softcap, z_loss=z_loss,
                        class_weight=class_weight, device=hidden.device, weight_name="class_weight")
+    check_metric_flags(return_token_accuracy, return_predicted_tokens)
+    predict = return_token_accuracy or return_predicted_tokens
     out_shape = target.shape
     hidden2d = hidden.reshape(n_tokens, hidden_size).contiguous()
     target = target.reshape(-1).long()
     weight = weight.contiguous()
     class_weight = None if class_weight is None else class_weight.detach()
     options = (ignore_index, float(label_smoothing), float(softcap) if softcap is not None else 0.0, float(z_loss),
-               reduction, chunk_size or 0)
+               reduction, chunk_size or 0, predict)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
     chosen = pick_strategy(strategy, n_tokens, hidden_size, weight.shape[0], hidden.dtype, grad_needed, reduction,
                            device=hidden.device, chunk_size=chunk_size)
     if chosen == "chunked" and grad_needed:
-        loss, z, *_ = apply_op(_chunked_op, _ChunkedFunction, hidden2d, weight, target, bias, class_weight,
-                               *options, *needs)
+        loss, z, predicted, *_ = apply_op(_chunked_op, _ChunkedFunction, hidden2d, weight, target, bias,
+                                          class_weight, *options, *needs)
     else:
-        loss, z, _ = apply_op(_recompute_op, _RecomputeFunction, hidden2d, weight, target, bias, class_weight,
-                              *options)
-    return finish_output(loss, z, out_shape, reduction, return_z_loss)
+        loss, z, _, predicted = apply_op(_recompute_op, _RecomputeFunction, hidden2d, weight, target, bias,
+                                         class_weight, *options)
+    return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
+                         return_token_accuracy, return_predicted_tokens)

@@ -6,7 +6,7 @@ memory-lean algorithms in ``memkernels.ops.cross_entropy`` and
 
 - :func:`loss_rows` — per-row cross-entropy, z-term and logsumexp of a block of
   full rows; optionally also the gradient, written into a given buffer (which may
-  be the logits block itself).
+  be the logits block itself), and each row's predicted class (its argmax).
 - :func:`grad_rows` — the gradient of a block of *columns* ``[col_offset,
   col_offset + width)`` of every row, given the rows' logsumexp: what the
   vocabulary-tiled backward of the "recompute" strategy needs.
@@ -121,7 +121,7 @@ def finish_rows(values, valid, out_of_range):
     return torch.where(out_of_range, torch.full((), float("nan"), device=values.device), values)
 
 
-def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
+def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None, predicted=None):
     """Cross-entropy of full rows, block of rows by block of rows.
 
     logits: (R, V) float; target: (R,) int64.
@@ -132,6 +132,9 @@ def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
     With ``grad`` (an (R, V) buffer, possibly ``logits`` itself) the gradient of
     ``sum(loss_scale * ce + z_scale * zt)`` is written into it; ``loss_scale`` and
     ``z_scale`` are float32 tensors of shape () or (R,).
+    With ``predicted`` (an (R,) int64 buffer) each row's predicted class is written into it:
+    ``torch.argmax`` of the logits as given (before any soft-cap, which could merge neighbours
+    into ties), -1 for rows whose target is ``ignore_index``.
     """
     n_rows = logits.shape[0]
     ce = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
@@ -141,10 +144,18 @@ def loss_rows(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None):
         ce[rows], z_rows, lse_parts[rows] = _loss_block(logits[rows], target[rows], cfg)
         if zt is not None:
             zt[rows] = z_rows
+        if predicted is not None:
+            predicted[rows] = predicted_classes(logits[rows], target[rows], cfg.ignore_index)
         if grad is not None:
             _write_grad(*_softcapped_with_slope(logits[rows], cfg), target[rows], lse_parts[rows], cfg, grad[rows],
                         _rows_of(loss_scale, rows), _rows_of(z_scale, rows), 0)
     return ce, zt, lse_parts
+
+
+def predicted_classes(logits, target, ignore_index):
+    """(R,) int64: the argmax of each row of logits (R, V) (the first NaN, else the first maximum, as
+    ``torch.argmax``), -1 where the target is ``ignore_index``."""
+    return torch.where(target != ignore_index, logits.argmax(dim=1), -1)
 
 
 def _loss_block(logits, target, cfg):
