@@ -1,7 +1,9 @@
 """What memkernels needs of ``torch.distributed.tensor`` (tensor parallelism), in one place.
 
 The ops take DTensors where a rank can compute on its own shards (memkernels/ops: the norms, silu_mul /
-gelu_mul, gated_linear); ``apply()`` leaves modules whose weights are DTensors alone (memkernels/patch.py).
+gelu_mul, gated_linear, gelu_linear, and linear_cross_entropy on an LM head sharded over its classes);
+``apply()`` fuses the loss of such a head and leaves other modules whose weights are DTensors alone
+(memkernels/patch.py).
 """
 import functools
 
@@ -29,3 +31,20 @@ def contiguous_stride(shape):
         stride.append(step)
         step *= max(size, 1)
     return tuple(reversed(stride))
+
+
+def sharded_over_rows(tensor):
+    """Whether ``tensor`` is a DTensor split by rows on a 1-D mesh (placements ``(Shard(0),)``): ColwiseParallel's
+    layout of a Linear's weight and bias, an LM head's vocabulary split over the ranks."""
+    if not is_dtensor(tensor) or tensor.device_mesh.ndim != 1:
+        return False
+    from torch.distributed.tensor import Shard
+    return tuple(tensor.placements) == (Shard(0),)
+
+
+def layout_hooks_only(module):
+    """Whether every forward hook of ``module`` is one ``parallelize_module`` registered (through
+    ``distribute_module``): hooks that lay the module's inputs and outputs out over the mesh, nothing else."""
+    hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+    return all(getattr(hook, "__module__", None) == "torch.distributed.tensor._api"
+               and getattr(hook, "__qualname__", "").startswith("distribute_module.") for hook in hooks)

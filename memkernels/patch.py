@@ -90,7 +90,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memkernels.distributed import is_dtensor
+from memkernels.distributed import is_dtensor, layout_hooks_only, sharded_over_rows
 from memkernels.models import MLP, LogitsLoss, TransformerLM
 from memkernels.tools.profile import ledger_forward, text_table
 
@@ -597,7 +597,18 @@ def _loss_blocker(module):
     if family not in CAUSAL_LM_HEADS:
         return (f"{family}'s head is not one memkernels knows (see memkernels.patch.CAUSAL_LM_HEADS): its forward "
                 "may scale, cap or add to the loss, which the fused loss would drop; its own loss is kept")
-    return _why_not_plain(module.get_output_embeddings(), (nn.Linear,), "lm_head")
+    return _head_reason(module.get_output_embeddings())
+
+
+def _head_reason(head):
+    """Why the fused loss may not read the LM head's weights (None when it may). A plain Linear, or one
+    ``parallelize_module`` split over its classes (ColwiseParallel: weight and bias placed Shard(0) on a 1-D mesh):
+    linear_cross_entropy takes those DTensors (vocabulary-parallel), and the hooks ColwiseParallel adds only lay the
+    head's input and output out, which the fused loss never reads."""
+    if (type(head) is nn.Linear and sharded_over_rows(head.weight) and layout_hooks_only(head)
+            and (head.bias is None or sharded_over_rows(head.bias))):
+        return None
+    return _why_not_plain(head, (nn.Linear,), "lm_head")
 
 
 def _plan(model, norms, mlp, loss, rope, report):

@@ -7,17 +7,11 @@ second runs under the budget), and offloaded checkpoints (the blocks checkpointe
 offloaded), each over two steps. FSDP2 swaps unsharded parameters in and out around each block's
 forward; the offload must neither copy them nor hold them.
 """
-import os
-import sys
-
-import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from gloo_ranks import WORLD, spawn
 from memkernels.models import ModelConfig, TransformerLM
 
-WORLD = 2
 CONFIG = ModelConfig(name="dist-tiny", vocab_size=101, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=4,
                      intermediate_size=64, max_seq_len=32, norm="layernorm", mlp="gelu", position="learned",
                      tie_embeddings=False, bias=True)
@@ -54,54 +48,38 @@ def _train(model, batches, manager):
     return steps
 
 
-def _worker(rank, store_path, result_path):
-    torch.set_num_threads(1)  # two ranks on a 2-core machine: more threads only contend
+def _offloaded_training(rank):
     import memkernels
     from memkernels import device
     from torch.distributed.device_mesh import init_device_mesh
 
     device.use_sim()
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
     lines = []
-    try:
-        mesh = init_device_mesh("cpu", (WORLD,))
-        torch.manual_seed(1234)  # same weights and batches on every rank
-        base = TransformerLM(CONFIG)
-        batches = [torch.randint(0, CONFIG.vocab_size, (4, 24)).chunk(WORLD)[rank] for _ in range(STEPS)]
-        for name, (options, checkpointed) in MODES.items():
-            expected_model, model = TransformerLM(CONFIG), TransformerLM(CONFIG)
-            for copy in (expected_model, model):
-                copy.load_state_dict(base.state_dict())
-                copy.checkpointing = checkpointed
-            expected = _train(_sharded(expected_model, mesh), batches, None)
-            manager = memkernels.OffloadActivations(min_offload_bytes=0, **options)
-            try:
-                actual = _train(_sharded(model, mesh), batches, manager)
-                stats = manager.stats()
-            finally:
-                manager.close()
-            different = [f"step {step} {n}" for step, (e, a) in enumerate(zip(expected, actual))
-                         for n in e if not torch.equal(e[n], a[n])]
-            lines.append(f"{name} offloaded {stats['storages_offloaded']} parameters_kept "
-                         f"{stats['kept_by_reason']['parameter']} different {different}")
-        with open(f"{result_path}.{rank}", "w") as handle:
-            handle.write("\n".join(lines))
-    finally:
-        dist.destroy_process_group()
-    # Skip interpreter finalization: gloo's teardown race (see tests/test_distributed.py).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    torch.manual_seed(1234)  # same weights and batches on every rank
+    base = TransformerLM(CONFIG)
+    batches = [torch.randint(0, CONFIG.vocab_size, (4, 24)).chunk(WORLD)[rank] for _ in range(STEPS)]
+    for name, (options, checkpointed) in MODES.items():
+        expected_model, model = TransformerLM(CONFIG), TransformerLM(CONFIG)
+        for copy in (expected_model, model):
+            copy.load_state_dict(base.state_dict())
+            copy.checkpointing = checkpointed
+        expected = _train(_sharded(expected_model, mesh), batches, None)
+        manager = memkernels.OffloadActivations(min_offload_bytes=0, **options)
+        try:
+            actual = _train(_sharded(model, mesh), batches, manager)
+            stats = manager.stats()
+        finally:
+            manager.close()
+        different = [f"step {step} {n}" for step, (e, a) in enumerate(zip(expected, actual))
+                     for n in e if not torch.equal(e[n], a[n])]
+        lines.append(f"{name} offloaded {stats['storages_offloaded']} parameters_kept "
+                     f"{stats['kept_by_reason']['parameter']} different {different}")
+    return lines
 
 
 def test_fsdp2_gradients_bitwise_identical_with_offload_in_every_mode(tmp_path):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.fail("torch.distributed with gloo is required for this test")
-    result_path = str(tmp_path / "result")
-    mp.spawn(_worker, args=(str(tmp_path / "store"), result_path), nprocs=WORLD, join=True)
-    for rank in range(WORLD):
-        with open(f"{result_path}.{rank}") as handle:
-            rows = handle.read().splitlines()
+    for rank, rows in enumerate(spawn(tmp_path, _offloaded_training)):
         assert [row.split()[0] for row in rows] == list(MODES), rows
         for row in rows:
             words = row.split()

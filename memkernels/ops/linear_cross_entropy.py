@@ -44,6 +44,25 @@ Strategies:
 Under ``torch.no_grad()`` (or when nothing requires grad) only the loss is
 computed: chunked logits, no gradient buffers.
 
+Vocabulary-parallel, for an LM head sharded over its classes (tensor parallelism): under ``parallelize_module(model, mesh, {"lm_head": ColwiseParallel(...)})`` the head's weight is a DTensor
+placed ``Shard(0)``: each of the ``tp`` ranks holds V/tp classes (its rows ``[offset, offset + width)``), and
+``linear_cross_entropy`` takes that DTensor as it is (strategy "recompute" only). No rank ever holds a logit of another rank's classes, nor all N x V/tp of its own at once:
+
+- forward, by token chunks: each chunk's local logits ``hidden_rows @ weight_local.T`` (r x V/tp) give per-row
+  partial statistics (:func:`partial_rows`: the local max and sum of exponentials, the target's logit where this
+  rank owns the target, the smoothing sum); two all-reduces over the N rows (a max, then one sum of three
+  float64 columns) combine them into each row's logsumexp over the whole vocabulary and its loss, the same on
+  every rank. Held for backward: that logsumexp as (max, log-sum), 8 bytes a token, like ``"recompute"``.
+- backward, by tiles of the local classes: the tile's logits are recomputed and turned into their gradient in
+  place by the row kernel's column pass (``grad_rows`` with the tile's global column offset), then dW[tile] and
+  this rank's share of dX, as ``"recompute"`` does (:func:`tiled_head_backward`).
+  dX is a partial sum over the ranks' classes: DTensor adds the shares (one all-reduce, in dX's dtype) on the
+  way back to ``hidden``.
+
+Predictions (``return_token_accuracy`` / ``return_predicted_tokens``) take two more all-reduces (the best value,
+then the smallest index holding it, or the first NaN) over the N rows. Eager mode only: torch.compile is not
+tested through the collectives.
+
 Chunk size: by default a logits chunk (with its float32 working copy for half
 inputs) is bounded by a transient budget. For ``"recompute"`` (and loss-only
 calls) it is :data:`DEFAULT_CHUNK_BYTES`, and the recompute backward uses
@@ -71,6 +90,7 @@ that must match bit for bit).
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -83,7 +103,9 @@ from memkernels.ops._half_gemm import addmm_float32_
 from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
                                    grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
+from memkernels.distributed import dtensor_class, is_dtensor
 from memkernels.ops.cross_entropy import cast_rne, predicted_buffer, row_kernels
+from memkernels.reference.cross_entropy import finish_rows, row_blocks
 
 
 @triton.jit
@@ -618,6 +640,196 @@ _ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, 
 
 
 # ----------------------------------------------------------------------------------------------
+# vocabulary-parallel: a head sharded over its classes (tensor parallelism; see the module docstring)
+
+def partial_rows(logits, target, cfg, col_offset):
+    """This rank's statistics of each row over its classes ``[col_offset, col_offset + W)``.
+
+    logits: (R, W), the local logits of R rows; target: (R,) global class ids. Returns float32 ``local_max``
+    (-inf for W = 0 or a row of -inf) and float64 ``(sum_exp, target_logit, weighted_sum)`` stacked as (R, 3):
+    the sum of exp(y - max) (the max taken as 0 where it is -inf), y at the target where this rank owns it
+    (else 0: summed over the ranks it is the target's logit), and sum_j w_j y_j for label smoothing (else 0).
+    y is the soft-capped logit. Row blocks of at most BLOCK_ELEMENTS logits bound the float32 temporaries.
+    """
+    n_rows, width = logits.shape
+    local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+    sums = torch.zeros(n_rows, 3, dtype=torch.float64, device=logits.device)
+    if width == 0:
+        return local_max, sums
+    for rows in row_blocks(logits):
+        y = logits[rows].float()
+        if cfg.softcap:
+            y = cfg.softcap * torch.tanh(y / cfg.softcap)
+        block_max = y.max(dim=1).values
+        local_max[rows] = block_max
+        shift = torch.where(block_max == float("-inf"), 0.0, block_max)
+        sums[rows, 0] = torch.sub(y, shift[:, None]).exp_().sum(dim=1, dtype=torch.float64)
+        local_target = target[rows] - col_offset
+        owned = (target[rows] != cfg.ignore_index) & (local_target >= 0) & (local_target < width)
+        picked = y.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
+        sums[rows, 1] = torch.where(owned, picked.double(), 0.0)
+        if cfg.label_smoothing:
+            if cfg.class_weight is None:
+                sums[rows, 2] = y.sum(dim=1, dtype=torch.float64)
+            else:
+                sums[rows, 2] = y.double() @ cfg.class_weight[col_offset:col_offset + width].double()
+    return local_max, sums
+
+
+def combine_rows(local_max, sums, target, cfg, group):
+    """Every rank's :func:`partial_rows` into each row's (ce, z-term or None, lse parts (R, 2) float32), as
+    :func:`memkernels.reference.cross_entropy.loss_rows` gives them for the whole vocabulary: two all-reduces."""
+    row_max = local_max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    local_shift = torch.where(local_max == float("-inf"), 0.0, local_max)
+    # Each rank's sum rescaled to the global max (exp(-inf) = 0 for a rank whose classes are all -inf).
+    sums[:, 0] *= torch.exp((local_shift - shift).double())
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    sum_exp, target_logit, weighted_sum = sums.unbind(dim=1)
+    log_sum = sum_exp.log()
+    lse = shift.double() + log_sum
+    valid = target != cfg.ignore_index
+    out_of_range = valid & ((target < 0) | (target >= cfg.n_classes))
+    ce = (shift.double() - target_logit) + log_sum
+    if cfg.class_weight is not None:
+        ce = ce * cfg.class_weight[torch.where(valid & ~out_of_range, target, 0)]
+    if cfg.label_smoothing:
+        weight_sum = cfg.n_classes if cfg.class_weight is None else cfg.class_weight_sum
+        smooth = weight_sum * lse - weighted_sum
+        ce = (1.0 - cfg.label_smoothing) * ce + cfg.label_smoothing / cfg.n_classes * smooth
+    ce = finish_rows(ce.float(), valid, out_of_range)
+    z = finish_rows((cfg.z_loss * lse * lse).float(), valid, out_of_range) if cfg.z_loss else None
+    return ce, z, torch.stack([shift, log_sum.float()], dim=1)
+
+
+def predict_rows(logits, col_offset, n_classes):
+    """This rank's argmax of each row of a chunk's local logits (R, W): ``(best, indices)``, best (R,) float32
+    the largest non-NaN logit (-inf where none) and indices (R, 2) int64 the global class of the first NaN and
+    of the first logit equal to ``best`` (``n_classes`` where there is none)."""
+    n_rows, width = logits.shape
+    if width == 0:
+        return (torch.full((n_rows,), float("-inf"), device=logits.device),
+                torch.full((n_rows, 2), n_classes, dtype=torch.int64, device=logits.device))
+    nan = logits.isnan()
+    first_nan = torch.where(nan.any(dim=1), nan.int().argmax(dim=1) + col_offset, n_classes)
+    clean = logits.masked_fill(nan, float("-inf"))
+    index = clean.argmax(dim=1)
+    best = clean.gather(1, index[:, None]).squeeze(1).float()
+    return best, torch.stack([first_nan, index + col_offset], dim=1)
+
+
+def combine_predictions(best, indices, target, cfg, group):
+    """(R,) int64 predictions over the whole vocabulary from every rank's :func:`predict_rows`: the first NaN,
+    else the first class holding the largest logit (``torch.argmax``'s rule); -1 for ignored rows."""
+    global_best = best.clone()
+    dist.all_reduce(global_best, op=dist.ReduceOp.MAX, group=group)
+    indices[:, 1] = torch.where(best == global_best, indices[:, 1], cfg.n_classes)
+    dist.all_reduce(indices, op=dist.ReduceOp.MIN, group=group)
+    predicted = torch.where(indices[:, 0] < cfg.n_classes, indices[:, 0], indices[:, 1])
+    return torch.where(target != cfg.ignore_index, predicted, -1)
+
+
+class _VocabParallelFunction(torch.autograd.Function):
+    """hidden (N, H) (this rank's copy, the same on every rank), weight (V/tp, H) and bias (V/tp,) or None (this
+    rank's classes) -> (loss, z-term, predictions) as :func:`memkernels.ops.linear_cross_entropy.linear_cross_entropy`
+    gives them; dX is this rank's share of the sum over the ranks."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, cfg, reduction, chunk_size, predict, col_offset, group):
+        n_tokens = hidden.shape[0]
+        local_max = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+        sums = torch.empty(n_tokens, 3, dtype=torch.float64, device=hidden.device)
+        if predict:
+            best = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
+            indices = torch.empty(n_tokens, 2, dtype=torch.int64, device=hidden.device)
+        rows_per_chunk = recompute_chunk_tokens(weight.shape[0], hidden.dtype, chunk_size)
+        for start in range(0, n_tokens, rows_per_chunk):
+            rows = slice(start, min(start + rows_per_chunk, n_tokens))
+            logits = head_logits(hidden[rows], weight, bias)
+            local_max[rows], sums[rows] = partial_rows(logits, target[rows], cfg, col_offset)
+            if predict:
+                best[rows], indices[rows] = predict_rows(logits, col_offset, cfg.n_classes)
+            del logits
+        ce, z, lse = combine_rows(local_max, sums, target, cfg, group)
+        del local_max, sums
+        predicted = (combine_predictions(best, indices, target, cfg, group) if predict
+                     else target.new_empty(0))
+        loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.options = (cfg, reduction, chunk_size, col_offset)
+        ctx.mark_non_differentiable(z_loss, predicted)
+        ctx.set_materialize_grads(False)
+        return loss, z_loss, predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss, grad_predicted):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        cfg, reduction, chunk_size, col_offset = ctx.options
+        _, grad_rows = row_kernels(hidden, _OP)
+        loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
+        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+
+        def write_tile_grad(logits, grad_tile, start):
+            grad_rows(logits, target, lse, cfg, grad_tile, loss_scale, z_scale, col_offset=col_offset + start)
+
+        cols_per_tile = recompute_tile_classes(hidden.shape[0], weight.shape[0], hidden.dtype, chunk_size)
+        grad_hidden, grad_weight, grad_bias = tiled_head_backward(hidden, weight, bias, cols_per_tile, needs,
+                                                                  write_tile_grad)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _head_layout(weight, bias):
+    """(mesh, this rank's first class, process group) of a head sharded over its classes on a 1-D mesh."""
+    from torch.distributed.tensor import Shard
+
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+        raise ValueError("linear_cross_entropy: a DTensor weight must be sharded over its classes on a 1-D mesh "
+                         f"(placements (Shard(dim=0),), ColwiseParallel's layout of an LM head); got "
+                         f"{tuple(weight.placements)} on a {mesh.ndim}-D mesh. Pass weight.full_tensor() for any "
+                         "other layout")
+    if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != (Shard(0),)
+                             or bias.device_mesh != mesh):
+        raise ValueError("linear_cross_entropy: with a vocabulary-sharded weight the bias must be a DTensor "
+                         "sharded the same way (Shard(dim=0) on the weight's mesh)")
+    local_rows = weight.to_local().shape[0]
+    # torch.chunk's split, which Shard(0) uses: the first ranks hold ceil(V / tp) classes each.
+    rank = mesh.get_local_rank()
+    full = -(-weight.shape[0] // mesh.size())
+    offset = min(rank * full, weight.shape[0])
+    if min(full, weight.shape[0] - offset) != local_rows:
+        raise ValueError(f"linear_cross_entropy: this rank holds {local_rows} classes of the weight where Shard(0) "
+                         f"over {mesh.size()} ranks gives {min(full, weight.shape[0] - offset)}; an uneven "
+                         "sharding is not supported: pass weight.full_tensor()")
+    return mesh, offset, mesh.get_group()
+
+
+def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, predict):
+    """The loss of :func:`memkernels.ops.linear_cross_entropy.linear_cross_entropy` for a DTensor ``weight``
+    sharded over its classes. ``hidden`` (N, H): a plain tensor (the same on every rank, as the replicated input
+    of a ColwiseParallel head) or a DTensor (redistributed to Replicate first: one all-gather where it is
+    sharded over tokens). ``target`` (N,) plain or DTensor. Returns (loss, z-term, predictions), plain tensors,
+    equal on every rank; hidden's gradient is summed over the ranks."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    mesh, offset, group = _head_layout(weight, bias)
+    if is_dtensor(target):
+        target = target.full_tensor()
+    if is_dtensor(hidden):
+        if hidden.device_mesh != mesh:
+            raise ValueError("linear_cross_entropy: hidden is a DTensor on another mesh than the weight's")
+        hidden = hidden.redistribute(mesh, [Replicate()])
+    else:
+        # Its gradient is a partial sum per rank: from_local's backward adds them up (an all-reduce).
+        hidden = dtensor_class().from_local(hidden, mesh, [Replicate()], run_check=False)
+    hidden_local = hidden.to_local(grad_placements=[Partial()])
+    bias_local = None if bias is None else bias.to_local()
+    return _VocabParallelFunction.apply(hidden_local, weight.to_local(), bias_local, target, cfg, reduction,
+                                        chunk_size, predict, offset, group)
+
+
+# ----------------------------------------------------------------------------------------------
 # public function
 
 
@@ -778,6 +990,15 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
                reduction, chunk_size or 0, predict)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
+    if is_dtensor(weight):
+        if strategy == "chunked":
+            raise ValueError('strategy="chunked" takes no vocabulary-sharded (DTensor) weight: it would hold a '
+                             'float32 dW per rank in the forward; use strategy="auto" or "recompute"')
+        cfg = make_config(weight.shape[0], *options[:4], class_weight)
+        check_targets_if_cpu(resolve(hidden, _OP), target, cfg)
+        loss, z, predicted = _vocab_parallel(hidden2d, weight, target, bias, cfg, reduction, chunk_size, predict)
+        return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
+                             return_token_accuracy, return_predicted_tokens)
     chosen = pick_strategy(strategy, n_tokens, hidden_size, weight.shape[0], hidden.dtype, grad_needed, reduction,
                            device=hidden.device, chunk_size=chunk_size)
     if chosen == "chunked" and grad_needed:
