@@ -48,3 +48,18 @@ def layout_hooks_only(module):
     hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
     return all(getattr(hook, "__module__", None) == "torch.distributed.tensor._api"
                and getattr(hook, "__qualname__", "").startswith("distribute_module.") for hook in hooks)
+
+
+def shard_offset(tensor, dim, what):
+    """This rank's first index along ``dim`` of a DTensor sharded over ``dim`` on a 1-D mesh. Shard splits as
+    torch.chunk does (the first ranks hold ceil(size / ranks) each); ValueError naming ``what`` for another split."""
+    mesh = tensor.device_mesh
+    size, ranks, rank = tensor.shape[dim], mesh.size(), mesh.get_local_rank()
+    step = -(-size // ranks)
+    offset = min(rank * step, size)
+    expected = min(step, size - offset)
+    if tensor.to_local().shape[dim] != expected:
+        raise ValueError(f"{what} holds {tensor.to_local().shape[dim]} of {size} along dim {dim} on this rank where "
+                         f"Shard over {ranks} ranks gives {expected}; an uneven sharding is not supported: pass "
+                         ".full_tensor()")
+    return offset

@@ -365,3 +365,68 @@ def test_vocabulary_parallel_linear_cross_entropy_matches_one_process(backend, t
             "weight.full_tensor() for any other layout",
             "linear_cross_entropy: with a vocabulary-sharded weight the bias must be a DTensor sharded the same way "
             "(Shard(dim=0) on the weight's mesh)"], (rank, lines)
+
+
+def _vocab_sharded_logits(rank, backend):
+    """cross_entropy on DTensor logits sharded over the classes (loss_parallel's layout, 37 classes: 19 + 18) and
+    replicated: loss, z-term, predictions, accuracy and the logits' gradient equal the single-process call's, for
+    every option and reduction; other layouts and inplace_backward are refused with the fix."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import memkernels
+    from memkernels.functional import cross_entropy
+
+    memkernels.set_backend(backend)
+    torch.manual_seed(1234)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    logits = torch.randn(2, 6, 37) * 3
+    logits[0, 4, 30] = logits[0, 4, 3] = 20.0  # a tie across the ranks' classes: the first (rank 0's) wins
+    target = torch.randint(0, 37, (2, 6))
+    target[0, 2] = -100
+    target[1, :3] = logits[1, :3].argmax(-1)
+    lines = []
+    options = {"plain": {}, "options": {"label_smoothing": 0.1, "softcap": 3.0, "z_loss": 1e-2,
+                                        "weight": torch.rand(37) + 0.5}}
+    for (name, kwargs), reduction, layout in [(o, r, p) for o in options.items() for r in ("mean", "none", "sum")
+                                              for p in ((Shard(2),), (Replicate(),))]:
+        kwargs = dict(kwargs, reduction=reduction, return_z_loss=True, return_token_accuracy=True,
+                      return_predicted_tokens=True)
+        leaf = logits.clone().requires_grad_()
+        expected = cross_entropy(leaf, target, **kwargs)
+        grad = torch.rand(target.shape) if reduction == "none" else None
+        expected.loss.backward(grad)
+        sharded = distribute_tensor(logits.clone(), mesh, list(layout)).requires_grad_()
+        out = cross_entropy(sharded, target, **kwargs)
+        out.loss.backward(grad)
+        case = f"{name} {reduction} {layout[0]}"
+        if not torch.equal(out.predicted_tokens, expected.predicted_tokens):
+            lines.append(f"{case}: predicted {out.predicted_tokens.tolist()}")
+        if tuple(sharded.grad.placements) != layout:
+            lines.append(f"{case}: gradient placed {sharded.grad.placements}")
+        for what, value, want in [("loss", out.loss, expected.loss), ("z", out.z_loss, expected.z_loss),
+                                  ("accuracy", out.token_accuracy, expected.token_accuracy),
+                                  ("grad", sharded.grad.full_tensor(), leaf.grad)]:
+            if not torch.allclose(value, want, rtol=1e-5, atol=1e-6):
+                lines.append(f"{case} {what}: {(value - want).abs().max().item():.3e} off")
+    for bad in (lambda: cross_entropy(distribute_tensor(logits, mesh, [Shard(1)]), target),
+                lambda: cross_entropy(distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_() * 1.0, target,
+                                      inplace_backward=True)):
+        try:
+            bad()
+            lines.append("taken")
+        except ValueError as error:
+            lines.append(str(error))
+    return lines
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cross_entropy_on_vocabulary_sharded_logits_matches_one_process(backend, tmp_path):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    for rank, lines in enumerate(spawn(tmp_path, _vocab_sharded_logits, backend)):
+        assert lines == [
+            "cross_entropy: logits are a DTensor placed (Shard(dim=1),) on a 1-D mesh; supported: sharded over the "
+            "classes (Shard(-1), loss_parallel's layout) on a 1-D mesh, or replicated. Redistribute them, or pass "
+            ".full_tensor()",
+            "inplace_backward=True takes no DTensor logits: drop it under tensor parallelism"], (rank, lines)

@@ -36,10 +36,12 @@ and the gradient is zero, as in PyTorch.
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 import triton
 import triton.language as tl
 
 from memkernels import aot
+from memkernels.distributed import is_dtensor, shard_offset
 from memkernels.ops._device_guard import on_tensor_device
 from memkernels.ops._host import next_power_of_2
 from memkernels._backend import resolve
@@ -48,6 +50,7 @@ from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
                                    grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.reference import cross_entropy as reference
+from memkernels.reference.cross_entropy import finish_rows, row_blocks
 
 # Widest vocabulary block one program holds in registers at a time.
 MAX_BLOCK_V = 4096
@@ -347,6 +350,102 @@ def row_kernels(tensor, op_name):
 
 
 # ----------------------------------------------------------------------------------------------
+# vocabulary shards (tensor parallelism): each rank holds the logits of its classes; per-row statistics
+# combined over the ranks with all-reduces (cross_entropy below, linear_cross_entropy's sharded head)
+
+def partial_rows(logits, target, cfg, col_offset):
+    """This rank's statistics of each row over its classes ``[col_offset, col_offset + W)``.
+
+    logits: (R, W), the local logits of R rows; target: (R,) global class ids. Returns float32 ``local_max``
+    (-inf for W = 0 or a row of -inf) and float64 ``(sum_exp, target_logit, weighted_sum)`` stacked as (R, 3):
+    the sum of exp(y - max) (the max taken as 0 where it is -inf), y at the target where this rank owns it
+    (else 0: summed over the ranks it is the target's logit), and sum_j w_j y_j for label smoothing (else 0).
+    y is the soft-capped logit. Row blocks of at most BLOCK_ELEMENTS logits bound the float32 temporaries.
+    """
+    n_rows, width = logits.shape
+    local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=logits.device)
+    sums = torch.zeros(n_rows, 3, dtype=torch.float64, device=logits.device)
+    if width == 0:
+        return local_max, sums
+    for rows in row_blocks(logits):
+        y = logits[rows].float()
+        if cfg.softcap:
+            y = cfg.softcap * torch.tanh(y / cfg.softcap)
+        block_max = y.max(dim=1).values
+        local_max[rows] = block_max
+        shift = torch.where(block_max == float("-inf"), 0.0, block_max)
+        sums[rows, 0] = torch.sub(y, shift[:, None]).exp_().sum(dim=1, dtype=torch.float64)
+        local_target = target[rows] - col_offset
+        owned = (target[rows] != cfg.ignore_index) & (local_target >= 0) & (local_target < width)
+        picked = y.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
+        sums[rows, 1] = torch.where(owned, picked.double(), 0.0)
+        if cfg.label_smoothing:
+            if cfg.class_weight is None:
+                sums[rows, 2] = y.sum(dim=1, dtype=torch.float64)
+            else:
+                sums[rows, 2] = y.double() @ cfg.class_weight[col_offset:col_offset + width].double()
+    return local_max, sums
+
+
+def combine_rows(local_max, sums, target, cfg, group):
+    """Every rank's :func:`partial_rows` into each row's (ce, z-term or None, lse parts (R, 2) float32), as
+    :func:`memkernels.reference.cross_entropy.loss_rows` gives them for the whole vocabulary: two all-reduces."""
+    row_max = local_max.clone()
+    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
+    local_shift = torch.where(local_max == float("-inf"), 0.0, local_max)
+    # Each rank's sum rescaled to the global max (exp(-inf) = 0 for a rank whose classes are all -inf).
+    sums[:, 0] *= torch.exp((local_shift - shift).double())
+    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    sum_exp, target_logit, weighted_sum = sums.unbind(dim=1)
+    log_sum = sum_exp.log()
+    lse = shift.double() + log_sum
+    valid = target != cfg.ignore_index
+    out_of_range = valid & ((target < 0) | (target >= cfg.n_classes))
+    ce = (shift.double() - target_logit) + log_sum
+    if cfg.class_weight is not None:
+        ce = ce * cfg.class_weight[torch.where(valid & ~out_of_range, target, 0)]
+    if cfg.label_smoothing:
+        weight_sum = cfg.n_classes if cfg.class_weight is None else cfg.class_weight_sum
+        smooth = weight_sum * lse - weighted_sum
+        ce = (1.0 - cfg.label_smoothing) * ce + cfg.label_smoothing / cfg.n_classes * smooth
+    ce = finish_rows(ce.float(), valid, out_of_range)
+    z = finish_rows((cfg.z_loss * lse * lse).float(), valid, out_of_range) if cfg.z_loss else None
+    return ce, z, torch.stack([shift, log_sum.float()], dim=1)
+
+
+def predict_rows(logits, col_offset, n_classes):
+    """This rank's argmax of each row of its local logits (R, W): ``(best, indices)``, best (R,) float32 the
+    largest non-NaN logit (-inf where none) and indices (R, 2) int64 the global class of the first NaN and of the
+    first logit equal to ``best`` (``n_classes`` where there is none). By row blocks (bounded temporaries)."""
+    n_rows, width = logits.shape
+    best = torch.full((n_rows,), float("-inf"), device=logits.device)
+    indices = torch.full((n_rows, 2), n_classes, dtype=torch.int64, device=logits.device)
+    if width == 0:
+        return best, indices
+    for rows in row_blocks(logits):
+        block = logits[rows]
+        nan = block.isnan()
+        indices[rows, 0] = torch.where(nan.any(dim=1), nan.int().argmax(dim=1) + col_offset, n_classes)
+        clean = block.masked_fill(nan, float("-inf"))
+        index = clean.argmax(dim=1)
+        best[rows] = clean.gather(1, index[:, None]).squeeze(1).float()
+        indices[rows, 1] = index + col_offset
+    return best, indices
+
+
+def combine_predictions(best, indices, target, cfg, group):
+    """(R,) int64 predictions over the whole vocabulary from every rank's :func:`predict_rows`: the first NaN,
+    else the first class holding the largest logit (``torch.argmax``'s rule); -1 for ignored rows."""
+    global_best = best.clone()
+    dist.all_reduce(global_best, op=dist.ReduceOp.MAX, group=group)
+    indices[:, 1] = torch.where(best == global_best, indices[:, 1], cfg.n_classes)
+    dist.all_reduce(indices, op=dist.ReduceOp.MIN, group=group)
+    predicted = torch.where(indices[:, 0] < cfg.n_classes, indices[:, 0], indices[:, 1])
+    return torch.where(target != cfg.ignore_index, predicted, -1)
+
+
+# ----------------------------------------------------------------------------------------------
 # cross_entropy on given logits
 
 
@@ -450,6 +549,52 @@ class _InplaceCrossEntropy(torch.autograd.Function):
         return grad.mul_(scale.float()), None, None, None, None, None
 
 
+class _VocabShardedCrossEntropy(torch.autograd.Function):
+    """This rank's logits (N, V/tp) of its classes ``[col_offset, ...)`` -> (loss, z-term, predictions) over the
+    whole vocabulary, the same on every rank of ``group``; the gradient of this rank's logits only."""
+
+    @staticmethod
+    def forward(ctx, logits, target, cfg, reduction, predict, col_offset, group):
+        ce, z, lse = combine_rows(*partial_rows(logits, target, cfg, col_offset), target, cfg, group)
+        predicted = (combine_predictions(*predict_rows(logits, col_offset, cfg.n_classes), target, cfg, group)
+                     if predict else target.new_empty(0))
+        loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
+        ctx.save_for_backward(logits, target, lse)
+        ctx.options = (cfg, reduction, col_offset)
+        ctx.mark_non_differentiable(z_loss, predicted)
+        ctx.set_materialize_grads(False)
+        return loss, z_loss, predicted
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_z_loss, grad_predicted):
+        logits, target, lse = ctx.saved_tensors
+        cfg, reduction, col_offset = ctx.options
+        _, grad_rows = row_kernels(logits, "cross_entropy")
+        loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
+        grad = torch.empty_like(logits)
+        grad_rows(logits, target, lse, cfg, grad, loss_scale, z_scale, col_offset=col_offset)
+        return grad, None, None, None, None, None, None
+
+
+def _on_dtensor(logits, target, cfg, reduction, predict):
+    """cross_entropy of DTensor logits: sharded over the classes on a 1-D mesh (loss_parallel's layout: each rank
+    its classes' logits, the rows combined with all-reduces; returns (loss, z-term, predictions), plain tensors
+    equal on every rank) or replicated (None: the caller computes on the local copy)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements, mesh = tuple(logits.placements), logits.device_mesh
+    if all(isinstance(p, Replicate) for p in placements):
+        return None
+    if mesh.ndim != 1 or placements != (Shard(logits.dim() - 1),):
+        raise ValueError(f"cross_entropy: logits are a DTensor placed {placements} on a {mesh.ndim}-D mesh; "
+                         "supported: sharded over the classes (Shard(-1), loss_parallel's layout) on a 1-D mesh, "
+                         "or replicated. Redistribute them, or pass .full_tensor()")
+    offset = shard_offset(logits, logits.dim() - 1, "cross_entropy: logits")
+    local = logits.to_local()
+    local = local.reshape(-1, local.shape[-1]).contiguous()
+    return _VocabShardedCrossEntropy.apply(local, target, cfg, reduction, predict, offset, mesh.get_group())
+
+
 def _check_inplace_allowed(logits):
     if not (torch.is_grad_enabled() and logits.requires_grad):
         raise ValueError("inplace_backward=True needs logits that require grad (with grad mode on): "
@@ -500,8 +645,19 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
     check_metric_flags(return_token_accuracy, return_predicted_tokens)
     predict = return_token_accuracy or return_predicted_tokens
     out_shape = target.shape
-    target = target.reshape(-1).long()
+    target = (target.full_tensor() if is_dtensor(target) else target).reshape(-1).long()
     softcap = float(softcap) if softcap is not None else 0.0
+    if is_dtensor(logits):
+        if inplace_backward:
+            raise ValueError("inplace_backward=True takes no DTensor logits: drop it under tensor parallelism")
+        cfg = make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, weight)
+        check_targets_if_cpu(resolve(logits, "cross_entropy"), target, cfg)
+        sharded = _on_dtensor(logits, target, cfg, reduction, predict)
+        if sharded is not None:
+            loss, z, predicted = sharded
+            return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
+                                 return_token_accuracy, return_predicted_tokens)
+        logits = logits.to_local()  # replicated: every rank computes the whole loss
     if inplace_backward:
         _check_inplace_allowed(logits)
         cfg = make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, weight)

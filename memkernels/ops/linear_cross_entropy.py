@@ -90,7 +90,6 @@ that must match bit for bit).
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 import triton
 import triton.language as tl
 
@@ -103,9 +102,9 @@ from memkernels.ops._half_gemm import addmm_float32_
 from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
                                    grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.distributed import dtensor_class, is_dtensor
-from memkernels.ops.cross_entropy import cast_rne, predicted_buffer, row_kernels
-from memkernels.reference.cross_entropy import finish_rows, row_blocks
+from memkernels.distributed import dtensor_class, is_dtensor, shard_offset, sharded_over_rows
+from memkernels.ops.cross_entropy import (cast_rne, combine_predictions, combine_rows, partial_rows, predict_rows,
+                                           predicted_buffer, row_kernels)
 
 
 @triton.jit
@@ -642,94 +641,6 @@ _ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, 
 # ----------------------------------------------------------------------------------------------
 # vocabulary-parallel: a head sharded over its classes (tensor parallelism; see the module docstring)
 
-def partial_rows(logits, target, cfg, col_offset):
-    """This rank's statistics of each row over its classes ``[col_offset, col_offset + W)``.
-
-    logits: (R, W), the local logits of R rows; target: (R,) global class ids. Returns float32 ``local_max``
-    (-inf for W = 0 or a row of -inf) and float64 ``(sum_exp, target_logit, weighted_sum)`` stacked as (R, 3):
-    the sum of exp(y - max) (the max taken as 0 where it is -inf), y at the target where this rank owns it
-    (else 0: summed over the ranks it is the target's logit), and sum_j w_j y_j for label smoothing (else 0).
-    y is the soft-capped logit. Row blocks of at most BLOCK_ELEMENTS logits bound the float32 temporaries.
-    """
-    n_rows, width = logits.shape
-    local_max = torch.full((n_rows,), float("-inf"), dtype=torch.float32, device=logits.device)
-    sums = torch.zeros(n_rows, 3, dtype=torch.float64, device=logits.device)
-    if width == 0:
-        return local_max, sums
-    for rows in row_blocks(logits):
-        y = logits[rows].float()
-        if cfg.softcap:
-            y = cfg.softcap * torch.tanh(y / cfg.softcap)
-        block_max = y.max(dim=1).values
-        local_max[rows] = block_max
-        shift = torch.where(block_max == float("-inf"), 0.0, block_max)
-        sums[rows, 0] = torch.sub(y, shift[:, None]).exp_().sum(dim=1, dtype=torch.float64)
-        local_target = target[rows] - col_offset
-        owned = (target[rows] != cfg.ignore_index) & (local_target >= 0) & (local_target < width)
-        picked = y.gather(1, torch.where(owned, local_target, 0)[:, None]).squeeze(1)
-        sums[rows, 1] = torch.where(owned, picked.double(), 0.0)
-        if cfg.label_smoothing:
-            if cfg.class_weight is None:
-                sums[rows, 2] = y.sum(dim=1, dtype=torch.float64)
-            else:
-                sums[rows, 2] = y.double() @ cfg.class_weight[col_offset:col_offset + width].double()
-    return local_max, sums
-
-
-def combine_rows(local_max, sums, target, cfg, group):
-    """Every rank's :func:`partial_rows` into each row's (ce, z-term or None, lse parts (R, 2) float32), as
-    :func:`memkernels.reference.cross_entropy.loss_rows` gives them for the whole vocabulary: two all-reduces."""
-    row_max = local_max.clone()
-    dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
-    shift = torch.where(row_max == float("-inf"), 0.0, row_max)
-    local_shift = torch.where(local_max == float("-inf"), 0.0, local_max)
-    # Each rank's sum rescaled to the global max (exp(-inf) = 0 for a rank whose classes are all -inf).
-    sums[:, 0] *= torch.exp((local_shift - shift).double())
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
-    sum_exp, target_logit, weighted_sum = sums.unbind(dim=1)
-    log_sum = sum_exp.log()
-    lse = shift.double() + log_sum
-    valid = target != cfg.ignore_index
-    out_of_range = valid & ((target < 0) | (target >= cfg.n_classes))
-    ce = (shift.double() - target_logit) + log_sum
-    if cfg.class_weight is not None:
-        ce = ce * cfg.class_weight[torch.where(valid & ~out_of_range, target, 0)]
-    if cfg.label_smoothing:
-        weight_sum = cfg.n_classes if cfg.class_weight is None else cfg.class_weight_sum
-        smooth = weight_sum * lse - weighted_sum
-        ce = (1.0 - cfg.label_smoothing) * ce + cfg.label_smoothing / cfg.n_classes * smooth
-    ce = finish_rows(ce.float(), valid, out_of_range)
-    z = finish_rows((cfg.z_loss * lse * lse).float(), valid, out_of_range) if cfg.z_loss else None
-    return ce, z, torch.stack([shift, log_sum.float()], dim=1)
-
-
-def predict_rows(logits, col_offset, n_classes):
-    """This rank's argmax of each row of a chunk's local logits (R, W): ``(best, indices)``, best (R,) float32
-    the largest non-NaN logit (-inf where none) and indices (R, 2) int64 the global class of the first NaN and
-    of the first logit equal to ``best`` (``n_classes`` where there is none)."""
-    n_rows, width = logits.shape
-    if width == 0:
-        return (torch.full((n_rows,), float("-inf"), device=logits.device),
-                torch.full((n_rows, 2), n_classes, dtype=torch.int64, device=logits.device))
-    nan = logits.isnan()
-    first_nan = torch.where(nan.any(dim=1), nan.int().argmax(dim=1) + col_offset, n_classes)
-    clean = logits.masked_fill(nan, float("-inf"))
-    index = clean.argmax(dim=1)
-    best = clean.gather(1, index[:, None]).squeeze(1).float()
-    return best, torch.stack([first_nan, index + col_offset], dim=1)
-
-
-def combine_predictions(best, indices, target, cfg, group):
-    """(R,) int64 predictions over the whole vocabulary from every rank's :func:`predict_rows`: the first NaN,
-    else the first class holding the largest logit (``torch.argmax``'s rule); -1 for ignored rows."""
-    global_best = best.clone()
-    dist.all_reduce(global_best, op=dist.ReduceOp.MAX, group=group)
-    indices[:, 1] = torch.where(best == global_best, indices[:, 1], cfg.n_classes)
-    dist.all_reduce(indices, op=dist.ReduceOp.MIN, group=group)
-    predicted = torch.where(indices[:, 0] < cfg.n_classes, indices[:, 0], indices[:, 1])
-    return torch.where(target != cfg.ignore_index, predicted, -1)
-
-
 class _VocabParallelFunction(torch.autograd.Function):
     """hidden (N, H) (this rank's copy, the same on every rank), weight (V/tp, H) and bias (V/tp,) or None (this
     rank's classes) -> (loss, z-term, predictions) as :func:`memkernels.ops.linear_cross_entropy.linear_cross_entropy`
@@ -780,29 +691,16 @@ class _VocabParallelFunction(torch.autograd.Function):
 
 
 def _head_layout(weight, bias):
-    """(mesh, this rank's first class, process group) of a head sharded over its classes on a 1-D mesh."""
-    from torch.distributed.tensor import Shard
-
-    mesh = weight.device_mesh
-    if mesh.ndim != 1 or tuple(weight.placements) != (Shard(0),):
+    """(mesh, this rank's first class) of a head sharded over its classes on a 1-D mesh."""
+    if not sharded_over_rows(weight):
         raise ValueError("linear_cross_entropy: a DTensor weight must be sharded over its classes on a 1-D mesh "
                          f"(placements (Shard(dim=0),), ColwiseParallel's layout of an LM head); got "
-                         f"{tuple(weight.placements)} on a {mesh.ndim}-D mesh. Pass weight.full_tensor() for any "
-                         "other layout")
-    if bias is not None and (not is_dtensor(bias) or tuple(bias.placements) != (Shard(0),)
-                             or bias.device_mesh != mesh):
+                         f"{tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh. Pass "
+                         "weight.full_tensor() for any other layout")
+    if bias is not None and (not sharded_over_rows(bias) or bias.device_mesh != weight.device_mesh):
         raise ValueError("linear_cross_entropy: with a vocabulary-sharded weight the bias must be a DTensor "
                          "sharded the same way (Shard(dim=0) on the weight's mesh)")
-    local_rows = weight.to_local().shape[0]
-    # torch.chunk's split, which Shard(0) uses: the first ranks hold ceil(V / tp) classes each.
-    rank = mesh.get_local_rank()
-    full = -(-weight.shape[0] // mesh.size())
-    offset = min(rank * full, weight.shape[0])
-    if min(full, weight.shape[0] - offset) != local_rows:
-        raise ValueError(f"linear_cross_entropy: this rank holds {local_rows} classes of the weight where Shard(0) "
-                         f"over {mesh.size()} ranks gives {min(full, weight.shape[0] - offset)}; an uneven "
-                         "sharding is not supported: pass weight.full_tensor()")
-    return mesh, offset, mesh.get_group()
+    return weight.device_mesh, shard_offset(weight, 0, "linear_cross_entropy: weight")
 
 
 def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, predict):
@@ -813,7 +711,7 @@ def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, pr
     equal on every rank; hidden's gradient is summed over the ranks."""
     from torch.distributed.tensor import Partial, Replicate
 
-    mesh, offset, group = _head_layout(weight, bias)
+    mesh, offset = _head_layout(weight, bias)
     if is_dtensor(target):
         target = target.full_tensor()
     if is_dtensor(hidden):
@@ -826,7 +724,7 @@ def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, pr
     hidden_local = hidden.to_local(grad_placements=[Partial()])
     bias_local = None if bias is None else bias.to_local()
     return _VocabParallelFunction.apply(hidden_local, weight.to_local(), bias_local, target, cfg, reduction,
-                                        chunk_size, predict, offset, group)
+                                        chunk_size, predict, offset, mesh.get_group())
 
 
 # ----------------------------------------------------------------------------------------------
