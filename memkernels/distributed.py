@@ -1,9 +1,9 @@
 """What memkernels needs of ``torch.distributed.tensor`` (tensor parallelism), in one place.
 
 The ops take DTensors where a rank can compute on its own shards (memkernels/ops: the norms, silu_mul /
-gelu_mul, gated_linear, gelu_linear, and linear_cross_entropy on an LM head sharded over its classes);
-``apply()`` fuses the loss of such a head and leaves other modules whose weights are DTensors alone
-(memkernels/patch.py).
+gelu_mul, gated_linear, gelu_linear, cross_entropy on logits and linear_cross_entropy on an LM head sharded over
+the classes); ``apply()`` fuses colwise-then-rowwise gated MLPs and the loss of such a head, and leaves modules
+in other DTensor layouts alone (memkernels/patch.py).
 """
 import functools
 
@@ -33,13 +33,14 @@ def contiguous_stride(shape):
     return tuple(reversed(stride))
 
 
-def sharded_over_rows(tensor):
-    """Whether ``tensor`` is a DTensor split by rows on a 1-D mesh (placements ``(Shard(0),)``): ColwiseParallel's
-    layout of a Linear's weight and bias, an LM head's vocabulary split over the ranks."""
+def sharded_along(tensor, dim):
+    """Whether ``tensor`` is a DTensor split along ``dim`` on a 1-D mesh (placements ``(Shard(dim),)``):
+    ColwiseParallel's layout of a Linear's weight and bias (dim 0: an LM head's vocabulary split over the ranks),
+    RowwiseParallel's of its weight (dim 1)."""
     if not is_dtensor(tensor) or tensor.device_mesh.ndim != 1:
         return False
     from torch.distributed.tensor import Shard
-    return tuple(tensor.placements) == (Shard(0),)
+    return tuple(tensor.placements) == (Shard(dim),)
 
 
 def layout_hooks_only(module):

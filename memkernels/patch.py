@@ -90,7 +90,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memkernels.distributed import is_dtensor, layout_hooks_only, sharded_over_rows
+from memkernels.distributed import is_dtensor, layout_hooks_only, sharded_along
 from memkernels.models import MLP, LogitsLoss, TransformerLM
 from memkernels.tools.profile import ledger_forward, text_table
 
@@ -191,10 +191,11 @@ def _hooks_reason(module, what):
 
 
 def _dtensor_reason(module, what):
-    """Why ``module`` keeps its forward when tensor parallelism (``parallelize_module``) made its weights DTensors:
-    the fused ops compute on plain tensors, and the module's hooks redistribute its inputs and outputs."""
+    """Why ``module`` keeps its forward when tensor parallelism (``parallelize_module``) made its weights DTensors
+    in a layout the fused path does not take; its hooks redistribute its inputs and outputs."""
     if any(is_dtensor(p) for p in module.parameters(recurse=False)):
-        return (f"{what}'s weights are DTensors (tensor parallelism): the fused ops take plain tensors, so it "
+        return (f"{what}'s weights are DTensors (tensor parallelism) in a layout the fused path does not take "
+                "(it takes colwise gate/up with a rowwise down_proj, and an lm_head split over its classes), so it "
                 "keeps its own forward")
     return None
 
@@ -273,10 +274,17 @@ class CausalLMLoss(nn.Module):
         return loss / num_items_in_batch
 
 
+def _unpatched_class(cls):
+    """The class memkernels switched a module from, found in the MRO of ``cls``: the module's class may have been
+    switched again since (fully_shard makes it ``FSDP<class>``, a subclass of memkernels' class)."""
+    patched = next(k for k in cls.__mro__ if k.__module__ == __name__ and k.__name__.startswith("Memkernels"))
+    return patched.__bases__[-1]
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_signature(cls):
     """The signature of ``cls.forward`` before memkernels patched it (self included)."""
-    return inspect.signature(cls.__bases__[-1].forward)
+    return inspect.signature(_unpatched_class(cls).forward)
 
 
 def _keyword_arguments(cls, args, kwargs):
@@ -334,7 +342,7 @@ class _FusedCausalLM:
         hidden = outputs[0]
         if shift_labels is None:  # Hugging Face's shift: position t predicts labels[t + 1]
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        head, spec = self.get_output_embeddings(), CAUSAL_LM_HEADS[type(self).__bases__[-1].__name__]
+        head, spec = self.get_output_embeddings(), CAUSAL_LM_HEADS[_unpatched_class(type(self)).__name__]
         weight, bias = head.weight, head.bias
         if spec.logit_scale is not None:
             scale = spec.logit_scale(self.config)
@@ -605,8 +613,8 @@ def _head_reason(head):
     ``parallelize_module`` split over its classes (ColwiseParallel: weight and bias placed Shard(0) on a 1-D mesh):
     linear_cross_entropy takes those DTensors (vocabulary-parallel), and the hooks ColwiseParallel adds only lay the
     head's input and output out, which the fused loss never reads."""
-    if (type(head) is nn.Linear and sharded_over_rows(head.weight) and layout_hooks_only(head)
-            and (head.bias is None or sharded_over_rows(head.bias))):
+    if (type(head) is nn.Linear and sharded_along(head.weight, 0) and layout_hooks_only(head)
+            and (head.bias is None or sharded_along(head.bias, 0))):
         return None
     return _why_not_plain(head, (nn.Linear,), "lm_head")
 
@@ -741,20 +749,36 @@ def _plan_gated_mlp(name, module, actions, report):
             actions.append((name, "experts", module))
             return
     else:
-        _, _, down, act = gated_mlp_parts(module)
+        gate, up, down, act = gated_mlp_parts(module)
         down_parts = _lora_down(down)
+        tensor_parallel = _tensor_parallel_mlp(gate, up, down)
         # Checked here, not per call: a measuring tool's own hooks (activation_ledger) must not
         # switch the fused path off.
-        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (down, getattr(down, "base_layer", down)))
+        hooked = not tensor_parallel and any(m._forward_hooks or m._forward_pre_hooks
+                                             for m in (down, getattr(down, "base_layer", down)))
         reason = (f"gated MLP activation {type(act).__name__} is not SiLU or GELU" if gated_activation(act) is None
                   else down_parts if isinstance(down_parts, str)
-                  else _dtensor_reason(getattr(down, "base_layer", down), "down_proj")
+                  else (None if tensor_parallel else _dtensor_reason(getattr(down, "base_layer", down), "down_proj"))
                   or ("down_proj has forward hooks, which fusing would skip" if hooked
                       else _gated_mlp_formula_blocker(module)))
     if reason:
         report.skipped.append({"name": name, "type": cls_name, "reason": reason})
     else:
         actions.append((name, "gated_mlp", module))
+
+
+def _tensor_parallel_mlp(gate, up, down):
+    """Whether ``parallelize_module`` split the gated MLP colwise then rowwise, as the fused forward can run it:
+    gate (and up) plain Linears with weights placed Shard(0), down a plain Linear with its weight placed Shard(1)
+    on the same 1-D mesh (each rank: I/tp of the intermediate features), each with only the hooks that lay its
+    input and output out. gated_linear then takes this rank's gate and up with down's weight shard and gives
+    partial sums, which down's own output hook adds up (RowwiseParallel's layout)."""
+    if up is None:  # a packed gate_up split colwise gives one rank gates and the other ups, not halves of each
+        return False
+    projections = [gate, up]
+    return (all(type(p) is nn.Linear and layout_hooks_only(p) for p in (*projections, down))
+            and sharded_along(down.weight, 1) and all(sharded_along(p.weight, 0) for p in projections)
+            and all(p.weight.device_mesh == down.weight.device_mesh for p in projections))
 
 
 # Attributes a gated MLP's forward may scale by, as down(act(gate * gate_multiplier) * up) * down_multiplier
@@ -950,10 +974,36 @@ def gated_mlp_forward(mlp, x, recompute=None):
         operands = {"gate_up": gate}
     else:
         operands = {"gate": gate if gate_multiplier == 1.0 else gate * gate_multiplier, "up": up_proj(x)}
+    if is_dtensor(base.weight):  # colwise then rowwise (_tensor_parallel_mlp): this rank's I/tp features
+        return _tensor_parallel_down(base, operands, activation, down_multiplier)
     out = gated_linear(**operands, weight=base.weight, bias=base.bias, activation=activation)
     for lora_a_weight, lora_b, scaling in adapters:
         cast = {key: value.to(lora_a_weight.dtype) for key, value in operands.items()}
         out = out + lora_b(gated_linear(**cast, weight=lora_a_weight, activation=activation)) * scaling
+    return out if down_multiplier == 1.0 else out * down_multiplier
+
+
+def _tensor_parallel_down(down, operands, activation, down_multiplier):
+    """down_proj of a tensor-parallel gated MLP, fused: the colwise projections' outputs (this rank's features:
+    plain tensors, or DTensors with use_local_output=False) as DTensors sharded over their last dim, gated_linear
+    with down's weight shard (partial sums, its replicated bias added once), then down's own output hook, which
+    lays the result out as RowwiseParallel was asked to (e.g. all-reduced and local)."""
+    from torch.distributed.tensor import Shard
+
+    from memkernels.distributed import contiguous_stride, dtensor_class
+    from memkernels.ops.gated_linear import gated_linear
+
+    mesh, features = down.weight.device_mesh, down.weight.shape[1]
+
+    def sharded(local):  # the global shape given: Shard splits an uneven I as torch.chunk does
+        shape = (*local.shape[:-1], features)
+        return dtensor_class().from_local(local, mesh, [Shard(local.dim() - 1)], shape=torch.Size(shape),
+                                          stride=contiguous_stride(shape))
+
+    operands = {key: value if is_dtensor(value) else sharded(value) for key, value in operands.items()}
+    out = gated_linear(**operands, weight=down.weight, bias=down.bias, activation=activation)
+    for hook in down._forward_hooks.values():
+        out = hook(down, (), out)
     return out if down_multiplier == 1.0 else out * down_multiplier
 
 

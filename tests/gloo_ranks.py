@@ -11,11 +11,11 @@ import torch.multiprocessing as mp
 WORLD = 2
 
 
-def run_rank(rank, store_path, result_path, body, *args):
-    """One rank of a gloo group of WORLD: ``body(rank, *args)`` returns the lines this rank reports (empty where
-    all is well), written to ``result_path.<rank>`` for the test to read back."""
+def run_rank(rank, world, store_path, result_path, body, *args):
+    """One rank of a gloo group of ``world``: ``body(rank, *args)`` returns the lines this rank reports (empty
+    where all is well), written to ``result_path.<rank>`` for the test to read back."""
     torch.set_num_threads(1)  # two ranks on a 2-core machine: more threads only contend
-    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
         lines = body(rank, *args)
         with open(f"{result_path}.{rank}", "w") as handle:
@@ -35,14 +35,14 @@ def run_rank(rank, store_path, result_path, body, *args):
     os._exit(0)
 
 
-def spawn(tmp_path, body, *args):
-    """Run ``body`` on WORLD gloo ranks; returns each rank's lines."""
+def spawn(tmp_path, body, *args, world=WORLD):
+    """Run ``body`` on ``world`` gloo ranks; returns each rank's lines."""
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.fail("torch.distributed with gloo is required for this test")
     result_path = str(tmp_path / "result")
-    mp.spawn(run_rank, args=(str(tmp_path / "store"), result_path, body, *args), nprocs=WORLD, join=True)
+    mp.spawn(run_rank, args=(world, str(tmp_path / "store"), result_path, body, *args), nprocs=world, join=True)
     lines = []
-    for rank in range(WORLD):
+    for rank in range(world):
         with open(f"{result_path}.{rank}") as handle:
             lines.append(handle.read().splitlines())
     return lines

@@ -117,48 +117,36 @@ def test_gradients_equal_single_process_training(mode, model_name, tmp_path):
         assert lines[1:] == [], f"rank {rank}: " + "; ".join(lines[1:])
 
 
-def _tensor_parallel(rank):
-    """A tiny Hugging Face Llama under tensor parallelism (colwise q/k/v/gate/up, rowwise o/down, a vocabulary-
-    sharded head), then apply()'d: the loss is fused on the sharded head (vocabulary-parallel linear cross-entropy);
-    the MLPs, whose projections are DTensor modules, keep their own forward, with the reason; the norms (plain
-    weights, replicated activations) are fused and the attention's RoPE runs fused on this rank's heads; over two
-    SGD steps the loss and every gradient equal the unparallelized apply()'d model's. A norm made sequence-parallel
-    (a DTensor weight) is left alone, with the reason."""
+def _tiny_llama():
     import transformers
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
 
-    torch.manual_seed(1234)
-    mesh = init_device_mesh("cpu", (WORLD,))
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
-    model = transformers.LlamaForCausalLM(config)
-    reference = copy.deepcopy(model)  # unparallelized, apply()'d the same way
-    apply(reference, measure=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _parallelize_llama(model, mesh):
+    """torchtitan's plan for a Llama: colwise q/k/v/gate/up, rowwise o/down, the head split over its classes."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
-    for index in range(config.num_hidden_layers):
+    for index in range(model.config.num_hidden_layers):
         layer = f"model.layers.{index}."
         plan.update({layer + name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj",
                                                                   "self_attn.v_proj", "mlp.gate_proj",
                                                                   "mlp.up_proj")})
         plan.update({layer + name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
     parallelize_module(model, mesh, plan)
-    report = apply(model, measure=False)
-    norms = torch.nn.Sequential(torch.nn.RMSNorm(64))
-    parallelize_module(norms, mesh, {"0": SequenceParallel()})
-    lines = [f"replaced {sorted({(r['before'], r['after']) for r in report.replaced})}",
-             f"skipped {sorted({(s['type'], s['reason']) for s in report.skipped})}",
-             f"norm {[s['reason'] for s in apply(norms, measure=False).skipped]}"]
+
+
+def _train_against(model, reference, batches, lines):
+    """SGD steps of ``model`` (this rank's batches) and ``reference`` (the whole batches, one process): a line for
+    each gradient that differs (``model``'s DTensor gradients gathered whole)."""
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
-    for step in range(2):  # two optimizer steps: the second runs on weights the first changed
-        ids = torch.randint(0, config.vocab_size, (2, 16))
-        loss, expected_loss = (m(input_ids=ids, labels=ids, use_cache=False).loss for m in (model, reference))
-        loss.backward()
-        expected_loss.backward()
-        if not torch.allclose(loss, expected_loss, rtol=1e-5, atol=1e-6):
-            lines.append(f"step {step} loss {loss.item()} != {expected_loss.item()}")
+    for step, (ids, whole) in enumerate(batches):  # the second step runs on weights the first changed
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        reference(input_ids=whole, labels=whole, use_cache=False).loss.backward()
         for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters()):
             grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
             if not torch.allclose(grad, expected.grad, rtol=1e-4, atol=1e-6):
@@ -166,17 +154,83 @@ def _tensor_parallel(rank):
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+
+
+def _tensor_parallel(rank):
+    """A tiny Hugging Face Llama under tensor parallelism (:func:`_parallelize_llama`), then apply()'d: the loss is
+    fused on the sharded head (vocabulary-parallel linear cross-entropy), the MLPs colwise-then-rowwise (gated_linear
+    on this rank's features, down_proj's hook adding the partial sums), the norms (plain weights, replicated
+    activations), and the attention's RoPE on this rank's heads; over two SGD steps the loss and every gradient
+    equal the unparallelized apply()'d model's. A norm made sequence-parallel (a DTensor weight) is left alone,
+    with the reason."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    torch.manual_seed(1234)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)  # unparallelized, apply()'d the same way
+    apply(reference, measure=False)
+    _parallelize_llama(model, mesh)
+    report = apply(model, measure=False)
+    norms = torch.nn.Sequential(torch.nn.RMSNorm(64))
+    parallelize_module(norms, mesh, {"0": SequenceParallel()})
+    lines = [f"replaced {sorted({(r['before'], r['after']) for r in report.replaced})}",
+             f"skipped {sorted({(s['type'], s['reason']) for s in report.skipped})}",
+             f"norm {[s['reason'] for s in apply(norms, measure=False).skipped]}"]
+    batches = [torch.randint(0, model.config.vocab_size, (2, 16)) for _ in range(2)]
+    for ids in batches:
+        loss, expected = (m(input_ids=ids, labels=ids, use_cache=False).loss for m in (model, reference))
+        if not torch.allclose(loss, expected, rtol=1e-5, atol=1e-6):
+            lines.append(f"loss {loss.item()} != {expected.item()}")
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    _train_against(model, reference, [(ids, ids) for ids in batches], lines)
     return lines
+
+
+def _fsdp2_with_tensor_parallel(rank):
+    """torchtitan's layout on 4 ranks: a (dp 2, tp 2) mesh, the tiny Llama parallelized over tp
+    (:func:`_parallelize_llama`), apply()'d, then every layer and the model fully_shard'ed over dp. Each dp rank
+    trains half of each batch; over two SGD steps every gradient (gathered whole) equals the unparallelized
+    apply()'d model's on the whole batch. apply() runs between the two, on the tensor-parallel layout
+    (fully_shard's all-gathered parameters are DTensors of that layout in the forward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(1234)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _tiny_llama()
+    reference = copy.deepcopy(model)
+    apply(reference, measure=False)
+    _parallelize_llama(model, mesh["tp"])
+    report = apply(model, measure=False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    lines = [f"replaced {len(report.replaced)} skipped {len(report.skipped)}"]
+    # every row has 15 targets: the mean of the dp ranks' mean losses is the whole batch's
+    batches = [torch.randint(0, model.config.vocab_size, (4, 16)) for _ in range(2)]
+    dp_rank = mesh["dp"].get_local_rank()
+    _train_against(model, reference, [(ids.chunk(2)[dp_rank], ids) for ids in batches], lines)
+    return lines
+
+
+def test_fsdp2_with_tensor_parallelism_trains_as_one_process(tmp_path):
+    pytest.importorskip("transformers")
+    for rank, lines in enumerate(spawn(tmp_path, _fsdp2_with_tensor_parallel, world=4)):
+        assert lines == ["replaced 10 skipped 0"], (rank, lines)  # 5 norms, 2 MLPs, 2 RoPEs, the loss
 
 
 def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the_rest(tmp_path):
     pytest.importorskip("transformers")
-    dtensors = ("'s weights are DTensors (tensor parallelism): the fused ops take plain tensors, so it keeps its own "
+    dtensors = ("'s weights are DTensors (tensor parallelism) in a layout the fused path does not take (it takes "
+                "colwise gate/up with a rowwise down_proj, and an lm_head split over its classes), so it keeps its own "
                 "forward")
     for rank, lines in enumerate(spawn(tmp_path, _tensor_parallel)):
         assert lines == [  # formatted as the worker writes them; no loss or gradient line: all equal
-            f"replaced {[('LlamaAttention', 'MemkernelsRopeLlamaAttention'), ('LlamaForCausalLM', 'MemkernelsLlamaForCausalLM'), ('LlamaRMSNorm', 'FusedRMSNorm')]}",
-            f"skipped {[('LlamaMLP', 'down_proj' + dtensors)]}",
+            f"replaced {[('LlamaAttention', 'MemkernelsRopeLlamaAttention'), ('LlamaForCausalLM', 'MemkernelsLlamaForCausalLM'), ('LlamaMLP', 'MemkernelsLlamaMLP (saves gate, up)'), ('LlamaRMSNorm', 'FusedRMSNorm')]}",
+            "skipped []",
             f"norm {['the norm' + dtensors]}"], (rank, lines)
 
 

@@ -102,7 +102,7 @@ from memkernels.ops._half_gemm import addmm_float32_
 from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
                                    grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.distributed import dtensor_class, is_dtensor, shard_offset, sharded_over_rows
+from memkernels.distributed import dtensor_class, is_dtensor, shard_offset, sharded_along
 from memkernels.ops.cross_entropy import (cast_rne, combine_predictions, combine_rows, partial_rows, predict_rows,
                                            predicted_buffer, row_kernels)
 
@@ -692,12 +692,12 @@ class _VocabParallelFunction(torch.autograd.Function):
 
 def _head_layout(weight, bias):
     """(mesh, this rank's first class) of a head sharded over its classes on a 1-D mesh."""
-    if not sharded_over_rows(weight):
+    if not sharded_along(weight, 0):
         raise ValueError("linear_cross_entropy: a DTensor weight must be sharded over its classes on a 1-D mesh "
                          f"(placements (Shard(dim=0),), ColwiseParallel's layout of an LM head); got "
                          f"{tuple(weight.placements)} on a {weight.device_mesh.ndim}-D mesh. Pass "
                          "weight.full_tensor() for any other layout")
-    if bias is not None and (not sharded_over_rows(bias) or bias.device_mesh != weight.device_mesh):
+    if bias is not None and (not sharded_along(bias, 0) or bias.device_mesh != weight.device_mesh):
         raise ValueError("linear_cross_entropy: with a vocabulary-sharded weight the bias must be a DTensor "
                          "sharded the same way (Shard(dim=0) on the weight's mesh)")
     return weight.device_mesh, shard_offset(weight, 0, "linear_cross_entropy: weight")
