@@ -195,8 +195,8 @@ def _dtensor_reason(module, what):
     in a layout the fused path does not take; its hooks redistribute its inputs and outputs."""
     if any(is_dtensor(p) for p in module.parameters(recurse=False)):
         return (f"{what}'s weights are DTensors (tensor parallelism) in a layout the fused path does not take "
-                "(it takes colwise gate/up with a rowwise down_proj, and an lm_head split over its classes), so it "
-                "keeps its own forward")
+                "(it takes colwise gate/up with a rowwise down_proj, an lm_head split over its classes, and "
+                "sequence-parallel norms with replicated weights), so it keeps its own forward")
     return None
 
 
@@ -627,7 +627,7 @@ def _plan(model, norms, mlp, loss, rope, report):
         kind, why = None, None
         if norms and _norm_kind(module):
             kind = "norm"
-            why = _why_not_plain(module, (type(module),), "the norm")
+            why = None if _sequence_parallel_norm(module) else _why_not_plain(module, (type(module),), "the norm")
             if why is None and type(module) not in (nn.LayerNorm, nn.RMSNorm):
                 formula = _norm_formula(module)
                 why = formula if isinstance(formula, str) else None
@@ -682,6 +682,18 @@ def _set_child(model, name, new):
     setattr(parent, child, new)
 
 
+def _sequence_parallel_norm(module):
+    """Whether ``parallelize_module`` made ``module`` a sequence-parallel norm the fused norm can stand in for: its
+    parameters replicated DTensors on a 1-D mesh, its hooks only the layout ones (kept on the fused norm), whose
+    rms_norm / layer_norm take the token-sharded DTensor input."""
+    from torch.distributed.tensor import Replicate
+
+    parameters = list(module.parameters(recurse=False))
+    return (bool(parameters) and layout_hooks_only(module)
+            and all(is_dtensor(p) and p.device_mesh.ndim == 1 and tuple(p.placements) == (Replicate(),)
+                    for p in parameters))
+
+
 def _fused_norm(module, fused_layer_norm, fused_rms_norm):
     if type(module) is nn.LayerNorm:
         new = fused_layer_norm.from_module(module)
@@ -696,6 +708,9 @@ def _fused_norm(module, fused_layer_norm, fused_rms_norm):
         new.weight = module.weight
     if getattr(module, "bias", None) is not None:
         new.bias = module.bias
+    # A sequence-parallel norm's layout hooks (parallelize_module's) move over with it.
+    new._forward_pre_hooks.update(module._forward_pre_hooks)
+    new._forward_hooks.update(module._forward_hooks)
     return new
 
 

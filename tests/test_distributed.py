@@ -125,18 +125,36 @@ def _tiny_llama():
     return transformers.LlamaForCausalLM(config)
 
 
-def _parallelize_llama(model, mesh):
-    """torchtitan's plan for a Llama: colwise q/k/v/gate/up, rowwise o/down, the head split over its classes."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def _parallelize_llama(model, mesh, sequence_parallel=False):
+    """torchtitan's plan for a Llama: colwise q/k/v/gate/up, rowwise o/down, the head split over its classes; with
+    ``sequence_parallel`` the norms sequence-parallel too (activations between the blocks sharded over tokens)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
-    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+    tokens = {"input_layouts": Shard(1)} if sequence_parallel else {}
+    plan = {"lm_head": ColwiseParallel(output_layouts=Replicate(), **tokens)}
+    if sequence_parallel:
+        # DTensors between the blocks (use_local_output=False): Hugging Face takes the positions from the
+        # embeddings' sequence length, which a local shard would halve
+        plan.update({"model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1),
+                                                           use_local_output=False),
+                     "model.norm": SequenceParallel()})
     for index in range(model.config.num_hidden_layers):
         layer = f"model.layers.{index}."
         plan.update({layer + name: ColwiseParallel() for name in ("self_attn.q_proj", "self_attn.k_proj",
                                                                   "self_attn.v_proj", "mlp.gate_proj",
                                                                   "mlp.up_proj")})
-        plan.update({layer + name: RowwiseParallel() for name in ("self_attn.o_proj", "mlp.down_proj")})
+        rowwise = {"output_layouts": Shard(1), "use_local_output": False} if sequence_parallel else {}
+        plan.update({layer + name: RowwiseParallel(**rowwise) for name in ("self_attn.o_proj", "mlp.down_proj")})
+        if sequence_parallel:
+            plan.update({layer + "input_layernorm": SequenceParallel(),
+                         layer + "post_attention_layernorm": SequenceParallel(),
+                         layer + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                                 desired_input_kwarg_layouts={
+                                                                     "hidden_states": Replicate()}),
+                         layer + "mlp": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                           desired_input_layouts=(Replicate(),))})
     parallelize_module(model, mesh, plan)
 
 
@@ -156,25 +174,28 @@ def _train_against(model, reference, batches, lines):
             optimizer.zero_grad(set_to_none=True)
 
 
-def _tensor_parallel(rank):
-    """A tiny Hugging Face Llama under tensor parallelism (:func:`_parallelize_llama`), then apply()'d: the loss is
-    fused on the sharded head (vocabulary-parallel linear cross-entropy), the MLPs colwise-then-rowwise (gated_linear
-    on this rank's features, down_proj's hook adding the partial sums), the norms (plain weights, replicated
-    activations), and the attention's RoPE on this rank's heads; over two SGD steps the loss and every gradient
-    equal the unparallelized apply()'d model's. A norm made sequence-parallel (a DTensor weight) is left alone,
-    with the reason."""
+def _tensor_parallel(rank, sequence_parallel):
+    """A tiny Hugging Face Llama under tensor parallelism (:func:`_parallelize_llama`, with or without sequence-
+    parallel norms), then apply()'d: the loss is fused on the sharded head (vocabulary-parallel linear
+    cross-entropy), the MLPs colwise-then-rowwise (gated_linear on this rank's features, down_proj's hook adding
+    the partial sums), the norms (plain, or sequence-parallel with their layout hooks), and the attention's RoPE on
+    this rank's heads; over two SGD steps the loss and every gradient equal the unparallelized apply()'d model's.
+    A norm whose weight is sharded (a layout no fused op takes) is left alone, with the reason."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+    from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
     torch.manual_seed(1234)
     mesh = init_device_mesh("cpu", (WORLD,))
     model = _tiny_llama()
     reference = copy.deepcopy(model)  # unparallelized, apply()'d the same way
     apply(reference, measure=False)
-    _parallelize_llama(model, mesh)
+    _parallelize_llama(model, mesh, sequence_parallel)
     report = apply(model, measure=False)
-    norms = torch.nn.Sequential(torch.nn.RMSNorm(64))
-    parallelize_module(norms, mesh, {"0": SequenceParallel()})
+
+    def shard_weight(name, module, mesh):
+        module.weight = torch.nn.Parameter(distribute_tensor(module.weight, mesh, [Shard(0)]))
+
+    norms = torch.nn.Sequential(distribute_module(torch.nn.RMSNorm(64), mesh, shard_weight))
     lines = [f"replaced {sorted({(r['before'], r['after']) for r in report.replaced})}",
              f"skipped {sorted({(s['type'], s['reason']) for s in report.skipped})}",
              f"norm {[s['reason'] for s in apply(norms, measure=False).skipped]}"]
@@ -191,8 +212,8 @@ def _tensor_parallel(rank):
 
 def _fsdp2_with_tensor_parallel(rank):
     """torchtitan's layout on 4 ranks: a (dp 2, tp 2) mesh, the tiny Llama parallelized over tp
-    (:func:`_parallelize_llama`), apply()'d, then every layer and the model fully_shard'ed over dp. Each dp rank
-    trains half of each batch; over two SGD steps every gradient (gathered whole) equals the unparallelized
+    (:func:`_parallelize_llama`, sequence-parallel norms included), apply()'d, then every layer and the model
+    fully_shard'ed over dp. Each dp rank trains half of each batch; over two SGD steps every gradient (gathered whole) equals the unparallelized
     apply()'d model's on the whole batch. apply() runs between the two, on the tensor-parallel layout
     (fully_shard's all-gathered parameters are DTensors of that layout in the forward)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -203,7 +224,7 @@ def _fsdp2_with_tensor_parallel(rank):
     model = _tiny_llama()
     reference = copy.deepcopy(model)
     apply(reference, measure=False)
-    _parallelize_llama(model, mesh["tp"])
+    _parallelize_llama(model, mesh["tp"], sequence_parallel=True)
     report = apply(model, measure=False)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh["dp"])
@@ -222,12 +243,13 @@ def test_fsdp2_with_tensor_parallelism_trains_as_one_process(tmp_path):
         assert lines == ["replaced 10 skipped 0"], (rank, lines)  # 5 norms, 2 MLPs, 2 RoPEs, the loss
 
 
-def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the_rest(tmp_path):
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sequence-parallel"])
+def test_apply_on_a_tensor_parallel_model_fuses_what_it_can_and_says_why_not_the_rest(sequence_parallel, tmp_path):
     pytest.importorskip("transformers")
     dtensors = ("'s weights are DTensors (tensor parallelism) in a layout the fused path does not take (it takes "
-                "colwise gate/up with a rowwise down_proj, and an lm_head split over its classes), so it keeps its own "
-                "forward")
-    for rank, lines in enumerate(spawn(tmp_path, _tensor_parallel)):
+                "colwise gate/up with a rowwise down_proj, an lm_head split over its classes, and sequence-parallel "
+                "norms with replicated weights), so it keeps its own forward")
+    for rank, lines in enumerate(spawn(tmp_path, _tensor_parallel, sequence_parallel)):
         assert lines == [  # formatted as the worker writes them; no loss or gradient line: all equal
             f"replaced {[('LlamaAttention', 'MemkernelsRopeLlamaAttention'), ('LlamaForCausalLM', 'MemkernelsLlamaForCausalLM'), ('LlamaMLP', 'MemkernelsLlamaMLP (saves gate, up)'), ('LlamaRMSNorm', 'FusedRMSNorm')]}",
             "skipped []",

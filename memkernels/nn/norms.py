@@ -9,6 +9,7 @@ import numbers
 import torch
 from torch import nn
 
+from memkernels.distributed import is_dtensor
 from memkernels.ops._norm_ops import normalize
 
 
@@ -106,11 +107,11 @@ class _FusedNorm(nn.Module):
         new = cls(shape, eps=eps, elementwise_affine=weight is not None, bias=bias is not None,
                   device=reference.device if reference is not None else None,
                   dtype=reference.dtype if reference is not None else None, **options)
-        with torch.no_grad():
+        with torch.no_grad():  # a replicated DTensor (a sequence-parallel norm's) copied from its local copy
             if weight is not None:
-                new.weight.copy_(weight)
+                new.weight.copy_(weight.to_local() if is_dtensor(weight) else weight)
             if bias is not None:
-                new.bias.copy_(bias)
+                new.bias.copy_(bias.to_local() if is_dtensor(bias) else bias)
         new.train(module.training)
         return new
 
