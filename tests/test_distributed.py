@@ -419,7 +419,8 @@ def _vocab_parallel(rank, backend):
     for bad in (lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), strategy="chunked"),
                 lambda: lce.linear_cross_entropy(hidden, distribute_tensor(weight, mesh, [Shard(1)]),
                                                  target.reshape(-1)),
-                lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), bias=bias)):
+                lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), bias=bias),
+                lambda: lce.linear_cross_entropy(distribute_tensor(hidden, mesh, [Shard(1)]), weight, target)):
         try:
             bad()
             lines.append("taken")
@@ -440,7 +441,9 @@ def test_vocabulary_parallel_linear_cross_entropy_matches_one_process(backend, t
             "(Shard(dim=0),), ColwiseParallel's layout of an LM head); got (Shard(dim=1),) on a 1-D mesh. Pass "
             "weight.full_tensor() for any other layout",
             "linear_cross_entropy: with a vocabulary-sharded weight the bias must be a DTensor sharded the same way "
-            "(Shard(dim=0) on the weight's mesh)"], (rank, lines)
+            "(Shard(dim=0) on the weight's mesh)",
+            "linear_cross_entropy: hidden is a DTensor but weight a plain tensor; pass the head's weight as "
+            "parallelize_module left it (a DTensor sharded over its classes), or hidden.full_tensor()"], (rank, lines)
 
 
 def _vocab_sharded_logits(rank, backend):

@@ -888,6 +888,9 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
                reduction, chunk_size or 0, predict)
     needs = (hidden.requires_grad, weight.requires_grad, bias is not None and bias.requires_grad)
     grad_needed = torch.is_grad_enabled() and any(needs)
+    if is_dtensor(hidden) and not is_dtensor(weight):
+        raise ValueError("linear_cross_entropy: hidden is a DTensor but weight a plain tensor; pass the head's weight "
+                         "as parallelize_module left it (a DTensor sharded over its classes), or hidden.full_tensor()")
     if is_dtensor(weight):
         if strategy == "chunked":
             raise ValueError('strategy="chunked" takes no vocabulary-sharded (DTensor) weight: it would hold a '
