@@ -121,9 +121,14 @@ class LMHead:
     ``logit_scale(config)``: the factor the logits are multiplied by (None: 1); the fused
     loss multiplies the hidden states (and bias) instead, which is the same product.
     ``softcap``: the config attribute holding ``c`` of ``c * tanh(logits / c)`` (None: none).
+    ``router_aux``: a mixture-of-experts LM whose forward, when ``output_router_logits`` (the argument, else the
+    config's), adds ``router_aux_loss_coef * load_balancing_loss_func(router_logits, num_experts,
+    num_experts_per_tok, attention_mask)`` (its modeling module's function) to the loss and returns that term
+    as ``aux_loss``; the fused forward does the same.
     """
     logit_scale: object = None
     softcap: str = None
+    router_aux: bool = False
 
 
 # Hugging Face causal LMs whose forward is ``logits = head transform(lm_head(hidden))`` then
@@ -144,6 +149,8 @@ CAUSAL_LM_HEADS = {
     **{name: LMHead() for name in ("Olmo3ForCausalLM", "SmolLM3ForCausalLM", "MinistralForCausalLM",
                                    "Ministral3ForCausalLM", "SeedOssForCausalLM", "Ernie4_5ForCausalLM",
                                    "Exaone4ForCausalLM", "Glm4ForCausalLM")},
+    **{name: LMHead(router_aux=True) for name in ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM",
+                                                  "OlmoeForCausalLM")},
     "GraniteForCausalLM": LMHead(logit_scale=lambda config: 1.0 / config.logits_scaling),
     "CohereForCausalLM": LMHead(logit_scale=lambda config: config.logit_scale),
     # vision-language models: the wrapper's forward is ``lm_head(language model's hidden states)`` then
@@ -338,11 +345,14 @@ class _FusedCausalLM:
         kwargs.pop("logits_to_keep", None)  # every position is scored
         if _takes_labels(type(self.base_model)):  # Gemma 3's multimodal model is given them by its wrapper
             kwargs["labels"] = labels
+        spec = CAUSAL_LM_HEADS[_unpatched_class(type(self)).__name__]
+        if spec.router_aux and kwargs.get("output_router_logits") is None:
+            kwargs["output_router_logits"] = self.config.output_router_logits
         outputs = self.base_model(**kwargs)
         hidden = outputs[0]
         if shift_labels is None:  # Hugging Face's shift: position t predicts labels[t + 1]
             shift_labels = F.pad(labels, (0, 1), value=-100)[..., 1:]
-        head, spec = self.get_output_embeddings(), CAUSAL_LM_HEADS[_unpatched_class(type(self)).__name__]
+        head = self.get_output_embeddings()
         weight, bias = head.weight, head.bias
         if spec.logit_scale is not None:
             scale = spec.logit_scale(self.config)
@@ -350,9 +360,15 @@ class _FusedCausalLM:
             bias = None if bias is None else bias * scale
         softcap = getattr(self.config, spec.softcap) if spec.softcap else None
         loss = self._memkernels_loss(hidden, weight, shift_labels.to(hidden.device), bias, softcap, num_items)
+        extra = {}
+        if spec.router_aux and kwargs["output_router_logits"]:
+            balance = inspect.getmodule(_unpatched_class(type(self))).load_balancing_loss_func
+            extra["aux_loss"] = balance(outputs.router_logits, self.num_experts, self.num_experts_per_tok,
+                                        kwargs.get("attention_mask"))
+            loss = loss + self.router_aux_loss_coef * extra["aux_loss"].to(loss.device)
         output_class = _output_class(type(self))
-        fields = {f.name for f in dataclasses.fields(output_class)} - {"loss", "logits"}
-        output = output_class(loss=loss, logits=None, **{k: v for k, v in outputs.items() if k in fields})
+        fields = {f.name for f in dataclasses.fields(output_class)} - {"loss", "logits"} - set(extra)
+        output = output_class(loss=loss, logits=None, **extra, **{k: v for k, v in outputs.items() if k in fields})
         return output.to_tuple() if return_dict is False else output
 
 

@@ -30,8 +30,8 @@ MODELS = {"gelu": (CONFIG, True), "swiglu": (LLAMA_CONFIG, True), "swiglu-recomp
           "swiglu-lora": (LLAMA_CONFIG, True),  # peft LoRA (non-zero adapters) on every projection
           "qwen3-moe": (CONFIG, True)}  # transformers' Qwen3-MoE: routed experts (stacked weights), grouped GEMMs
 # What apply() replaces: 5 norms, 2 MLPs (GELU or gated), the loss, and the Llama-style models' 2 rotary attentions;
-# Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks (its loss is its own).
-REPLACED = {"gelu": 8, "qwen3-moe": 13}
+# Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks, the loss.
+REPLACED = {"gelu": 8, "qwen3-moe": 14}
 
 
 class _CausalLM(torch.nn.Module):

@@ -90,6 +90,51 @@ def test_loss_router_logits_and_every_gradient_match(name):
         _assert_parity(r64, r32, rp, f"router logits {index}")
 
 
+def test_the_loss_head_is_fused_where_the_forward_is_known_and_left_alone_with_the_reason_elsewhere():
+    for name, fused in (("qwen3_moe", True), ("mixtral", True), ("deepseek_v3", False)):
+        report = apply(_build(name), measure=False)
+        family = type(_build(name)).__name__
+        replaced = [row for row in report.replaced if row["before"] == family]
+        skipped = [row["reason"] for row in report.skipped if row["type"] == family]
+        assert (len(replaced), len(skipped)) == ((1, 0) if fused else (0, 1)), (name, replaced, skipped)
+        if not fused:
+            assert skipped[0].startswith(f"{family}'s head is not one memkernels knows"), skipped
+
+
+@pytest.mark.parametrize("how", ["argument", "config"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_the_fused_loss_adds_the_router_load_balancing_term_as_the_model_does(name, how):
+    """output_router_logits (the call's argument, or the config's): the loss includes router_aux_loss_coef x the
+    load-balancing loss, returned as aux_loss; loss, aux_loss, router logits and every gradient match."""
+    model = _build(name)
+    model.router_aux_loss_coef = 0.5  # a term large enough to show in the loss
+    model.config.output_router_logits = how == "config"
+    kwargs = {"output_router_logits": True} if how == "argument" else {}
+    patched = copy.deepcopy(model)
+    apply(patched, measure=False)
+    ids = _ids()
+    reference = copy.deepcopy(model).double()
+    reference.set_experts_implementation("eager")
+    outputs = []
+    for m in (reference, model, patched):
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=ids, labels=ids, use_cache=False, **kwargs)
+        out.loss.backward()
+        outputs.append((out.loss.detach(), out.aux_loss.detach(),
+                        {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}))
+    (loss64, aux64, grads64), (loss32, aux32, grads32), (loss_p, aux_p, grads_p) = outputs
+    assert aux64 > 0
+    _assert_parity(loss64.reshape(1), loss32.reshape(1), loss_p.reshape(1), "loss")
+    _assert_parity(aux64.reshape(1), aux32.reshape(1), aux_p.reshape(1), "aux_loss")
+    global_scale = max(g.abs().max().item() for g in grads64.values())
+    for key, g64 in grads64.items():
+        _assert_parity(g64, grads32[key], grads_p[key], key, scale=max(g64.abs().max().item(), global_scale * 1e-3))
+    without = copy.deepcopy(patched)
+    without.config.output_router_logits = False
+    plain = without(input_ids=ids, labels=ids, use_cache=False, output_router_logits=False)
+    assert plain.aux_loss is None and not torch.allclose(plain.loss, loss_p)  # the term was really added
+
+
 def _experts_call(name, dtype):
     """(the first routed experts module, its inputs: hidden states [T, H], top-k indices and weights) of ``name``."""
     model = _build(name).to(dtype)
