@@ -30,8 +30,9 @@ MODELS = {"gelu": (CONFIG, True), "swiglu": (LLAMA_CONFIG, True), "swiglu-recomp
           "swiglu-lora": (LLAMA_CONFIG, True),  # peft LoRA (non-zero adapters) on every projection
           "qwen3-moe": (CONFIG, True)}  # transformers' Qwen3-MoE: routed experts (stacked weights), grouped GEMMs
 # What apply() replaces: 5 norms, 2 MLPs (GELU or gated), the loss, and the Llama-style models' 2 rotary attentions;
-# Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks, the loss.
-REPLACED = {"gelu": 8, "qwen3-moe": 14}
+# Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks (apply() is given _CausalLM, a
+# wrapper: it fuses a loss only on the causal LM itself or a peft model's base model).
+REPLACED = {"gelu": 8, "qwen3-moe": 13}
 
 
 class _CausalLM(torch.nn.Module):
