@@ -987,8 +987,8 @@ def gated_mlp_forward(mlp, x, recompute=None):
     activation = mlp._memkernels_gated_activation
     gate_multiplier, down_multiplier = gated_mlp_multipliers(mlp)
     recompute = mlp._memkernels_recompute if recompute is None else recompute
-    if recompute and gate_multiplier == 1.0 and all(p is None or type(p) is nn.Linear
-                                                    for p in (gate_proj, up_proj, down_proj)):
+    if recompute and gate_multiplier == 1.0 and not is_dtensor(down_proj.weight) and all(
+            p is None or type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
         up_weight, up_bias = (None, None) if up_proj is None else (up_proj.weight, up_proj.bias)
         out = gated_mlp_recompute(x, gate_proj.weight, gate_proj.bias, up_weight, up_bias, down_proj.weight,
                                   down_proj.bias, activation=activation)
@@ -997,6 +997,8 @@ def gated_mlp_forward(mlp, x, recompute=None):
     if isinstance(down, str):  # a LoRA state changed after apply(): run the module's own forward
         return super(_FusedGatedMLPForward, mlp).forward(x)
     base, adapters = down
+    if adapters and is_dtensor(base.weight):  # LoRA added to a tensor-parallel MLP after apply(): its own forward
+        return super(_FusedGatedMLPForward, mlp).forward(x)
     gate = gate_proj(x)
     if up_proj is None:
         if gate_multiplier != 1.0:  # the gate half scaled, as a new packed tensor (the scaled half alone would
