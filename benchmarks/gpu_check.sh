@@ -98,7 +98,7 @@ step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE:
     step "kernel tests on the GPU" 1 python -m pytest -q -p no:randomly -n "$WORKERS" tests/test_gated_linear.py \
         tests/test_gelu_linear.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_cross_entropy.py \
         tests/test_linear_cross_entropy.py tests/test_linear_logprobs.py tests/test_rope.py tests/test_autocast.py \
-        tests/test_patch_gated_mlp.py tests/test_moe.py tests/test_act_mul.py
+        tests/test_patch_gated_mlp.py tests/test_moe.py tests/test_act_mul.py tests/test_token_metrics.py
     echo
     echo "gpu_check: $failed step(s) failed or were cut"
 } 2>&1 | tee "$RESULTS"

@@ -25,6 +25,14 @@ if os.environ.get("ATEN_CPU_CAPABILITY") and "TORCHINDUCTOR_CACHE_DIR" not in os
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(
         tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}_{os.environ['ATEN_CPU_CAPABILITY']}")
 
+# CPU threads per pytest-xdist worker: the machine's cores shared among the workers. PyTorch's default, every
+# core in every worker, oversubscribed a 2-core machine 2:1 with spinning OpenMP threads: tests/test_plan.py's
+# real runs took 77 s with 2 workers, 19 s with a thread each (2026-12-07). Set before torch is imported, so the
+# test's subprocesses (the CLI runs, the distributed ranks) inherit it; a value the caller set is kept.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    os.environ["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0))
+                                            // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 if not NO_TORCH:
     import torch
 

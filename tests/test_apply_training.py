@@ -80,9 +80,10 @@ PLAIN_LLAMA_HEADS = ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM
 
 
 def test_every_family_apply_patches_is_tested_here():
+    from test_moe import LOAD_BALANCED_HEADS  # tested with the router's load-balancing term there
     from test_vlm import HEADS as VISION_LANGUAGE_HEADS  # tested with image inputs there
-    assert set(FAMILIES) == set(CAUSAL_LM_HEADS) - set(VISION_LANGUAGE_HEADS)
-    assert set(VISION_LANGUAGE_HEADS) <= set(CAUSAL_LM_HEADS)
+    assert set(FAMILIES) == set(CAUSAL_LM_HEADS) - set(VISION_LANGUAGE_HEADS) - set(LOAD_BALANCED_HEADS)
+    assert set(VISION_LANGUAGE_HEADS) | set(LOAD_BALANCED_HEADS) <= set(CAUSAL_LM_HEADS)
 
 
 # ----------------------------------------------------------------------------- heads
@@ -103,20 +104,21 @@ def test_every_head_gives_the_unpatched_loss_and_gradients(family):
 
 
 def test_a_head_memkernels_does_not_know_keeps_its_own_loss_and_says_why():
-    """Mixtral adds its router's load-balancing loss to the LM loss: a fused loss would drop it."""
-    config = transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
-                                        output_router_logits=True, router_aux_loss_coef=0.5, **COMMON)
-    model = transformers.MixtralForCausalLM(config).train()
+    """PhiMoE adds its router's load-balancing loss to the LM loss and is not in CAUSAL_LM_HEADS (the MoE families
+    that are get the term in the fused loss: tests/test_moe.py): its own loss is kept, with the term."""
+    config = transformers.PhimoeConfig(num_key_value_heads=2, num_local_experts=2, num_experts_per_tok=1,
+                                       output_router_logits=True, router_aux_loss_coef=0.5, **COMMON)
+    model = transformers.PhimoeForCausalLM(config).train()
     patched = copy.deepcopy(model)
     report = apply(patched, measure=False)
-    assert type(patched) is transformers.MixtralForCausalLM
-    [skip] = [s for s in report.skipped if s["type"] == "MixtralForCausalLM"]
+    assert type(patched) is transformers.PhimoeForCausalLM
+    [skip] = [s for s in report.skipped if s["type"] == "PhimoeForCausalLM"]
     assert "CAUSAL_LM_HEADS" in skip["reason"] and "own loss is kept" in skip["reason"]
-    assert "MixtralForCausalLM" in report.summary()
+    assert "PhimoeForCausalLM" in report.summary()
     ids, labels = _batch()
     got, expected = patched(input_ids=ids, labels=labels), model(input_ids=ids, labels=labels)
     assert got.aux_loss is not None and got.aux_loss > 0  # the router's loss is in
-    torch.testing.assert_close(got.loss, expected.loss)  # (Mixtral's grouped matmul has no float64 to judge by)
+    torch.testing.assert_close(got.loss, expected.loss)  # (the grouped matmul has no float64 to judge by)
 
 
 # ----------------------------------------------------------------------------- the forward's face

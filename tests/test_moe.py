@@ -45,6 +45,21 @@ def _deepseek_v3():
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16))
 
 
+def _qwen2_moe():
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2, decoder_sparse_step=1))
+
+
+def _olmoe():
+    return transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+        **COMMON, intermediate_size=48, num_experts=4, num_experts_per_tok=2))
+
+
+# The causal LMs whose loss memkernels fuses with the router's load-balancing term (CAUSAL_LM_HEADS' router_aux).
+LOAD_BALANCED_HEADS = {"Qwen3MoeForCausalLM": _qwen3_moe, "Qwen2MoeForCausalLM": _qwen2_moe,
+                       "MixtralForCausalLM": _mixtral, "OlmoeForCausalLM": _olmoe}
+
 MODELS = {"qwen3_moe": (_qwen3_moe, "Qwen3MoeExperts", 2), "mixtral": (_mixtral, "MixtralExperts", 2),
           "deepseek_v3": (_deepseek_v3, "DeepseekV3Experts", 1)}
 
@@ -102,16 +117,19 @@ def test_the_loss_head_is_fused_where_the_forward_is_known_and_left_alone_with_t
 
 
 @pytest.mark.parametrize("how", ["argument", "config"])
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
-def test_the_fused_loss_adds_the_router_load_balancing_term_as_the_model_does(name, how):
+@pytest.mark.parametrize("family", sorted(LOAD_BALANCED_HEADS))
+def test_the_fused_loss_adds_the_router_load_balancing_term_as_the_model_does(family, how):
     """output_router_logits (the call's argument, or the config's): the loss includes router_aux_loss_coef x the
-    load-balancing loss, returned as aux_loss; loss, aux_loss, router logits and every gradient match."""
-    model = _build(name)
+    load-balancing loss, returned as aux_loss; loss, aux_loss and every gradient match."""
+    torch.manual_seed(0)
+    model = LOAD_BALANCED_HEADS[family]().train()
+    assert type(model).__name__ == family
     model.router_aux_loss_coef = 0.5  # a term large enough to show in the loss
     model.config.output_router_logits = how == "config"
     kwargs = {"output_router_logits": True} if how == "argument" else {}
     patched = copy.deepcopy(model)
-    apply(patched, measure=False)
+    report = apply(patched, measure=False)
+    assert ("", family, f"Memkernels{family}") in {(r["name"], r["before"], r["after"]) for r in report.replaced}
     ids = _ids()
     reference = copy.deepcopy(model).double()
     reference.set_experts_implementation("eager")
