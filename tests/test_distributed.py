@@ -118,6 +118,23 @@ def test_gradients_equal_single_process_training(mode, model_name, tmp_path):
         assert lines[1:] == [], f"rank {rank}: " + "; ".join(lines[1:])
 
 
+def _errors(*calls):
+    """What each call raises, as the lines a rank reports: its ValueError's message, or "taken" where it raised none."""
+    lines = []
+    for call in calls:
+        try:
+            call()
+            lines.append("taken")
+        except ValueError as error:
+            lines.append(str(error))
+    return lines
+
+
+def _skip_triton_without_interpreter(backend):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+
+
 def _tiny_llama():
     import transformers
 
@@ -324,20 +341,14 @@ def _dtensor_ops(rank, backend):
                 full = got.full_tensor()
                 if not torch.allclose(full, want, rtol=1e-5, atol=1e-5):
                     lines.append(f"{op.__name__} {layout} {what}: {(full - want).abs().max():.3e} off")
-    for bad in (lambda: rms_norm(distribute_tensor(x, mesh, [Shard(2)]), weight),
-                lambda: rms_norm(x, distribute_tensor(weight, mesh, [Replicate()]))):
-        try:
-            bad()
-            lines.append("taken")
-        except ValueError as error:
-            lines.append(str(error))
+    lines += _errors(lambda: rms_norm(distribute_tensor(x, mesh, [Shard(2)]), weight),
+                     lambda: rms_norm(x, distribute_tensor(weight, mesh, [Replicate()])))
     return lines
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_norms_and_act_linear_ops_on_sharded_dtensors_match_one_process(backend, tmp_path):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    _skip_triton_without_interpreter(backend)
     for rank, lines in enumerate(spawn(tmp_path, _dtensor_ops, backend)):
         assert lines == ["rms_norm: x is a DTensor placed (Shard(dim=2),); the norm needs whole rows on every rank: "
                          "redistribute x to Shard a token dim (sequence parallelism) or Replicate first",
@@ -417,23 +428,17 @@ def _vocab_parallel(rank, backend):
                         lines.append(f"{case} {what}: {(value - want).abs().max().item():.3e} off")
     lce.head_logits = head_logits
     weight_dt = distribute_tensor(weight, mesh, [Shard(0)])
-    for bad in (lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), strategy="chunked"),
-                lambda: lce.linear_cross_entropy(hidden, distribute_tensor(weight, mesh, [Shard(1)]),
-                                                 target.reshape(-1)),
-                lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), bias=bias),
-                lambda: lce.linear_cross_entropy(distribute_tensor(hidden, mesh, [Shard(1)]), weight, target)):
-        try:
-            bad()
-            lines.append("taken")
-        except ValueError as error:
-            lines.append(str(error))
+    lines += _errors(lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), strategy="chunked"),
+                     lambda: lce.linear_cross_entropy(hidden, distribute_tensor(weight, mesh, [Shard(1)]),
+                                                      target.reshape(-1)),
+                     lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), bias=bias),
+                     lambda: lce.linear_cross_entropy(distribute_tensor(hidden, mesh, [Shard(1)]), weight, target))
     return lines
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_vocabulary_parallel_linear_cross_entropy_matches_one_process(backend, tmp_path):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    _skip_triton_without_interpreter(backend)
     for rank, lines in enumerate(spawn(tmp_path, _vocab_parallel, backend)):
         assert lines == [
             'strategy="chunked" takes no vocabulary-sharded (DTensor) weight: it would hold a float32 dW per rank '
@@ -489,21 +494,15 @@ def _vocab_sharded_logits(rank, backend):
                                   ("grad", sharded.grad.full_tensor(), leaf.grad)]:
             if not torch.allclose(value, want, rtol=1e-5, atol=1e-6):
                 lines.append(f"{case} {what}: {(value - want).abs().max().item():.3e} off")
-    for bad in (lambda: cross_entropy(distribute_tensor(logits, mesh, [Shard(1)]), target),
-                lambda: cross_entropy(distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_() * 1.0, target,
-                                      inplace_backward=True)):
-        try:
-            bad()
-            lines.append("taken")
-        except ValueError as error:
-            lines.append(str(error))
+    lines += _errors(lambda: cross_entropy(distribute_tensor(logits, mesh, [Shard(1)]), target),
+                     lambda: cross_entropy(distribute_tensor(logits, mesh, [Shard(2)]).requires_grad_() * 1.0,
+                                           target, inplace_backward=True))
     return lines
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cross_entropy_on_vocabulary_sharded_logits_matches_one_process(backend, tmp_path):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton path on CPU tensors needs the interpreter")
+    _skip_triton_without_interpreter(backend)
     for rank, lines in enumerate(spawn(tmp_path, _vocab_sharded_logits, backend)):
         assert lines == [
             "cross_entropy: logits are a DTensor placed (Shard(dim=1),) on a 1-D mesh; supported: sharded over the "

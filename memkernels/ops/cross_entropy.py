@@ -445,6 +445,17 @@ def combine_predictions(best, indices, target, cfg, group):
     return torch.where(target != cfg.ignore_index, predicted, -1)
 
 
+def vocab_shard_loss(local_max, sums, predictions, target, cfg, reduction, group):
+    """Every rank's :func:`partial_rows` (and :func:`predict_rows`, or None) into ``(loss, z_loss, lse,
+    predicted)`` over the whole vocabulary, reduced as the unsharded losses reduce: the forward both sharded losses
+    (cross_entropy's logits, linear_cross_entropy's head) end with. ``predicted`` is (0,) without predictions."""
+    ce, z, lse = combine_rows(local_max, sums, target, cfg, group)
+    predicted = (target.new_empty(0) if predictions is None
+                 else combine_predictions(*predictions, target, cfg, group))
+    loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
+    return loss, z_loss, lse, predicted
+
+
 # ----------------------------------------------------------------------------------------------
 # cross_entropy on given logits
 
@@ -555,10 +566,9 @@ class _VocabShardedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, cfg, reduction, predict, col_offset, group):
-        ce, z, lse = combine_rows(*partial_rows(logits, target, cfg, col_offset), target, cfg, group)
-        predicted = (combine_predictions(*predict_rows(logits, col_offset, cfg.n_classes), target, cfg, group)
-                     if predict else target.new_empty(0))
-        loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
+        predictions = predict_rows(logits, col_offset, cfg.n_classes) if predict else None
+        loss, z_loss, lse, predicted = vocab_shard_loss(*partial_rows(logits, target, cfg, col_offset), predictions,
+                                                        target, cfg, reduction, group)
         ctx.save_for_backward(logits, target, lse)
         ctx.options = (cfg, reduction, col_offset)
         ctx.mark_non_differentiable(z_loss, predicted)

@@ -103,8 +103,8 @@ from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, fini
                                    grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
 from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
 from memkernels.distributed import dtensor_class, is_dtensor, shard_offset, sharded_along
-from memkernels.ops.cross_entropy import (cast_rne, combine_predictions, combine_rows, partial_rows, predict_rows,
-                                           predicted_buffer, row_kernels)
+from memkernels.ops.cross_entropy import (cast_rne, partial_rows, predict_rows, predicted_buffer, row_kernels,
+                                           vocab_shard_loss)
 
 
 @triton.jit
@@ -662,11 +662,8 @@ class _VocabParallelFunction(torch.autograd.Function):
             if predict:
                 best[rows], indices[rows] = predict_rows(logits, col_offset, cfg.n_classes)
             del logits
-        ce, z, lse = combine_rows(local_max, sums, target, cfg, group)
-        del local_max, sums
-        predicted = (combine_predictions(best, indices, target, cfg, group) if predict
-                     else target.new_empty(0))
-        loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
+        loss, z_loss, lse, predicted = vocab_shard_loss(local_max, sums, (best, indices) if predict else None,
+                                                        target, cfg, reduction, group)
         ctx.save_for_backward(hidden, weight, bias, target, lse)
         ctx.options = (cfg, reduction, chunk_size, col_offset)
         ctx.mark_non_differentiable(z_loss, predicted)
@@ -707,13 +704,11 @@ def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, pr
     """The loss of :func:`memkernels.ops.linear_cross_entropy.linear_cross_entropy` for a DTensor ``weight``
     sharded over its classes. ``hidden`` (N, H): a plain tensor (the same on every rank, as the replicated input
     of a ColwiseParallel head) or a DTensor (redistributed to Replicate first: one all-gather where it is
-    sharded over tokens). ``target`` (N,) plain or DTensor. Returns (loss, z-term, predictions), plain tensors,
+    sharded over tokens). ``target`` (N,) plain. Returns (loss, z-term, predictions), plain tensors,
     equal on every rank; hidden's gradient is summed over the ranks."""
     from torch.distributed.tensor import Partial, Replicate
 
     mesh, offset = _head_layout(weight, bias)
-    if is_dtensor(target):
-        target = target.full_tensor()
     if is_dtensor(hidden):
         if hidden.device_mesh != mesh:
             raise ValueError("linear_cross_entropy: hidden is a DTensor on another mesh than the weight's")
@@ -881,7 +876,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
     predict = return_token_accuracy or return_predicted_tokens
     out_shape = target.shape
     hidden2d = hidden.reshape(n_tokens, hidden_size).contiguous()
-    target = target.reshape(-1).long()
+    target = (target.full_tensor() if is_dtensor(target) else target).reshape(-1).long()
     weight = weight.contiguous()
     class_weight = None if class_weight is None else class_weight.detach()
     options = (ignore_index, float(label_smoothing), float(softcap) if softcap is not None else 0.0, float(z_loss),
