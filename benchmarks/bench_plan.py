@@ -38,6 +38,7 @@ and 2 TB of host memory. Every figure is the plan's model (memory measured on me
 """
 import argparse
 import json
+import re
 import subprocess
 import sys
 import time
@@ -133,7 +134,7 @@ def main():
     parser.add_argument("--llama3-8b-seqs", default=",".join(map(str, LLAMA_3_8B_SEQS)),
                         help="tokens per GPU per micro-batch to plan Llama-3-8B at, comma-separated")
     parser.add_argument("--longest", action="store_true",
-                        help="only the longest-sequence table (plan(seq='max'), about a minute a row)")
+                        help="only the longest-sequence table (plan(seq='max'), 5-40 s a row)")
     parser.add_argument("--torch-budget", type=float, default=None,
                         help="internal: measure the compiled model at this activation_memory_budget and print JSON")
     args = parser.parse_args()
@@ -267,7 +268,8 @@ def longest():
     time and at any cost, cold (no profile cached before each search)."""
     from memkernels.tools import placement
     print("longest tokens per GPU per micro-batch (plan(seq='max'); modelled, not run):")
-    print(f"{'configuration':<40} | {'cap':>5} | {'tokens':>9} | {'plan':<44} | {'added':>6} | {'time':>6} | published")
+    print(f"{'configuration':<40} | {'cap':>5} | {'tokens':>9} | {'plan':<44} | {'added':>6} | {'time':>6} | "
+          f"{'lengths measured':>16} | published")
     for label, arguments, published in LONGEST:
         for cap in ("10%", None):
             placement._profiles.clear()
@@ -279,8 +281,9 @@ def longest():
             text = (f"{result.config.label(arguments.get('gpus', 1))}, micro {result.micro_batch}" if found
                     else result.notes[-1][:44])
             added = f"{result.overhead:.1%}" if found else "-"
+            measured = re.search(r"(\d+) lengths measured", result.notes[-1]).group(1)
             print(f"{label:<40} | {cap or 'any':>5} | {tokens:>9} | {text:<44} | {added:>6} | {elapsed:>5.0f}s | "
-                  f"{published}")
+                  f"{measured:>16} | {published}")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ run one training step on the CPU under PeakBytesMeter, with gradients already al
 same step without any checkpointing.
 """
 import copy
+import dataclasses
 import functools
 import json
 import math
@@ -788,15 +789,82 @@ def test_max_overhead_refuses_plans_above_it_and_says_what_it_would_take():
     assert uncapped.fits and uncapped.overhead == plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536).overhead
 
 
-def test_seq_max_is_the_longest_length_that_fits():
-    """seq="max": the plan at the longest multiple of 1,024 tokens that fits in the mode asked for; 1,024 more
-    does not."""
+def _full_fits(result):
+    return result.fits and result.config.finetune == "full"
+
+
+@pytest.mark.parametrize("gpu_mem", ["1.5GB", "2GB", "4GB"])  # 2 GB: the predictions miss and it gallops
+def test_seq_max_is_the_longest_length_that_fits(gpu_mem):
+    """seq="max": the plan at the longest multiple of 1,024 tokens that fits in the mode asked for, measured; 1,024
+    more does not, measured (no profile is predicted outside the search: plan() here measures)."""
+    from memkernels.tools import placement
     from memkernels.tools.plan import SEQ_STEP
-    result = plan("tiny-llama", gpu_mem="1.5GB", seq="max")
-    assert result.fits and result.config.finetune == "full" and result.seq % SEQ_STEP == 0
-    assert "longest that fits" in result.notes[-1]
-    longer = plan("tiny-llama", gpu_mem="1.5GB", seq=result.seq + SEQ_STEP)
-    assert not longer.fits or longer.config.finetune != "full"
+    result = plan("tiny-llama", gpu_mem=gpu_mem, seq="max")
+    assert _full_fits(result) and result.seq % SEQ_STEP == 0
+    assert "longest that fits" in result.notes[-1] and "lengths measured" in result.notes[-1]
+    key = (ModelSource("tiny-llama").key(), result.seq, torch.bfloat16, True, "triton")
+    assert placement._profiles[key].complete and not placement._profiles[key].predicted
+    assert not _full_fits(plan("tiny-llama", gpu_mem=gpu_mem, seq=result.seq + SEQ_STEP))
+
+
+@pytest.mark.parametrize("scale", [0.25, 4.0])
+def test_seq_max_answer_does_not_rest_on_predictions(monkeypatch, scale):
+    """Predictions far off (every predicted byte x 1/4: everything seems to fit; x 4: nothing does) change how many
+    lengths the search measures, not its answer."""
+    from memkernels.tools import placement
+    answer = plan("tiny-llama", gpu_mem="3GB", seq="max").seq
+    predicted = placement._predicted_profile
+
+    def off(key, offload, keep_only=False):
+        guess = predicted(key, offload, keep_only)
+
+        def scaled(table):
+            return {b: {k: round(v * scale) for k, v in t.items()} for b, t in table.items()}
+        return guess if guess is None else dataclasses.replace(
+            guess, segments=scaled(guess.segments), resident={b: round(v * scale) for b, v in guess.resident.items()})
+
+    monkeypatch.setattr(placement, "_predicted_profile", off)
+    monkeypatch.setattr(placement, "_profiles", {})
+    result = plan("tiny-llama", gpu_mem="3GB", seq="max")
+    assert result.seq == answer and "predicted" in result.notes[-1]
+
+
+def test_predicted_profiles_are_exact_in_flops_and_never_cached(monkeypatch):
+    """Under predicted_lengths(), a length not measured is predicted from the two measured nearest: FLOPs (A s +
+    C s^2) equal the measured ones exactly, between the anchors and beyond; bytes come from the affine rule; the
+    prediction is marked and not cached, and outside the context the length is measured."""
+    from memkernels.tools import placement
+    monkeypatch.setattr(placement, "_profiles", {})
+    source = ModelSource("tiny-llama")
+    for kernels in (False, True):
+        for seq in (1024, 3072):
+            placement.measure_profile(source, seq, torch.bfloat16, kernels=kernels)
+        for seq in (2048, 7168):
+            with placement.predicted_lengths():
+                guess = placement.measure_profile(source, seq, torch.bfloat16, kernels=kernels)
+            assert guess.predicted and guess.seq == seq
+            assert (source.key(), seq, torch.bfloat16, kernels, "triton" if kernels else None) not in placement._profiles
+            measured = placement.measure_profile(source, seq, torch.bfloat16, kernels=kernels)
+            assert not measured.predicted
+            assert (guess.keep_flops, guess.step_flops, guess.head_recompute, guess.recompute) == \
+                (measured.keep_flops, measured.step_flops, measured.head_recompute, measured.recompute)
+            assert guess.resident[1] == measured.resident[1]  # a layer's resident bytes: exactly affine
+
+
+def test_keep_only_profile_is_completed_on_request(monkeypatch):
+    """measure_profile(keep_only=True) runs the keep-everything steps alone (plan() uses it for the kernels-off
+    peak it compares against); asked again without it, the same profile is completed, equal to one measured whole."""
+    from memkernels.tools import placement
+    monkeypatch.setattr(placement, "_profiles", {})
+    source = ModelSource("tiny-llama")
+    part = placement.measure_profile(source, 2048, torch.bfloat16, keep_only=True)
+    assert not part.complete and part.keep_flops == 0
+    keep_peak = part.keep_peak(1)
+    whole = placement.measure_profile(source, 2048, torch.bfloat16)
+    assert whole is part and whole.complete and whole.keep_peak(1) == keep_peak
+    monkeypatch.setattr(placement, "_profiles", {})
+    assert dataclasses.asdict(placement.measure_profile(source, 2048, torch.bfloat16)) == dataclasses.asdict(whole)
+    assert placement.solve(whole, 1, 1 << 62).keep_peak == keep_peak
 
 
 def test_when_the_host_binds_the_message_does_not_ask_for_bigger_gpus():

@@ -41,9 +41,12 @@ rounded up (so a placement the DP accepts fits under the model). It is exact for
 discretization: the minimum added time over all 12^L placements, with ties going to the
 option listed first (keep before recompute before offload, smaller parts first).
 """
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -403,7 +406,8 @@ class LayerProfile:
     measured them. ``kernels``: measured with memkernels' kernels (:data:`KERNELS`); ``head``: the
     fused linear cross-entropy's :class:`HeadBytes` at one sequence when the kernels installed it
     (else None; its bytes are in the head segment), ``head_recompute`` the FLOPs its backward
-    replays per sequence (the logits GEMM, 2 seq H V).
+    replays per sequence (the logits GEMM, 2 seq H V). ``predicted``: not measured but predicted from two
+    measured lengths (:func:`predicted_lengths`; its ``head`` is the nearer one's).
     """
 
     num_layers: int
@@ -422,6 +426,17 @@ class LayerProfile:
     kernels: bool = False
     head: object = None
     head_recompute: int = 0
+    predicted: bool = False
+
+    @property
+    def complete(self):
+        """Whether the FLOPs and recompute options are measured (not only the keep-everything steps)."""
+        return bool(self.recompute)
+
+    def keep_peak(self, batch=1):
+        """The keep-everything step's activation peak at ``batch`` (what :func:`solve` reports as ``keep_peak``)."""
+        embed, tail, head, forward, backward = self.layer_peaks(batch)
+        return max(embed, tail, head, max(forward), max(backward))
 
     @property
     def offload_measured(self):
@@ -540,20 +555,82 @@ def _build(source, depth, dtype, kernels=False, option=None, backend="triton"):
 _profiles = {}  # (model key, seq, dtype, kernels, backend) -> LayerProfile
 
 
-def measure_profile(source, seq, dtype, *, kernels=False, offload=False, backend="triton"):
+def measure_profile(source, seq, dtype, *, kernels=False, offload=False, backend="triton", keep_only=False):
     """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``ModelSource``) at ``seq``
     (cached per model, sequence length, dtype, kernels and backend). ``offload``: also measure the
     offload options (through :class:`_MetaOffload`; measured once, on first request). ``backend``:
     whose fused loss the kernels' profile counts (``"triton"``: a GPU's; ``"torch"``: the CPU path's,
-    whose row kernels add float32 blocks)."""
+    whose row kernels add float32 blocks). ``keep_only``: the keep-everything part alone (its peaks:
+    :meth:`LayerProfile.keep_peak`), two meta steps where the whole profile takes about sixteen; completed
+    when asked for without it."""
     key = (source.key(), seq, dtype, kernels, backend if kernels else None)
+    if key not in _profiles and _predicting.get():
+        guess = _predicted_profile(key, offload, keep_only)
+        if guess is not None:
+            return guess
     if key not in _profiles:
         _profiles[key] = _measure_profile(source, seq, dtype, kernels, backend)
     profile = _profiles[key]
+    if keep_only:
+        return profile
+    if not profile.complete:
+        _measure_recompute(profile, source, dtype, backend)
     if offload and not profile.offload_measured:
         _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded],
                          backend)
     return profile
+
+
+_predicting = contextvars.ContextVar("memkernels.placement: predict profiles across lengths", default=False)
+
+
+@contextlib.contextmanager
+def predicted_lengths():
+    """Inside, :func:`measure_profile` answers a length it has not measured with :func:`_predicted_profile` once
+    two lengths of the same model, dtype, kernels and backend are measured. For searches over the length
+    (``plan(seq="max")``), which measure the lengths their answer rests on: a prediction is a guide, not a
+    measurement (a sliding window or a chunk count changes the step's shape at lengths between)."""
+    token = _predicting.set(True)
+    try:
+        yield
+    finally:
+        _predicting.reset(token)
+
+
+def _predicted_profile(key, offload, keep_only=False):
+    """The :class:`LayerProfile` of ``key`` (``_profiles``' key) predicted from the two measured lengths nearest to
+    its length (the two around it where there are such): bytes affine in the length, FLOPs A s + C s² (a causal
+    LM's matmuls and attention; exact on Llama, GPT-2, Mistral and Qwen3-MoE, not across a sliding window's
+    edge). None until two are measured."""
+    seq = key[1]
+    measured = {k[1]: p for k, p in _profiles.items() if k[0] == key[0] and k[2:] == key[2:]
+                and (keep_only or (p.complete and (p.offload_measured or not offload)))}
+    below = sorted(s for s in measured if s < seq)
+    above = sorted(s for s in measured if s > seq)
+    anchors = ([below[-1], above[0]] if below and above else below[-2:] if len(below) > 1
+               else above[:2] if len(above) > 1 else None)
+    if anchors is None:
+        return None
+    (s1, p1), (s2, p2) = ((s, measured[s]) for s in anchors)
+
+    def affine(v1, v2):
+        if isinstance(v1, dict):  # what both measured (a keep-only profile has no options)
+            return {name: affine(v1[name], v2[name]) for name in v1 if name in v2}
+        return round(v1 + Fraction(v2 - v1, s2 - s1) * (seq - s1))
+
+    def quadratic(f1, f2):  # f(s) = A s + C s^2 through (s1, f1) and (s2, f2)
+        if isinstance(f1, dict):
+            return {name: quadratic(f1[name], f2[name]) for name in f1 if name in f2}
+        c = (Fraction(f2, s2) - Fraction(f1, s1)) / (s2 - s1)
+        return round(seq * (Fraction(f1, s1) + c * (seq - s1)))
+
+    nearer = p1 if abs(seq - s1) <= abs(seq - s2) else p2
+    return dataclasses.replace(
+        nearer, seq=seq, predicted=True, recompute=quadratic(p1.recompute, p2.recompute),
+        keep_flops=quadratic(p1.keep_flops, p2.keep_flops), step_flops=quadratic(p1.step_flops, p2.step_flops),
+        head_recompute=quadratic(p1.head_recompute, p2.head_recompute),
+        **{name: affine(getattr(p1, name), getattr(p2, name))
+           for name in ("segments", "resident", "savings", "extra", "moved", "head_live")})
 
 
 def _measure_options(profile, source, dtype, kernels, options, backend="triton"):
@@ -585,32 +662,41 @@ def _measure_options(profile, source, dtype, kernels, options, backend="triton")
 
 
 def _measure_profile(source, seq, dtype, kernels, backend="triton"):
+    """The keep-everything part of a :class:`LayerProfile`: its segments' peaks, R and the live bytes at the
+    head, at micro-batches 1 and 2 (two meta steps); :func:`_measure_recompute` adds the rest."""
     depth = min(_DEPTH, source.num_layers)
     probe_layer = _probe_layer(depth)
     probe, _ = _build(source, depth, dtype, kernels, backend=backend)
     _, layers = plan_apply.find_layers(probe)
     parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
-    one = torch.empty(1, seq, dtype=torch.long, device="meta")
-    keep_flops, head_recompute = _step_flops(probe, one, head_recompute=True)
-    # The fused loss is installed: what it needs at one sequence (its bytes are in the head segment).
-    head = _MODELLED_HEAD["figures"] if head_recompute else None
-    # One more layer's step FLOPs, to extrapolate to the full depth.
-    per_layer = (keep_flops - _step_flops(_build(source, depth - 1, dtype, kernels, backend=backend)[0], one)
-                 if depth > 1 else keep_flops)
     profile = LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments={}, resident={},
-                           savings={1: {}, 2: {}}, extra={1: {}, 2: {}}, recompute={}, keep_flops=keep_flops,
-                           step_flops=keep_flops + (source.num_layers - depth) * per_layer, parts=parts,
-                           kernels=kernels, head=head, head_recompute=head_recompute)
+                           savings={1: {}, 2: {}}, extra={1: {}, 2: {}}, recompute={}, keep_flops=0, step_flops=0,
+                           parts=parts, kernels=kernels)
     for batch in (1, 2):
         ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        keep = _metered_step(_build(source, depth, dtype, kernels, backend=backend)[0], ids)
+        keep = _metered_step(probe if batch == 1 else _build(source, depth, dtype, kernels, backend=backend)[0], ids)
         profile.segments[batch] = dict(keep.peaks)
         profile.head_live[batch] = keep.live["head"]
         # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
         after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
         profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
-    _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY, backend)
     return profile
+
+
+def _measure_recompute(profile, source, dtype, backend="triton"):
+    """Complete ``profile``: the step's FLOPs, the fused loss's figures and the recompute options."""
+    depth, kernels = profile.depth, profile.kernels
+    one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
+    keep_flops, head_recompute = _step_flops(_build(source, depth, dtype, kernels, backend=backend)[0], one,
+                                             head_recompute=True)
+    # The fused loss is installed: what it needs at one sequence (its bytes are in the head segment).
+    profile.head = _MODELLED_HEAD["figures"] if head_recompute else None
+    # One more layer's step FLOPs, to extrapolate to the full depth.
+    per_layer = (keep_flops - _step_flops(_build(source, depth - 1, dtype, kernels, backend=backend)[0], one)
+                 if depth > 1 else keep_flops)
+    profile.keep_flops, profile.head_recompute = keep_flops, head_recompute
+    profile.step_flops = keep_flops + (source.num_layers - depth) * per_layer
+    _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY, backend)
 
 
 @dataclasses.dataclass
@@ -733,7 +819,7 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
     """The DP of the module docstring over ``options``, each option's seconds raised by ``price`` per byte it
     moves to the host; the Placement's figures are the unpriced ones."""
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
-    keep_peak = max(embed, tail, head, max(forward), max(backward))
+    keep_peak = profile.keep_peak(batch)
     num_layers = profile.num_layers
     # Savings needed before layer i for option o, and at the end (the head).
     needs = [[max(forward[i], backward[i] + costs[o.name][1]) - budget for o in options] for i in range(num_layers)]

@@ -21,6 +21,8 @@ it would take). The activation budget is ``gpu_mem`` minus ``margin`` (default
 1 GiB for the CUDA context and library workspaces + 5% of ``gpu_mem`` for fragmentation)
 minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP's gather buffers.
 """
+import contextlib
+import contextvars
 import dataclasses
 import math
 
@@ -414,7 +416,8 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                           f"{dtype} weights and activations, fp32 master weights"))
 
     act_offload = host_mem is not None
-    profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload)
+    # Without kernels, the keep-everything steps first: the rest of the profile only if the kernels lose.
+    profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload, keep_only=kernels)
     use_kernels = False
     if kernels:
         try:
@@ -422,8 +425,8 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         except (ImportError, RuntimeError) as error:
             steps.append(Step("memkernels kernels", False, "", "", f"unavailable here ({error})"[:200]))
         else:
-            plain_peak = placement_mod.solve(profile, 1, 1 << 62).keep_peak
-            fused_peak = placement_mod.solve(fused, 1, 1 << 62).keep_peak
+            plain_peak = profile.keep_peak(1)
+            fused_peak = fused.keep_peak(1)
             if fused_peak < plain_peak:
                 use_kernels, profile = True, fused
                 mlp = getattr(source.config, "mlp", None)
@@ -440,6 +443,8 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                 steps.append(Step("memkernels kernels", False, "", "", "they save nothing measurable on this model"))
     else:
         steps.append(Step("memkernels kernels", False, "", "", "kernels=False"))
+    if not use_kernels:
+        profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload)
 
     sequence_seconds = profile.step_flops / (tflops * 1e12)
 
@@ -496,12 +501,18 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         else with the most activation budget to spare."""
         return (1, -c.overhead) if memory_fits(c) else (0, c.budget - c.placement.predicted_peak)
 
+    deciding = _deciding.get()  # a search's question, whether it fits: the micro-batch and alternatives are not asked
     stages = (zero_stage,) if zero_stage is not None else (0, 1, 2, 3) if gpus > 1 else (0,)
-    modes = FINETUNE_MODES[FINETUNE_MODES.index(finetune):]
+    # The flow falls back to LoRA, then QLoRA; a search asks about the mode given only.
+    modes = FINETUNE_MODES[FINETUNE_MODES.index(finetune):][:1 if deciding else None]
     chosen, nearest_fail, alternatives, runners_up = None, None, [], []
     for mode in modes:
-        tried = [candidate(mode, stage, False) for stage in stages]
-        fitting = [cheapest_micro(c) for c in tried if fits(c)]
+        tried = []
+        for stage in stages:
+            tried.append(candidate(mode, stage, False))
+            if deciding and fits(tried[-1]):  # one that fits answers the search's question
+                break
+        fitting = [c if deciding else cheapest_micro(c) for c in tried if fits(c)]
         nearest_fail = max([c for c in tried if not fits(c)] + ([nearest_fail] if nearest_fail else []),
                            key=closeness, default=nearest_fail)
         ranked = sorted(fitting, key=lambda c: (round(c.overhead, 12), c.zero_stage))
@@ -517,7 +528,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
             c = candidate(mode, stages[-1], True)
             steps.append(_optimizer_offload_step(mode, c, host_mem, gpus))
             if host_mem is not None and c.host_needed <= host_mem and fits(c):
-                found = cheapest_micro(c)
+                found = c if deciding else cheapest_micro(c)
             elif closeness(c) > closeness(nearest_fail):
                 nearest_fail = c
         if found is not None:
@@ -534,7 +545,7 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                               + (f" within {max_overhead:.1%} added step time" if max_overhead is not None else "")
                               + f"; {chosen.finetune} fits"))
     # LoRA / QLoRA shown with their own figures whatever was chosen.
-    for mode in ("lora", "qlora"):
+    for mode in () if deciding else ("lora", "qlora"):
         if chosen is not None and chosen.finetune == mode:
             continue
         alt = None
@@ -560,11 +571,11 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         steps.append(Step("micro-batch", True, "", "", f"least added step time of those that fit: {micro}"
                           + (f"; accumulation {accumulation} to reach the global batch" if per_rank else "")))
     missing, nearest = 0, ""
-    if chosen is None and max_overhead is not None and memory_fits(config):  # memory fits; the cap binds
+    if chosen is None and not deciding and max_overhead is not None and memory_fits(config):  # the cap binds
         need = _budget_within(solve, config, max_overhead)
         missing = 0 if need is None else max(0, need - config.budget)
         nearest = _nearest_within(config, need, max_overhead, margin)
-    elif chosen is None:
+    elif chosen is None and not deciding:
         missing = max(0, config.placement.predicted_peak - config.budget)
         nearest = _nearest_fit(config, gpu_mem, gpus, host_mem, margin)
     return Plan(model=source.name, gpu_mem=gpu_mem, gpus=gpus, seq=seq, dtype=dtype, optimizer=optimizer,
@@ -580,61 +591,96 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
 
 
 SEQ_STEP = 1024  # seq="max" answers in multiples of this many tokens
+# Set by plan(seq="max")'s search: plan() decides whether it fits and skips what only a shown plan needs.
+_deciding = contextvars.ContextVar("memkernels.plan: deciding whether a length fits", default=False)
 SEQ_CEILING = 1 << 22
 
 
 def _longest(model_or_config, arguments):
     """plan(seq="max"): the Plan at the longest ``seq`` that fits in the fine-tuning mode asked for (a length
     that fits only by falling back to LoRA / QLoRA does not count), assuming fitting is monotone in the
-    length (memory grows with it; the added time's share of the step, with it, as a rule)."""
+    length (memory grows with it; the added time's share of the step, with it, as a rule).
+
+    The answer rests on measured plans only: L fits and L + :data:`SEQ_STEP` does not, both measured. Two
+    lengths are measured first (4,096 and 8,192 tokens, or 1,024 when 4,096 does not fit); then each round
+    searches the lengths between the longest measured to fit and the shortest measured not to with profiles
+    predicted from those measured (``placement.predicted_lengths``: bytes affine in the length), and measures
+    the predicted boundary and the length after it. A good prediction ends the search in a round; after two
+    rounds, it gallops on measurements alone (1,024 x 2, 4, 8, ... tokens from the side measured last, then
+    bisection), as predictions can be off by the steps where the DP's choices change."""
     source = ModelSource(model_or_config)
     learned = source.config is not None and source.config.position == "learned"
     ceiling = source.config.max_seq_len if learned else SEQ_CEILING
-    tried = {}
+    measured, predicted = {}, {}  # length -> Plan, deciding whether it fits only
 
-    def attempt(tokens):
-        if tokens not in tried:
-            tried[tokens] = plan(model_or_config, **{**arguments, "seq": tokens})
-        return tried[tokens]
+    def attempt(tokens, guess=False):
+        table = predicted if guess and tokens not in measured else measured
+        if tokens not in table:
+            token = _deciding.set(True)
+            try:
+                with placement_mod.predicted_lengths() if guess else contextlib.nullcontext():
+                    table[tokens] = plan(model_or_config, **{**arguments, "seq": tokens})
+            finally:
+                _deciding.reset(token)
+        return table[tokens]
 
-    def fits(tokens):
-        return attempt(tokens).fits and attempt(tokens).config.finetune == arguments["finetune"]
+    def fits(tokens, guess=False):
+        result = attempt(tokens, guess)
+        return result.fits and result.config.finetune == arguments["finetune"]
 
-    low, high = 0, None  # the longest length known to fit, the shortest known not to
-    first = min(4 * SEQ_STEP, ceiling)
-    if fits(first):
-        low = first
-        while high is None and low < ceiling:
-            longer = min(2 * low, ceiling)
-            if fits(longer):
-                low = longer
-            else:
-                high = longer
-    else:
-        high = first
-        if first > SEQ_STEP and fits(SEQ_STEP):
-            low = SEQ_STEP
-    high = ceiling + 1 if high is None else high
-    while low and high - low > SEQ_STEP:
-        middle = (low + high) // 2 // SEQ_STEP * SEQ_STEP
-        if middle <= low:
-            break
-        if fits(middle):
-            low = middle
+    low, high = 0, ceiling + 1  # the longest length measured to fit (0: none), the shortest measured not to
+    last_fit = False
+
+    def measure(tokens):
+        nonlocal low, high, last_fit
+        last_fit = fits(tokens)
+        if last_fit:
+            low = max(low, tokens)
         else:
-            high = middle
-    cap = attempt(min(tried)).max_overhead  # as plan() parsed it
+            high = min(high, tokens)
+
+    first = min(4 * SEQ_STEP, ceiling)
+    measure(first)
+    second = min(2 * first, ceiling) if low else SEQ_STEP
+    if second != first:
+        measure(second)
+    rounds, gap = 0, 2 * SEQ_STEP
+    while high - low > SEQ_STEP and (low or high > SEQ_STEP):
+        rounds += 1
+        if rounds > 2:  # the predictions missed twice: gallop from the side measured last, then bisect
+            tokens = low + gap if last_fit else high - gap
+            gap *= 2
+            if not low < tokens < high:
+                tokens = max(low + SEQ_STEP, (low + high) // 2 // SEQ_STEP * SEQ_STEP)
+            measure(tokens)
+            continue
+        guess_low, guess_high = low, high  # the predicted boundary, doubling from low, then bisecting
+        while guess_high - guess_low > SEQ_STEP:
+            step = (2 * max(guess_low, SEQ_STEP) if guess_high > ceiling and guess_low
+                    else (guess_low + guess_high) // 2)
+            middle = min(step // SEQ_STEP * SEQ_STEP, guess_high - 1)
+            if middle <= guess_low:
+                break
+            if fits(middle, guess=True):
+                guess_low = middle
+            else:
+                guess_high = middle
+        for tokens in (guess_low, guess_low + SEQ_STEP):
+            if low < tokens < high:
+                measure(tokens)
+    cap = attempt(min(measured)).max_overhead  # as plan() parsed it
     within = f" within {cap:.1%} added step time" if cap is not None else ""
+    tried = (f"{len(measured)} lengths measured, {len(predicted)} predicted from them"
+             if predicted else f"{len(measured)} lengths measured")
     if not low:
-        result = attempt(min(tried))
-        result.notes.append(f"seq=max: not even {min(tried):,} tokens fit{within} with {arguments['finetune']} "
-                            f"fine-tuning; below, the flow at {min(tried):,} tokens")
+        result = plan(model_or_config, **{**arguments, "seq": min(measured)})  # the whole flow, measured above
+        result.notes.append(f"seq=max: not even {min(measured):,} tokens fit{within} with {arguments['finetune']} "
+                            f"fine-tuning; below, the flow at {min(measured):,} tokens ({tried})")
         return result
-    result = attempt(low)
+    result = plan(model_or_config, **{**arguments, "seq": low})
     limit = f"{high:,} does not" if high <= ceiling else f"the model's limit is {ceiling:,}"
     result.notes.append(f"seq=max: {low:,} tokens per sequence is the longest that fits{within} with "
-                        f"{arguments['finetune']} fine-tuning (multiples of "
-                        f"{SEQ_STEP:,}; {limit}; {len(tried)} plans tried)")
+                        f"{arguments['finetune']} fine-tuning (multiples of {SEQ_STEP:,}; {limit}; {tried})")
     return result
 
 
