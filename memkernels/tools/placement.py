@@ -834,6 +834,7 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
     dp[0] = 0.0
     back = np.zeros((num_layers, cap + 1), dtype=np.int16)
     origin = np.zeros((num_layers, cap + 1), dtype=np.int32)
+    sources = np.arange(cap + 1, dtype=np.int32)
     for i in range(num_layers):
         new = np.full(cap + 1, np.inf)
         for k in range(len(options)):
@@ -845,15 +846,16 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
             # State s moves to s + step, capped: below the cap each target has one source (a shift); the cap
             # takes the cheapest of the sources that reach it, the one of most savings on a tie.
             shift = min(step[k], cap)
-            src = np.arange(cap - shift + 1)
-            src[-1] = cap - int(np.argmin(candidate[cap - shift:][::-1]))
-            cand = candidate[src]
+            cap_source = cap - int(np.argmin(candidate[cap - shift:][::-1]))
+            cand = candidate[:cap - shift + 1]  # target t's source: t - shift, the cap's: cap_source
+            cand[-1] = candidate[cap_source]
             # Later options win only when strictly cheaper: ties keep the earlier option.
             better = cand < new[shift:]
-            targets = np.flatnonzero(better) + shift
-            new[targets] = cand[better]
-            back[i, targets] = k
-            origin[i, targets] = src[better]
+            new[shift:][better] = cand[better]
+            back[i, shift:][better] = k
+            origin[i, shift:][better] = sources[:cap - shift + 1][better]
+            if better[-1]:
+                origin[i, cap] = cap_source
         dp = new
     end = max(0, math.ceil(end_need / quantum))
     feasible = ends_fit and end <= cap and np.isfinite(dp[end:]).any()
