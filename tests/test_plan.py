@@ -293,6 +293,21 @@ def test_plan_counts_a_mixture_of_experts_per_routed_token():
             == per_routed_token // 3 * seq * 2)  # one layer's MLP forward, replayed
 
 
+@pytest.mark.parametrize("top_k", [2, 4])
+def test_plan_measures_fused_experts_in_float32_too(top_k):
+    """The fused experts' grouped GEMM on meta in float32 (torch's meta kernel takes bf16 only; a loop over experts
+    needs offsets' values, which meta has not): the kernels' profile is measured, and its step counts the FLOPs of
+    the eager step (the experts' grouped GEMMs among them; the fused loss's recompute is counted beside)."""
+    from memkernels.tools import placement
+    result = plan(qwen3_moe_config(top_k), gpu_mem="1GB", seq=64, margin=0, dtype="fp32")
+    kernels = next(step for step in result.steps if step.name == "memkernels kernels")
+    assert kernels.taken, kernels.reason
+    source, fp32 = ModelSource(qwen3_moe_config(top_k)), torch.float32
+    fused = placement.measure_profile(source, 64, fp32, kernels=True)
+    plain = placement.measure_profile(source, 64, fp32)
+    assert fused.step_flops == plain.step_flops and fused.head_recompute > 0
+
+
 def test_llama3_8b_at_64k_tokens_per_gpu_fits_with_the_fused_head():
     """Issue 35: with the eager head's logits-sized transients (~95 GiB at 64k tokens) nothing fit, even QLoRA
     with every layer recomputed; the fused loss holds 8 B a token, and full fine-tuning fits on 8 x 80 GB."""
