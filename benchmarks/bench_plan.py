@@ -28,8 +28,9 @@ profile cached).
 With ``--longest``, instead: the longest tokens per GPU per micro-batch (``plan(seq="max")``) at
 <= 10% added step time and at any cost, each with its plan and planning time, for Llama-3-8B full
 fine-tuning on 8 x 80 GB (without host memory and with 1 TB), Llama-3-8B QLoRA on one 24 GB and one
-80 GB GPU (beside unsloth's published 78,475 / 342,733 tokens) and Qwen2-72B on 8 x 80 GB with 1 TB
-and 2 TB of host memory. Every figure is the plan's model (memory measured on meta, time modelled at
+80 GB GPU, without host memory and with 64 GB / 256 GB (beside unsloth's published 78,475 / 342,733
+tokens, which offload checkpoints to the host) and Qwen2-72B on 8 x 80 GB with 1 TB and 2 TB of host
+memory. Every figure is the plan's model (memory measured on meta, time modelled at
 400 TFLOP/s, PCIe 25 GB/s, NCCL 100 GB/s), not a run.
 
     python benchmarks/bench_plan.py [--layers 8] [--hidden 128] [--seq 256] [--batch 2]
@@ -256,6 +257,11 @@ LONGEST = (
      "unsloth: 78,475"),
     ("Llama-3-8B QLoRA, 1 x 80 GB", dict(model_or_config="llama-3-8b", gpu_mem="80GB", finetune="qlora"),
      "unsloth: 342,733"),
+    # unsloth's figures offload every checkpoint to the host: the same GPUs with host memory given
+    ("Llama-3-8B QLoRA, 1 x 24 GB, 64 GB host", dict(model_or_config="llama-3-8b", gpu_mem="24GB", finetune="qlora",
+                                                     host_mem="64GB"), "unsloth: 78,475"),
+    ("Llama-3-8B QLoRA, 1 x 80 GB, 256 GB host", dict(model_or_config="llama-3-8b", gpu_mem="80GB",
+                                                      finetune="qlora", host_mem="256GB"), "unsloth: 342,733"),
     ("Qwen2-72B full, 8 x 80 GB, 1 TB host", dict(model_or_config="qwen2-72b", gpu_mem="80GB", gpus=8,
                                                   host_mem="1TB"), ""),
     ("Qwen2-72B full, 8 x 80 GB, 2 TB host", dict(model_or_config="qwen2-72b", gpu_mem="80GB", gpus=8,

@@ -710,7 +710,8 @@ def test_host_memory_never_makes_a_plan_worse():
 
 def test_a_host_budget_bounds_what_the_placement_moves():
     """solve(host_budget=): what the placement moves stays within it, the added time never rises as it grows, and
-    a budget of 0 gives the recompute-only placement's time."""
+    a budget of 0 gives a recompute-only placement, no slower than the recompute-only DP's (the walk from the
+    placement over the budget checks the exact peak, where the DP rounds savings down: 6.21 s against 6.39)."""
     from memkernels.tools import placement as placement_module
     from memkernels.tools.estimate import ModelSource
     profile = placement_module.measure_profile(ModelSource("llama-3-8b"), 65536, torch.bfloat16, kernels=True,
@@ -723,8 +724,10 @@ def test_a_host_budget_bounds_what_the_placement_moves():
     for host in (0, 10 << 30, 50 << 30, 100 << 30):
         bounded = placement_module.solve(profile, 1, budget, offload=True, host_budget=host)
         assert bounded.fits and bounded.offload_bytes <= host, host
+        assert bounded.predicted_peak == placement_module.predict_peak(profile, 1, bounded.choices) <= budget
+        assert host or not any(choice.offloaded for choice in bounded.choices)
         times.append(bounded.added_seconds)
-    assert times == sorted(times, reverse=True) and times[0] == pytest.approx(recompute_only.added_seconds)
+    assert times == sorted(times, reverse=True) and times[0] <= recompute_only.added_seconds + 1e-12
     assert times[-1] >= free.added_seconds
 
 
@@ -802,6 +805,26 @@ def test_max_overhead_refuses_plans_above_it_and_says_what_it_would_take():
     assert not floor.fits and "raise --max-overhead" in floor.nearest
     uncapped = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536, max_overhead=1.0)
     assert uncapped.fits and uncapped.overhead == plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536).overhead
+
+
+def test_host_budget_is_bridged_between_the_prices_edges():
+    """Llama-3-8B QLoRA at 128k tokens on 80 GB with 256 GB of host memory: pricing moved bytes alone jumped from
+    245 GiB moved (+2.7%) to 68 GiB (+16.2%: over a 10% cap) at the host budget's edge; the layer-by-layer walk
+    between keeps it within the cap. And on its profile, for host budgets rising in 1/40 steps of what offload
+    would move unbounded, every placement fits, stays within its host budget and adds no more time than the last."""
+    from memkernels.tools import placement
+    result = plan("llama-3-8b", gpu_mem="80GB", seq=131072, finetune="qlora", host_mem="256GB", max_overhead=0.1)
+    assert result.fits and result.config.overhead <= 0.1 and result.config.host_needed <= 256 * 2**30
+    profile = placement.measure_profile(ModelSource("llama-3-8b"), 131072, torch.bfloat16, kernels=True, offload=True)
+    budget = profile.keep_peak(1) // 2
+    unbounded = placement.solve(profile, 1, budget, offload=True)
+    previous = math.inf
+    for step in range(41):
+        host = unbounded.offload_bytes * step // 40
+        found = placement.solve(profile, 1, budget, offload=True, host_budget=host)
+        assert found.fits and found.offload_bytes <= host and found.added_seconds <= previous + 1e-12, step
+        previous = found.added_seconds
+    assert previous == unbounded.added_seconds
 
 
 def _full_fits(result):
