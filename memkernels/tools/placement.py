@@ -19,6 +19,11 @@ Two parts:
 2. :func:`solve` chooses one :data:`LAYER_OPTIONS` entry per layer by dynamic programming so
    that the predicted peak fits the budget at the least added step time.
 
+Searches over the length (``plan(seq="max")``) run inside :func:`predicted_lengths`, where a length
+not measured is predicted from two measured ones (:func:`_predicted_profile`); what they answer is
+measured. ``measure_profile(keep_only=True)`` measures the keep-everything steps alone (the peaks the
+kernels' decision compares), completed on a later request.
+
 The peak model. With layer i's option o_i saving s(o_i) bytes of what stays resident after
 its forward, S_i = s(o_0) + ... + s(o_{i-1}), and Pf_i, Pb_i, Ph the keep-everything peaks of
 layer i's forward, layer i's backward and the head:
