@@ -807,6 +807,22 @@ def test_max_overhead_refuses_plans_above_it_and_says_what_it_would_take():
     assert uncapped.fits and uncapped.overhead == plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=65536).overhead
 
 
+@pytest.mark.parametrize("seq, offload", [(65536, False), (16384, True)])
+def test_placements_are_monotone_in_the_budget(seq, offload):
+    """Issue 35's Done-when: for budgets falling in 1/8 GiB steps from the keep-everything peak until nothing fits
+    (Llama-3-8B with the kernels, 800-1,700 budgets), the predicted peak never rises and the added time never
+    falls."""
+    from memkernels.tools import placement
+    profile = placement.measure_profile(ModelSource("llama-3-8b"), seq, torch.bfloat16, kernels=True, offload=offload)
+    budget, previous, count = profile.keep_peak(1), None, 0
+    while (found := placement.solve(profile, 1, budget, offload=offload)).fits:
+        if previous is not None:
+            assert found.predicted_peak <= previous.predicted_peak, budget
+            assert found.added_seconds >= previous.added_seconds - 1e-12, budget
+        previous, count, budget = found, count + 1, budget - (1 << 27)
+    assert count > 100 and previous.choices != [placement.OPTION_BY_NAME["keep"]] * profile.num_layers
+
+
 def test_host_budget_is_bridged_between_the_prices_edges():
     """Llama-3-8B QLoRA at 128k tokens on 80 GB with 256 GB of host memory: pricing moved bytes alone jumped from
     245 GiB moved (+2.7%) to 68 GiB (+16.2%: over a 10% cap) at the host budget's edge; the layer-by-layer walk
