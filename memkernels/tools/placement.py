@@ -833,7 +833,6 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
     """The DP of the module docstring over ``options``, each option's seconds raised by ``price`` per byte it
     moves to the host; the Placement's figures are the unpriced ones."""
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
-    keep_peak = profile.keep_peak(batch)
     num_layers = profile.num_layers
     # Savings needed before layer i for option o, and at the end (the head).
     needs = [[max(forward[i], backward[i] + costs[o.name][1]) - budget for o in options] for i in range(num_layers)]
@@ -882,16 +881,16 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
         choices = [options[k] for k in reversed(indices)]
     else:
         choices = [max(options, key=lambda o: costs[o.name][0])] * num_layers
-    return _placement_of(profile, batch, budget, choices, costs, tflops, feasible, keep_peak)
+    return _placement_of(profile, batch, budget, choices, costs, tflops, feasible)
 
 
-def _placement_of(profile, batch, budget, choices, costs, tflops, feasible=True, keep_peak=None):
+def _placement_of(profile, batch, budget, choices, costs, tflops, feasible=True):
     """The :class:`Placement` of ``choices`` (its figures unpriced)."""
     peak = predict_peak(profile, batch, choices, costs)
     # The fused loss replays its logits GEMM whatever the layers do: counted, never chosen.
     head_flops = batch * profile.head_recompute
     return Placement(batch=batch, budget=budget, choices=choices, predicted_peak=peak,
-                     keep_peak=profile.keep_peak(batch) if keep_peak is None else keep_peak,
+                     keep_peak=profile.keep_peak(batch),
                      recompute_flops=sum(costs[c.name][3] for c in choices) + head_flops,
                      offload_bytes=sum(costs[c.name][4] for c in choices),
                      added_seconds=float(sum(costs[c.name][2] for c in choices)) + head_flops / (tflops * 1e12),

@@ -591,9 +591,9 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
 
 
 SEQ_STEP = 1024  # seq="max" answers in multiples of this many tokens
+SEQ_CEILING = 1 << 22
 # Set by plan(seq="max")'s search: plan() decides whether it fits and skips what only a shown plan needs.
 _deciding = contextvars.ContextVar("memkernels.plan: deciding whether a length fits", default=False)
-SEQ_CEILING = 1 << 22
 
 
 def _longest(model_or_config, arguments):
@@ -668,16 +668,15 @@ def _longest(model_or_config, arguments):
         for tokens in (guess_low, guess_low + SEQ_STEP):
             if low < tokens < high:
                 measure(tokens)
-    cap = attempt(min(measured)).max_overhead  # as plan() parsed it
-    within = f" within {cap:.1%} added step time" if cap is not None else ""
+    # The whole flow at the answer (or, when nothing fits, at the shortest length measured), its profiles cached.
+    result = plan(model_or_config, **{**arguments, "seq": low or min(measured)})
+    within = f" within {result.max_overhead:.1%} added step time" if result.max_overhead is not None else ""
     tried = (f"{len(measured)} lengths measured, {len(predicted)} predicted from them"
              if predicted else f"{len(measured)} lengths measured")
     if not low:
-        result = plan(model_or_config, **{**arguments, "seq": min(measured)})  # the whole flow, measured above
         result.notes.append(f"seq=max: not even {min(measured):,} tokens fit{within} with {arguments['finetune']} "
                             f"fine-tuning; below, the flow at {min(measured):,} tokens ({tried})")
         return result
-    result = plan(model_or_config, **{**arguments, "seq": low})
     limit = f"{high:,} does not" if high <= ceiling else f"the model's limit is {ceiling:,}"
     result.notes.append(f"seq=max: {low:,} tokens per sequence is the longest that fits{within} with "
                         f"{arguments['finetune']} fine-tuning (multiples of {SEQ_STEP:,}; {limit}; {tried})")
