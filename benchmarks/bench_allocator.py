@@ -13,10 +13,10 @@ allocations <= 1.25x PyTorch's (issue 18), ns/op <= 250 (a goal). Then the same 
 and issue 8's targets: memkernels <= 1.01 and never above PyTorch's expandable ratio. Exit
 status 1 if a target is missed. Then replays synthetic training loops, with the same classic
 targets, and for each loop that makes more than 1.25x PyTorch's device allocations, why
-(:func:`memkernels.tools.replay.device_allocation_causes`). Last, every periodic loop (each trace
+(:func:`memkernels.forensics.replay.device_allocation_causes`). Last, every periodic loop (each trace
 repeated as one step of a loop, the fixed-scale synthetic loops, the capacity loop's 8-step
 triangle wave repeated): device allocations / frees per step from step 3 on, memkernels' pool
-beside PyTorch's model (:func:`memkernels.tools.replay.replay_periodic`), and issue 33's target:
+beside PyTorch's model (:func:`memkernels.forensics.replay.replay_periodic`), and issue 33's target:
 none from step 3 on (a cudaMalloc inside a step costs that step).
 
     python benchmarks/bench_allocator.py --no-traces --seeds 3-8   (held-out seeds of the loops)
@@ -30,7 +30,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from memkernels.tools.replay import (  # noqa: E402
+from memkernels.forensics.replay import (  # noqa: E402
     ALLOCATION_CAUSES,
     TraceError,
     device_allocation_causes,
@@ -269,7 +269,7 @@ PERIODIC_FROM = 3
 def periodic_loops(files, seeds):
     """The periodic loops: (name, trace of one step or period, [(device label, capacity or None)]).
 
-    Each shared trace is one step, repeated (:func:`memkernels.tools.replay.periodic_ops`: what it
+    Each shared trace is one step, repeated (:func:`memkernels.forensics.replay.periodic_ops`: what it
     leaves live stays, allocated once, or is carried to the next step). The fixed-scale synthetic
     loops repeat one step; :func:`capacity_trace`'s triangle wave repeats its first 8-step period.
     Devices as in :func:`held_out`, but for capacity 1.03x: there both policies fail requests in

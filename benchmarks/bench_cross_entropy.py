@@ -133,7 +133,7 @@ def memory_section(configs):
 
 
 def timing_section(configs, repeats=10):
-    from memkernels.tools.gpu_audit import prediction_line
+    from memkernels.audit.gpu_audit import prediction_line
 
     print("\nGPU forward+backward, ms (median of", repeats, "after warm-up)")
     for n_tokens, hidden_size, n_classes, dtype in configs:

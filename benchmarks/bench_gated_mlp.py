@@ -147,7 +147,7 @@ def _with_act(mlp):
 def timing_table(tokens, hidden, intermediate):
     import triton.testing
 
-    from memkernels.tools.gpu_audit import prediction_line
+    from memkernels.audit.gpu_audit import prediction_line
 
     print(f"\nSwiGLU MLP fwd+bwd timing on {torch.cuda.get_device_name()}: {tokens} tokens, "
           f"{hidden} -> 2 x {intermediate} -> {hidden}")

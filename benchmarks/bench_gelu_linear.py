@@ -78,7 +78,7 @@ def memory_table(tokens, hidden, ffn, device):
 def timing_table(tokens, hidden, ffn):
     import triton.testing
 
-    from memkernels.tools.gpu_audit import prediction_line
+    from memkernels.audit.gpu_audit import prediction_line
 
     print(f"\nfc2 GEMM timing on {torch.cuda.get_device_name()}: [{tokens}, {ffn}] -> {hidden}")
     print(f"{'dtype':<10}{'pass':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'speedup':>9}"

@@ -6,7 +6,7 @@ the Triton interpreter).
     python benchmarks/bench_gpu_audit.py [--op rms_norm ...] [--dtype bf16] [--occupancy]
 
 Runs on a CPU (the Triton kernels run in the interpreter, in a child process when needed).
-The times are a model, see memkernels/tools/gpu_audit.py; benchmarks/gpu_check.sh prints
+The times are a model, see memkernels/audit/gpu_audit.py; benchmarks/gpu_check.sh prints
 them next to the measured times on a GPU.
 """
 import os
@@ -16,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from memkernels.tools import gpu_audit  # noqa: E402
+from memkernels.audit import gpu_audit  # noqa: E402
 
 
 def main(argv=None):

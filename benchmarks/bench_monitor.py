@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from memkernels.tools.monitor import MemoryMonitor, TorchCudaStats  # noqa: E402
+from memkernels.forensics.monitor import MemoryMonitor, TorchCudaStats  # noqa: E402
 
 TARGET_SECONDS = 1e-3
 STATS = ("allocated_bytes", "reserved_bytes", "active_bytes", "requested_bytes", "inactive_split_bytes", "allocation",

@@ -52,9 +52,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 import memkernels
 from memkernels.meters import PeakBytesMeter
 from memkernels.models import ModelConfig, TransformerLM
-from memkernels.tools import plan_apply
-from memkernels.tools.placement import OPTION_BY_NAME, flop_counter
-from memkernels.tools.plan import place, plan
+from memkernels.planning import apply_plan as plan_apply
+from memkernels.planning.placement import OPTION_BY_NAME, flop_counter
+from memkernels.planning.plan import place, plan
 
 LLAMA_3_8B_SEQS = (8192, 16384, 32768, 65536)
 LLAMA_3_70B = ModelConfig(name="llama-3-70b", vocab_size=128256, hidden_size=8192, num_layers=80, num_heads=64,
@@ -223,8 +223,8 @@ def llama_3_8b(seqs):
     """Llama-3-8B, 8 x 80 GB, bf16, AdamW, full fine-tuning, one sequence per GPU per micro-batch (the global
     batch is seq x 8): the plan, its added FLOPs (layers' recompute + the fused loss's logits GEMM) over the
     step's, and the cold planning time (profiles dropped first)."""
-    from memkernels.tools import placement
-    from memkernels.tools.sizes import format_size
+    from memkernels.planning import placement
+    from memkernels.runtime.sizes import format_size
     print("\nLlama-3-8B, 8 x 80 GB, bf16, AdamW, full fine-tuning, 1 sequence per GPU per micro-batch:")
     print(f"{'tokens':>7} | {'plan':<58} | {'activations':>11} | {'added FLOPs':>11} | {'of which head':>13} | "
           f"{'added time':>10} | {'cold':>6}")
@@ -272,7 +272,7 @@ LONGEST = (
 def longest():
     """The longest tokens per GPU per micro-batch each configuration of :data:`LONGEST` plans, at <= 10% added step
     time and at any cost, cold (no profile cached before each search)."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     print("longest tokens per GPU per micro-batch (plan(seq='max'); modelled, not run):")
     print(f"{'configuration':<40} | {'cap':>5} | {'tokens':>9} | {'plan':<44} | {'added':>6} | {'time':>6} | "
           f"{'lengths measured':>16} | published")

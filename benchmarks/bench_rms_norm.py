@@ -183,7 +183,7 @@ def gpu_section(tokens, hidden):
         return
     from triton.testing import do_bench
 
-    from memkernels.tools.gpu_audit import prediction_line
+    from memkernels.audit.gpu_audit import prediction_line
 
     print(f"GPU timing, forward+backward, [{tokens}, {hidden}], {torch.cuda.get_device_name()}")
     header = f"{'':<32}{'dtype':<10}{'ms':>9}{'GB/s':>9}"

@@ -3,7 +3,7 @@
     python benchmarks/bench_rope.py [--tokens 8192] [--heads 32] [--kv-heads 8] [--head-dim 128]
     pytest benchmarks/bench_rope.py --benchmark-only
 
-Without CUDA: launches per forward + backward (memkernels.tools.gpu_audit.count(): aten ops that run a
+Without CUDA: launches per forward + backward (memkernels.audit.gpu_audit.count(): aten ops that run a
 kernel and Triton grids, memkernels' Triton path in the interpreter, at a small shape) and new bytes
 saved for backward (SavedBytesMeter) for eager and memkernels; both save only the tables.
 With CUDA: forward and forward + backward time (triton.testing.do_bench, median) at Llama-3-8B's q and
@@ -62,7 +62,7 @@ def step(fn, q_base, k_base, cos, sin, grads):
 
 def counts_table(device):
     """Launches and saved bytes per forward + backward, eager and memkernels (its Triton path, interpreted)."""
-    from memkernels.tools import gpu_audit
+    from memkernels.audit import gpu_audit
 
     shape, dtype = (64, 4, 2, 16), torch.float32
     print(f"Launches and saved bytes per forward + backward: {shape[0]} tokens, {shape[1]} q heads, {shape[2]} "
@@ -81,7 +81,7 @@ def counts_table(device):
 def timing_table(tokens, heads, kv_heads, head_dim):
     import triton.testing
 
-    from memkernels.tools.gpu_audit import prediction_line
+    from memkernels.audit.gpu_audit import prediction_line
 
     print(f"\nTime on {torch.cuda.get_device_name()}, bf16, {tokens} tokens, q {heads} and k {kv_heads} heads of "
           f"{head_dim} (median ms, triton.testing.do_bench)")

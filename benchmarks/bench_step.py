@@ -47,7 +47,7 @@ Rows:
 How launches are counted:
   - GPU: torch.profiler with the CUDA activity over one step after the warm-up: every device activity
     (kernels, memcpys, memsets), whoever launched it: Triton, cuBLAS, flash attention, inductor, PyTorch.
-  - CPU: memkernels.tools.gpu_audit.count() over one steady step (AdamW's state made beforehand): one launch for
+  - CPU: memkernels.audit.gpu_audit.count() over one steady step (AdamW's state made beforehand): one launch for
     every aten op that would run a kernel (views and bare allocations such as ``empty`` are not counted; ``zeros``
     is a fill and is) plus one for every Triton grid launch, the Triton kernels run by the interpreter
     (TRITON_INTERPRET=1, which this script sets before triton's first import when there is no CUDA).
@@ -86,7 +86,7 @@ except ImportError:  # main() says so; tests/test_bench_step.py skips
 import memkernels  # noqa: E402
 from memkernels._backend import get_backend, set_backend  # noqa: E402
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter  # noqa: E402
-from memkernels.tools import gpu_audit  # noqa: E402
+from memkernels.audit import gpu_audit  # noqa: E402
 
 try:
     import pytest

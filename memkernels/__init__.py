@@ -14,9 +14,9 @@ __version__ = "0.1.0"
 
 # public name -> module that defines it; resolved on first attribute access.
 _LAZY = {
-    "OffloadActivations": "memkernels.offload",
-    "no_offload": "memkernels.offload",
-    "offload_checkpoints": "memkernels.offload",
+    "OffloadActivations": "memkernels.runtime.offload",
+    "no_offload": "memkernels.runtime.offload",
+    "offload_checkpoints": "memkernels.runtime.offload",
     "FusedRMSNorm": "memkernels.nn",
     "FusedLayerNorm": "memkernels.nn",
     "FusedAddRMSNorm": "memkernels.nn",
@@ -26,14 +26,14 @@ _LAZY = {
     "FusedGatedMLP": "memkernels.nn",
     "ChunkedCrossEntropyLoss": "memkernels.nn",
     "LinearCrossEntropyLoss": "memkernels.nn",
-    "apply": "memkernels.tools.plan_apply",  # kernels (memkernels.patch.apply), or a plan carried out
-    "activation_ledger": "memkernels.tools.profile",
-    "memory_summary": "memkernels.tools.profile",
-    "evaluate": "memkernels.tools.profile",
-    "MemoryMonitor": "memkernels.tools.monitor",
-    "explain": "memkernels.tools.explain",
-    "plan": "memkernels.tools.plan",
-    "estimate": "memkernels.tools.estimate",
+    "apply": "memkernels.planning.apply_plan",  # kernels (memkernels.patch.apply), or a plan carried out
+    "activation_ledger": "memkernels.runtime.ledger",
+    "memory_summary": "memkernels.runtime.allocator",
+    "evaluate": "memkernels.planning.evaluate",
+    "MemoryMonitor": "memkernels.forensics.monitor",
+    "explain": "memkernels.forensics.explain",
+    "plan": "memkernels.planning.plan",
+    "estimate": "memkernels.planning.estimate",
 }
 
 

@@ -9,11 +9,11 @@
   cheapest optimizations that make it fit ``--gpu-mem``.
 - ``memkernels replay``: recorded PyTorch memory snapshots replayed through a
   model of PyTorch's allocator and through memkernels' pool
-  (:mod:`memkernels.allocator`).
+  (:mod:`memkernels.runtime.allocator`).
 - ``memkernels explain``: the post-mortem of a recorded snapshot
-  (:mod:`memkernels.tools.explain`).
+  (:mod:`memkernels.forensics.explain`).
 
-The logic lives in :mod:`memkernels.tools.profile` and :mod:`memkernels.tools.estimate`;
+The logic lives in :mod:`memkernels.planning.evaluate` and :mod:`memkernels.planning.estimate`;
 this module only parses arguments and prints. Each subcommand registers
 itself in ``_SUBCOMMANDS``.
 """
@@ -23,11 +23,11 @@ import os
 import re
 import sys
 
-from memkernels.tools.sizes import MEMORY_FORMS, SizeError, format_size, parse_device_size
+from memkernels.runtime.sizes import MEMORY_FORMS, SizeError, format_size, parse_device_size
 
 
 def _size_argument(parse, what):
-    """An argparse ``type`` from a :mod:`memkernels.tools.sizes` parser: SizeError becomes argparse's error."""
+    """An argparse ``type`` from a :mod:`memkernels.runtime.sizes` parser: SizeError becomes argparse's error."""
     def parse_argument(text):
         try:
             return parse(text, what=what)
@@ -90,9 +90,10 @@ def run_report(args):
     import torch
 
     from memkernels._backend import get_backend, resolve
-    from memkernels.tools.estimate import MARGIN_TEXT, breakdown_chart, estimate, estimate_table
+    from memkernels.planning.estimate import MARGIN_TEXT, breakdown_chart, estimate, estimate_table
     from memkernels.models import TransformerLM, load_config, synthetic_batch
-    from memkernels.tools.profile import compare_steps, format_bytes
+    from memkernels.planning.evaluate import compare_steps
+    from memkernels.runtime.sizes import format_size
 
     load_config(args.model)  # a bad --model or --out fails now, not after the training step
     out_dir = os.path.dirname(os.path.abspath(args.out))
@@ -135,7 +136,7 @@ def run_report(args):
         comparison = compare_steps(baseline, optimized, ids, ids, timed_steps=args.timed_steps)
         peaks = comparison.baseline["peak_bytes"], comparison.optimized["peak_bytes"]
         measured.append(f"{name}: one training step of {REPORT_BATCH} x {REPORT_SEQ} tokens, fp32 on {device}: peak "
-                        f"{format_bytes(peaks[0])} eager -> {format_bytes(peaks[1])} memkernels "
+                        f"{format_size(peaks[0])} eager -> {format_size(peaks[1])} memkernels "
                         f"({(peaks[1] - peaks[0]) / peaks[0]:+.0%})")
         print(patch_report.summary())
         print()
@@ -179,8 +180,8 @@ def run_report(args):
 # ----------------------------------------------------------------------------- estimate
 
 def run_estimate(args):
-    from memkernels.tools.estimate import MARGIN_TEXT, default_margin, estimate, fitting_options
-    from memkernels.tools.profile import format_bytes, text_table
+    from memkernels.planning.estimate import MARGIN_TEXT, default_margin, estimate, fitting_options
+    from memkernels.runtime.sizes import format_size, text_table
 
     options = {"batch": args.batch, "seq": args.seq, "dtype": args.dtype, "optimizer": args.optimizer,
                "shard_degree": args.gpus, "zero_stage": args.zero_stage}
@@ -193,19 +194,19 @@ def run_estimate(args):
         return 0
     margin = default_margin(args.gpu_mem)
     need = result.total + margin
-    print(f"\nmargin kept free: {format_bytes(margin)} ({MARGIN_TEXT}; plan keeps the same)")
+    print(f"\nmargin kept free: {format_size(margin)} ({MARGIN_TEXT}; plan keeps the same)")
     if need <= args.gpu_mem:
-        print(f"fits in {format_bytes(args.gpu_mem)}: {format_bytes(result.total)} + {format_bytes(margin)} margin, "
-              f"{format_bytes(args.gpu_mem - need)} to spare")
+        print(f"fits in {format_size(args.gpu_mem)}: {format_size(result.total)} + {format_size(margin)} margin, "
+              f"{format_size(args.gpu_mem - need)} to spare")
         return 0
-    print(f"does not fit in {format_bytes(args.gpu_mem)} (needs {format_bytes(result.total)} + "
-          f"{format_bytes(margin)} margin); optimizations, cheapest first:")
+    print(f"does not fit in {format_size(args.gpu_mem)} (needs {format_size(result.total)} + "
+          f"{format_size(margin)} margin); optimizations, cheapest first:")
     rows, best = [], None
     for row in fitting_options(args.model, args.gpu_mem, **options):
         if row["error"]:
             rows.append((row["name"], row["cost"], "unavailable", row["error"][:60]))
             continue
-        rows.append((row["name"], row["cost"], format_bytes(row["total"]), "fits" if row["fits"] else "no"))
+        rows.append((row["name"], row["cost"], format_size(row["total"]), "fits" if row["fits"] else "no"))
         if row["fits"] and best is None:
             best = row["name"]
     print(text_table(("option", "cost", "per GPU", "fits with the margin"), rows))
@@ -217,7 +218,7 @@ def run_estimate(args):
 
 
 def _add_report(subparsers):
-    from memkernels.tools.estimate import DTYPES
+    from memkernels.planning.estimate import DTYPES
     from memkernels.models import BUILTIN_CONFIGS
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
@@ -248,7 +249,7 @@ def _add_report(subparsers):
 
 
 def _add_estimate(subparsers):
-    from memkernels.tools.estimate import DTYPES, OPTIMIZERS
+    from memkernels.planning.estimate import DTYPES, OPTIMIZERS
     from memkernels.models import BUILTIN_CONFIGS
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
@@ -307,7 +308,7 @@ def _add_replay(subparsers):
     )
 
     def run(args):
-        from memkernels.tools.replay import print_replay_table, trace_files
+        from memkernels.forensics.replay import print_replay_table, trace_files
 
         if args.capacity is not None:
             print(_size_used("--capacity", args.capacity))
@@ -365,9 +366,9 @@ def _add_explain(subparsers):
                         "the free bytes the device reported; without one, unknown)")
 
     def run(args):
-        from memkernels.tools.explain import explain
-        from memkernels.tools.replay import trace_files
-        from memkernels.tools.sizes import parse_size
+        from memkernels.forensics.explain import explain
+        from memkernels.forensics.replay import trace_files
+        from memkernels.runtime.sizes import parse_size
 
         capacity = None if args.capacity is None else parse_size(args.capacity, what="--capacity")
         for i, path in enumerate(trace_files(args.snapshots)):
@@ -398,10 +399,10 @@ def _seq_or_max(text):
 
 
 def _add_plan(subparsers):
-    """``memkernels plan``: the decision flow automated (logic in memkernels.tools.plan)."""
+    """``memkernels plan``: the decision flow automated (logic in memkernels.planning.plan)."""
     from memkernels.models import BUILTIN_CONFIGS
-    from memkernels.tools.estimate import DTYPES, FINETUNE_MODES, OPTIMIZERS
-    from memkernels.tools.sizes import MEMORY_FORMS
+    from memkernels.planning.estimate import DTYPES, FINETUNE_MODES, OPTIMIZERS
+    from memkernels.runtime.sizes import MEMORY_FORMS
 
     parser = subparsers.add_parser(
         "plan", help="what to turn on so that a training run fits, and its micro-batch / accumulation",
@@ -446,8 +447,8 @@ def _add_plan(subparsers):
     def run(args):
         import json
 
-        from memkernels.tools.plan import plan
-        from memkernels.tools.sizes import parse_count, parse_device_size, parse_size
+        from memkernels.planning.plan import plan
+        from memkernels.runtime.sizes import parse_count, parse_device_size, parse_size
 
         gpu_mem = parse_device_size(args.gpu_mem, what="--gpu-mem")
         host_mem = args.host_mem.strip().lower()

@@ -13,7 +13,7 @@
   families: GPT-2 style (LayerNorm, GELU MLP with biases, learned positions)
   and Llama style (RMSNorm, SwiGLU MLP, rotary positions, grouped-query
   attention). Build it on ``torch.device("meta")`` to measure a 70B model for
-  free; :mod:`memkernels.tools.estimate` does exactly that.
+  free; :mod:`memkernels.planning.estimate` does exactly that.
 """
 import dataclasses
 import json
@@ -124,7 +124,7 @@ BUILTIN_CONFIGS = {
 
 # Hugging Face model types load_config translates into a ModelConfig (memkernels' own TransformerLM). Others that
 # transformers knows (mixture-of-experts families among them) are built by transformers itself where a tool needs
-# the model: estimate and plan (memkernels.tools.estimate.ModelSource).
+# the model: estimate and plan (memkernels.planning.estimate.ModelSource).
 TRANSLATED_MODEL_TYPES = ("gpt2", "llama", "mistral", "qwen2", "gemma")
 
 

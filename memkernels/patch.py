@@ -92,7 +92,8 @@ from torch import nn
 
 from memkernels.distributed import is_dtensor, layout_hooks_only, sharded_along
 from memkernels.models import MLP, LogitsLoss, TransformerLM
-from memkernels.tools.profile import ledger_forward, text_table
+from memkernels.runtime.ledger import ledger_forward
+from memkernels.runtime.sizes import text_table
 
 __all__ = ["apply", "PatchReport", "CAUSAL_LM_HEADS"]
 
@@ -1233,7 +1234,7 @@ def _check_flag(name, value):
 def apply(model, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
     """Swap the fused memkernels kernels into ``model`` in place; returns a :class:`PatchReport`.
     (``memkernels.apply(model, plan)``, which also carries out a plan, is
-    :func:`memkernels.tools.plan_apply.apply`: patching never imports the planner.)
+    :func:`memkernels.planning.apply_plan.apply`: patching never imports the planner.)
 
     ``model``: any nn.Module (a memkernels :class:`~memkernels.models.TransformerLM`,
     a Hugging Face model, or your own module containing nn.LayerNorm/nn.RMSNorm).

@@ -486,7 +486,7 @@ class ModelledKernel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, seconds):
-        from memkernels.device import sim
+        from memkernels.runtime.device import sim
 
         ctx.seconds = seconds
         sim.run_kernel(seconds)
@@ -494,7 +494,7 @@ class ModelledKernel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from memkernels.device import sim
+        from memkernels.runtime.device import sim
 
         sim.run_kernel(2 * ctx.seconds)
         return grad, None

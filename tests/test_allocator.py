@@ -13,8 +13,8 @@ from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C
 from memkernels import allocator
-from memkernels.tools import replay as trace_replay
-from memkernels.tools._torch_policy import TorchPolicyModel
+from memkernels.forensics import replay as trace_replay
+from memkernels.forensics._torch_policy import TorchPolicyModel
 
 pytestmark = pytest.mark.cpp
 

@@ -136,7 +136,7 @@ def test_out_of_memory_without_torch_type_is_a_runtime_error(installed, monkeypa
 
 
 def test_evaluate_measures_with_the_pool_statistics_when_installed(installed, monkeypatch):
-    from memkernels.tools import profile
+    from memkernels.planning import evaluate as evaluation
 
     allocator.install()
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
@@ -150,12 +150,12 @@ def test_evaluate_measures_with_the_pool_statistics_when_installed(installed, mo
         for p in pointers:
             installed.free(p, n * MiB, 0, None)
 
-    peak, _ = profile._measure_step(step, 8, "cuda")
+    peak, _ = evaluation._measure_step(step, 8, "cuda")
     assert peak == 24 * MiB  # above the 4 MiB live at entry
-    peak, _ = profile._measure_step(lambda n: installed.alloc_torch(n * MiB, 0, None), 300, "cuda")
+    peak, _ = evaluation._measure_step(lambda n: installed.alloc_torch(n * MiB, 0, None), 300, "cuda")
     assert peak is None  # the pool's out of memory counts as "does not fit"
     with pytest.raises(ValueError):
-        profile._measure_step(lambda n: (_ for _ in ()).throw(ValueError("a bug in the step")), 1, "cuda")
+        evaluation._measure_step(lambda n: (_ for _ in ()).throw(ValueError("a bug in the step")), 1, "cuda")
     installed.free(keep, 4 * MiB, 0, None)
 
 

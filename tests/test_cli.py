@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from memkernels.cli import main
-from memkernels.tools.estimate import estimate
-from memkernels.tools.profile import format_bytes
+from memkernels.planning.estimate import estimate
+from memkernels.runtime.sizes import format_size
 from moe_cases import qwen3_moe_config
 from recorded_traces import write_trace
 
@@ -28,12 +28,12 @@ def test_estimate_command_prints_the_breakdown_and_that_it_fits(capsys):
                   "logits / loss", "backward transient", "FSDP gather buffers", "total per GPU"):
         assert label in out
     assert "8.03B parameters" in out
-    assert (f"activation peak of the step: {format_bytes(expected.activation_peak)} = activations + logits / loss + "
+    assert (f"activation peak of the step: {format_size(expected.activation_peak)} = activations + logits / loss + "
             "backward transient (plan's \"activations (peak)\")") in out
     assert "margin kept free: 5.00 GiB (1 GiB for the CUDA context" in out
     assert expected.total + 5 * GiB <= 80 * GiB
-    assert (f"fits in 80.00 GiB: {format_bytes(expected.total)} + 5.00 GiB margin, "
-            f"{format_bytes(75 * GiB - expected.total)} to spare") in out
+    assert (f"fits in 80.00 GiB: {format_size(expected.total)} + 5.00 GiB margin, "
+            f"{format_size(75 * GiB - expected.total)} to spare") in out
 
 
 def test_estimate_command_lists_options_cheapest_first_when_it_does_not_fit(capsys):
@@ -97,9 +97,9 @@ def test_report_runs_and_writes_a_png(tmp_path):
     fused = estimate("llama-3-8b", batch=1, seq=8192, shard_degree=8, use_memkernels=True)
     row = next(line for line in result.stdout.splitlines() if line.startswith("bf16 + memkernels (no ckpt/offload)"))
     cells = re.split(r"\s{2,}", row.strip())  # configuration, params, grads, master, optimizer, activations, ...
-    assert cells[5:8] == [format_bytes(getattr(fused, part)) for part in ("activations", "logits_loss",
+    assert cells[5:8] == [format_size(getattr(fused, part)) for part in ("activations", "logits_loss",
                                                                            "backward_transient")]
-    assert cells[-1] == format_bytes(fused.total)
+    assert cells[-1] == format_size(fused.total)
     assert ("(a run also needs a margin kept free: 1 GiB for the CUDA context and library workspaces + 5% of the "
             "GPU's memory for fragmentation, as estimate --gpu-mem and plan keep)") in result.stdout
 
@@ -276,7 +276,7 @@ def test_the_chart_labels_the_capacity_line_with_the_figure_used(tmp_path, monke
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from memkernels.tools.estimate import breakdown_chart
+    from memkernels.planning.estimate import breakdown_chart
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)
@@ -352,7 +352,7 @@ def test_estimate_takes_plans_gpus_and_zero_stage_and_shard_stays_their_older_na
     assert ", ZeRO-1 x 8" in outputs["--gpus 8 --zero-stage 1"].splitlines()[0]
     stage_1 = estimate("llama-2-7b", batch=1, seq=1024, shard_degree=8, zero_stage=1)
     total = next(line for line in outputs["--gpus 8 --zero-stage 1"].splitlines() if line.startswith("total per GPU"))
-    assert total.split()[-2:] == format_bytes(stage_1.total).split()
+    assert total.split()[-2:] == format_size(stage_1.total).split()
 
 
 def test_replay_table_fits_a_100_column_terminal():
@@ -375,7 +375,7 @@ def test_the_chart_says_its_bars_are_estimates_and_shows_what_was_measured(tmp_p
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from memkernels.tools.estimate import breakdown_chart
+    from memkernels.planning.estimate import breakdown_chart
 
     figures = []
     monkeypatch.setattr(plt, "close", figures.append)

@@ -334,7 +334,7 @@ def test_meta_walks_two_row_blocks_with_the_cpu_peak(monkeypatch, option_name):
     equal the CPU's walking all 20, and so do the counted FLOPs."""
     from memkernels.meters import PeakBytesMeter
     from memkernels.reference import cross_entropy as reference
-    from memkernels.tools.placement import flop_counter
+    from memkernels.planning.placement import flop_counter
 
     memkernels.set_backend("torch")
     monkeypatch.setattr(reference, "BLOCK_ELEMENTS", 5 * 1000)

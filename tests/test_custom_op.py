@@ -92,7 +92,7 @@ def test_the_custom_op_and_its_twin_give_the_same_gradients(memory_efficient, in
 
 
 def test_norms_on_meta_take_the_custom_op_and_its_fake():
-    """memkernels.tools profile models on ``meta``: the norm's fake gives the kernels' outputs at
+    """the planner profiles models on ``meta``: the norm's fake gives the kernels' outputs at
     once, where its PyTorch path would loop over row blocks of shapes alone (seconds per layer)."""
     x = torch.randn(6, 16, device="meta", requires_grad=True)
     weight = torch.randn(16, device="meta", requires_grad=True)

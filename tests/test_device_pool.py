@@ -9,7 +9,7 @@ import pytest
 import pluggable_standin
 from conftest import SIM_SYNC_TIMEOUT_S
 from memkernels import _C, allocator, device
-from memkernels.tools import replay as trace_replay
+from memkernels.forensics import replay as trace_replay
 from memkernels.device import sim
 
 pytestmark = pytest.mark.cpp
@@ -165,7 +165,10 @@ def test_python_api_over_the_installed_pool(standin):
     p = alloc(10 * MiB, 0, None)
     stats = allocator.stats(0)
     assert stats["reserved_bytes"]["current"] == 32 * MiB and stats["num_device_alloc"] == 1
-    assert "reserved memory" in allocator.memory_summary(0)
+    with pytest.warns(RuntimeWarning, match="69% of the memory reserved on cuda:0 .*allocator.empty_cache"):
+        summary = allocator.memory_summary(0)  # 22 of 32 MiB reserved hold no tensor
+    assert summary.source == "memkernels" and summary.reserved == 32 * MiB and summary.allocated == 10 * MiB
+    assert "reserved memory" in str(summary) and "largest free block 22.00 MiB" in str(summary)
     snapshot = allocator.snapshot()
     assert snapshot["segments"][0]["is_reserved"] and snapshot["segments"][0]["blocks"][0]["state"] == "active_allocated"
     allocator.set_memory_cap(40 * MiB, device=0)

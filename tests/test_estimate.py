@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from memkernels.tools.estimate import estimate
+from memkernels.planning.estimate import estimate
 from memkernels.meters import SavedBytesMeter
 from memkernels.models import BUILTIN_CONFIGS, ModelConfig, TransformerLM, load_config, synthetic_batch
 from moe_cases import qwen3_moe_config
@@ -112,8 +112,8 @@ def _measured_cpu_step_peak(config, batch, seq, checkpointing=False):
     """Peak bytes a real fp32 CPU training step (forward and backward) allocates above its start;
     ``checkpointing``: every layer recomputed as a plan applies it (``memkernels.apply(model, plan)``)."""
     from memkernels.meters import PeakBytesMeter
-    from memkernels.tools.placement import OPTION_BY_NAME
-    from memkernels.tools.plan_apply import apply_placement
+    from memkernels.planning.placement import OPTION_BY_NAME
+    from memkernels.planning.apply_plan import apply_placement
     torch.manual_seed(0)
     model = TransformerLM(config)
     if checkpointing:
@@ -142,7 +142,7 @@ def test_activation_peak_is_a_real_cpu_steps_peak(family, checkpointing):
 
 
 def test_extrapolation_equals_a_full_depth_meta_forward():
-    from memkernels.tools.profile import activation_ledger
+    from memkernels.runtime.ledger import activation_ledger
     config = BUILTIN_CONFIGS["gpt2"]
     with torch.device("meta"):
         model = TransformerLM(config).to(torch.bfloat16)
@@ -153,8 +153,8 @@ def test_extrapolation_equals_a_full_depth_meta_forward():
 
 
 def test_offload_moves_the_layers_saves_to_the_host_as_plan_models_it():
-    from memkernels.tools import placement
-    from memkernels.tools.estimate import ModelSource
+    from memkernels.planning import placement
+    from memkernels.planning.estimate import ModelSource
     base = estimate("llama-2-7b", batch=1, seq=1024)
     off = estimate("llama-2-7b", batch=1, seq=1024, offload=True)
     assert 0 < off.activations < base.activations / 20 and off.host_offload > 0.9 * base.activations
@@ -168,8 +168,8 @@ def test_offload_moves_the_layers_saves_to_the_host_as_plan_models_it():
 def test_estimate_and_plan_count_the_same_activation_peak_and_margin():
     """Issue 38's done-when: for one configuration estimate and plan print the same activation peak and keep
     the same margin (plan: "activations (peak)" with every layer kept, at its micro-batch)."""
-    from memkernels.tools.estimate import default_margin
-    from memkernels.tools.plan import plan
+    from memkernels.planning.estimate import default_margin
+    from memkernels.planning.plan import plan
     chosen = plan("llama-2-7b", seq=2048, gpus=8, gpu_mem="80GB", zero_stage=3)
     assert chosen.kernels and {c.name for c in chosen.choices} == {"keep"}
     result = estimate("llama-2-7b", batch=chosen.micro_batch, seq=2048, shard_degree=8, use_memkernels=True)
@@ -247,7 +247,7 @@ def test_unknown_model_and_unsupported_module_are_clear_errors():
 
 def test_package_level_estimate_is_the_function_even_after_the_tool_module_is_imported():
     import memkernels
-    import memkernels.tools.estimate as module
+    import memkernels.planning.estimate as module
     assert memkernels.estimate is module.estimate
     assert memkernels.estimate("gpt2", batch=1, seq=32).total == module.estimate("gpt2", batch=1, seq=32).total
 
@@ -255,7 +255,7 @@ def test_package_level_estimate_is_the_function_even_after_the_tool_module_is_im
 @pytest.mark.parametrize("family", sorted(SMALL))
 def test_memkernels_estimate_equals_cpu_measurement_of_the_applied_model(family):
     from memkernels.patch import apply
-    from memkernels.tools.placement import install_loss_strategy
+    from memkernels.planning.placement import install_loss_strategy
     config = SMALL[family]
     model = TransformerLM(config)
     apply(model, measure=False)
@@ -272,8 +272,8 @@ def test_memkernels_estimate_equals_cpu_measurement_of_the_applied_model(family)
 def test_estimate_table_has_a_column_per_part_and_the_total_last():
     """The report's table: every part of the breakdown under its own header, the total in the total column
     (a part added to the breakdown once pushed the total out of the table, under a shifted header)."""
-    from memkernels.tools.estimate import _PARTS, estimate_table
-    from memkernels.tools.profile import format_bytes
+    from memkernels.planning.estimate import _PARTS, estimate_table
+    from memkernels.runtime.sizes import format_size
 
     plain = estimate("gpt2", batch=1, seq=32)
     accumulated = estimate("gpt2", batch=1, seq=32, grad_accumulation="fp32")
@@ -281,9 +281,9 @@ def test_estimate_table_has_a_column_per_part_and_the_total_last():
     assert header.split()[-3:] == ["grad", "accum", "total"] and len(rows) == 2
     assert rows[0].startswith("plain") and rows[1].startswith("fp32 accumulation")
     for row, result in zip(rows, (plain, accumulated)):
-        assert row.endswith(format_bytes(result.total))
+        assert row.endswith(format_size(result.total))
         assert row.count(" B") + row.count("iB") == len(_PARTS) + 1
-    assert accumulated.grad_accum_buffer > 0 and rows[1].rstrip().endswith(format_bytes(accumulated.total))
+    assert accumulated.grad_accum_buffer > 0 and rows[1].rstrip().endswith(format_size(accumulated.total))
 
 
 

@@ -8,7 +8,7 @@ from conftest import simulated_device
 from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C, allocator, device
-from memkernels.tools import replay as trace_replay
+from memkernels.forensics import replay as trace_replay
 from memkernels.device import sim
 
 pytestmark = pytest.mark.cpp
@@ -314,7 +314,7 @@ def test_expandable_meets_the_issue_targets_on_the_trace(name):
 
 
 def test_pytorch_expandable_model_rule_by_rule():
-    from memkernels.tools._torch_policy import TorchExpandablePolicyModel
+    from memkernels.forensics._torch_policy import TorchExpandablePolicyModel
 
     model = TorchExpandablePolicyModel()
     a = model.malloc(3 * MiB)  # one 20 MiB page of the large pool; the 17 MiB rest is split off
@@ -348,7 +348,7 @@ def test_pytorch_expandable_model_splits_and_fits_as_pytorch():
     """Two rules of CUDACachingAllocator.cpp that differ from the classic pool with expandable
     segments on: should_split keeps no remainder attached, and get_free_block's best fit counts a
     block as the size it can grow to."""
-    from memkernels.tools._torch_policy import TorchExpandablePolicyModel, TorchPolicyModel
+    from memkernels.forensics._torch_policy import TorchExpandablePolicyModel, TorchPolicyModel
 
     model = TorchExpandablePolicyModel()
     model.malloc(19 * MiB + 512 * 1024)  # the 0.5 MiB left of the 20 MiB page is split off
@@ -368,7 +368,7 @@ def test_pytorch_expandable_model_splits_and_fits_as_pytorch():
 
 
 def test_pytorch_expandable_model_releases_and_retries_at_capacity():
-    from memkernels.tools._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel
+    from memkernels.forensics._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel
 
     model = TorchExpandablePolicyModel(capacity=60 * MiB)
     model.free(model.malloc(30 * MiB, stream=1))  # two 20 MiB pages, free, on stream 1

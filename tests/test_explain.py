@@ -1,4 +1,4 @@
-"""`memkernels explain`: the post-mortem of a PyTorch memory snapshot (memkernels/tools/explain.py).
+"""`memkernels explain`: the post-mortem of a PyTorch memory snapshot (memkernels/forensics/explain.py).
 
 The snapshot with a known OOM is built here in PyTorch's `_dump_snapshot` format (events with
 stack frames, innermost first; the final `segments` state; an `oom` event with `device_free`),
@@ -11,9 +11,9 @@ import pickle
 import pytest
 
 from memkernels import explain
-from memkernels.tools.replay import load_trace, trace_ops
+from memkernels.forensics.replay import load_trace, trace_ops
 from memkernels.cli import main
-from memkernels.tools.explain import POLICIES, load_snapshot, user_frame
+from memkernels.forensics.explain import POLICIES, load_snapshot, user_frame
 
 MiB = 1 << 20
 SEG_A, SEG_B = 0x7F0000000000, 0x7F0002000000
@@ -238,14 +238,14 @@ def test_a_missing_or_unreadable_path_is_one_line_naming_it(tmp_path, monkeypatc
     def refuse(*args, **kwargs):
         raise PermissionError(13, "Permission denied")
 
-    monkeypatch.setattr("memkernels.tools.replay.open", refuse, raising=False)  # root reads any file: simulate
+    monkeypatch.setattr("memkernels.forensics.replay.open", refuse, raising=False)  # root reads any file: simulate
     with pytest.raises(ValueError, match=r"cannot be read \(\[Errno 13\] Permission denied\)") as info:
         load_snapshot(str(path))
     assert str(path) in str(info.value)
 
 
 def test_demand_events_put_allocations_live_before_recording_first():
-    from memkernels.tools.explain import demand_events
+    from memkernels.forensics.explain import demand_events
 
     snapshot = oom_snapshot()
     snapshot["device_traces"][0].insert(0, {"action": "free_completed", "addr": 0x1000, "size": 512, "stream": 0,

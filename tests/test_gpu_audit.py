@@ -1,4 +1,4 @@
-"""memkernels.tools.gpu_audit: exact counts per op at one small shape, and the counter itself.
+"""memkernels.audit.gpu_audit: exact counts per op at one small shape, and the counter itself.
 
 The pins are derived element by element in the comments: an extra tl.load, a float32 matmul on
 half inputs or a host sync in any op changes a pinned number and fails here.
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memkernels
-from memkernels.tools import gpu_audit
+from memkernels.audit import gpu_audit
 
 pytestmark = pytest.mark.skipif(not memkernels._backend.triton_interpreted(),
                                 reason="counts Triton kernels through the interpreter")

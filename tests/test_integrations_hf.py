@@ -7,7 +7,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from memkernels.integrations import MemoryCallback  # noqa: E402
-from memkernels.tools.monitor import COLUMNS, MemoryMonitor  # noqa: E402
+from memkernels.forensics.monitor import COLUMNS, MemoryMonitor  # noqa: E402
 
 STEPS = 3
 

@@ -1,4 +1,4 @@
-"""MemoryMonitor (memkernels/tools/monitor.py): per-step rows on the CPU, on memkernels' pool over the
+"""MemoryMonitor (memkernels/forensics/monitor.py): per-step rows on the CPU, on memkernels' pool over the
 simulated device (fragmentation warning, injected OOM), and on PyTorch-allocator statistics."""
 import csv
 import dataclasses
@@ -12,12 +12,12 @@ from conftest import SIM_SYNC_TIMEOUT_S
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memkernels import MemoryMonitor
-from memkernels.tools.replay import load_trace
+from memkernels.forensics.replay import load_trace
 from memkernels.meters import PeakBytesMeter
 from memkernels.models import BUILTIN_CONFIGS, TransformerLM, synthetic_batch
-from memkernels.tools.explain import counterfactuals
-from memkernels.tools.monitor import COLUMNS, SCALARS, PoolStats, TorchCudaStats
-from memkernels.tools.sizes import format_size
+from memkernels.forensics.explain import counterfactuals
+from memkernels.forensics.monitor import COLUMNS, SCALARS, PoolStats, TorchCudaStats
+from memkernels.runtime.sizes import format_size
 
 MiB = 1 << 20
 TINY = dataclasses.replace(BUILTIN_CONFIGS["tiny-gpt"], vocab_size=512, hidden_size=64, num_layers=2, num_heads=2,

@@ -15,7 +15,7 @@ import torch
 
 from memkernels.models import ModelConfig, TransformerLM
 from memkernels.patch import apply
-from memkernels.tools.profile import activation_ledger
+from memkernels.runtime.ledger import activation_ledger
 
 transformers = pytest.importorskip("transformers")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from memkernels.patch import apply
-from memkernels.tools.profile import activation_ledger
+from memkernels.runtime.ledger import activation_ledger
 
 transformers = pytest.importorskip("transformers")
 

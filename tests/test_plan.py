@@ -19,11 +19,11 @@ from conftest import SIM_SYNC_TIMEOUT_S
 from moe_cases import qwen3_moe_config
 
 import memkernels
-from memkernels.tools.estimate import QLORA_BYTES_PER_PARAM, ModelSource, estimate, lora_parameters, model_state_bytes
+from memkernels.planning.estimate import QLORA_BYTES_PER_PARAM, ModelSource, estimate, lora_parameters, model_state_bytes
 from memkernels.meters import PeakBytesMeter
-from memkernels.tools import plan_apply
-from memkernels.tools.placement import OPTION_BY_NAME, flop_counter
-from memkernels.tools.plan import place, plan
+from memkernels.planning import apply_plan as plan_apply
+from memkernels.planning.placement import OPTION_BY_NAME, flop_counter
+from memkernels.planning.plan import place, plan
 
 transformers = pytest.importorskip("transformers")
 
@@ -135,7 +135,7 @@ HEAD_VOCAB = 4096  # a head big enough to bind at low budgets (its logits outwei
 
 def _fused_unplanned(build, dtype, vocab):
     """``build(dtype, vocab)`` with the kernels a plan installs (the fused loss with the plan's strategy)."""
-    from memkernels.tools.placement import KERNELS, install_loss_strategy
+    from memkernels.planning.placement import KERNELS, install_loss_strategy
     model = build(dtype, vocab)
     memkernels.apply(model, **KERNELS)
     assert install_loss_strategy(model) == 1
@@ -189,7 +189,7 @@ def test_placement_recomputes_fused_mlps_in_token_chunks(monkeypatch, dtype):
     gradients equal the unplanned fused model's (float32: at PyTorch's float32 tolerance, the weight gradients
     being summed chunk by chunk; bf16: the op's accuracy is tested against float64 in test_gated_linear)."""
     from memkernels.ops import gated_linear
-    from memkernels.tools import placement as placement_module
+    from memkernels.planning import placement as placement_module
     monkeypatch.setattr(gated_linear, "CHUNK_TOKENS", 64)
     monkeypatch.setattr(placement_module, "_profiles", {})  # profiles measured with other chunks
     chunked = []
@@ -234,7 +234,7 @@ def test_fused_head_bytes_are_the_ops(dtype, tokens, hidden, classes):
     """fused_head_bytes (what a plan counts for the head) equals what linear_cross_entropy(strategy="recompute")
     allocates on the CPU path, byte for byte: the forward's peak, what it holds, the backward's peak."""
     from memkernels.ops.linear_cross_entropy import linear_cross_entropy
-    from memkernels.tools.placement import fused_head_bytes
+    from memkernels.planning.placement import fused_head_bytes
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=generator).to(dtype).requires_grad_()
     weight = torch.randn(classes, hidden, generator=generator).to(dtype).requires_grad_()
@@ -279,7 +279,7 @@ def test_plan_counts_a_mixture_of_experts_per_routed_token():
     by the experts' GEMMs exactly: per routed token 2 x H x 2I (gate and up) + 2 x I x H (down) forward, twice
     that backward."""
     pytest.importorskip("transformers")
-    from memkernels.tools import placement
+    from memkernels.planning import placement
 
     hidden, width, layers, seq = 64, 32, 3, 64
     profiles = {}
@@ -298,7 +298,7 @@ def test_plan_measures_fused_experts_in_float32_too(top_k):
     """The fused experts' grouped GEMM on meta in float32 (torch's meta kernel takes bf16 only; a loop over experts
     needs offsets' values, which meta has not): the kernels' profile is measured, and its step counts the FLOPs of
     the eager step (the experts' grouped GEMMs among them; the fused loss's recompute is counted beside)."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     result = plan(qwen3_moe_config(top_k), gpu_mem="1GB", seq=64, margin=0, dtype="fp32")
     kernels = next(step for step in result.steps if step.name == "memkernels kernels")
     assert kernels.taken, kernels.reason
@@ -516,7 +516,7 @@ def test_a_zero_margin_is_a_margin():
 def test_host_memory_auto_is_half_of_a_gpu_machines_memory_per_machine(monkeypatch):
     """Issue 35 point 3: --host-mem defaults to what the machine reports (the CLI's "auto"), where the machine
     planning has GPUs; the plan says what it assumed. Without a GPU the machine is not the training one: none."""
-    from memkernels.tools import plan as plan_module
+    from memkernels.planning import plan as plan_module
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     monkeypatch.setattr(plan_module, "_memory_limit_bytes", lambda: 2**40)
@@ -532,7 +532,7 @@ def test_host_memory_auto_is_half_of_a_gpu_machines_memory_per_machine(monkeypat
 
 
 def test_this_machines_memory_is_read_with_its_cgroup_limit():
-    from memkernels.tools.plan import _memory_limit_bytes
+    from memkernels.planning.plan import _memory_limit_bytes
     total = _memory_limit_bytes()
     if total is None:
         pytest.skip("no /proc/meminfo here")
@@ -611,7 +611,7 @@ def test_offload_prediction_on_simulated_device(simulated_device, option):
     """Offload choices carried out through OffloadActivations on the simulated device: gradients are
     bitwise equal, the measured peak is within 10% of the prediction (measured on meta through the
     same OffloadActivations logic) and the bytes moved are the predicted ones."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     reference = _llama(torch.float32)
     base_peak, _, base_grads = _step(reference, ids)
@@ -667,7 +667,7 @@ def test_full_finetuning_that_fits_only_with_optimizer_offload_says_host_memory_
     host said "activations need 66.69 GiB ..., 70.04 GiB is left" (reads as if it fit). It names the cause."""
     import types
 
-    from memkernels.tools import plan as plan_mod
+    from memkernels.planning import plan as plan_mod
 
     gib = 2**30
     placement = types.SimpleNamespace(fits=True, predicted_peak=66 * gib, offload_bytes=0,
@@ -712,8 +712,8 @@ def test_a_host_budget_bounds_what_the_placement_moves():
     """solve(host_budget=): what the placement moves stays within it, the added time never rises as it grows, and
     a budget of 0 gives a recompute-only placement, no slower than the recompute-only DP's (the walk from the
     placement over the budget checks the exact peak, where the DP rounds savings down: 6.21 s against 6.39)."""
-    from memkernels.tools import placement as placement_module
-    from memkernels.tools.estimate import ModelSource
+    from memkernels.planning import placement as placement_module
+    from memkernels.planning.estimate import ModelSource
     profile = placement_module.measure_profile(ModelSource("llama-3-8b"), 65536, torch.bfloat16, kernels=True,
                                                offload=True)
     budget = 50 << 30
@@ -733,7 +733,7 @@ def test_a_host_budget_bounds_what_the_placement_moves():
 
 def _synthetic_profile(rng, num_layers, names):
     """A LayerProfile of random byte figures small enough that the DP's quantum is one byte (no rounding)."""
-    from memkernels.tools.placement import LayerProfile
+    from memkernels.planning.placement import LayerProfile
 
     def per_batch(draw):
         return {batch: draw() for batch in (1, 2)}
@@ -759,7 +759,7 @@ def test_the_placement_dp_is_the_cheapest_of_every_placement_that_fits():
     import itertools
     import random
 
-    from memkernels.tools.placement import LAYER_OPTIONS, predict_peak, solve
+    from memkernels.planning.placement import LAYER_OPTIONS, predict_peak, solve
     rng = random.Random(0)
     options = [o for o in LAYER_OPTIONS if not o.offloaded]
     fitting_seen = 0
@@ -782,7 +782,7 @@ def test_the_placement_dp_is_the_cheapest_of_every_placement_that_fits():
 
 @pytest.mark.parametrize("value, expected", [("10%", 0.10), (" 2.5% ", 0.025), (0.1, 0.1), (0, 0.0)])
 def test_max_overhead_takes_fractions_and_percentages(value, expected):
-    from memkernels.tools.plan import _fraction
+    from memkernels.planning.plan import _fraction
     assert _fraction("max_overhead", value) == pytest.approx(expected)
 
 
@@ -812,7 +812,7 @@ def test_placements_are_monotone_in_the_budget(seq, offload):
     """Issue 35's Done-when: for budgets falling in 1/8 GiB steps from the keep-everything peak until nothing fits
     (Llama-3-8B with the kernels, 800-1,700 budgets), the predicted peak never rises and the added time never
     falls."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     profile = placement.measure_profile(ModelSource("llama-3-8b"), seq, torch.bfloat16, kernels=True, offload=offload)
     budget, previous, count = profile.keep_peak(1), None, 0
     while (found := placement.solve(profile, 1, budget, offload=offload)).fits:
@@ -828,7 +828,7 @@ def test_host_budget_is_bridged_between_the_prices_edges():
     245 GiB moved (+2.7%) to 68 GiB (+16.2%: over a 10% cap) at the host budget's edge; the layer-by-layer walk
     between keeps it within the cap. And on its profile, for host budgets rising in 1/40 steps of what offload
     would move unbounded, every placement fits, stays within its host budget and adds no more time than the last."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     result = plan("llama-3-8b", gpu_mem="80GB", seq=131072, finetune="qlora", host_mem="256GB", max_overhead=0.1)
     assert result.fits and result.config.overhead <= 0.1 and result.config.host_needed <= 256 * 2**30
     profile = placement.measure_profile(ModelSource("llama-3-8b"), 131072, torch.bfloat16, kernels=True, offload=True)
@@ -851,8 +851,8 @@ def _full_fits(result):
 def test_seq_max_is_the_longest_length_that_fits(gpu_mem):
     """seq="max": the plan at the longest multiple of 1,024 tokens that fits in the mode asked for, measured; 1,024
     more does not, measured (no profile is predicted outside the search: plan() here measures)."""
-    from memkernels.tools import placement
-    from memkernels.tools.plan import SEQ_STEP
+    from memkernels.planning import placement
+    from memkernels.planning.plan import SEQ_STEP
     result = plan("tiny-llama", gpu_mem=gpu_mem, seq="max")
     assert _full_fits(result) and result.seq % SEQ_STEP == 0
     assert "longest that fits" in result.notes[-1] and "lengths measured" in result.notes[-1]
@@ -865,7 +865,7 @@ def test_seq_max_is_the_longest_length_that_fits(gpu_mem):
 def test_seq_max_answer_does_not_rest_on_predictions(monkeypatch, scale):
     """Predictions far off (every predicted byte x 1/4: everything seems to fit; x 4: nothing does) change how many
     lengths the search measures, not its answer."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     answer = plan("tiny-llama", gpu_mem="3GB", seq="max").seq
     predicted = placement._predicted_profile
 
@@ -887,7 +887,7 @@ def test_predicted_profiles_are_exact_in_flops_and_never_cached(monkeypatch):
     """Under predicted_lengths(), a length not measured is predicted from the two measured nearest: FLOPs (A s +
     C s^2) equal the measured ones exactly, between the anchors and beyond; bytes come from the affine rule; the
     prediction is marked and not cached, and outside the context the length is measured."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     monkeypatch.setattr(placement, "_profiles", {})
     source = ModelSource("tiny-llama")
     for kernels in (False, True):
@@ -908,7 +908,7 @@ def test_predicted_profiles_are_exact_in_flops_and_never_cached(monkeypatch):
 def test_keep_only_profile_is_completed_on_request(monkeypatch):
     """measure_profile(keep_only=True) runs the keep-everything steps alone (plan() uses it for the kernels-off
     peak it compares against); asked again without it, the same profile is completed, equal to one measured whole."""
-    from memkernels.tools import placement
+    from memkernels.planning import placement
     monkeypatch.setattr(placement, "_profiles", {})
     source = ModelSource("tiny-llama")
     part = placement.measure_profile(source, 2048, torch.bfloat16, keep_only=True)

@@ -1,4 +1,5 @@
-"""memkernels.tools.profile: memory summary, activation ledger, evaluator."""
+"""memory_summary (memkernels.runtime.allocator), the activation ledger (memkernels.runtime.ledger) and the
+evaluator (memkernels.planning.evaluate)."""
 import json
 import subprocess
 import sys
@@ -11,8 +12,10 @@ from torch import nn
 
 from memkernels.meters import SavedBytesMeter
 from memkernels.models import ModelConfig, TransformerLM, synthetic_batch
-from memkernels.tools.profile import (CATEGORIES, _summary_from_stats, activation_ledger, categorize, evaluate,
-                                format_bytes, memory_summary)
+from memkernels.planning.evaluate import evaluate
+from memkernels.runtime.allocator import _summary_from_stats, memory_summary
+from memkernels.runtime.ledger import CATEGORIES, activation_ledger, categorize
+from memkernels.runtime.sizes import format_size
 
 SMALL = ModelConfig(name="small", vocab_size=97, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     intermediate_size=64, max_seq_len=64)
@@ -33,9 +36,10 @@ def test_memory_summary_without_cuda_says_so():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
 def test_allocator_memory_summary_without_cuda_gives_the_same_message():
     """The README spells it memkernels.allocator.memory_summary(); it raised a raw CudaError listing library
-    paths. A fresh interpreter: no pool installed on the simulated device by another test."""
+    paths. It is memkernels.memory_summary itself (there were two, with two fragmentation thresholds). A fresh
+    interpreter: no pool installed on the simulated device by another test."""
     code = ("import memkernels, memkernels.allocator as mka\n"
-            "assert mka.memory_summary() == str(memkernels.memory_summary()), mka.memory_summary()\n"
+            "assert mka.memory_summary is memkernels.memory_summary\n"
             "print(mka.memory_summary())\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "MEMKERNELS_DEVICE"}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
@@ -190,7 +194,7 @@ def test_ledger_of_llama3_8b_on_meta_allocates_nothing():
     script = textwrap.dedent("""
         import json, resource, time, torch
         from memkernels.models import TransformerLM
-        from memkernels.tools.profile import activation_ledger
+        from memkernels.runtime.ledger import activation_ledger
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.perf_counter()
         with torch.device("meta"):
@@ -218,9 +222,9 @@ def test_ledger_rejects_non_modules():
 
 
 def test_format_bytes():
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(1536) == "1.50 KiB"
-    assert format_bytes(3 * 2**30) == "3.00 GiB"
+    assert format_size(512) == "512 B"
+    assert format_size(1536) == "1.50 KiB"
+    assert format_size(3 * 2**30) == "3.00 GiB"
 
 
 # ----------------------------------------------------------------------------- evaluator

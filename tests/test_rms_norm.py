@@ -675,7 +675,7 @@ def test_unrecoverable_columns_cached_until_the_weight_changes(backend, counted_
 def test_memory_efficient_norms_read_back_once_per_optimizer_step_for_the_whole_model(backend, counted_readbacks):
     """No per-layer host sync: after an optimizer step the first norm layer refreshes every
     layer's decision with one readback; the other layers and the backward read nothing back."""
-    from memkernels.tools.gpu_audit import count
+    from memkernels.audit.gpu_audit import count
     layers = torch.nn.Sequential(*(memkernels.FusedRMSNorm(64, memory_efficient=True) for _ in range(3)))
     optimizer = torch.optim.SGD(layers.parameters(), lr=0.1)
     x = torch.randn(5, 64)

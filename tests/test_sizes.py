@@ -1,7 +1,7 @@
-"""memkernels.tools.sizes: memory sizes as people write them, and the ones no GPU has."""
+"""memkernels.runtime.sizes: memory sizes as people write them, and the ones no GPU has."""
 import pytest
 
-from memkernels.tools.sizes import (MAX_DEVICE_BYTES, MIN_DEVICE_BYTES, SizeError, format_size, parse_count,
+from memkernels.runtime.sizes import (MAX_DEVICE_BYTES, MIN_DEVICE_BYTES, SizeError, format_size, parse_count,
                                     parse_device_size, parse_size)
 
 GiB = 2**30

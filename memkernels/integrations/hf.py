@@ -13,7 +13,7 @@ CPU the monitor's meter is a dispatch mode that stays open until then).
 """
 from transformers import TrainerCallback
 
-from memkernels.tools.monitor import MemoryMonitor
+from memkernels.forensics.monitor import MemoryMonitor
 
 __all__ = ["MemoryCallback"]
 

@@ -86,7 +86,7 @@ def _first_order_only(op, backward):
 def apply_op(op, function, *args, fake_on_meta=False):
     """The custom op while torch.compile traces; its autograd.Function twin in eager mode.
 
-    ``fake_on_meta``: on ``meta`` tensors (memkernels.tools' profiles of a model that was never
+    ``fake_on_meta``: on ``meta`` tensors (the planner's profiles of a model that was never
     allocated) run the custom op, whose fake implementation gives the kernels' outputs at once, for
     an op whose PyTorch path would loop over row blocks of shapes alone (a norm at [8192, 8192]:
     1.8 s on meta against 1 ms) and whose kernels hold no transient worth counting. The losses keep

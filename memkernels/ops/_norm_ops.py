@@ -6,7 +6,7 @@ torch.compile (fake implementations give the shapes), so a compiled model
 keeps the fused kernels whole with no graph break. In eager mode the same
 implementations run through their autograd.Function twin, without the custom
 op's dispatch (host time; see _custom_op). Either way the saved tensors go
-through ``ctx.save_for_backward``, where saved_tensors_hooks (memkernels.meters,
+through ``ctx.save_for_backward``, where saved_tensors_hooks (memkernels.runtime.meters,
 activation offload) see them.
 
 Each op runs the Triton kernels (memkernels/ops/_norm_kernels.py) or the

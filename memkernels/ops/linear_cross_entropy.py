@@ -798,7 +798,7 @@ def _fits_on_device(device, nbytes):
     free = torch.cuda.mem_get_info(device)[0]
     if free >= nbytes:
         return True
-    from memkernels import allocator
+    from memkernels.runtime import allocator
     if allocator.installed():
         cached = allocator.stats(device)["free_bytes"]
     else:
@@ -812,7 +812,7 @@ def pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, grad_needed
     """The documented "auto" rule: the faster strategy where the memory of both fits.
 
     1. "recompute" where "chunked" cannot serve: no gradient needed (loss only) or reduction "none".
-    2. Else the faster by the GPU audit's cost model (:mod:`memkernels.tools.gpu_audit`: per launch
+    2. Else the faster by the GPU audit's cost model (:mod:`memkernels.audit.gpu_audit`: per launch
        max(bytes / HBM bandwidth, FLOPs / peak), H100 figures; its ratio RIDGE_FLOPS_PER_BYTE turns bytes into
        FLOPs), counting only what differs. Both run the logits, dX and dW GEMMs (6 N H V FLOPs, compute-bound
        at their default chunks and tiles) and the loss kernels. "recompute" adds a fourth GEMM and a pass over

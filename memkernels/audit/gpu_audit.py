@@ -1,6 +1,6 @@
 """GPU cost audit without a GPU: what each op moves, computes and waits for, and a time model.
 
-``python -m memkernels.tools.gpu_audit`` prints, for every public op, forward and backward, at
+``python -m memkernels.audit.gpu_audit`` prints, for every public op, forward and backward, at
 shapes of real models, in bf16 and fp32:
 
 - **HBM bytes.** Triton kernels: every ``tl.load`` / ``tl.store`` is counted through the Triton
@@ -1472,7 +1472,7 @@ def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")
         argv = ["--predict", op, "--shape", ",".join(f"{k}={v}" for k, v in shape.items()), "--dtype", dtype]
         for impl in impls:
             argv += ["--impl", impl]
-        run = subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv],
+        run = subprocess.run([sys.executable, "-m", "memkernels.audit.gpu_audit", *argv],
                              env=_interpreted_child_env(), capture_output=True, text=True)
         if run.returncode:
             # A benchmark's measured times stand without the model: say why it is missing, do not abort.
@@ -1513,7 +1513,7 @@ def occupancy(names=None, archs=(80, 90)):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m memkernels.tools.gpu_audit", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m memkernels.audit.gpu_audit", description=__doc__.split("\n")[0])
     parser.add_argument("--op", action="append", help="op to audit (repeatable; default every op)")
     parser.add_argument("--dtype", action="append", choices=sorted(_DTYPES), help="default bf16 and fp32")
     parser.add_argument("--liger", action="store_true", help="also count Liger's kernels (liger-kernel installed)")
@@ -1529,7 +1529,7 @@ def main(argv=None):
     if os.environ.get("TRITON_INTERPRET") != "1":
         # Triton reads the variable at import: count in a child that runs the kernels on the CPU.
         argv = argv if argv is not None else sys.argv[1:]
-        return subprocess.run([sys.executable, "-m", "memkernels.tools.gpu_audit", *argv],
+        return subprocess.run([sys.executable, "-m", "memkernels.audit.gpu_audit", *argv],
                               env=_interpreted_child_env()).returncode
     if args.predict:
         import json

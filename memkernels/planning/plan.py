@@ -10,7 +10,7 @@ The flow walks the usual decision list in order of cost and records each step in
    least step time (ZeRO-3's parameter all-gathers counted, see :func:`gather_seconds`; ties go to
    the lower stage);
 4. selective checkpointing and 5. activation offload: a per-layer placement chosen by
-   :func:`memkernels.tools.placement.solve` (a DP over layers against the activation budget);
+   :func:`memkernels.planning.placement.solve` (a DP over layers against the activation budget);
 6. optimizer-state CPU offload (needs ``host_mem`` for the fp32 master weights and moments);
 7. LoRA, then QLoRA, when full fine-tuning cannot fit at micro-batch 1.
 
@@ -19,17 +19,17 @@ that fit, the larger on a tie, and accumulation = global / (micro x gpus). ``max
 configurations above that fraction (the flow then falls back as when nothing fits, and says what
 it would take). The activation budget is ``gpu_mem`` minus ``margin`` (default
 1 GiB for the CUDA context and library workspaces + 5% of ``gpu_mem`` for fragmentation)
-minus model state (:func:`memkernels.tools.estimate.model_state_bytes`) and FSDP's gather buffers.
+minus model state (:func:`memkernels.planning.estimate.model_state_bytes`) and FSDP's gather buffers.
 """
 import contextlib
 import contextvars
 import dataclasses
 import math
 
-from memkernels.tools.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, ModelSource, default_margin, layer_numel,
+from memkernels.planning.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, ModelSource, default_margin, layer_numel,
                                        lora_parameters, model_state_bytes)
-from memkernels.tools import placement as placement_mod
-from memkernels.tools.sizes import format_size, parse_count, parse_device_size, parse_size
+from memkernels.planning import placement as placement_mod
+from memkernels.runtime.sizes import format_size, parse_count, parse_device_size, parse_size
 
 __all__ = ["plan", "place", "Plan", "Step", "machine_host_memory"]
 
@@ -86,7 +86,7 @@ class Candidate:
 class Plan:
     """The result of :func:`plan`. ``fits``: whether a configuration fits; ``steps``: the flow;
     ``config``: the chosen :class:`Candidate` (or the nearest one when nothing fits);
-    ``placement``: its per-layer :class:`~memkernels.tools.placement.Placement` at ``micro_batch``;
+    ``placement``: its per-layer :class:`~memkernels.planning.placement.Placement` at ``micro_batch``;
     ``accumulation``: gradient-accumulation steps; ``alternatives``: LoRA / QLoRA figures;
     ``missing``: bytes short per GPU when nothing fits (else 0)."""
 
@@ -301,7 +301,7 @@ def _fraction(name, value):
 
 
 def place(model, *, batch, seq, budget, offload=False, kernels=False, tflops=400.0, pcie_gbps=25.0):
-    """The cheapest per-layer :class:`~memkernels.tools.placement.Placement` of ``model`` whose
+    """The cheapest per-layer :class:`~memkernels.planning.placement.Placement` of ``model`` whose
     predicted activation peak (one training step, on top of model state) fits ``budget`` bytes.
 
     ``model``: a memkernels TransformerLM or a Hugging Face causal LM (measured on a meta copy of

@@ -3,7 +3,7 @@
 ``replay(trace)`` runs a recorded snapshot (``torch.cuda.memory._dump_snapshot``) through
 memkernels' pool on a device that hands out virtual addresses (no memory is touched, so an
 80 GB trace replays on a laptop), and ``print_replay_table`` puts what PyTorch's policy did (a
-model of it, :mod:`memkernels.tools._torch_policy`), what memkernels does, and the ideal (peak
+model of it, :mod:`memkernels.forensics._torch_policy`), what memkernels does, and the ideal (peak
 live bytes) side by side: that is ``memkernels replay TRACE...``. ``replay_periodic(trace, steps=N)``
 repeats a trace as the step of a loop and counts both policies' device allocations and frees per step.
 """
@@ -13,9 +13,9 @@ import statistics
 import sys
 import textwrap
 
-from memkernels.allocator import core, pool_config
-from memkernels.tools._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
-from memkernels.tools.sizes import format_size
+from memkernels.runtime.allocator import core, pool_config
+from memkernels.forensics._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
+from memkernels.runtime.sizes import format_size
 
 # With no capacity given, the pool's own virtual device has this much memory (it never refuses)...
 UNLIMITED_CAPACITY = 1 << 50
@@ -160,7 +160,7 @@ def _check_capacity(capacity):
 
 def _simulated_device_pool(device, capacity, settings):
     """A pool over the device table on the simulated device, reconfigured for replay."""
-    from memkernels import device as device_module
+    from memkernels.runtime import device as device_module
 
     device_module.use_sim()  # ValueError if real CUDA is already in use in this process
     capacity = SIMULATED_DEFAULT_CAPACITY if capacity is None else capacity
@@ -256,7 +256,7 @@ def _failed_request(ops, index):
 
 
 def replay_pytorch_model(trace, *, device=0, capacity=None, expandable_segments=False):
-    """Replay through the model of PyTorch's caching allocator (:mod:`memkernels.tools._torch_policy`).
+    """Replay through the model of PyTorch's caching allocator (:mod:`memkernels.forensics._torch_policy`).
 
     ``expandable_segments=True`` models ``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``.
     Returns the keys of :func:`replay` (without ns_per_op and ops: the model is Python) plus
@@ -309,7 +309,7 @@ def device_allocation_causes(trace, *, device=0, capacity=None, **config):
     """Why memkernels' pool asks the device for memory, request by request, next to PyTorch's policy.
 
     Replays ``trace`` (classic segments) through the pool one call at a time, with
-    :mod:`memkernels.tools._torch_policy` in lockstep, and files each of the pool's device allocations
+    :mod:`memkernels.forensics._torch_policy` in lockstep, and files each of the pool's device allocations
     under one cause (the first that applies):
 
     - ``refused``: the device refused the segment and the pool released its cache and retried;

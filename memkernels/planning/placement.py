@@ -57,11 +57,11 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from memkernels.meters import PeakBytesMeter
-from memkernels.offload import OffloadActivations
-from memkernels.tools.profile import FlashAttentionOnMeta
-from memkernels.tools import plan_apply
-from memkernels.tools.plan_apply import KERNELS, LOSS_STRATEGY, install_loss_strategy  # noqa: F401 (re-exported)
+from memkernels.runtime.meters import PeakBytesMeter
+from memkernels.runtime.offload import OffloadActivations
+from memkernels.runtime.ledger import FlashAttentionOnMeta
+from memkernels.planning import apply_plan as plan_apply
+from memkernels.planning.apply_plan import KERNELS, LOSS_STRATEGY, install_loss_strategy  # noqa: F401 (re-exported)
 
 __all__ = ["LayerOption", "LAYER_OPTIONS", "LayerProfile", "Placement", "measure_profile", "solve",
            "flop_counter"]
@@ -343,7 +343,7 @@ def lm_inputs(model, ids):
 
 def _metered_step(model, ids):
     """One forward + backward of ``model`` on meta ids, segmented by layer; returns the :class:`_Timeline`."""
-    from memkernels.tools.profile import meta_forward
+    from memkernels.runtime.ledger import meta_forward
     _, layers = plan_apply.find_layers(model)
     for param in model.parameters():
         if param.requires_grad:  # gradients are model state: present before the step, as after the first one
@@ -388,7 +388,7 @@ def _step_flops(model, ids, head_recompute=False):
     """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, layers' recompute included;
     a modelled fused loss's own recompute is not: ``head_recompute=True`` returns it beside, as
     (step FLOPs, FLOPs the fused loss replays))."""
-    from memkernels.tools.profile import meta_forward
+    from memkernels.runtime.ledger import meta_forward
     _MODELLED_HEAD.update(step=0, recompute=0, figures=None)
     with meta_forward(model), torch.enable_grad(), flop_counter() as counter:
         args, kwargs = lm_inputs(model, ids)

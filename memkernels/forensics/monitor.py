@@ -30,11 +30,11 @@ import pickle
 import sys
 import time
 
-from memkernels.tools.sizes import format_size
+from memkernels.runtime.allocator import FRAGMENTATION_WARNING
+from memkernels.runtime.sizes import format_size
 
 __all__ = ["MemoryMonitor", "TorchCudaStats", "PoolStats", "CPUTensorStats", "FRAGMENTATION_WARNING"]
 
-FRAGMENTATION_WARNING = 0.30
 PHASES = ("forward", "backward", "optimizer")
 COLUMNS = ("step", "source", "peak_allocated_bytes", "peak_reserved_bytes", "fragmentation_at_peak",
            "largest_free_block_bytes", "alloc_retries", "ooms") + tuple(f"peak_{p}_bytes" for p in PHASES) + (
@@ -107,7 +107,7 @@ class PoolStats:
 
     def __init__(self, pool=None, device=0):
         if pool is None:
-            from memkernels import allocator
+            from memkernels.runtime import allocator
 
             pool = allocator.installed_pool()
         self.pool, self.device = pool, device
@@ -133,7 +133,7 @@ class PoolStats:
             self._recording = False
 
     def snapshot(self):
-        from memkernels.allocator import pool_snapshot
+        from memkernels.runtime.allocator import pool_snapshot
 
         return pool_snapshot(self.pool)
 
@@ -150,7 +150,7 @@ class CPUTensorStats:
         self._meter = None
 
     def open(self):
-        from memkernels.meters import PeakBytesMeter
+        from memkernels.runtime.meters import PeakBytesMeter
 
         self._meter = PeakBytesMeter().__enter__()
 
@@ -509,7 +509,7 @@ class MemoryMonitor:
             return ["  - expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True) or memkernels' pool "
                     "(memkernels.allocator.install()): not measured, no allocation history; pass "
                     "record_history=100_000 and the monitor replays this run's trace through both"]
-        from memkernels.tools.explain import counterfactuals, demand_events
+        from memkernels.forensics.explain import counterfactuals, demand_events
 
         replay = demand_events(snapshot, device)  # what was live before the history began included
         results = counterfactuals(replay, None)
@@ -538,7 +538,7 @@ class MemoryMonitor:
             with open(self.oom_snapshot, "wb") as f:
                 pickle.dump(snapshot, f)
             self.snapshot_path = self.oom_snapshot
-            from memkernels.tools.explain import explain
+            from memkernels.forensics.explain import explain
 
             print(f"memkernels MemoryMonitor: out of memory ({type(error).__name__}); snapshot written to "
                   f"{self.oom_snapshot}", file=out)

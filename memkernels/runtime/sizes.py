@@ -1,4 +1,4 @@
-"""Sizes as people write them: ``80GB``, ``79.6GiB``, ``80G``, ``24000MiB``, ``4M`` tokens.
+"""Sizes as people write them, and tables as people read them: ``80GB``, ``79.6GiB``, ``80G``, ``24000MiB``, ``4M`` tokens.
 
 Memory sizes follow the JEDEC convention that GPU and DRAM capacities are sold
 in: ``K``/``KB``/``KiB`` = 2¹⁰, ``M``/``MB``/``MiB`` = 2²⁰, ``G``/``GB``/``GiB`` =
@@ -86,3 +86,12 @@ def format_size(nbytes):
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def text_table(header, rows):
+    """``header`` and ``rows`` (sequences of cells) as aligned text: the first column left, the others right."""
+    widths = [max(len(str(cell)) for cell in column) for column in zip(header, *rows)]
+
+    def line(cells):
+        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+    return "\n".join([line(header), "  ".join("-" * w for w in widths)] + [line(r) for r in rows])

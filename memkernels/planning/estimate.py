@@ -27,7 +27,7 @@ forwards, so a 80-layer model at sequence 32k estimates in well under a second.
 The step's peak comes in backward, above what forward saved: gradients of
 intermediates, a recomputed layer, the loss's backward (eager's float32
 logits gradient). ``backward_transient`` is that difference, from the model
-``memkernels plan`` uses (:mod:`memkernels.tools.placement`: a few layers'
+``memkernels plan`` uses (:mod:`memkernels.planning.placement`: a few layers'
 forward and backward on meta under a peak meter), so ``activations +
 logits_loss + backward_transient`` is the figure plan prints as "activations
 (peak)" for the same configuration, and :func:`default_margin` is what both
@@ -59,8 +59,9 @@ from torch import nn
 
 from memkernels.models import (TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config,
                                translate_hf_config)
-from memkernels.tools import placement
-from memkernels.tools.profile import format_bytes, ledger_forward, text_table
+from memkernels.planning import placement
+from memkernels.runtime.ledger import ledger_forward
+from memkernels.runtime.sizes import format_size, text_table
 
 __all__ = ["estimate", "MemoryEstimate", "DTYPES", "OPTIMIZERS", "FINETUNE_MODES", "model_state_bytes",
            "lora_parameters", "QLORA_BYTES_PER_PARAM", "default_margin", "MARGIN_TEXT"]
@@ -158,15 +159,15 @@ class MemoryEstimate:
         return self.activations + self.logits_loss + self.backward_transient
 
     def table(self):
-        rows = [(name, format_bytes(nbytes)) for name, nbytes in self.breakdown().items()]
-        rows.append(("total per GPU", format_bytes(self.total)))
+        rows = [(name, format_size(nbytes)) for name, nbytes in self.breakdown().items()]
+        rows.append(("total per GPU", format_size(self.total)))
         if self.host_offload:
-            rows.append(("host (offloaded)", format_bytes(self.host_offload)))
+            rows.append(("host (offloaded)", format_size(self.host_offload)))
         if self.host_optimizer:
-            rows.append(("host (optimizer state, all ranks)", format_bytes(self.host_optimizer)))
+            rows.append(("host (optimizer state, all ranks)", format_size(self.host_optimizer)))
         head = (f"{self.model}: {self.num_parameters / 1e9:.2f}B parameters, batch {self.batch} x seq {self.seq}, "
                 f"{self.describe()}")
-        peak = (f"activation peak of the step: {format_bytes(self.activation_peak)} = activations + logits / loss + "
+        peak = (f"activation peak of the step: {format_size(self.activation_peak)} = activations + logits / loss + "
                 "backward transient (plan's \"activations (peak)\")")
         return "\n".join([head, text_table(("per GPU", "bytes"), rows), peak] + [f"  note: {n}" for n in self.notes])
 
@@ -331,7 +332,7 @@ def lora_parameters(model, rank):
     B (out x rank), ``rank * (in + out)`` parameters. Embeddings, norms and the LM head are not
     adapted (PEFT's ``target_modules="all-linear"`` minus the head).
     """
-    from memkernels.tools.plan_apply import find_layers, submodule_name
+    from memkernels.planning.apply_plan import find_layers, submodule_name
 
     adapters = adapted = 0
     for layer in find_layers(model)[1]:
@@ -451,11 +452,11 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
     two, _ = measure(2, checkpointing)
     per_layer = two - one
     activations = one + (num_layers - 1) * per_layer - one_loss
-    notes = [f"activations measured on meta: 1 layer saves {format_bytes(one - one_loss)} besides the loss, "
-             f"each further layer {format_bytes(per_layer)}, x {num_layers - 1}"]
+    notes = [f"activations measured on meta: 1 layer saves {format_size(one - one_loss)} besides the loss, "
+             f"each further layer {format_size(per_layer)}, x {num_layers - 1}"]
     if checkpointing:
         notes.append("checkpointing keeps each layer's input; backward recomputes one layer at a time")
-    # The step's peak: plan's model (memkernels.tools.placement), measured on a meta copy of a few layers
+    # The step's peak: plan's model (memkernels.planning.placement), measured on a meta copy of a few layers
     # running forward and backward, the same figure `memkernels plan` counts for this configuration.
     option = placement.OPTION_BY_NAME[_LAYER_OPTION[checkpointing, offload]]
     profile = placement.measure_profile(source, seq, DTYPES[dtype][3], kernels=use_memkernels, offload=offload)
@@ -467,7 +468,7 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
         activations -= num_layers * (savings[option.name] - savings[base])
         host = num_layers * moved[option.name]
         notes.append(f"offload ({option.name!r} in every layer, as plan models it): "
-                     f"{format_bytes(host)} of saved tensors go to the host and come back for backward")
+                     f"{format_size(host)} of saved tensors go to the host and come back for backward")
     backward_transient = peak - activations - one_loss
     notes.append("backward transient: gradients of intermediates, a recomputed layer, the loss's backward: the "
                  "step's peak above what forward saved (a few layers' step measured on meta, as plan does)")
@@ -495,7 +496,7 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
         notes.append(f"ZeRO-{zero_stage}: {' '.join(sharded)} divided by {shard_degree} ranks")
     if optimizer_offload:
         notes.append(f"optimizer-state CPU offload: fp32 master weights and optimizer state of all ranks, "
-                     f"{format_bytes(state['host_optimizer'])}, live in host memory")
+                     f"{format_size(state['host_optimizer'])}, live in host memory")
     return MemoryEstimate(
         model=source.name, num_parameters=num_parameters, batch=batch, seq=seq, dtype=dtype, optimizer=optimizer,
         shard_degree=shard_degree, checkpointing=checkpointing, offload=offload, use_memkernels=use_memkernels,
@@ -548,8 +549,8 @@ def fitting_options(model_or_config, gpu_bytes, **kwargs):
 def estimate_table(estimates):
     """A text table of ``[(label, MemoryEstimate), ...]``: one row each, a column per part, then the total."""
     header = ["configuration"] + [_COLUMNS[part] for part in _PARTS] + ["total"]
-    rows = [[label.replace("\n", " ")] + [format_bytes(getattr(result, part)) for part in _PARTS]
-            + [format_bytes(result.total)] for label, result in estimates]
+    rows = [[label.replace("\n", " ")] + [format_size(getattr(result, part)) for part in _PARTS]
+            + [format_size(result.total)] for label, result in estimates]
     return text_table(header, rows)
 
 

@@ -1,6 +1,6 @@
 """Carry out a plan's per-layer placement on a real model.
 
-Each decoder layer's choice (see :data:`memkernels.tools.plan.LAYER_OPTIONS`) names, for
+Each decoder layer's choice (see :data:`memkernels.planning.plan.LAYER_OPTIONS`) names, for
 the layer itself or for its attention / MLP submodule, one of three actions:
 
 - ``"recompute"``: the module's forward runs under ``torch.utils.checkpoint`` (non-reentrant,
@@ -198,7 +198,7 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
         install_loss_strategy(model)
         prefix, layers = find_layers(model)
     if offload is None and any(choice.offloaded for choice in choices):
-        from memkernels.offload import OffloadActivations
+        from memkernels.runtime.offload import OffloadActivations
         offload = OffloadActivations(**(OFFLOAD_OPTIONS if offload_options is None else offload_options))
     wrapped = []
     for index, (layer, choice) in enumerate(zip(layers, choices)):
@@ -213,7 +213,7 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
     return ApplyReport(wrapped, kernel_report, offload)
 
 
-# The kernels a plan measures (memkernels.tools.placement) and applies: fused norms and MLPs, and the fused linear
+# The kernels a plan measures (memkernels.planning.placement) and applies: fused norms and MLPs, and the fused linear
 # cross-entropy where apply() installs it, with this strategy (8 B a token held for backward).
 KERNELS = {"norms": True, "mlp": True, "loss": True, "measure": False}
 LOSS_STRATEGY = "recompute"
@@ -240,7 +240,7 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
     Without ``plan``: :func:`memkernels.patch.apply` (returns a :class:`~memkernels.patch.PatchReport`):
     ``norms`` / ``mlp`` / ``loss`` / ``rope`` choose the kinds replaced (``mlp="recompute"`` also recomputes
     gated MLPs' gate and up in backward), ``measure`` measures saved bytes per token before and after on a meta
-    copy. ``plan``: a :class:`memkernels.tools.plan.Plan` (or a per-layer ``Placement``): its kernels, then
+    copy. ``plan``: a :class:`memkernels.planning.plan.Plan` (or a per-layer ``Placement``): its kernels, then
     checkpointing / offload on exactly the modules it chose (:func:`apply_plan`; returns an
     :class:`ApplyReport`). Call it before wrapping the model in DDP/FSDP or ``torch.compile``.
     The entry point lives here, with the planner, so that patching never imports the planner.
@@ -252,15 +252,15 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
 
 
 def apply_plan(model, plan, offload_options=None):
-    """``memkernels.apply(model, plan)``: carry out a :class:`~memkernels.tools.plan.Plan` (its kernels and
-    per-layer placement) or a :class:`~memkernels.tools.placement.Placement` on ``model``; returns an
+    """``memkernels.apply(model, plan)``: carry out a :class:`~memkernels.planning.plan.Plan` (its kernels and
+    per-layer placement) or a :class:`~memkernels.planning.placement.Placement` on ``model``; returns an
     :class:`ApplyReport`. Offloaded modules share one OffloadActivations (``offload_options``: its
     keyword arguments, on top of :data:`OFFLOAD_OPTIONS`: every saved tensor of the module, its last
     submodule's too)."""
     choices = getattr(plan, "choices", None)
     if not isinstance(model, nn.Module) or choices is None:
         raise ValueError("memkernels.apply(model, plan): needs an nn.Module and a Plan or Placement from "
-                         f"memkernels.plan / memkernels.tools.plan.place, got {type(model).__name__} and "
+                         f"memkernels.plan / memkernels.planning.plan.place, got {type(model).__name__} and "
                          f"{type(plan).__name__}")
     options = dict(OFFLOAD_OPTIONS)
     options.update(offload_options or {})

@@ -26,14 +26,13 @@ refers to any class or function is refused.
 import os
 import pickle
 
-from memkernels.tools._torch_policy import round_size
-from memkernels.tools.replay import TraceError, run_pool, summary, load_trace, replay_pytorch_model, trace_ops
-from memkernels.tools.sizes import format_size
+from memkernels.forensics._torch_policy import round_size
+from memkernels.forensics.replay import TraceError, run_pool, summary, load_trace, replay_pytorch_model, trace_ops
+from memkernels.runtime.allocator import FRAGMENTATION_WARNING
+from memkernels.runtime.sizes import format_size
 
 __all__ = ["explain", "Explanation", "load_snapshot", "user_frame", "demand_events", "counterfactuals"]
 
-# Above this share of reserved memory held but unused, the trouble is the allocator.
-FRAGMENTATION_THRESHOLD = 0.30
 POLICIES = (
     ("pytorch", "PyTorch's policy (model)"),
     ("pytorch_expandable", "PyTorch, expandable_segments:True"),
@@ -482,7 +481,7 @@ def _explain_device(snapshot, device, top, capacity):
         in_pieces = oom["size"] <= (reserved - rounded_allocated) + oom["device_free"]
         verdict = "fragmentation" if in_pieces else "demand"
     else:
-        verdict = "fragmentation" if fragmentation is not None and fragmentation > FRAGMENTATION_THRESHOLD else "demand"
+        verdict = "fragmentation" if fragmentation is not None and fragmentation > FRAGMENTATION_WARNING else "demand"
     result["verdict"] = verdict
     result["next_step"] = _next_step(result)
     return result
