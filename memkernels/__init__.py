@@ -26,7 +26,7 @@ _LAZY = {
     "FusedGatedMLP": "memkernels.nn",
     "ChunkedCrossEntropyLoss": "memkernels.nn",
     "LinearCrossEntropyLoss": "memkernels.nn",
-    "apply": "memkernels.planning.apply_plan",  # kernels (memkernels.patch.apply), or a plan carried out
+    "apply": "memkernels.planning.apply_plan",  # kernels (memkernels.fusions.apply.apply), or a plan carried out
     "activation_ledger": "memkernels.runtime.ledger",
     "memory_summary": "memkernels.runtime.allocator",
     "evaluate": "memkernels.planning.evaluate",

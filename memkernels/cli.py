@@ -124,7 +124,7 @@ def run_report(args):
         n_params = sum(p.numel() for p in baseline.parameters())
         print(f"== {name} ({n_params / 1e6:.1f}M parameters, {style})")
         try:
-            from memkernels.patch import apply
+            from memkernels.fusions.apply import apply
             optimized = copy.deepcopy(baseline)
             # measure=False: the step below measures the saved bytes of this very step; apply()'s own
             # figure (a meta forward of another token count) would be a second, different percentage.

@@ -21,9 +21,10 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from memkernels import patch  # noqa: E402
+from memkernels.fusions.loss import rule as loss_rule  # noqa: E402
 from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
-from memkernels.patch import CAUSAL_LM_HEADS, apply  # noqa: E402
+from memkernels.fusions.apply import apply
+from memkernels.fusions.loss.rule import CAUSAL_LM_HEADS  # noqa: E402
 from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gemma3, _gemma4,  # noqa: E402
                         _gpt2, _llama, _loss_and_grads, _olmo2, _phi3, _qwen2, _qwen3, _qwen3_5)
 
@@ -383,13 +384,13 @@ def test_sft_trainer_trains_and_the_report_says_it_does_not_use_the_fused_loss(t
     never called (counted), the run matches the unpatched one, and apply()'s report says so."""
     trl = pytest.importorskip("trl")
     calls = []
-    count_calls = patch.CausalLMLoss.forward
+    count_calls = loss_rule.CausalLMLoss.forward
 
     def counting(self, *args, **kwargs):
         calls.append(1)
         return count_calls(self, *args, **kwargs)
 
-    monkeypatch.setattr(patch.CausalLMLoss, "forward", counting)
+    monkeypatch.setattr(loss_rule.CausalLMLoss, "forward", counting)
     ids = torch.randint(3, VOCAB, (8, 16), generator=torch.Generator().manual_seed(0))
     dataset = datasets.Dataset.from_dict({"input_ids": ids.tolist()})
     losses = {}

@@ -18,7 +18,7 @@ import torch
 from memkernels.models import ModelConfig, TransformerLM
 from gloo_ranks import WORLD, spawn
 from moe_cases import qwen3_moe_config
-from memkernels.patch import apply
+from memkernels.fusions.apply import apply
 
 CONFIG = ModelConfig(name="dist-tiny", vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
                      intermediate_size=64, max_seq_len=32, norm="layernorm", mlp="gelu", position="learned",

@@ -254,7 +254,7 @@ def test_package_level_estimate_is_the_function_even_after_the_tool_module_is_im
 
 @pytest.mark.parametrize("family", sorted(SMALL))
 def test_memkernels_estimate_equals_cpu_measurement_of_the_applied_model(family):
-    from memkernels.patch import apply
+    from memkernels.fusions.apply import apply
     from memkernels.planning.placement import install_loss_strategy
     config = SMALL[family]
     model = TransformerLM(config)

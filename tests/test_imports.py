@@ -82,7 +82,7 @@ def cycles(graph):
 def test_the_package_has_no_import_circles():
     graph = import_graph()
     assert "memkernels.planning.apply_plan" in graph["memkernels.planning.placement"]  # the walk sees imports
-    assert "memkernels.patch" in graph["memkernels.planning.apply_plan"]  # ... inside functions too
+    assert "memkernels.fusions.apply" in graph["memkernels.planning.apply_plan"]  # ... inside functions too
     assert cycles(graph) == []
 
 
@@ -91,18 +91,19 @@ def test_the_walk_finds_a_planted_circle():
     assert cycles(graph) == [["a", "b", "c"]]
 
 
-def test_the_runtime_and_patching_import_no_planner_forensics_or_audit():
-    """A training process loads the runtime (allocator, offload, device, meters, ledger) and the kernels; the
+def test_the_runtime_and_the_fusions_import_no_planner_forensics_or_audit():
+    """A training process loads the runtime (allocator, offload, device, meters, ledger) and the fusions; the
     tools that decide before a run, read a dead one, or count kernels on a CPU stay out of it.
     memkernels.apply(model, plan) is planning's entry (planning/apply_plan.py), so patching imports no planner."""
     graph = import_graph()
     tools = ("memkernels.planning", "memkernels.forensics", "memkernels.audit")
-    runtime = [name for name in graph if name.startswith("memkernels.runtime.")]
-    assert {"memkernels.runtime.allocator", "memkernels.runtime.offload", "memkernels.runtime.ledger"} <= set(runtime)
-    for name in runtime + ["memkernels.patch", "memkernels.runtime"]:
+    loaded = [name for name in graph if name.startswith(("memkernels.runtime", "memkernels.fusions"))]
+    assert {"memkernels.runtime.allocator", "memkernels.runtime.offload", "memkernels.runtime.ledger",
+            "memkernels.fusions.apply", "memkernels.fusions.norm.rule"} <= set(loaded)
+    for name in loaded:
         assert not {target for target in graph[name] if target.startswith(tools)}, name
     # the walk sees these imports: the rule is not vacuous
-    assert "memkernels.runtime.ledger" in graph["memkernels.patch"]
+    assert "memkernels.runtime.ledger" in graph["memkernels.fusions.apply"]
     assert "memkernels.runtime.allocator" in graph["memkernels.forensics.monitor"]
 
 

@@ -18,7 +18,7 @@ from memkernels.testing import check_against_reference
 
 transformers = pytest.importorskip("transformers")
 
-from memkernels.patch import apply  # noqa: E402
+from memkernels.fusions.apply import apply  # noqa: E402
 from test_patch import _assert_parity, _loss_and_grads  # noqa: E402
 
 VOCAB = 128

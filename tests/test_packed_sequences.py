@@ -24,8 +24,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from memkernels import patch  # noqa: E402
-from memkernels.patch import apply  # noqa: E402
+from memkernels.fusions.loss import rule as loss_rule  # noqa: E402
+from memkernels.fusions.apply import apply  # noqa: E402
 from test_patch import VOCAB, _assert_parity, _gemma, _llama, _loss_and_grads, _qwen2  # noqa: E402
 
 FAMILIES = {"llama": _llama, "qwen2": _qwen2, "gemma": _gemma}
@@ -76,13 +76,13 @@ def _per_sequence_nll(model, features):
 def loss_calls(monkeypatch):
     """Each call of memkernels' fused loss: (targets, num_items_in_batch)."""
     calls = []
-    forward = patch.CausalLMLoss.forward
+    forward = loss_rule.CausalLMLoss.forward
 
     def counting(self, hidden, weight, targets, bias=None, softcap=None, num_items_in_batch=None):
         calls.append((targets.detach().clone(), num_items_in_batch))
         return forward(self, hidden, weight, targets, bias, softcap, num_items_in_batch)
 
-    monkeypatch.setattr(patch.CausalLMLoss, "forward", counting)
+    monkeypatch.setattr(loss_rule.CausalLMLoss, "forward", counting)
     return calls
 
 

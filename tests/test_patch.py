@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from memkernels.models import ModelConfig, TransformerLM
-from memkernels.patch import apply
+from memkernels.fusions.apply import apply
 from memkernels.runtime.ledger import activation_ledger
 
 transformers = pytest.importorskip("transformers")
@@ -324,7 +324,7 @@ def _norm_class(family, module_name):
     ("qwen3_5", "Qwen3_5RMSNorm", ("rms", 1.0, "gemma")),
     ("cohere", "CohereLayerNorm", ("layer", 0.0, "gemma"))])
 def test_each_hugging_face_norm_is_fused_with_the_formula_its_forward_computes(family, name, formula):
-    from memkernels.patch import _norm_formula
+    from memkernels.fusions.norm.rule import _norm_formula
 
     norm = _norm_class(family, name)(24, eps=1e-5)
     weight = norm.weight.detach().clone()

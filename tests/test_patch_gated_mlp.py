@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from memkernels.patch import apply
+from memkernels.fusions.apply import apply
 from memkernels.runtime.ledger import activation_ledger
 
 transformers = pytest.importorskip("transformers")
@@ -207,6 +207,31 @@ def test_lora_dropout_on_down_proj_is_left_alone():
     report = apply(_lora_model("llama", dropout=0.1), measure=False)
     reasons = {s["reason"] for s in report.skipped if s["type"] == "LlamaMLP"}
     assert reasons == {"LoRA dropout on down_proj (adapter 'default') needs act(gate) * up materialized"}
+
+
+def test_fused_gated_mlp_computes_a_lora_adapter_on_its_down_proj():
+    """FusedGatedMLP and the MLPs apply() fuses run one forward (memkernels.nn.mlp.gated_mlp_forward). FusedGatedMLP
+    had a twin of it that read a peft LoRA down_proj's base weight and dropped the adapter without a word; now the
+    adapter is its own gated_linear, and one that cannot be fused (LoRA dropout) raises naming why."""
+    from memkernels.nn import FusedGatedMLP
+
+    torch.manual_seed(0)
+    mlp = FusedGatedMLP(16, 24, activation="silu", dtype=torch.float64)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["down_proj"], init_lora_weights=False)
+    mlp = peft.inject_adapter_in_model(config, torch.nn.Sequential(mlp))[0]
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    fused = mlp(x)
+    eager = mlp.down_proj(torch.nn.functional.silu(mlp.gate_proj(x)) * mlp.up_proj(x))  # the LoRA layer's forward
+    torch.testing.assert_close(fused, eager, rtol=1e-12, atol=1e-12)
+    adapter = [mlp.down_proj.lora_A["default"].weight, mlp.down_proj.lora_B["default"].weight]
+    upstream = torch.randn_like(fused)
+    torch.testing.assert_close(torch.autograd.grad(fused, adapter, upstream),
+                               torch.autograd.grad(eager, adapter, upstream), rtol=1e-12, atol=1e-12)
+
+    dropout = peft.LoraConfig(r=4, target_modules=["down_proj"], lora_dropout=0.1)
+    mlp = peft.inject_adapter_in_model(dropout, torch.nn.Sequential(FusedGatedMLP(16, 24)))[0]
+    with pytest.raises(TypeError, match="FusedGatedMLP: LoRA dropout on down_proj"):
+        mlp(torch.randn(3, 16))
 
 
 # --------------------------------------------------------------------------------------------

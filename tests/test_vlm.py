@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from memkernels.patch import apply  # noqa: E402
+from memkernels.fusions.apply import apply  # noqa: E402
 from test_patch import _assert_parity, _loss_and_grads, _with_random_norm_weights  # noqa: E402
 
 VOCAB = 160

@@ -131,6 +131,102 @@ def gated_mlp_parts(mlp):
     return gate, up, down, act
 
 
+def lora_down(down):
+    """(base nn.Linear, [(lora_A weight, lora_B module, scaling)] of the active adapters) of a down
+    projection, or a string saying why it cannot be fused. A peft LoRA layer is recognized by its
+    attributes (peft need not be importable)."""
+    if type(down) is nn.Linear:
+        return down, []
+    base = getattr(down, "base_layer", down)
+    if type(base).__module__.startswith("bitsandbytes"):
+        return f"bitsandbytes-quantized down_proj ({type(base).__name__}): the fused GEMM needs a dense weight"
+    if type(base) is not nn.Linear or not hasattr(down, "lora_A"):
+        return f"down_proj is {type(down).__name__}, not nn.Linear or a LoRA layer over one"
+    if down.disable_adapters and down.merged:
+        return "down_proj's merged LoRA adapter is disabled (peft unmerges it in its forward)"
+    if down.disable_adapters or down.merged:  # the base weight alone is the layer
+        return base, []
+    adapters = []
+    for adapter in down.active_adapters:
+        if adapter not in down.lora_A.keys():
+            continue
+        if adapter in getattr(down, "lora_variant", {}) or getattr(down, "use_dora", {}).get(adapter):
+            return f"LoRA variant (e.g. DoRA) {adapter!r} on down_proj"
+        if not isinstance(down.lora_dropout[adapter], nn.Identity):
+            return f"LoRA dropout on down_proj (adapter {adapter!r}) needs act(gate) * up materialized"
+        adapters.append((down.lora_A[adapter].weight, down.lora_B[adapter], down.scaling[adapter]))
+    return base, adapters
+
+
+def gated_mlp_forward(x, gate_proj, up_proj, down_proj, activation, *, recompute=False, gate_multiplier=1.0,
+                      down_multiplier=1.0):
+    """``down_proj(act(gate_proj(x) * gate_multiplier) * up_proj(x)) * down_multiplier`` with the product never
+    stored: the one forward of :class:`FusedGatedMLP` and of the gated MLPs ``memkernels.apply`` fuses.
+
+    x: [..., H]; ``up_proj`` None for a packed ``gate_up_proj`` (as ``gate_proj``, [2*I] whose first half is gate).
+    ``recompute``: gated_mlp_recompute (saves only x; long inputs in token chunks) where the projections are plain,
+    hook-free nn.Linear and there is no gate multiplier, else the saving variant: gate and up saved, gated_linear for
+    the down projection, a peft LoRA adapter on down_proj as one more gated_linear with lora_A as its weight.
+    Tensor-parallel projections (colwise gate/up, rowwise down: DTensor weights) give down's partial sums to its own
+    output hook. Returns None where down_proj cannot be fused (:func:`lora_down` says why): the caller runs the
+    unfused computation or raises.
+    """
+    from memkernels.distributed import is_dtensor
+    from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
+
+    if recompute and gate_multiplier == 1.0 and not is_dtensor(down_proj.weight) and all(
+            p is None or type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
+        up_weight, up_bias = (None, None) if up_proj is None else (up_proj.weight, up_proj.bias)
+        out = gated_mlp_recompute(x, gate_proj.weight, gate_proj.bias, up_weight, up_bias, down_proj.weight,
+                                  down_proj.bias, activation=activation)
+        return out if down_multiplier == 1.0 else out * down_multiplier
+    down = lora_down(down_proj)
+    if isinstance(down, str):
+        return None
+    base, adapters = down
+    if adapters and is_dtensor(base.weight):  # LoRA on a tensor-parallel down_proj
+        return None
+    gate = gate_proj(x)
+    if up_proj is None:
+        if gate_multiplier != 1.0:  # the gate half scaled, as a new packed tensor (the scaled half alone would
+            half = gate.shape[-1] // 2  # keep the whole unscaled one alive through its up half)
+            gate = torch.cat((gate[..., :half] * gate_multiplier, gate[..., half:]), dim=-1)
+        operands = {"gate_up": gate}
+    else:
+        operands = {"gate": gate if gate_multiplier == 1.0 else gate * gate_multiplier, "up": up_proj(x)}
+    if is_dtensor(base.weight):  # colwise then rowwise: this rank's I/tp features
+        return _tensor_parallel_down(base, operands, activation, down_multiplier)
+    out = gated_linear(**operands, weight=base.weight, bias=base.bias, activation=activation)
+    for lora_a_weight, lora_b, scaling in adapters:
+        cast = {key: value.to(lora_a_weight.dtype) for key, value in operands.items()}
+        out = out + lora_b(gated_linear(**cast, weight=lora_a_weight, activation=activation)) * scaling
+    return out if down_multiplier == 1.0 else out * down_multiplier
+
+
+def _tensor_parallel_down(down, operands, activation, down_multiplier):
+    """down_proj of a tensor-parallel gated MLP, fused: the colwise projections' outputs (this rank's features:
+    plain tensors, or DTensors with use_local_output=False) as DTensors sharded over their last dim, gated_linear
+    with down's weight shard (partial sums, its replicated bias added once), then down's own output hook, which
+    lays the result out as RowwiseParallel was asked to (e.g. all-reduced and local)."""
+    from torch.distributed.tensor import Shard
+
+    from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
+    from memkernels.ops.gated_linear import gated_linear
+
+    mesh, features = down.weight.device_mesh, down.weight.shape[1]
+
+    def sharded(local):  # the global shape given: Shard splits an uneven I as torch.chunk does
+        shape = (*local.shape[:-1], features)
+        return dtensor_class().from_local(local, mesh, [Shard(local.dim() - 1)], shape=torch.Size(shape),
+                                          stride=contiguous_stride(shape))
+
+    operands = {key: value if is_dtensor(value) else sharded(value) for key, value in operands.items()}
+    out = gated_linear(**operands, weight=down.weight, bias=down.bias, activation=activation)
+    for hook in down._forward_hooks.values():
+        out = hook(down, (), out)
+    return out if down_multiplier == 1.0 else out * down_multiplier
+
+
 class FusedGatedMLP(nn.Module):
     """``down_proj(act(gate_proj(x)) * up_proj(x))`` (SwiGLU / GeGLU) that never stores the product.
 
@@ -203,25 +299,13 @@ class FusedGatedMLP(nn.Module):
         return fused
 
     def forward(self, x):
-        from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
-        down = self.down_proj
-        if self.recompute:
-            gate, up = (self.gate_up_proj, None) if self.packed else (self.gate_proj, self.up_proj)
-            out = gated_mlp_recompute(x, gate.weight, gate.bias, None if up is None else up.weight,
-                                      None if up is None else up.bias, down.weight, down.bias,
-                                      activation=self.activation)
-        elif self.packed:
-            gate_up = self.gate_up_proj(x)
-            if self.gate_multiplier != 1.0:
-                half = self.intermediate_size
-                gate_up = torch.cat((gate_up[..., :half] * self.gate_multiplier, gate_up[..., half:]), dim=-1)
-            out = gated_linear(gate_up=gate_up, weight=down.weight, bias=down.bias, activation=self.activation)
-        else:
-            gate = self.gate_proj(x)
-            if self.gate_multiplier != 1.0:
-                gate = gate * self.gate_multiplier
-            out = gated_linear(gate, self.up_proj(x), down.weight, down.bias, activation=self.activation)
-        return out if self.down_multiplier == 1.0 else out * self.down_multiplier
+        gate, up = (self.gate_up_proj, None) if self.packed else (self.gate_proj, self.up_proj)
+        out = gated_mlp_forward(x, gate, up, self.down_proj, self.activation, recompute=self.recompute,
+                                gate_multiplier=self.gate_multiplier, down_multiplier=self.down_multiplier)
+        if out is None:
+            raise TypeError(f"FusedGatedMLP: {lora_down(self.down_proj)}; its down_proj cannot be fused (use the "
+                            "model's own MLP for it)")
+        return out
 
     def extra_repr(self):
         text = f"activation={self.activation!r}, recompute={self.recompute}"

@@ -17,7 +17,7 @@ the layer itself or for its attention / MLP submodule, one of three actions:
   ahead of its recompute, through the chain of blocks).
 
 The module keeps its parameters, submodules and state_dict keys: only its class is switched
-to a subclass whose ``forward`` wraps the original one (the way :mod:`memkernels.patch`
+to a subclass whose ``forward`` wraps the original one (the way :mod:`memkernels.fusions`
 patches Hugging Face modules). :func:`remove` switches the classes back.
 """
 import contextlib
@@ -84,8 +84,8 @@ class _KernelRecomputed:
     """A fused gated MLP's forward through gated_mlp_recompute (see the module doc)."""
 
     def forward(self, x):
-        from memkernels.patch import gated_mlp_forward
-        return gated_mlp_forward(self, x, recompute=True)
+        from memkernels.fusions.gated_mlp.rule import patched_gated_mlp_forward
+        return patched_gated_mlp_forward(self, x, recompute=True)
 
 
 class _Offloaded:
@@ -124,7 +124,7 @@ def wrap(module, action, offload=None, recompute_context=None):
     recompute, may run on another thread than the forward's TorchFunctionMode).
     """
     if action == "recompute":
-        from memkernels.patch import can_recompute_gated_mlp
+        from memkernels.fusions.gated_mlp.rule import can_recompute_gated_mlp
         if can_recompute_gated_mlp(module):
             action = "kernel_recompute"
     mixin = _MIXINS[action]
@@ -157,7 +157,7 @@ def remove(model):
 
 class ApplyReport:
     """What :func:`apply_placement` did: ``wrapped`` (list of ``(qualified name, action)``), ``kernels``
-    (the :class:`~memkernels.patch.PatchReport`, or None), ``offload`` (the shared
+    (the :class:`~memkernels.fusions.apply.PatchReport`, or None), ``offload`` (the shared
     OffloadActivations or None)."""
 
     def __init__(self, wrapped, kernels, offload):
@@ -181,7 +181,7 @@ class ApplyReport:
 def apply_placement(model, choices, *, kernels=False, offload_options=None, recompute_context=None, offload=None):
     """Wrap ``model``'s layers as ``choices`` says (one :class:`LayerOption` per layer).
 
-    ``kernels``: also swap in memkernels' fused kernels first (:func:`memkernels.patch.apply`), the
+    ``kernels``: also swap in memkernels' fused kernels first (:func:`memkernels.fusions.apply.apply`), the
     fused linear cross-entropy with the strategy the plan counted (``"recompute"``).
     ``offload_options``: keyword arguments of the shared OffloadActivations (default
     :data:`OFFLOAD_OPTIONS`); ``offload``: an OffloadActivations to share instead of a new one
@@ -193,7 +193,7 @@ def apply_placement(model, choices, *, kernels=False, offload_options=None, reco
                          f"{len(layers)}; make the plan for this model")
     kernel_report = None
     if kernels:
-        from memkernels.patch import apply as apply_kernels
+        from memkernels.fusions.apply import apply as apply_kernels
         kernel_report = apply_kernels(model, **KERNELS)
         install_loss_strategy(model)
         prefix, layers = find_layers(model)
@@ -221,7 +221,7 @@ LOSS_STRATEGY = "recompute"
 
 def fused_losses(model):
     """``[(name, module)]`` of the fused losses ``memkernels.apply`` installed in ``model``."""
-    from memkernels.patch import CausalLMLoss
+    from memkernels.fusions.loss.rule import CausalLMLoss
     return [(name, module) for name, module in model.named_modules() if isinstance(module, CausalLMLoss)]
 
 
@@ -237,7 +237,7 @@ def install_loss_strategy(model):
 def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
     """``memkernels.apply``: swap memkernels' fused kernels into ``model`` in place, or carry out a plan.
 
-    Without ``plan``: :func:`memkernels.patch.apply` (returns a :class:`~memkernels.patch.PatchReport`):
+    Without ``plan``: :func:`memkernels.fusions.apply.apply` (returns a :class:`~memkernels.fusions.apply.PatchReport`):
     ``norms`` / ``mlp`` / ``loss`` / ``rope`` choose the kinds replaced (``mlp="recompute"`` also recomputes
     gated MLPs' gate and up in backward), ``measure`` measures saved bytes per token before and after on a meta
     copy. ``plan``: a :class:`memkernels.planning.plan.Plan` (or a per-layer ``Placement``): its kernels, then
@@ -247,7 +247,7 @@ def apply(model, plan=None, *, norms=True, mlp=True, loss=True, rope=True, measu
     """
     if plan is not None:
         return apply_plan(model, plan)
-    from memkernels.patch import apply as apply_kernels
+    from memkernels.fusions.apply import apply as apply_kernels
     return apply_kernels(model, norms=norms, mlp=mlp, loss=loss, rope=rope, measure=measure)
 
 

@@ -290,7 +290,7 @@ def _measure_saved(source, num_layers, batch, seq, dtype, checkpointing, use_mem
     if checkpointing:
         _enable_checkpointing(model)
     if use_memkernels:
-        from memkernels.patch import apply
+        from memkernels.fusions.apply import apply
         apply(model, measure=False)
         # The fused loss with plan's strategy ("recompute": 8 B a token held for backward), the one its
         # "auto" takes when memory is short, and the one the step's peak (placement) is measured with.

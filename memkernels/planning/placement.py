@@ -267,7 +267,7 @@ class _ModelledHead(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=None)
 def _modelled_loss_class():
-    from memkernels.patch import CausalLMLoss
+    from memkernels.fusions.loss.rule import CausalLMLoss
 
     class _ModelledLoss(CausalLMLoss):
         """Stands in on meta for the fused loss a plan installs (:data:`LOSS_STRATEGY`): the same
@@ -545,7 +545,7 @@ def _build(source, depth, dtype, kernels=False, option=None, backend="triton"):
     model = source.build(depth).to(dtype)
     model.train()
     if kernels:
-        from memkernels.patch import apply
+        from memkernels.fusions.apply import apply
         apply(model, **KERNELS)
         _install_modelled_loss(model, backend)
     offload = None
