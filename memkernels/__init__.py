@@ -37,7 +37,15 @@ _LAZY = {
 }
 
 
+# public modules, imported on first attribute access too (``memkernels.device.use_sim()`` after ``import memkernels``)
+_MODULES = ("allocator", "offload", "device", "meters", "functional", "nn", "integrations")
+
+
 def __getattr__(name):
+    if name in _MODULES:
+        value = importlib.import_module(f"memkernels.{name}")
+        globals()[name] = value
+        return value
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'memkernels' has no attribute {name!r}")
@@ -47,7 +55,7 @@ def __getattr__(name):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_MODULES))
 
 
 __all__ = ["get_backend", "set_backend", "__version__"] + sorted(_LAZY)

@@ -26,7 +26,8 @@ SMALL_GPT = SMALL.replace(name="small-gpt", norm="layernorm", mlp="gelu", positi
 # ----------------------------------------------------------------------------- memory summary
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message of a machine without CUDA")
-def test_memory_summary_without_cuda_says_so():
+def test_memory_summary_without_cuda_says_so(monkeypatch):
+    _no_pool_installed(monkeypatch)  # with the pool installed on the simulated device, it summarizes the pool
     summary = memory_summary()
     assert not summary.available
     assert "no CUDA device" in summary.message and summary.table() == summary.message
