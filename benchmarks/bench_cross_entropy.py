@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.ops.linear_cross_entropy import linear_cross_entropy, pick_strategy
+from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy, pick_strategy
 
 CONFIGS = [
     (4096, 1024, 32000, torch.float32),

@@ -33,7 +33,7 @@ from torch import nn
 import memkernels
 from memkernels._backend import resolve
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.nn.mlp import FusedGatedMLP
+from memkernels.fusions.gated_mlp.module import FusedGatedMLP
 
 TARGET_VS_EAGER = 0.50
 TARGET_VS_LIGER = 0.67

@@ -15,7 +15,7 @@ elementwise ops in place of the one Triton pass each way), what the Triton passe
 
 Host time (any device): CPU time per forward + backward of gelu_linear and gated_linear at a tiny
 shape, through the custom op with its autograd (what torch.compile keeps) and through its
-autograd.Function twin (what eager mode runs; memkernels/ops/_custom_op.py), beside eager's. On
+autograd.Function twin (what eager mode runs; memkernels/fusions/common/custom_op.py), beside eager's. On
 the CPU the torch backend runs, so the rows include its small GEMMs.
 """
 import argparse
@@ -27,8 +27,8 @@ from torch import nn
 
 from memkernels._backend import resolve
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.nn.mlp import FusedMLP
-from memkernels.ops.gelu_linear import gelu_linear
+from memkernels.fusions.gelu_mlp.module import FusedMLP
+from memkernels.fusions.gelu_mlp.op import gelu_linear
 
 TARGET_SAVED_RATIO = 0.55
 
@@ -112,7 +112,8 @@ def host_time_table(device, calls=300):
     """CPU time per forward + backward, issued without waiting for the GPU in the loop."""
     import time
 
-    from memkernels.ops import gated_linear as gated_module, gelu_linear as gelu_module
+    from memkernels.fusions.gated_mlp import op as gated_module
+    from memkernels.fusions.gelu_mlp import op as gelu_module
 
     backend = "triton" if device == "cuda" else "torch"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32

@@ -6,7 +6,7 @@ On a machine with a GPU it also times forward+backward (ms).
 What each method computes, from the final hidden states (B, T, H) of a policy and the sampled tokens: per-token
 log-probs at temperature 0.7 and the per-token entropy, with the loss ``sum(logp * advantage) + 0.01 * sum(H)``
 (a policy-gradient term and an entropy bonus), then backward:
-- eager: logits = hidden @ W.T, log_softmax, gather, -sum p log p (memkernels.reference.logprobs);
+- eager: logits = hidden @ W.T, log_softmax, gather, -sum p log p (memkernels.fusions.loss.logprobs_reference);
 - TRL selective_log_softmax: the model's logits, then trl's selective_log_softmax and entropy_from_logits (what
   trainers that get logits call; on CUDA trl runs its own Triton kernel over the logits, elsewhere chunked PyTorch);
 - TRL chunked kernel: trl.kernels.ChunkedLogProbFunction from the hidden states, no logits (what TRL 1.16's
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from memkernels.functional import linear_logprobs
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.reference.logprobs import eager_linear_logprobs
+from memkernels.fusions.loss.logprobs_reference import eager_linear_logprobs
 
 TEMPERATURE = 0.7
 ENTROPY_BONUS = 0.01

@@ -17,7 +17,7 @@ Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
     freeing it early (memory_efficient=True) shows. The meter sees inside the
     torch.library custom ops too, so memkernels' peaks include the op's internal
     buffers: the PyTorch reference path's row-block temporaries (at most
-    memkernels.reference._norm.TEMPORARY_BUDGET_BYTES), or the Triton backward's
+    memkernels.fusions.norm.reference.TEMPORARY_BUDGET_BYTES), or the Triton backward's
     [programs, 2, H] fp32 partial sums;
   - peak <= eager: "met" when memkernels' peak is at most the eager baseline's
     (the group's first row), compared in bytes; "allowance" when it is over by no
@@ -146,7 +146,7 @@ def memory_section(tokens, hidden, backend):
               f"{'peak <= eager':>20}")
     print(header)
     print("-" * len(header))
-    from memkernels.reference._norm import TEMPORARY_BUDGET_BYTES
+    from memkernels.fusions.norm.reference import TEMPORARY_BUDGET_BYTES
 
     verdicts = {"met": 0, "allowance": 0, "MISSED": 0}
     for dtype in (torch.float32, torch.bfloat16):
@@ -281,7 +281,7 @@ def kernel_time_section(tokens, hidden):
 def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
     """The norm backward's kernel time per launch configuration: elements per warp (so warps per row)
     and programs per SM, with the registers and spills of each compiled variant."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
 
     defaults = (_norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels.programs_per_sm)
     print(f"Norm backward sweep, {tokens} rows, {torch.cuda.get_device_name()} (us of GPU kernels per backward)")
@@ -320,14 +320,15 @@ def host_time_section(tokens, hidden, calls=200, device="cuda"):
     On the H200 a forward + backward step took 1.2-1.5 ms of host time where its kernels took ~0.1 ms
     (docs/gpu-runs.md). These rows split it: an empty Triton kernel's launch, memkernels' launcher, the
     custom op (what torch.compile runs) and its autograd.Function twin (what eager mode runs,
-    memkernels/ops/_custom_op.py), the module, the step. A row well above the one before it is where
+    memkernels/fusions/common/custom_op.py), the module, the step. A row well above the one before it is where
     the time goes. On the CPU (``device="cpu"``, the Triton interpreter) the norm kernels' launches are
     stubbed out, so the rows are memkernels' Python path alone, beside eager nn.RMSNorm's CPU step."""
     import time
 
     import triton
 
-    from memkernels.ops import _norm_kernels, _norm_ops
+    from memkernels.fusions.norm import kernels as _norm_kernels
+    from memkernels.fusions.norm import op as _norm_ops
 
     def wait():
         if device == "cuda":

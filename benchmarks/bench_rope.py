@@ -28,8 +28,8 @@ import torch  # noqa: E402
 
 import memkernels  # noqa: E402
 from memkernels.meters import SavedBytesMeter  # noqa: E402
-from memkernels.ops.rope import rope  # noqa: E402
-from memkernels.reference import rope as reference  # noqa: E402
+from memkernels.fusions.rope.op import rope  # noqa: E402
+from memkernels.fusions.rope import reference  # noqa: E402
 
 
 eager_rope = reference.eager  # Hugging Face's apply_rotary_pos_emb, op for op

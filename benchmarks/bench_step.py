@@ -154,7 +154,7 @@ def llama_config(shape, layers=None):
 
 def interpreting():
     """True when Triton kernels run in the interpreter (memkernels' were decorated under TRITON_INTERPRET=1)."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
     return type(_norm_kernels._norm_fwd_kernel).__name__ == "InterpretedFunction"
 
 

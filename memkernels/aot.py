@@ -22,7 +22,7 @@ A kernel decorated with ``@triton.jit`` while ``TRITON_INTERPRET=1`` cannot be
 compiled, so :func:`check` compiles in a subprocess without that variable
 (``python -m memkernels.aot --json ...``), which re-imports the modules that
 registered the kernels. ``python -m memkernels.aot`` imports every
-``memkernels.ops`` module, compiles every registered variant for each arch,
+module of ``memkernels.fusions`` (:func:`ops_modules`), compiles every registered variant for each arch,
 prints a table and exits non-zero on a compile failure, a spill, or shared
 memory over the limit.
 """
@@ -401,17 +401,19 @@ def format_table(reports):
 
 
 def ops_modules():
+    """Every module of ``memkernels.fusions`` (one folder per fusion): importing them registers every kernel."""
     try:
-        ops = importlib.import_module("memkernels.ops")
+        fusions = importlib.import_module("memkernels.fusions")
     except ModuleNotFoundError:
         return []
-    return [f"memkernels.ops.{m.name}" for m in pkgutil.iter_modules(ops.__path__) if not m.name.startswith("_")]
+    return [m.name for m in pkgutil.walk_packages(fusions.__path__, "memkernels.fusions.")
+            if not m.ispkg and not m.name.rpartition(".")[2].startswith("_")]
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m memkernels.aot", description=__doc__.split("\n")[0])
     parser.add_argument("--arch", type=int, action="append", help="compute capability (repeatable; default 80 90)")
-    parser.add_argument("--module", action="append", help="module to import (default: every memkernels.ops module)")
+    parser.add_argument("--module", action="append", help="module to import (default: every memkernels.fusions module)")
     parser.add_argument("--name", action="append", help="kernel to compile (default: all registered)")
     parser.add_argument("--json", metavar="PATH", help="write the reports as JSON to PATH instead of a table")
     args = parser.parse_args(argv)
@@ -427,7 +429,7 @@ def main(argv=None):
             json.dump([asdict(r) for r in reports], handle)
         return 0
     if not reports:
-        print("memkernels.aot: no kernels registered (nothing in memkernels.ops calls memkernels.aot.register yet)")
+        print("memkernels.aot: no kernels registered (nothing in memkernels.fusions calls memkernels.aot.register yet)")
         return 0
     print(format_table(reports))
     failed = [r for r in reports if not r.ok]

@@ -1,6 +1,6 @@
 """What memkernels needs of ``torch.distributed.tensor`` (tensor parallelism), in one place.
 
-The ops take DTensors where a rank can compute on its own shards (memkernels/ops: the norms, silu_mul /
+The ops take DTensors where a rank can compute on its own shards (memkernels/fusions: the norms, silu_mul /
 gelu_mul, gated_linear, gelu_linear, cross_entropy on logits and linear_cross_entropy on an LM head sharded over
 the classes); ``apply()`` fuses colwise-then-rowwise gated MLPs and the loss of such a head, and leaves modules
 in other DTensor layouts alone (memkernels/fusions/).

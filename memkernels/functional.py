@@ -1,14 +1,14 @@
-"""Functional API: thin dispatch to memkernels.ops (Triton on CUDA, PyTorch reference elsewhere)."""
-from memkernels.ops._loss import CrossEntropyOutput
-from memkernels.ops.act_mul import gelu_mul, silu_mul
-from memkernels.ops.cross_entropy import cross_entropy
-from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
-from memkernels.ops.gelu_linear import gelu_linear
-from memkernels.ops.layer_norm import add_layer_norm, layer_norm
-from memkernels.ops.linear_cross_entropy import linear_cross_entropy
-from memkernels.ops.linear_logprobs import linear_logprobs
-from memkernels.ops.rms_norm import add_rms_norm, rms_norm
-from memkernels.ops.rope import rope
+"""Functional API: the fused ops of memkernels/fusions (Triton on CUDA, PyTorch reference elsewhere)."""
+from memkernels.fusions.loss.common import CrossEntropyOutput
+from memkernels.fusions.common.act_mul import gelu_mul, silu_mul
+from memkernels.fusions.loss.cross_entropy import cross_entropy
+from memkernels.fusions.gated_mlp.op import gated_linear, gated_mlp_recompute
+from memkernels.fusions.gelu_mlp.op import gelu_linear
+from memkernels.fusions.norm.layer_norm import add_layer_norm, layer_norm
+from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy
+from memkernels.fusions.loss.linear_logprobs import linear_logprobs
+from memkernels.fusions.norm.rms_norm import add_rms_norm, rms_norm
+from memkernels.fusions.rope.op import rope
 
 __all__ = ["rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "gelu_linear", "gated_linear",
            "gated_mlp_recompute", "silu_mul", "gelu_mul", "cross_entropy", "linear_cross_entropy",

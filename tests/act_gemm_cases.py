@@ -29,7 +29,7 @@ def step_log(monkeypatch, steps, matmuls=False):
     """Yields a list that records, in order, each of ``steps``' (an op module's ``_STEPS``) runs inside
     the block as ``(step name, backend)``, and with ``matmuls`` every aten matmul as its name, inside
     the steps or not (the GEMMs are PyTorch's on both backends). In eager mode the ops call their
-    steps' implementations directly (memkernels/ops/_custom_op.py), so the record is taken there."""
+    steps' implementations directly (memkernels/fusions/common/custom_op.py), so the record is taken there."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 

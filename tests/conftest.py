@@ -1,7 +1,7 @@
 """Test harness: Triton kernels run through the interpreter when there is no GPU.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set
-here, at collection time, before any test module imports memkernels.ops.
+here, at collection time, before any test module imports memkernels.fusions.
 
 MEMKERNELS_TEST_NO_TORCH=1 (set by tests/test_sanitizers.py for its
 subprocesses) skips importing torch: the sanitizer runs load only the C++
@@ -241,7 +241,7 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def aot_ops_reports(tmp_path_factory):
-    """The AOT compile reports (memkernels.aot.check) of every kernel memkernels.ops registers, for sm_80 and
+    """The AOT compile reports (memkernels.aot.check) of every kernel memkernels.fusions registers, for sm_80 and
     sm_90: compiled once per test run, whichever test asks first, and shared by every xdist worker (a lock
     and a file in the run's temporary directory; each worker's module fixtures compiled it again, and the
     norm and cross-entropy files a third time, minutes of a 2-core run for the same reports, issue 32)."""
@@ -249,14 +249,13 @@ def aot_ops_reports(tmp_path_factory):
     import fcntl
     import importlib
     import json
-    import pkgutil
 
-    import memkernels.ops
     from memkernels import aot
 
-    for module in pkgutil.iter_modules(memkernels.ops.__path__):
-        importlib.import_module(f"memkernels.ops.{module.name}")
-    names = sorted(name for name, (module, _, _) in aot.registered().items() if module.startswith("memkernels.ops."))
+    for module in aot.ops_modules():
+        importlib.import_module(module)
+    names = sorted(name for name, (module, _, _) in aot.registered().items()
+                   if module.startswith("memkernels.fusions."))
     # this run's directory: an xdist worker's basetemp is one folder per worker inside it
     run_dir = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -42,7 +42,7 @@ def assert_drop_in(fused_class, eager, x, keys, **options):
 def small_row_blocks(monkeypatch):
     """Reference path with row blocks of 3 rows (plus a short last one), so that tests with a
     handful of rows cross block boundaries; the default blocks are 1 MiB of fp32."""
-    from memkernels.reference import _norm
+    from memkernels.fusions.norm import reference as _norm
     memkernels.set_backend("torch")
     monkeypatch.setattr(_norm, "BLOCK_ELEMENTS", 3 * 129)
     yield

@@ -1,25 +1,23 @@
-"""Every kernel variant that memkernels.ops registers compiles for sm_80 and sm_90 without spills.
+"""Every kernel variant that memkernels.fusions registers compiles for sm_80 and sm_90 without spills.
 
 The check compiles each registered variant with triton and the bundled ptxas in a subprocess
 (minutes, hence slow). Run with -s to see the table of registers per variant.
 """
 import collections
 import importlib
-import pkgutil
 
 import pytest
 
-import memkernels.ops
 from memkernels import aot
 
 pytestmark = pytest.mark.slow
 
 
 def _ops_kernel_names():
-    """Import every memkernels.ops module; the kernels they register (not tests' examples)."""
-    for module in pkgutil.iter_modules(memkernels.ops.__path__):
-        importlib.import_module(f"memkernels.ops.{module.name}")
-    return sorted(name for name, (module, _, _) in aot.registered().items() if module.startswith("memkernels.ops."))
+    """Import every memkernels.fusions module; the kernels they register (not tests' examples)."""
+    for module in aot.ops_modules():
+        importlib.import_module(module)
+    return sorted(name for name, (module, _, _) in aot.registered().items() if module.startswith("memkernels.fusions."))
 
 
 def _summary(reports):

@@ -5,17 +5,17 @@ dtype, cross-entropy in float32, layer_norm and rms_norm on their inputs as they
 judge is memkernels.testing's rule: the op under autocast against eager under autocast, both
 against the float64 truth (float64 is never autocast). CUDA autocast needs a GPU: on a machine
 with one, gelu_linear's "triton" case runs under it; the same registration serves every op
-(memkernels/ops/_autocast.py).
+(memkernels/fusions/common/autocast.py).
 """
 import pytest
 import torch
 import torch.nn.functional as F
 
-from memkernels.ops.cross_entropy import cross_entropy
-from memkernels.ops.gelu_linear import gelu_linear
-from memkernels.ops.layer_norm import layer_norm
-from memkernels.ops.linear_cross_entropy import linear_cross_entropy
-from memkernels.ops.rms_norm import rms_norm
+from memkernels.fusions.loss.cross_entropy import cross_entropy
+from memkernels.fusions.gelu_mlp.op import gelu_linear
+from memkernels.fusions.norm.layer_norm import layer_norm
+from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy
+from memkernels.fusions.norm.rms_norm import rms_norm
 from memkernels.testing import check_against_reference
 
 from backends import triton_device
@@ -153,7 +153,7 @@ def test_autocast_check_calls_nothing_torch_compile_cannot_trace(monkeypatch):
     """ops/_autocast._enabled runs inside every compiled memkernels module. torch 2.11's dynamo cannot
     trace torch.amp.is_autocast_available (a pybind builtin: "Attempted to call function marked as
     skipped" broke every fullgraph test on the H200), so it is asked once at import, not per call."""
-    from memkernels.ops import _autocast
+    from memkernels.fusions.common import autocast as _autocast
 
     def untraceable(device_type):
         raise AssertionError("torch.amp.is_autocast_available called per call")

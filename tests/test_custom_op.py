@@ -1,4 +1,4 @@
-"""memkernels/ops/_custom_op.py: each op is a custom op under torch.compile and its
+"""memkernels/fusions/common/custom_op.py: each op is a custom op under torch.compile and its
 autograd.Function twin in eager mode, with one formula for both.
 
 The twin exists for host time (a custom op's dispatch cost ~60 us per norm forward + backward;
@@ -12,15 +12,18 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memkernels.ops import _norm_ops, act_mul as act_mul_module, cross_entropy as cross_entropy_module
-from memkernels.ops import linear_cross_entropy as lce_module
-from memkernels.ops import gated_linear as gated_module, gelu_linear as gelu_module
-from memkernels.ops import grouped_gated_linear as grouped_module
-from memkernels.ops.cross_entropy import cross_entropy
-from memkernels.ops.gated_linear import gated_linear
-from memkernels.ops.gelu_linear import gelu_linear
-from memkernels.ops.layer_norm import add_layer_norm
-from memkernels.ops.rms_norm import rms_norm
+from memkernels.fusions.norm import op as _norm_ops
+from memkernels.fusions.common import act_mul as act_mul_module
+from memkernels.fusions.loss import cross_entropy as cross_entropy_module
+from memkernels.fusions.loss import linear_cross_entropy as lce_module
+from memkernels.fusions.gated_mlp import op as gated_module
+from memkernels.fusions.gelu_mlp import op as gelu_module
+from memkernels.fusions.gated_mlp import grouped as grouped_module
+from memkernels.fusions.loss.cross_entropy import cross_entropy
+from memkernels.fusions.gated_mlp.op import gated_linear
+from memkernels.fusions.gelu_mlp.op import gelu_linear
+from memkernels.fusions.norm.layer_norm import add_layer_norm
+from memkernels.fusions.norm.rms_norm import rms_norm
 
 TWINS = {
     "norm": _norm_ops._NormFunction,

@@ -367,7 +367,7 @@ def _vocab_parallel(rank, backend):
 
     import memkernels
     from memkernels.meters import SavedBytesMeter
-    from memkernels.ops import linear_cross_entropy as lce
+    from memkernels.fusions.loss import linear_cross_entropy as lce
 
     memkernels.set_backend(backend)
     torch.manual_seed(1234)

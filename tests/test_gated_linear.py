@@ -11,9 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.nn.mlp import FusedGatedMLP
-from memkernels.ops import _act_linear, gated_linear as gated_module
-from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
+from memkernels.fusions.gated_mlp.module import FusedGatedMLP
+from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.gated_mlp import op as gated_module
+from memkernels.fusions.gated_mlp.op import gated_linear, gated_mlp_recompute
 from memkernels.testing import check_against_reference
 
 from act_gemm_cases import compile_recording_ops, gemm_sum_lengths, step_log
@@ -297,7 +298,7 @@ def test_peak_of_forward_and_backward_within_eager(backend, monkeypatch, dtype, 
     """Forward + backward of the down projection, every buffer counted (PeakBytesMeter): eager keeps
     act(gate) and the product to the end of forward and four I-wide tensors in backward; the fused op
     holds one transient product in forward and one I-wide buffer beside the gradients in backward."""
-    from memkernels.reference import act_linear as reference
+    from memkernels.fusions.common import act_linear_reference as reference
 
     monkeypatch.setattr(reference, "_BLOCK_ELEMENTS", 1 << 12)  # the torch path's float32 blocks: 1/64 of c
     inputs = make_inputs((512,), 512, 64, dtype, bias=False, packed=packed)
@@ -374,7 +375,7 @@ def test_recompute_in_chunks_holds_one_chunks_tensors_whatever_the_length(dtype,
     """Over twice the tokens, chunk by chunk, the forward's peak grows by exactly the larger output and the
     backward's by exactly the larger grad_x: the I-wide tensors held (gate, up, their gradients, the product)
     are one chunk's. Run whole, the same inputs' peaks grow by several I-wide tensors of the extra tokens.
-    The torch backend: the buffers are the shared algorithm's (memkernels/ops/_act_linear.py) on both, and the
+    The torch backend: the buffers are the shared algorithm's (memkernels/fusions/common/act_linear.py) on both, and the
     interpreter's own copies of a launch's arguments would need a gc.collect() after every pass."""
     hidden, width, chunk = 16, 256, 32
     element = torch.finfo(dtype).bits // 8

@@ -8,9 +8,9 @@ from torch import nn
 
 import memkernels
 from memkernels.meters import SavedBytesMeter
-from memkernels.nn.mlp import FusedMLP, GeLULinear
-from memkernels.ops import gelu_linear as gelu_module
-from memkernels.ops.gelu_linear import gelu_linear
+from memkernels.fusions.gelu_mlp.module import FusedMLP, GeLULinear
+from memkernels.fusions.gelu_mlp import op as gelu_module
+from memkernels.fusions.gelu_mlp.op import gelu_linear
 from memkernels.testing import check_against_reference
 
 from act_gemm_cases import compile_recording_ops, gemm_sum_lengths, step_log
@@ -18,7 +18,7 @@ from act_gemm_cases import compile_recording_ops, gemm_sum_lengths, step_log
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from memkernels.ops._act_linear import _erf, _tanh_sech2  # noqa: E402
+from memkernels.fusions.common.act_linear import _erf, _tanh_sech2  # noqa: E402
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -172,7 +172,7 @@ def test_explicit_backend_overrides_global(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_large_activations_run_in_chunks_whose_results_are_final(backend, monkeypatch, dtype):
     # gelu(x) is 37 x 50: forward chunks of 10 rows, backward slabs of 16 columns (a ragged last one each)
-    from memkernels.ops import _act_linear
+    from memkernels.fusions.common import act_linear as _act_linear
 
     monkeypatch.setattr(_act_linear, "TRANSIENT_BYTES", 37 * 50 * dtype.itemsize // 3)
     monkeypatch.setattr(_act_linear, "MIN_CHUNK_ROWS", 10)

@@ -75,7 +75,7 @@ def test_layer_norm_rows_up_to_8192_read_once():
     second read of a row for dx hits the program's recent bytes, and each program's dw/db partial
     row is written by its first group and read and written by each later one (L2 traffic)."""
     n, h, p, e = 131, 4100, 2, 2
-    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS
+    from memkernels.fusions.norm.kernels import BWD_GROUP_ROWS
     groups = -(-((n + 1) // p) // BWD_GROUP_ROWS)  # program 0's rows, in groups: 3 here, the last short
     assert groups == 3
     run = _measure("layer_norm", N=n, H=h, P=p)
@@ -406,7 +406,7 @@ def test_linear_cross_entropy_recompute_real_shape_uses_the_ops_chunks():
 def test_aten_counts_in_place_and_float32_result_matmuls():
     """addmm_ is a matmul (its FLOPs and operand dtypes count); addmm with out_dtype=float32 into its own
     accumulator reads the accumulator once and its FLOPs run at the operands' precision."""
-    from memkernels.ops._half_gemm import addmm_float32_
+    from memkernels.fusions.common.half_gemm import addmm_float32_
     a, b = torch.randn(8, 4), torch.randn(4, 6)
     accumulator = torch.zeros(8, 6)
     with gpu_audit.count() as counts:
@@ -455,7 +455,7 @@ def test_blocks_per_sm(arch, registers, warps, shared, blocks):
 
 
 def test_half_gemm_float32_result_matches_widened_operands():
-    from memkernels.ops._half_gemm import addmm_float32_
+    from memkernels.fusions.common.half_gemm import addmm_float32_
     a, b = torch.randn(5, 7, dtype=torch.bfloat16), torch.randn(7, 3, dtype=torch.bfloat16)
     accumulator = torch.ones(5, 3)
     with gpu_audit.count() as counts:

@@ -48,7 +48,7 @@ class _EagerMemoryEfficientLayerNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        from memkernels.reference._norm import CASTING_MODES, unrecoverable_columns
+        from memkernels.fusions.norm.reference import CASTING_MODES, unrecoverable_columns
         s, y, mean, rstd, weight, bias = ctx.saved_tensors
         kept = torch.zeros(weight.shape, dtype=torch.bool, device=weight.device)
         kept[unrecoverable_columns(weight, bias, 0.0, CASTING_MODES["gemma"], s.dtype)] = True
@@ -184,7 +184,7 @@ def test_only_requested_gradients(backend, needs):
 def test_group_sums_over_many_rows(backend, dtype):
     """4096 < H <= 8192 with a bias gradient: plain sums over groups of BWD_GROUP_ROWS rows, folded
     into compensated partial rows. Each interpreter program here gets three groups, the last short."""
-    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, backward_config
+    from memkernels.fusions.norm.kernels import BWD_GROUP_ROWS, backward_config
     hidden, programs = 4500, 4  # programs: _norm_kernels.num_programs under the interpreter
     assert backward_config(hidden, True)[3] == BWD_GROUP_ROWS  # the path under test
     rows = 2 * programs * BWD_GROUP_ROWS + 5
@@ -196,7 +196,7 @@ def test_group_sums_over_many_rows(backend, dtype):
 def test_chunked_backward_where_group_sums_would_run(backend, monkeypatch, dtype):
     """4096 < H <= 8192 with a bias gradient as triton 3.7 runs it (test_rms_norm's
     test_backward_rows_past_4096_loop_where_triton_spills_them): chunks of 4096, no group sums."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
     assert _norm_kernels.backward_config(4500, True)[2:] == (False, 0)  # the path under test
     x = leaf(2 * _norm_kernels.BWD_GROUP_ROWS + 5, 4500, dtype=dtype, shift=3.0)
@@ -291,7 +291,7 @@ def test_reference_peak_is_at_most_eager(dtype, variant, memory_efficient):
     temporaries (at most TEMPORARY_BUDGET_BYTES, when they coincide with the peak) and the float32
     statistics the issue asks for (eager CPU keeps bf16 mean and rstd: 2 x (4 - 2) bytes per row).
     A tensor here is 2-4x the temporaries budget, so one extra tensor still fails."""
-    from memkernels.reference._norm import TEMPORARY_BUDGET_BYTES
+    from memkernels.fusions.norm.reference import TEMPORARY_BUDGET_BYTES
     rows, hidden = 2048, 4096
     memkernels.set_backend("torch")
     try:

@@ -5,10 +5,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memkernels
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.nn.cross_entropy import LinearCrossEntropyLoss
-from memkernels.ops import linear_cross_entropy as lce
-from memkernels.ops.linear_cross_entropy import linear_cross_entropy, pick_strategy
-from memkernels.reference.cross_entropy import eager_cross_entropy
+from memkernels.fusions.loss.module import LinearCrossEntropyLoss
+from memkernels.fusions.loss import linear_cross_entropy as lce
+from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy, pick_strategy
+from memkernels.fusions.loss.reference import eager_cross_entropy
 from memkernels.testing import check_against_reference
 
 from backends import triton_device

@@ -5,9 +5,9 @@ import torch
 import memkernels
 from memkernels.functional import linear_logprobs
 from memkernels.meters import SavedBytesMeter
-from memkernels.ops import linear_cross_entropy as lce
-from memkernels.ops import linear_logprobs as llp
-from memkernels.reference.logprobs import eager_linear_logprobs
+from memkernels.fusions.loss import linear_cross_entropy as lce
+from memkernels.fusions.loss import linear_logprobs as llp
+from memkernels.fusions.loss.logprobs_reference import eager_linear_logprobs
 from memkernels.testing import check_against_reference
 
 from backends import triton_device

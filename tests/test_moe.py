@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from memkernels.meters import SavedBytesMeter
-from memkernels.ops.grouped_gated_linear import grouped_gated_linear, grouped_mm
+from memkernels.fusions.gated_mlp.grouped import grouped_gated_linear, grouped_mm
 from memkernels.testing import check_against_reference
 
 transformers = pytest.importorskip("transformers")

@@ -290,7 +290,7 @@ def test_bad_arguments_and_missing_ops_are_clear_errors(monkeypatch):
         apply("llama")
     with pytest.raises(ValueError, match="norms"):
         apply(_tiny_lm(), norms="yes")
-    monkeypatch.setitem(sys.modules, "memkernels.ops.linear_cross_entropy", None)  # as if not installed
+    monkeypatch.setitem(sys.modules, "memkernels.fusions.loss.linear_cross_entropy", None)  # as if not installed
     with pytest.raises(RuntimeError, match=r"apply\(loss=True\).*loss=False"):
         apply(_tiny_lm(), measure=False)
 
@@ -451,7 +451,7 @@ def test_rope_is_redirected_per_class_and_the_model_file_keeps_its_function():
 
 
 def test_rope_calls_reach_the_fused_op_once_per_layer(monkeypatch):
-    from memkernels.ops import rope as rope_module
+    from memkernels.fusions.rope import op as rope_module
     calls = []
     real = rope_module.rope
 

@@ -210,7 +210,7 @@ def test_lora_dropout_on_down_proj_is_left_alone():
 
 
 def test_fused_gated_mlp_computes_a_lora_adapter_on_its_down_proj():
-    """FusedGatedMLP and the MLPs apply() fuses run one forward (memkernels.nn.mlp.gated_mlp_forward). FusedGatedMLP
+    """FusedGatedMLP and the MLPs apply() fuses run one forward (memkernels.fusions.gated_mlp.module.gated_mlp_forward). FusedGatedMLP
     had a twin of it that read a peft LoRA down_proj's base weight and dropped the adapter without a word; now the
     adapter is its own gated_linear, and one that cannot be fused (LoRA dropout) raises naming why."""
     from memkernels.nn import FusedGatedMLP
@@ -275,7 +275,7 @@ def test_a_gated_mlp_whose_forward_does_more_is_left_alone_with_the_reason():
 
 
 def test_fused_gated_mlp_module_takes_the_multipliers():
-    from memkernels.nn.mlp import FusedGatedMLP
+    from memkernels.fusions.gated_mlp.module import FusedGatedMLP
 
     torch.manual_seed(0)
     falcon = _falcon_h1().model.layers[0].feed_forward

@@ -188,7 +188,7 @@ def test_placement_recomputes_fused_mlps_in_token_chunks(monkeypatch, dtype):
     measures at or under budget and within 3% of its prediction, its added FLOPs equal the measured, and its
     gradients equal the unplanned fused model's (float32: at PyTorch's float32 tolerance, the weight gradients
     being summed chunk by chunk; bf16: the op's accuracy is tested against float64 in test_gated_linear)."""
-    from memkernels.ops import gated_linear
+    from memkernels.fusions.gated_mlp import op as gated_linear
     from memkernels.planning import placement as placement_module
     monkeypatch.setattr(gated_linear, "CHUNK_TOKENS", 64)
     monkeypatch.setattr(placement_module, "_profiles", {})  # profiles measured with other chunks
@@ -233,7 +233,7 @@ def test_placement_recomputes_fused_mlps_in_token_chunks(monkeypatch, dtype):
 def test_fused_head_bytes_are_the_ops(dtype, tokens, hidden, classes):
     """fused_head_bytes (what a plan counts for the head) equals what linear_cross_entropy(strategy="recompute")
     allocates on the CPU path, byte for byte: the forward's peak, what it holds, the backward's peak."""
-    from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+    from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy
     from memkernels.planning.placement import fused_head_bytes
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(tokens, hidden, generator=generator).to(dtype).requires_grad_()
@@ -252,7 +252,7 @@ def test_fused_head_bytes_are_the_ops(dtype, tokens, hidden, classes):
 def test_flop_counter_counts_every_addmm_overload():
     """addmm_ (the fused loss's float32 dX) and addmm.dtype_out (its half operands into float32: the
     stock formula raised "got multiple values for argument 'out_shape'") count as GEMMs."""
-    from memkernels.ops._half_gemm import addmm_float32_
+    from memkernels.fusions.common.half_gemm import addmm_float32_
     for dtype in (torch.float32, torch.bfloat16):
         accumulator, a, b = torch.zeros(4, 6), torch.randn(4, 5).to(dtype), torch.randn(5, 6).to(dtype)
         with flop_counter() as counter:

@@ -443,7 +443,7 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(aot_ops_reports):
     """Every registered variant (both norms, fp32/fp16/bf16, widest register-resident, LayerNorm's
     group-sum and looping rows, and the dw/db reduction); the reports are compiled once per run for every
     test that reads them (tests/conftest.py)."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
 
     reports = [r for r in aot_ops_reports if r.kernel in ("norm_fwd", "norm_bwd", "norm_reduce_partials")]
     variants = (_norm_kernels._FORWARD_VARIANTS, _norm_kernels._BACKWARD_VARIANTS, _norm_kernels._REDUCE_VARIANTS)
@@ -468,7 +468,7 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(aot_ops_reports):
 def test_backward_grid_is_the_programs_an_sm_holds(monkeypatch):
     """One program per SM for 32-warp blocks (rows from 4096: any more would run in a second wave and
     write more dw/db partial rows), two for smaller blocks; never more programs than rows."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
     monkeypatch.setattr(_norm_kernels, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)
 
@@ -484,7 +484,7 @@ def test_forward_warps_per_row():
     """The forward's warps per row: 256 elements a warp up to 4 warps, then 1024 (on the H200, 256 a
     warp, one 16-byte load of a 16-bit row in flight per thread, made a [8192, 4096] bf16 forward
     40 us against 33), 32 warps for rows that loop (LayerNorm's loop spills with fewer)."""
-    from memkernels.ops._norm_kernels import _forward_config
+    from memkernels.fusions.norm.kernels import _forward_config
     warps = {hidden: _forward_config(hidden)[1] for hidden in (64, 512, 1024, 2048, 4096, 5000, 8192, 16384)}
     assert warps == {64: 1, 512: 2, 1024: 4, 2048: 4, 4096: 4, 5000: 8, 8192: 8, 16384: 32}
     assert _forward_config(16384)[2] is False and _forward_config(8192)[2] is True
@@ -494,8 +494,8 @@ def test_backward_rows_past_4096_loop_where_triton_spills_them(monkeypatch):
     """Triton 3.7 (torch 2.13's CUDA wheels pin 3.7.1) spills the backward's register-resident rows of
     8192, 240-984 bytes a thread, where 3.6, 3.8 and 3.9 fit them (`python -m memkernels.aot`);
     its rows of 4096 fit. Under it every row wider than 4096 loops over chunks of 4096."""
-    from memkernels.ops import _norm_kernels
-    from memkernels.ops._norm_kernels import BWD_GROUP_ROWS, backward_config, _wide_backward_rows_fit
+    from memkernels.fusions.norm import kernels as _norm_kernels
+    from memkernels.fusions.norm.kernels import BWD_GROUP_ROWS, backward_config, _wide_backward_rows_fit
     versions = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0", "3.10.0")
     assert [_wide_backward_rows_fit(v) for v in versions] == [True, False, False, True, True, True]
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", True)
@@ -511,7 +511,7 @@ def test_backward_rows_past_4096_loop_where_triton_spills_them(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_chunked_backward_of_rows_that_would_fit(backend, monkeypatch, dtype):
     """Rows of 4096 < H <= 8192 as triton 3.7 runs them: chunks of 4096, not one register-resident row."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
     assert _norm_kernels.backward_config(5000, False)[2] is False  # the path under test
     x, residual = leaf(7, 5000, dtype=dtype), leaf(7, 5000, dtype=dtype)
@@ -523,7 +523,7 @@ def test_chunked_backward_of_rows_that_would_fit(backend, monkeypatch, dtype):
 def test_launches_compile_without_contraction(monkeypatch):
     """The launchers pass what the AOT variants above compile with: enable_fp_fusion=False."""
     from backends import use_backend
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
 
     seen = {}
 
@@ -594,7 +594,7 @@ def test_reference_peak_is_at_most_eager(dtype, variant, memory_efficient):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_reference_temporaries_stay_within_budget(dtype):
     """Forward and backward each need at most TEMPORARY_BUDGET_BYTES beyond the tensors they return."""
-    from memkernels.reference import _norm
+    from memkernels.fusions.norm import reference as _norm
     rows, hidden = 1024, 2048  # a whole-tensor fp32 temporary is 8 MiB; the old path kept several
     memkernels.set_backend("torch")
     try:
@@ -620,8 +620,8 @@ def test_reference_temporaries_stay_within_budget(dtype):
 def counted_readbacks(monkeypatch):
     """Counts the device-to-host reads of the decision: a forward's (K of one layer) and an
     optimizer step hook's (every stepped layer's mask at once)."""
-    from memkernels.ops import _norm_ops
-    from memkernels.reference import _norm
+    from memkernels.fusions.norm import op as _norm_ops
+    from memkernels.fusions.norm import reference as _norm
     calls = []
     compute, read = _norm.unrecoverable_columns, _norm_ops._read_masks
     monkeypatch.setattr(_norm, "unrecoverable_columns", lambda *args: calls.append(len(args)) or compute(*args))
@@ -692,7 +692,7 @@ def test_memory_efficient_norms_read_back_once_per_optimizer_step_for_the_whole_
 
 
 def test_unrecoverable_columns_cache_keeps_no_weight_alive():
-    from memkernels.ops import _norm_ops
+    from memkernels.fusions.norm import op as _norm_ops
     weight = torch.rand(32) + 0.5
     rms_norm(torch.randn(3, 32), weight, memory_efficient=True)
     released = []

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from memkernels.meters import SavedBytesMeter
-from memkernels.ops import rope as rope_module
-from memkernels.ops.rope import rope
-from memkernels.reference import rope as reference
+from memkernels.fusions.rope import op as rope_module
+from memkernels.fusions.rope.op import rope
+from memkernels.fusions.rope import reference
 from memkernels.testing import check_against_reference
 
 pytest.importorskip("triton")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from memkernels.functional import CrossEntropyOutput, cross_entropy, linear_cross_entropy
-from memkernels.nn.cross_entropy import ChunkedCrossEntropyLoss, LinearCrossEntropyLoss
+from memkernels.fusions.loss.module import ChunkedCrossEntropyLoss, LinearCrossEntropyLoss
 
 REDUCTIONS = ["none", "mean", "sum"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -716,7 +716,7 @@ def _linear_ce_recompute_minimum(shape, e):
 def _linear_ce_recompute_real_shape(shape, dtype, phase):
     """The real shape with C = the forward's token chunks, or the backward's vocabulary tiles (the op's rule;
     at the fitted shapes chunk_size = ceil(N / C) gives C of each)."""
-    from memkernels.ops import linear_cross_entropy as lce
+    from memkernels.fusions.loss import linear_cross_entropy as lce
     n, v = shape["N"], shape["V"]
     if phase == "forward":
         return dict(shape, C=-(-n // lce.recompute_chunk_tokens(v, dtype)))
@@ -725,7 +725,7 @@ def _linear_ce_recompute_real_shape(shape, dtype, phase):
 
 def _linear_ce_chunks(shape, dtype):
     """Chunks (C) that linear_cross_entropy's "chunked" strategy takes by default (no bias)."""
-    from memkernels.ops import linear_cross_entropy as lce
+    from memkernels.fusions.loss import linear_cross_entropy as lce
     n, h, v = shape["N"], shape["H"], shape["V"]
     return -(-n // lce.chunked_chunk_tokens(n, h, v, dtype))
 
@@ -737,7 +737,7 @@ def _linear_ce_small_blocks(shape):
     scale would count cdiv(N * H, 1024) times, which is no polynomial in N and H; it hits L2 either way, so its
     HBM bytes are the same). float32 dX in one GEMM per chunk, as on a GPU (the CPU's class blocks summed in
     float64 are a CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
-    from memkernels.ops import linear_cross_entropy as lce
+    from memkernels.fusions.loss import linear_cross_entropy as lce
     names = ("_SCALE_BLOCK", "HIDDEN_GRAD_VOCAB_BLOCK")
     original = [getattr(lce, name) for name in names]
     for name, value in zip(names, (1 << 16, 1 << 62)):
@@ -892,7 +892,7 @@ def _rope_problem(shape, dtype, impl):
     viewed as [batch, seq, heads, head_dim] and transposed), with its tables (repeated halves)."""
     torch = _torch()
     from memkernels import functional
-    from memkernels.reference import rope as reference
+    from memkernels.fusions.rope import reference
     n, q_heads, k_heads, dim = shape["N"], shape["HQ"], shape["HK"], shape["D"]
     q_base, k_base = _leaf(1, n, q_heads, dim, dtype=dtype), _leaf(1, n, k_heads, dim, dtype=dtype)
     angles = torch.arange(n).float()[None, :, None] * torch.rand(1, 1, dim // 2)
@@ -920,7 +920,7 @@ def _rope_minimum(shape, e):
 
 def _norm_backward_programs(hidden, is_rms):
     """memkernels' norm backward programs on an H100 at rows of ``hidden`` (_norm_kernels.num_programs)."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
     num_warps = _norm_kernels.backward_config(hidden, not is_rms)[1]
     return _norm_kernels.programs_per_sm(num_warps) * _H100_SMS
 
@@ -935,7 +935,7 @@ def _norm_real_shape(is_rms):
 def _norm_programs(shape):
     """Give the norm backward ``shape["P"]`` programs (the GPU's count at the real shape; the interpreter's
     default is a fixed few). Each program owns one float32 row of dw/db partial sums."""
-    from memkernels.ops import _norm_kernels
+    from memkernels.fusions.norm import kernels as _norm_kernels
     original = _norm_kernels.num_programs
     _norm_kernels.num_programs = lambda rows, device, num_warps: min(rows, shape["P"])
     try:
@@ -1402,7 +1402,7 @@ def case_at(op, shape, dtype="bf16"):
         raise ValueError(f"memkernels.gpu_audit: {op}'s shape has variables {', '.join(sorted(case.shape))}, not "
                          f"{', '.join(unknown)}")
     if op == "linear_cross_entropy":
-        from memkernels.ops.linear_cross_entropy import pick_strategy
+        from memkernels.fusions.loss.linear_cross_entropy import pick_strategy
         full = dict(case.shape, **shape)
         strategy = pick_strategy("auto", full["N"], full["H"], full["V"], getattr(_torch(), _DTYPES[dtype]),
                                  True, "mean")

@@ -6,7 +6,7 @@ the layer itself or for its attention / MLP submodule, one of three actions:
 - ``"recompute"``: the module's forward runs under ``torch.utils.checkpoint`` (non-reentrant,
   ``preserve_rng_state=True``: dropout masks are replayed exactly), so only its inputs stay
   saved and backward recomputes the rest. A gated MLP that :func:`memkernels.apply` fused recomputes
-  in its kernel instead (:func:`~memkernels.ops.gated_linear.gated_mlp_recompute`): it too saves only
+  in its kernel instead (:func:`~memkernels.fusions.gated_mlp.op.gated_mlp_recompute`): it too saves only
   its input, but replays two GEMMs (gate, up) where a checkpoint replays three, and a long input runs
   in token chunks, so its backward holds one chunk's I-wide tensors, not the sequence's.
 - ``"offload"``: the module's forward runs inside one shared

@@ -109,7 +109,7 @@ _STATES = 4096
 
 def _mm_flops(_self_shape, a_shape, b_shape, *_args, out_shape=None, **_kwargs):
     """addmm's FLOPs whatever the overload: addmm_ (in place) and addmm.dtype_out (half operands, float32
-    result: :mod:`memkernels.ops._half_gemm`), whose extra positional ``out_dtype`` the stock formula takes
+    result: :mod:`memkernels.fusions.common.half_gemm`), whose extra positional ``out_dtype`` the stock formula takes
     for its ``out_shape`` (a TypeError: "got multiple values for argument 'out_shape'")."""
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
@@ -172,12 +172,12 @@ def fused_head_bytes(n_tokens, hidden_size, n_classes, dtype, *, backend="triton
       blocks), or at the end dX rounded to the input dtype (N H e) beside the accumulator.
       With a bias: dB (V e), and for half inputs a float32 tile (4 N c).
 
-    r and c are the op's defaults (:func:`~memkernels.ops.linear_cross_entropy.recompute_chunk_tokens`,
-    :func:`~memkernels.ops.linear_cross_entropy.recompute_tile_classes`): at least 590 tokens and 2360
+    r and c are the op's defaults (:func:`~memkernels.fusions.loss.linear_cross_entropy.recompute_chunk_tokens`,
+    :func:`~memkernels.fusions.loss.linear_cross_entropy.recompute_tile_classes`): at least 590 tokens and 2360
     classes for half inputs (80 and 160 in float32), otherwise 16 MiB of logits (with a float32 copy).
     ``needs``: (dX, dW) wanted.
     """
-    from memkernels.ops.linear_cross_entropy import recompute_chunk_tokens, recompute_tile_classes
+    from memkernels.fusions.loss.linear_cross_entropy import recompute_chunk_tokens, recompute_tile_classes
     e = torch.finfo(dtype).bits // 8
     half = dtype != torch.float32
     n, h, v = n_tokens, hidden_size, n_classes
@@ -208,8 +208,8 @@ def _reference_row_bytes(rows, n_tokens, n_classes, cols, dtype, whole_rows):
     measured on meta (the reference walks three row blocks there, whatever the rows)."""
     key = (rows, n_tokens, n_classes, cols, dtype, whole_rows)
     if key not in _row_bytes:
-        from memkernels.ops._loss import make_config
-        from memkernels.reference import cross_entropy as reference
+        from memkernels.fusions.loss.common import make_config
+        from memkernels.fusions.loss import reference
         cfg = make_config(n_classes, -100, 0.0, 0.0, 0.0, None)
         scale = torch.ones((), dtype=torch.float32, device="meta")
         figures = []

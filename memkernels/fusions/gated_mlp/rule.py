@@ -41,8 +41,8 @@ def _gated_mlp_formula_blocker(module):
 
 
 def _probe_gated_mlp(module):
-    from memkernels.nn.mlp import gated_activation, gated_mlp_parts
-    from memkernels.reference.act_linear import activation
+    from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_parts
+    from memkernels.fusions.common.act_linear_reference import activation
 
     gate, up, _, act = gated_mlp_parts(module)
     hidden, width = 5, 7
@@ -103,7 +103,7 @@ def _experts_blocker(module):
     [E, H, I] Parameters, gate first, no bias, not transposed: Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, OLMoE
     and the others built on transformers' ``use_experts_implementation``), the default gating
     act(gate) * up with a SiLU or GELU activation."""
-    from memkernels.nn.mlp import gated_activation
+    from memkernels.fusions.gated_mlp.module import gated_activation
 
     layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
               "has_post_expert_norm": False, "_is_expert_parallel": False}
@@ -145,7 +145,7 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     expert (stable), projected by one grouped GEMM, down-projected by another, weighted, put back in
     token order and summed over the k choices (in the weights' dtype, then the input's, as
     transformers' grouped_mm path does)."""
-    from memkernels.ops.grouped_gated_linear import grouped_gated_linear, grouped_mm
+    from memkernels.fusions.gated_mlp.grouped import grouped_gated_linear, grouped_mm
 
     tokens, top_k = top_k_index.shape
     count = experts.gate_up_proj.shape[0]
@@ -164,7 +164,7 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
 
 
 def _patch_experts(module):
-    from memkernels.nn.mlp import gated_activation
+    from memkernels.fusions.gated_mlp.module import gated_activation
 
     switch_class(module, _FusedExperts)
     module._memkernels_gated_activation = gated_activation(module.act_fn)
@@ -180,17 +180,17 @@ class _FusedGatedMLPForward:
 def can_recompute_gated_mlp(module):
     """Whether ``module`` is a gated MLP apply() fused whose projections gated_mlp_recompute can read itself
     (plain, hook-free nn.Linear: LoRA or hooked ones keep the saving variant, which calls them as modules)."""
-    from memkernels.nn.mlp import gated_mlp_parts
+    from memkernels.fusions.gated_mlp.module import gated_mlp_parts
 
     return isinstance(module, _FusedGatedMLPForward) and gated_mlp_multipliers(module)[0] == 1.0 and all(
         p is None or plain_reason(p, (nn.Linear,), "projection") is None for p in gated_mlp_parts(module)[:3])
 
 
 def patched_gated_mlp_forward(mlp, x, recompute=None):
-    """The forward of a gated MLP apply() fused: :func:`memkernels.nn.mlp.gated_mlp_forward` on its projections,
+    """The forward of a gated MLP apply() fused: :func:`memkernels.fusions.gated_mlp.module.gated_mlp_forward` on its projections,
     recomputing in backward when ``recompute`` (default: as apply() set it) and the projections allow it; its own
     forward where a LoRA state changed after apply() makes down_proj unfusable."""
-    from memkernels.nn.mlp import gated_mlp_forward, gated_mlp_parts
+    from memkernels.fusions.gated_mlp.module import gated_mlp_forward, gated_mlp_parts
 
     gate_proj, up_proj, down_proj, _ = gated_mlp_parts(mlp)
     gate_multiplier, down_multiplier = gated_mlp_multipliers(mlp)
@@ -202,7 +202,7 @@ def patched_gated_mlp_forward(mlp, x, recompute=None):
 
 def _patch_gated_mlp(module, recompute):
     """Switch ``module`` to its fused subclass; returns the mode shown in the report."""
-    from memkernels.nn.mlp import gated_activation, gated_mlp_parts
+    from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_parts
 
     switch_class(module, _FusedGatedMLPForward)
     module._memkernels_gated_activation = gated_activation(gated_mlp_parts(module)[3])
@@ -241,7 +241,7 @@ class GatedMLPRule(Rule):
                 and not isinstance(module, _FusedGatedMLPForward))  # patched by an earlier apply()
 
     def blocker(self, module):
-        from memkernels.nn.mlp import gated_activation, gated_mlp_parts, lora_down
+        from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_parts, lora_down
 
         gate, up, down, act = gated_mlp_parts(module)
         down_parts = lora_down(down)

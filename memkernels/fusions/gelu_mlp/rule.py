@@ -4,9 +4,9 @@ the vision towers' fc1/fc2 MLPs (:data:`FC_MLPS`) → their own class with ``gel
 projection."""
 from torch import nn
 
+from memkernels.fusions.gated_mlp.module import gated_activation
 from memkernels.fusions.rule import Rule, missing_op, plain_reason, set_child, switch_class
 from memkernels.models import MLP
-from memkernels.nn.mlp import gated_activation
 
 
 def _conv1d():
@@ -16,7 +16,7 @@ def _conv1d():
 
 def gelu_approximation(act):
     """'none' / 'tanh' (nn.GELU's ``approximate``) for a GELU activation module, None for anything else; read
-    from the one table of activation modules (:func:`memkernels.nn.mlp.gated_activation`)."""
+    from the one table of activation modules (:func:`memkernels.fusions.gated_mlp.module.gated_activation`)."""
     return {"gelu": "none", "gelu_tanh": "tanh"}.get(gated_activation(act))
 
 
@@ -28,7 +28,7 @@ class _FusedGPT2MLP:
     """
 
     def forward(self, hidden_states):
-        from memkernels.ops.gelu_linear import gelu_linear
+        from memkernels.fusions.gelu_mlp.op import gelu_linear
         h = self.c_fc(hidden_states)
         out = gelu_linear(h, self.c_proj.weight.t(), self.c_proj.bias, approximate=self._memkernels_gelu)
         return self.dropout(out)
@@ -38,7 +38,7 @@ class _FusedFcMLP:
     """A vision tower's MLP (fc1 → GELU activation_fn → fc2: SigLIP's, CLIP's) with gelu_linear for fc2."""
 
     def forward(self, hidden_states):
-        from memkernels.ops.gelu_linear import gelu_linear
+        from memkernels.fusions.gelu_mlp.op import gelu_linear
         h = self.fc1(hidden_states)
         return gelu_linear(h, self.fc2.weight, self.fc2.bias, approximate=self._memkernels_gelu)
 
@@ -52,7 +52,7 @@ class _FusedBertLayer:
     """BERT's feed-forward (intermediate.dense → GELU → output.dense → dropout → LayerNorm(+x)) fused."""
 
     def feed_forward_chunk(self, attention_output):
-        from memkernels.ops.gelu_linear import gelu_linear
+        from memkernels.fusions.gelu_mlp.op import gelu_linear
         h = self.intermediate.dense(attention_output)
         out = gelu_linear(h, self.output.dense.weight, self.output.dense.bias, approximate=self._memkernels_gelu)
         return self.output.LayerNorm(self.output.dropout(out) + attention_output)
@@ -69,8 +69,8 @@ class _GeluMLPRule(Rule):
 
     def require(self):
         try:
-            import memkernels.nn.mlp  # noqa: F401 (FusedMLP)
-            import memkernels.ops.gelu_linear  # noqa: F401 (the subclasses' forwards call it)
+            import memkernels.fusions.gelu_mlp.module  # noqa: F401 (FusedMLP)
+            import memkernels.fusions.gelu_mlp.op  # noqa: F401 (the subclasses' forwards call it)
         except ImportError as error:
             raise missing_op(self.option, error) from error
 
@@ -89,7 +89,7 @@ class MLPRule(_GeluMLPRule):
         return plain_reason(module.fc1, (nn.Linear,), "fc1") or plain_reason(module.fc2, (nn.Linear,), "fc2")
 
     def swap(self, model, name, module, settings):
-        from memkernels.nn.mlp import FusedMLP
+        from memkernels.fusions.gelu_mlp.module import FusedMLP
 
         approximate = gelu_approximation(module.act)
         set_child(model, name, FusedMLP.from_modules(module.fc1, nn.GELU(approximate=approximate), module.fc2))

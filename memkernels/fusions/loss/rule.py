@@ -71,7 +71,7 @@ class CausalLMLoss(nn.Module):
     strategy = "auto"
 
     def forward(self, hidden, weight, targets, bias=None, softcap=None, num_items_in_batch=None):
-        from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+        from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy
         reduction = "mean" if num_items_in_batch is None else "sum"
         loss = linear_cross_entropy(hidden, weight, targets, bias=bias, ignore_index=-100, reduction=reduction,
                                     softcap=softcap, strategy=self.strategy)
@@ -230,7 +230,7 @@ _LOSS_NOTE = ("the fused loss runs when the model is called with labels in train
 
 def _require_loss(option):
     try:
-        import memkernels.ops.linear_cross_entropy  # noqa: F401 (CausalLMLoss calls it)
+        import memkernels.fusions.loss.linear_cross_entropy  # noqa: F401 (CausalLMLoss calls it)
     except ImportError as error:
         raise missing_op(option, error) from error
 

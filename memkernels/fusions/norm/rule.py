@@ -25,7 +25,7 @@ NORM_FORMULAS = {
 def _norm_kind(module):
     """Whether ``module`` is a norm apply() considers: torch's own, or a class named ...RMSNorm or
     ...LayerNorm (not memkernels' own: fused already)."""
-    from memkernels.nn.norms import FusedLayerNorm, FusedRMSNorm
+    from memkernels.fusions.norm.module import FusedLayerNorm, FusedRMSNorm
 
     name = type(module).__name__.lower()
     return type(module) in (nn.LayerNorm, nn.RMSNorm) or (
@@ -149,11 +149,11 @@ class NormRule(Rule):
 
     def require(self):
         try:
-            import memkernels.nn.norms  # noqa: F401
+            import memkernels.fusions.norm.module  # noqa: F401
         except ImportError as error:
             raise missing_op(self.option, error) from error
 
     def swap(self, model, name, module, settings):
-        from memkernels.nn.norms import FusedLayerNorm, FusedRMSNorm
+        from memkernels.fusions.norm.module import FusedLayerNorm, FusedRMSNorm
 
         set_child(model, name, _fused_norm(module, FusedLayerNorm, FusedRMSNorm))

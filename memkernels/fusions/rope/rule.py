@@ -64,7 +64,7 @@ def _find_rope_site(cls):
 def _probe_rope(function):
     """True when ``function(q, k, cos, sin)`` computes ``x * cos + rotate_half(x) * sin`` for q and k (float64,
     random tables that are not Hugging Face's repeated halves, q as a transposed view); else why not."""
-    from memkernels.reference import rope as reference
+    from memkernels.fusions.rope import reference
 
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 5, 3, 8, generator=generator, dtype=torch.float64).transpose(1, 2)
@@ -87,7 +87,7 @@ def _probe_rope(function):
 def _fused_rope_function(original):
     """``original``'s stand-in: memkernels' rope where it takes the call, ``original`` itself elsewhere
     (other arguments, tables that need a gradient, shapes or dtypes rope does not take)."""
-    from memkernels.ops import rope as rope_op
+    from memkernels.fusions.rope import op as rope_op
 
     # Not functools.wraps: torch.compile would take the stand-in for the model module's function of that name
     # and guard on the original's closure.

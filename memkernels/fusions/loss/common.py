@@ -2,14 +2,14 @@
 
 Both losses reduce per-row terms (cross-entropy, z-loss) the same way, with PyTorch's rules
 for ``ignore_index``, class weights and ``reduction``; the per-row kernels live in
-:mod:`memkernels.ops.cross_entropy`.
+:mod:`memkernels.fusions.loss.cross_entropy`.
 """
 import math
 from typing import NamedTuple, Optional
 
 import torch
 
-from memkernels.reference import cross_entropy as reference
+from memkernels.fusions.loss import reference
 
 REDUCTIONS = ("none", "mean", "sum")
 

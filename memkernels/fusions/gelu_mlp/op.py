@@ -3,7 +3,7 @@
 Eager PyTorch keeps two F-wide tensors for backward (GELU saves x, Linear saves gelu(x)). Here
 only x is saved: the forward forms gelu(x) in one elementwise pass into a transient buffer for
 cuBLAS's GEMM and frees it; backward forms dx = (dy @ W) * gelu'(x) and gelu(x) for dW in one pass
-over dy @ W's buffer. The algorithm and its kernels are memkernels/ops/_act_linear.py's, shared
+over dy @ W's buffer. The algorithm and its kernels are memkernels/fusions/common/act_linear.py's, shared
 with gated_linear (this is its case without up); this file adds the custom ops, autograd and the
 public function.
 
@@ -19,17 +19,18 @@ import functools
 import torch
 
 from memkernels.distributed import is_dtensor
-from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import Step, bias_grad
-from memkernels.ops._custom_op import apply_op, autograd_pair
+from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.act_linear import Step, bias_grad
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair
 
 APPROXIMATIONS = ("none", "tanh")
-# gelu_linear's approximate -> the activation's name in memkernels/ops/_act_linear.py
+# gelu_linear's approximate -> the activation's name in memkernels/fusions/common/act_linear.py
 _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
 # --------------------------------------------------------------------------------------------
-# Steps: the forward and the backward, each a custom op (memkernels/ops/_custom_op.py) taking
+# Steps: the forward and the backward, each a custom op (memkernels/fusions/common/custom_op.py) taking
 # ``backend`` last, "triton" (the Triton elementwise passes) or "torch" (their PyTorch twins).
 
 
@@ -146,7 +147,7 @@ def gelu_linear(x, weight, bias=None, *, approximate="none", backend=None):
     Returns:
         [..., out_features] in x's dtype. Only x (and weight) is saved for backward. DTensors (tensor
         parallelism): x sharded over in_features with weight sharded over its columns, or x sharded over
-        tokens with a replicated weight (see ``memkernels.ops._act_linear.on_dtensors``).
+        tokens with a replicated weight (see ``memkernels.fusions.common.act_linear.on_dtensors``).
         Under ``torch.autocast`` x, weight and bias are cast to the region's dtype first, as
         ``F.linear`` casts them, and the result is in that dtype.
     """

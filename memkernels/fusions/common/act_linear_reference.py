@@ -1,9 +1,9 @@
 """The activation-linear family's elementwise passes in PyTorch: the CPU path and the readable spec.
 
 gelu_linear (``F.linear(gelu(x), W, b)``) and gated_linear (``F.linear(act(gate) * up, W, b)``) run
-one algorithm (memkernels/ops/_act_linear.py): every GEMM in the BLAS, and around each one a single
+one algorithm (memkernels/fusions/common/act_linear.py): every GEMM in the BLAS, and around each one a single
 elementwise pass over the I-wide operands. These are those passes for ``backend="torch"``; the
-Triton kernels of memkernels/ops/_act_linear.py compute the same thing in one launch each.
+Triton kernels of memkernels/fusions/common/act_linear.py compute the same thing in one launch each.
 
 - :func:`product`: ``c = act(gate) * up`` (``act(gate)`` without up), in float32, cast once.
 - :func:`product_backward`: from ``grad`` = dL/dc, ``d_gate = grad * up * act'(gate)`` and

@@ -3,7 +3,7 @@
 Eager PyTorch keeps four I-wide tensors per token for a gated MLP's backward: gate, act(gate), up and
 the product. Here only gate and up are saved: the product is formed in one elementwise pass into a
 transient buffer for cuBLAS's GEMM and freed, and backward forms it again over dy @ W's buffer once
-that has given d_gate and d_up (memkernels/ops/_act_linear.py, shared with gelu_linear):
+that has given d_gate and d_up (memkernels/fusions/common/act_linear.py, shared with gelu_linear):
 
 - forward: c = act(gate) * up; y = c @ W.T (+ b)                   one pass, then cuBLAS
 - backward: g = dy @ W; d_gate = g * up * act'(gate), d_up = g * act(gate), c over g; dW = dy.T @ c
@@ -21,15 +21,16 @@ import torch
 import torch.nn.functional as F
 
 from memkernels.distributed import is_dtensor
-from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import Step, bias_grad
-from memkernels.ops._custom_op import apply_op, autograd_pair
-from memkernels.ops._half_gemm import addmm_float32_
-from memkernels.reference.act_linear import ACTIVATIONS
+from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.act_linear import Step, bias_grad
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair
+from memkernels.fusions.common.half_gemm import addmm_float32_
+from memkernels.fusions.common.act_linear_reference import ACTIVATIONS
 
 
 # --------------------------------------------------------------------------------------------
-# Steps (memkernels/ops/_custom_op.py, as in gelu_linear): the whole forward and the backward, each a
+# Steps (memkernels/fusions/common/custom_op.py, as in gelu_linear): the whole forward and the backward, each a
 # custom op; the last argument, ``backend``, picks the Triton elementwise passes or their PyTorch twins.
 
 
@@ -344,7 +345,7 @@ def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, ac
         tensor argument is cast to the region's dtype first, as ``F.linear`` casts its own. DTensors (tensor
         parallelism): gate and up sharded over I with weight sharded over its columns (colwise then rowwise:
         partial sums), or sharded over tokens with a replicated weight
-        (``memkernels.ops._act_linear.on_dtensors``); not the packed form.
+        (``memkernels.fusions.common.act_linear.on_dtensors``); not the packed form.
     """
     if any(is_dtensor(t) for t in (gate, up, weight, bias, gate_up)):
         return _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend)
@@ -354,7 +355,7 @@ def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, ac
 
 
 def _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend):
-    """gated_linear on DTensors (tensor parallelism): see :func:`memkernels.ops._act_linear.on_dtensors`."""
+    """gated_linear on DTensors (tensor parallelism): see :func:`memkernels.fusions.common.act_linear.on_dtensors`."""
     owner = "gated_linear"
     if gate_up is not None:
         raise ValueError(f"{owner}: the packed gate_up= form takes no DTensor (a shard of gate_up is not a shard of "

@@ -3,12 +3,12 @@
 What reinforcement-learning fine-tuning (GRPO, PPO, DPO) takes from the policy: ``log p(target)`` per
 token, and often the entropy ``-sum p log p`` for a bonus or a log. Trainers build the logits, a float32
 log-softmax and gather; at 65k tokens x a 128k vocabulary that is tens of GB. Here (the math is spelled out
-in :mod:`memkernels.reference.logprobs`, the PyTorch twin of the kernel below):
+in :mod:`memkernels.fusions.loss.logprobs_reference`, the PyTorch twin of the kernel below):
 
 - forward: token chunks; per chunk one cuBLAS GEMM gives its (r, V) logits and one kernel launch reduces
   each row to (max, log-sum[, entropy]), the log-prob and the entropy. Held for backward: those row
   statistics, 8 bytes a token (12 with the entropy), plus references to the inputs;
-- backward: vocabulary tiles (:func:`memkernels.ops.linear_cross_entropy.tiled_head_backward`, shared with
+- backward: vocabulary tiles (:func:`memkernels.fusions.loss.linear_cross_entropy.tiled_head_backward`, shared with
   ``linear_cross_entropy(strategy="recompute")``): each tile's logits are recomputed, turned into their
   gradient in place, ``d z = g_logp (onehot - p) - g_H p (log p + H)``, and feed the dX (float32
   accumulation) and dW GEMMs.
@@ -27,15 +27,15 @@ import triton.language as tl
 
 from memkernels import aot
 from memkernels._backend import resolve
-from memkernels.ops import _autocast
-from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.ops._device_guard import on_tensor_device
-from memkernels.ops._host import next_power_of_2
-from memkernels.ops.cross_entropy import cast_rne, tanh_fp32
-from memkernels.ops.linear_cross_entropy import (head_logits, recompute_chunk_tokens, recompute_tile_classes,
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
+from memkernels.fusions.common.device_guard import on_tensor_device
+from memkernels.fusions.common.host import next_power_of_2
+from memkernels.fusions.loss.cross_entropy import cast_rne, tanh_fp32
+from memkernels.fusions.loss.linear_cross_entropy import (head_logits, recompute_chunk_tokens, recompute_tile_classes,
                                                  tiled_head_backward, validate_head)
-from memkernels.reference import logprobs as reference
-from memkernels.reference.cross_entropy import check_targets
+from memkernels.fusions.loss import logprobs_reference as reference
+from memkernels.fusions.loss.reference import check_targets
 
 _OP = "linear_logprobs"
 # Widest vocabulary block one program holds in registers at a time.
@@ -240,7 +240,7 @@ def _launch(logits, target, stats, cfg, *, logp=None, entropy=None, metrics=None
 
 
 def stats_rows_triton(logits, target, cfg, *, grad=None, grad_logp=None, grad_entropy=None):
-    """Triton twin of :func:`memkernels.reference.logprobs.stats_rows` (same contract)."""
+    """Triton twin of :func:`memkernels.fusions.loss.logprobs_reference.stats_rows` (same contract)."""
     n_rows = logits.shape[0]
     logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if cfg.with_entropy else None
@@ -252,7 +252,7 @@ def stats_rows_triton(logits, target, cfg, *, grad=None, grad_logp=None, grad_en
 
 
 def grad_cols_triton(logits, target, stats, cfg, grad, grad_logp, grad_entropy, *, col_offset=0):
-    """Triton twin of :func:`memkernels.reference.logprobs.grad_cols` (same contract)."""
+    """Triton twin of :func:`memkernels.fusions.loss.logprobs_reference.grad_cols` (same contract)."""
     _launch(logits, target, stats, cfg, grad=grad, grad_logp=grad_logp, grad_entropy=grad_entropy,
             col_offset=col_offset)
 
@@ -421,7 +421,7 @@ def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softc
         return_metrics: also return a :class:`LogprobMetrics` (is the target the argmax, mean logit, log sum p^2),
             computed in the forward's pass over each row (no extra GEMM), without gradient.
         chunk_size: tokens per forward chunk (and the backward's tile of classes holds as many logits);
-            default: linear_cross_entropy's "recompute" sizes (see :mod:`memkernels.ops.linear_cross_entropy`).
+            default: linear_cross_entropy's "recompute" sizes (see :mod:`memkernels.fusions.loss.linear_cross_entropy`).
         ignore_index: tokens with this target give 0 (log-prob and entropy) and no gradient.
     Returns:
         logp, float32 of ``target``'s shape; ``(logp, entropy)`` with ``return_entropy``; the metrics last with

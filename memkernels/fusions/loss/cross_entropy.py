@@ -2,7 +2,7 @@
 
 The math (label smoothing exactly as PyTorch defines it, with class weights,
 soft-cap ``c * tanh(x / c)``, z-loss ``z * lse**2``) is spelled out in
-:mod:`memkernels.reference.cross_entropy`, the pure-PyTorch twin of the kernel
+:mod:`memkernels.fusions.loss.reference`, the pure-PyTorch twin of the kernel
 below; both implement the same two primitives (``loss_rows`` / ``grad_rows``)
 that the memory-lean algorithms here and in ``linear_cross_entropy`` build on.
 
@@ -42,15 +42,15 @@ import triton.language as tl
 
 from memkernels import aot
 from memkernels.distributed import is_dtensor, shard_offset
-from memkernels.ops._device_guard import on_tensor_device
-from memkernels.ops._host import next_power_of_2
+from memkernels.fusions.common.device_guard import on_tensor_device
+from memkernels.fusions.common.host import next_power_of_2
 from memkernels._backend import resolve
-from memkernels.ops import _autocast
-from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
+from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
                                    grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
-from memkernels.reference import cross_entropy as reference
-from memkernels.reference.cross_entropy import finish_rows, row_blocks
+from memkernels.fusions.loss import reference
+from memkernels.fusions.loss.reference import finish_rows, row_blocks
 
 # Widest vocabulary block one program holds in registers at a time.
 MAX_BLOCK_V = 4096
@@ -326,7 +326,7 @@ aot.register(_cross_entropy_kernel, name="cross_entropy", variants=_aot_variants
 
 
 def loss_rows_triton(logits, target, cfg, *, grad=None, loss_scale=None, z_scale=None, predicted=None):
-    """Triton twin of :func:`memkernels.reference.cross_entropy.loss_rows` (same contract)."""
+    """Triton twin of :func:`memkernels.fusions.loss.reference.loss_rows` (same contract)."""
     n_rows = logits.shape[0]
     ce = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
     lse = torch.empty(n_rows, 2, dtype=torch.float32, device=logits.device)
@@ -337,7 +337,7 @@ def loss_rows_triton(logits, target, cfg, *, grad=None, loss_scale=None, z_scale
 
 
 def grad_rows_triton(logits, target, lse, cfg, grad, loss_scale, z_scale, *, col_offset=0):
-    """Triton twin of :func:`memkernels.reference.cross_entropy.grad_rows` (same contract)."""
+    """Triton twin of :func:`memkernels.fusions.loss.reference.grad_rows` (same contract)."""
     _launch(logits, target, cfg, lse=lse, loss=None, z=None, grad=grad, loss_scale=loss_scale, z_scale=z_scale,
             col_offset=col_offset, compute_loss=False)
 
@@ -389,7 +389,7 @@ def partial_rows(logits, target, cfg, col_offset):
 
 def combine_rows(local_max, sums, target, cfg, group):
     """Every rank's :func:`partial_rows` into each row's (ce, z-term or None, lse parts (R, 2) float32), as
-    :func:`memkernels.reference.cross_entropy.loss_rows` gives them for the whole vocabulary: two all-reduces."""
+    :func:`memkernels.fusions.loss.reference.loss_rows` gives them for the whole vocabulary: two all-reduces."""
     row_max = local_max.clone()
     dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
     shift = torch.where(row_max == float("-inf"), 0.0, row_max)

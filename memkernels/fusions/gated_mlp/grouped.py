@@ -23,10 +23,11 @@ import functools
 
 import torch
 
-from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import Step, resolve_backend
-from memkernels.ops._custom_op import apply_op, autograd_pair
-from memkernels.ops.gated_linear import check_activation, halves
+from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.act_linear import Step, resolve_backend
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair
+from memkernels.fusions.gated_mlp.op import check_activation, halves
 
 
 # --------------------------------------------------------------------------------------------
@@ -69,7 +70,7 @@ def grouped_mm(a, b, offsets):
 
 
 # --------------------------------------------------------------------------------------------
-# Steps: the forward and the backward, each a custom op (memkernels/ops/_custom_op.py)
+# Steps: the forward and the backward, each a custom op (memkernels/fusions/common/custom_op.py)
 
 
 def _forward(gate_up, weight, offsets, activation, backend):

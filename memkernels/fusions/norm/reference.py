@@ -1,7 +1,7 @@
 """Pure-PyTorch RMSNorm / LayerNorm with the memory contract of the Triton kernels.
 
 This is the CPU path (backend "torch") and the readable spec of
-memkernels/ops/_norm_kernels.py: the same statistics, the same rounding points
+memkernels/fusions/norm/kernels.py: the same statistics, the same rounding points
 and the same tensors kept for backward. Everything works on 2-D contiguous
 [M, H] tensors; the public functions flatten and validate.
 
@@ -96,7 +96,7 @@ def unrecoverable_columns(weight, bias, offset, casting, dtype):
     On a CUDA weight this reads K back to the host (a device sync); the custom op
     caches the result per weight state and refreshes the cache of every parameter an
     optimizer step touched with one readback for all of them
-    (memkernels.ops._norm_ops.unrecoverable_columns).
+    (memkernels.fusions.norm.op.unrecoverable_columns).
     """
     unsafe = unrecoverable_mask(weight, bias, offset, casting, dtype)
     if unsafe is None:

@@ -1,7 +1,7 @@
 """LM head + cross-entropy that never materializes the N x V logits.
 
 The matmuls go through torch (cuBLAS on a GPU); the loss and gradient of each
-logits chunk are the row kernel of :mod:`memkernels.ops.cross_entropy` (Triton,
+logits chunk are the row kernel of :mod:`memkernels.fusions.loss.cross_entropy` (Triton,
 or its PyTorch twin on the CPU path), which writes the gradient into the chunk
 in place, so a chunk costs one buffer.
 
@@ -12,7 +12,7 @@ Strategies:
   CPU: by blocks of classes summed in float64, see :func:`_hidden_grad`),
   ``dW`` (and ``dB``) accumulate in float32 whatever the input dtype: per chunk one
   cuBLAS GEMM with a float32 result per part of the accumulator (half operands,
-  float32 accumulation: :mod:`memkernels.ops._half_gemm`; no V x H temporary, no
+  float32 accumulation: :mod:`memkernels.fusions.common.half_gemm`; no V x H temporary, no
   separate add pass). What is held until backward —
   ``dX`` (N x H, input dtype), the float32 ``dW`` accumulator (V x H, 4 bytes per
   element) and float64 ``dB`` (V, summed across chunks without a rounding per
@@ -35,7 +35,7 @@ Strategies:
   inputs with a bias through a float32 tile, so that ``dB`` sums unrounded values),
   and writes ``dW[tile]`` with a single GEMM over all tokens (so ``dW`` needs no
   float32 accumulator), accumulating ``dX`` in float32 (half operands, float32
-  accumulation: :mod:`memkernels.ops._half_gemm`).
+  accumulation: :mod:`memkernels.fusions.common.half_gemm`).
 - ``"auto"`` (:func:`pick_strategy`): ``"recompute"`` where ``"chunked"`` cannot serve
   (no gradient needed, or ``reduction="none"``); otherwise the faster of the two by
   the GPU audit's cost model, where ``"chunked"``'s memory fits on the device;
@@ -94,16 +94,16 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels.ops._device_guard import on_tensor_device
+from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels._backend import resolve
-from memkernels.ops import _autocast
-from memkernels.ops._host import cdiv
-from memkernels.ops._half_gemm import addmm_float32_
-from memkernels.ops._loss import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.host import cdiv
+from memkernels.fusions.common.half_gemm import addmm_float32_
+from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
                                    grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
-from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.distributed import dtensor_class, is_dtensor, shard_offset, sharded_along
-from memkernels.ops.cross_entropy import (cast_rne, partial_rows, predict_rows, predicted_buffer, row_kernels,
+from memkernels.fusions.loss.cross_entropy import (cast_rne, partial_rows, predict_rows, predicted_buffer, row_kernels,
                                            vocab_shard_loss)
 
 
@@ -270,7 +270,7 @@ def _weight_grad_parts(front, rest):
 def _accumulate_weight_grad(front, rest, grad_rows, hidden_rows):
     """accumulator += grad_rows.T @ hidden_rows in float32: one cuBLAS GEMM with a float32 result per part of the
     accumulator (one for float32, two for half inputs), on operands in the input dtype (half: tensor cores,
-    float32 accumulation; :mod:`memkernels.ops._half_gemm`). grad_rows (R, V), hidden_rows (R, H)."""
+    float32 accumulation; :mod:`memkernels.fusions.common.half_gemm`). grad_rows (R, V), hidden_rows (R, H)."""
     for part, start in _weight_grad_parts(front, rest):
         addmm_float32_(part, grad_rows[:, start:start + part.shape[0]].t(), hidden_rows)
 
@@ -455,7 +455,7 @@ def tiled_head_backward(hidden, weight, bias, cols_per_tile, needs, write_tile_g
     (N, c; classes [start, start + c)) into ``grad_tile`` (``logits`` itself, or a float32 tile for half
     inputs with a bias gradient). Returns (dX, dW, dB) in the inputs' dtype, None where not needed:
     dW[tile] is one GEMM over all tokens (no float32 accumulator); dX accumulates in float32 over the tiles
-    (half operands, float32 accumulation: :mod:`memkernels.ops._half_gemm`); dB sums in float64.
+    (half operands, float32 accumulation: :mod:`memkernels.fusions.common.half_gemm`); dB sums in float64.
     """
     needs_hidden, needs_weight, needs_bias = needs
     half = hidden.dtype != torch.float32
@@ -643,7 +643,7 @@ _ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, 
 
 class _VocabParallelFunction(torch.autograd.Function):
     """hidden (N, H) (this rank's copy, the same on every rank), weight (V/tp, H) and bias (V/tp,) or None (this
-    rank's classes) -> (loss, z-term, predictions) as :func:`memkernels.ops.linear_cross_entropy.linear_cross_entropy`
+    rank's classes) -> (loss, z-term, predictions) as :func:`memkernels.fusions.loss.linear_cross_entropy.linear_cross_entropy`
     gives them; dX is this rank's share of the sum over the ranks."""
 
     @staticmethod
@@ -701,7 +701,7 @@ def _head_layout(weight, bias):
 
 
 def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, predict):
-    """The loss of :func:`memkernels.ops.linear_cross_entropy.linear_cross_entropy` for a DTensor ``weight``
+    """The loss of :func:`memkernels.fusions.loss.linear_cross_entropy.linear_cross_entropy` for a DTensor ``weight``
     sharded over its classes. ``hidden`` (N, H): a plain tensor (the same on every rank, as the replicated input
     of a ColwiseParallel head) or a DTensor (redistributed to Replicate first: one all-gather where it is
     sharded over tokens). ``target`` (N,) plain. Returns (loss, z-term, predictions), plain tensors,
@@ -849,7 +849,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             and gradient are NaN instead (any reduction is NaN; check targets yourself when in doubt).
         class_weight: optional (V,) per-class loss weights (PyTorch's ``weight``).
         label_smoothing, reduction, softcap, z_loss, return_z_loss, return_token_accuracy,
-        return_predicted_tokens: as in :func:`memkernels.ops.cross_entropy.cross_entropy`; the
+        return_predicted_tokens: as in :func:`memkernels.fusions.loss.cross_entropy.cross_entropy`; the
             predictions come from each chunk's logits in the loss's pass (no extra GEMM).
         strategy: "auto", "chunked" or "recompute" (see the module docstring).
         chunk_size: tokens per logits chunk; default: as many as fit the transient budget (16 MiB;

@@ -1,4 +1,4 @@
-"""The device guard every Triton launcher in memkernels/ops wears.
+"""The device guard every Triton launcher in memkernels/fusions wears.
 
 A Triton launch runs on the *current* CUDA device and its current stream, not on the device of
 its tensors: with ``cuda:0`` current, a kernel given tensors on ``cuda:1`` would launch on the

@@ -15,12 +15,12 @@ where a norm's kernels take 10-100 us of GPU time: on the H200 a FusedRMSNorm st
 at 4-6x eager's step (docs/gpu-runs.md). The Function runs the same implementation directly, and
 the buffers it allocates pass through the dispatcher where memory meters and profilers see them,
 which a custom op's insides do not. Both follow the op's autocast policy
-(:mod:`memkernels.ops._autocast`): the op at its autocast dispatch key, the Function through
-:func:`memkernels.ops._autocast.call`.
+(:mod:`memkernels.fusions.common.autocast`): the op at its autocast dispatch key, the Function through
+:func:`memkernels.fusions.common.autocast.call`.
 """
 import torch
 
-from memkernels.ops import _autocast
+from memkernels.fusions.common import autocast as _autocast
 
 
 def custom_op(name, impl, fake, mutates_args=(), schema=None):

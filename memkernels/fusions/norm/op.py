@@ -1,4 +1,4 @@
-"""RMSNorm / LayerNorm as torch.library custom ops with their autograd (memkernels/ops/_custom_op.py).
+"""RMSNorm / LayerNorm as torch.library custom ops with their autograd (memkernels/fusions/common/custom_op.py).
 
 ``memkernels::norm_fwd`` and ``memkernels::norm_bwd`` (and
 ``memkernels::norm_bwd_into_dy``, the opt-in in-place backward) are opaque to
@@ -9,10 +9,10 @@ op's dispatch (host time; see _custom_op). Either way the saved tensors go
 through ``ctx.save_for_backward``, where saved_tensors_hooks (memkernels.runtime.meters,
 activation offload) see them.
 
-Each op runs the Triton kernels (memkernels/ops/_norm_kernels.py) or the
-PyTorch reference (memkernels/reference/_norm.py), as chosen by
+Each op runs the Triton kernels (memkernels/fusions/norm/kernels.py) or the
+PyTorch reference (memkernels/fusions/norm/reference.py), as chosen by
 memkernels._backend.resolve in the public function. The public functions live
-in memkernels/ops/rms_norm.py and memkernels/ops/layer_norm.py.
+in memkernels/fusions/norm/rms_norm.py and memkernels/fusions/norm/layer_norm.py.
 """
 import functools
 import math
@@ -25,12 +25,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from memkernels import _backend
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
-from memkernels.ops import _autocast
-from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.reference import _norm as reference
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
+from memkernels.fusions.norm import reference
 
 try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
-    from memkernels.ops import _norm_kernels  # noqa: F401
+    from memkernels.fusions.norm import kernels as _norm_kernels  # noqa: F401
 except ImportError:
     pass
 
@@ -39,7 +39,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _implementation(backend):
     if backend == "triton":
-        from memkernels.ops import _norm_kernels
+        from memkernels.fusions.norm import kernels as _norm_kernels
         return _norm_kernels
     return reference
 

@@ -23,7 +23,7 @@ Where c would exceed ``TRANSIENT_BYTES``, the forward runs in row chunks of at l
 each chunk's result final, so that no GEMM falls below the sizes cuBLAS runs efficiently.
 
 The elementwise passes are the Triton kernels below (``backend="triton"``) or their PyTorch
-twins in memkernels/reference/act_linear.py (``backend="torch"``): one algorithm on both paths,
+twins in memkernels/fusions/common/act_linear_reference.py (``backend="torch"``): one algorithm on both paths,
 so the CPU tests check what runs on the GPU.
 
 File order: activation math → kernels → launchers → the algorithm → custom-op steps.
@@ -38,10 +38,10 @@ import triton.language as tl
 from memkernels import aot
 from memkernels._backend import resolve, triton_interpreted
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
-from memkernels.ops._custom_op import custom_op
-from memkernels.ops._device_guard import on_tensor_device
-from memkernels.ops._host import cdiv, next_power_of_2
-from memkernels.reference import act_linear as reference
+from memkernels.fusions.common.custom_op import custom_op
+from memkernels.fusions.common.device_guard import on_tensor_device
+from memkernels.fusions.common.host import cdiv, next_power_of_2
+from memkernels.fusions.common import act_linear_reference as reference
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -221,7 +221,7 @@ def resolve_backend(backend, like, owner, what="the input"):
 
 
 # --------------------------------------------------------------------------------------------
-# Launchers: the Triton twins of memkernels.reference.act_linear's passes (same contracts).
+# Launchers: the Triton twins of memkernels.fusions.common.act_linear_reference's passes (same contracts).
 
 
 def _unit_columns(tensor):
@@ -423,7 +423,7 @@ def on_dtensors(owner, operands, weight, bias, run_local):
 
 
 # --------------------------------------------------------------------------------------------
-# Custom-op steps (memkernels/ops/_custom_op.py): the whole forward, and the backward, each a custom
+# Custom-op steps (memkernels/fusions/common/custom_op.py): the whole forward, and the backward, each a custom
 # op for torch.compile whose implementation the eager autograd.Function twin calls directly.
 
 

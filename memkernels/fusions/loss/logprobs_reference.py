@@ -1,5 +1,5 @@
 """Pure-PyTorch per-token log-probabilities and entropy over row blocks: the CPU path and the readable spec
-of :mod:`memkernels.ops.linear_logprobs`' kernel.
+of :mod:`memkernels.fusions.loss.linear_logprobs`' kernel.
 
 Per token with raw logits ``x`` (V classes), target ``t``, soft-cap ``c`` and temperature ``T``::
 
@@ -12,7 +12,7 @@ Per token with raw logits ``x`` (V classes), target ``t``, soft-cap ``c`` and te
     d H    / d z_j = -p_j (log p_j + H)
     dz/dx  = (1 - tanh(x / c)**2) / T
 
-Two primitives, as for cross-entropy (:mod:`memkernels.reference.cross_entropy`), on which the memory-lean
+Two primitives, as for cross-entropy (:mod:`memkernels.fusions.loss.reference`), on which the memory-lean
 algorithm is written once for both backends:
 
 - :func:`stats_rows` — per-row log-prob, entropy and statistics ``(max, log-sum[, entropy])`` of full rows;
@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from memkernels.reference.cross_entropy import finish_rows, row_blocks
+from memkernels.fusions.loss.reference import finish_rows, row_blocks
 
 
 class LogprobConfig(NamedTuple):

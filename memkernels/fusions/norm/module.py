@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from memkernels.distributed import is_dtensor
-from memkernels.ops._norm_ops import normalize
+from memkernels.fusions.norm.op import normalize
 
 
 class _FusedNorm(nn.Module):

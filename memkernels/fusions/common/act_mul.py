@@ -8,8 +8,8 @@ Here the product is one elementwise pass and backward recomputes act(a) from a, 
 - forward:  c = act(a) * b                       fp32 math, rounded once to a's dtype
 - backward: da = dc * b * act'(a), db = dc * act(a)  one pass reading dc, a and b
 
-The passes are the act-linear family's (memkernels/ops/_act_linear.py: Triton kernels, or their
-PyTorch twins in memkernels/reference/act_linear.py), so this op shares their AOT variants and
+The passes are the act-linear family's (memkernels/fusions/common/act_linear.py: Triton kernels, or their
+PyTorch twins in memkernels/fusions/common/act_linear_reference.py), so this op shares their AOT variants and
 their float64 tests.
 
 File order: steps → autograd → public functions.
@@ -19,11 +19,12 @@ import functools
 import torch
 
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
-from memkernels.ops import _act_linear, _autocast
-from memkernels.ops._act_linear import Step
-from memkernels.ops._custom_op import apply_op, autograd_pair
+from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.act_linear import Step
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair
 
-# gelu_mul's approximate -> the activation's name in memkernels/ops/_act_linear.py
+# gelu_mul's approximate -> the activation's name in memkernels/fusions/common/act_linear.py
 _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 

@@ -1,8 +1,8 @@
 """RMSNorm, plain and with a fused residual add.
 
-Shares its kernels, custom ops and reference with LayerNorm (see memkernels/ops/_norm_ops.py).
+Shares its kernels, custom ops and reference with LayerNorm (see memkernels/fusions/norm/op.py).
 """
-from memkernels.ops._norm_ops import normalize
+from memkernels.fusions.norm.op import normalize
 
 _MEMORY_NOTE = """
     Saved for backward (measured in tests/test_rms_norm.py): the normalized input

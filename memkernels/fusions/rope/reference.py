@@ -7,7 +7,7 @@ For a head vector x = (x1, x2) (halves of head_dim) and a position's tables cos 
     backward:  d1 = g1 * c1 + g2 * s2        d2 = g2 * c2 - g1 * s1   (the transpose, from o's gradient g)
 
 Written with both halves of the tables, so it holds for any tables (Hugging Face's repeat their halves,
-c1 = c2). memkernels/ops/rope.py's Triton kernel computes the same in one launch for q and k.
+c1 = c2). memkernels/fusions/rope/op.py's Triton kernel computes the same in one launch for q and k.
 
 Layouts: x is [batch, heads, seq, head_dim] with any strides; cos and sin are [batch or 1, seq,
 head_dim]. The result is [batch, heads, seq, head_dim] laid out as [batch, seq, heads, head_dim]

@@ -1,9 +1,9 @@
 """Triton kernels shared by RMSNorm and LayerNorm (plain and with fused residual add).
 
 One forward and one backward kernel serve both norms (IS_RMS), as in
-flash-attention's layer_norm.py; memkernels/reference/_norm.py is the spec.
+flash-attention's layer_norm.py; memkernels/fusions/norm/reference.py is the spec.
 Order: helpers → kernels → launchers. The autograd and custom-op layer is
-memkernels/ops/_norm_ops.py.
+memkernels/fusions/norm/op.py.
 
 Rows are [M, H] contiguous. A row that fits in one block is held in registers
 (the input is read once); a wider row is walked in block-sized chunks, once per
@@ -30,8 +30,8 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels.ops._device_guard import on_tensor_device
-from memkernels.ops._host import cdiv
+from memkernels.fusions.common.device_guard import on_tensor_device
+from memkernels.fusions.common.host import cdiv
 
 # Widest row chunk held in registers, and elements per warp; wider rows loop.
 # Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered

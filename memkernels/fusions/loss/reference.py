@@ -1,8 +1,8 @@
 """Pure-PyTorch cross-entropy over row blocks: the CPU path and the readable spec of the kernel.
 
 Both backends implement the same two primitives on one block of logits, and the
-memory-lean algorithms in ``memkernels.ops.cross_entropy`` and
-``memkernels.ops.linear_cross_entropy`` are written once on top of them:
+memory-lean algorithms in ``memkernels.fusions.loss.cross_entropy`` and
+``memkernels.fusions.loss.linear_cross_entropy`` are written once on top of them:
 
 - :func:`loss_rows` — per-row cross-entropy, z-term and logsumexp of a block of
   full rows; optionally also the gradient, written into a given buffer (which may
@@ -44,7 +44,7 @@ BLOCK_ELEMENTS = 2**20
 
 def row_blocks(logits):
     """Row slices of ``logits`` (R, V), each of at most BLOCK_ELEMENTS logits (one row at least): the blocks the
-    references walk (cross-entropy's and :mod:`memkernels.reference.logprobs`'); on meta three of them."""
+    references walk (cross-entropy's and :mod:`memkernels.fusions.loss.logprobs_reference`'); on meta three of them."""
     n_rows, n_cols = logits.shape
     rows = max(1, BLOCK_ELEMENTS // max(n_cols, 1))
     blocks = [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]

@@ -1,105 +1,7 @@
-"""Drop-in modules for GeLU→Linear, the GPT/BERT MLP and gated (SwiGLU / GeGLU) MLPs that never store
-the activated tensor."""
+"""Drop-in gated (SwiGLU / GeGLU) MLP that never stores act(gate) * up, and the one forward it shares with the
+gated MLPs ``memkernels.apply`` fuses."""
 import torch
 from torch import nn
-
-from memkernels.ops.gelu_linear import APPROXIMATIONS, gelu_linear
-
-
-def _check_approximate(approximate, owner):
-    if approximate not in APPROXIMATIONS:
-        raise ValueError(f"{owner}: approximate={approximate!r} is not supported; use 'none' or 'tanh'")
-
-
-class GeLULinear(nn.Module):
-    """``Linear(GELU(x))`` in one fused op that saves only its input for backward.
-
-    Parameters, their names, initialization and state_dict are nn.Linear's
-    (``weight`` [out_features, in_features], ``bias`` [out_features]), so a Linear's
-    checkpoint loads unchanged. It is deliberately not an nn.Linear subclass: tools that
-    swap every nn.Linear by type (adapters, quantizers) would silently drop the GeLU.
-
-    Shapes: [..., in_features] -> [..., out_features]; float32, float16 or bfloat16.
-    """
-
-    def __init__(self, in_features, out_features, bias=True, approximate="none", device=None, dtype=None):
-        super().__init__()
-        _check_approximate(approximate, "GeLULinear")
-        self.in_features = in_features
-        self.out_features = out_features
-        self.approximate = approximate
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
-        if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype))
-        else:
-            self.register_parameter("bias", None)
-        self.reset_parameters()
-
-    def reset_parameters(self):
-        """nn.Linear's initialization, so a new GeLULinear starts like a new Linear."""
-        nn.Linear.reset_parameters(self)
-
-    @classmethod
-    def from_linear(cls, linear, approximate="none"):
-        """A GeLULinear computing ``linear(gelu(x))`` that shares ``linear``'s parameters."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"GeLULinear.from_linear: linear must be an nn.Linear, got {type(linear).__name__}")
-        module = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                     approximate=approximate, device="meta")
-        module.weight = linear.weight
-        module.bias = linear.bias
-        return module
-
-    def forward(self, x):
-        return gelu_linear(x, self.weight, self.bias, approximate=self.approximate)
-
-    def extra_repr(self):
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, approximate={self.approximate!r}")
-
-
-class FusedMLP(nn.Module):
-    """``fc2(gelu(fc1(x)))`` that saves only x and the pre-activation h for backward.
-
-    fc1 is a plain nn.Linear (it saves x); fc2 is a :class:`GeLULinear` (it saves h and
-    recomputes gelu(h) in backward). Eager PyTorch would also keep gelu(h), a second
-    [tokens, hidden_features] tensor.
-
-    Shapes: [..., in_features] -> [..., out_features] (out_features defaults to in_features).
-    """
-
-    def __init__(self, in_features, hidden_features, out_features=None, bias=True, approximate="none",
-                 device=None, dtype=None):
-        super().__init__()
-        _check_approximate(approximate, "FusedMLP")
-        out_features = in_features if out_features is None else out_features
-        self.fc1 = nn.Linear(in_features, hidden_features, bias=bias, device=device, dtype=dtype)
-        self.fc2 = GeLULinear(hidden_features, out_features, bias=bias, approximate=approximate,
-                              device=device, dtype=dtype)
-
-    @classmethod
-    def from_modules(cls, fc1, act, fc2):
-        """Convert an existing ``fc1 → GELU → fc2`` MLP, sharing its parameters (no copies).
-
-        ``act`` must be an nn.GELU; its ``approximate`` is kept.
-        """
-        if not isinstance(act, nn.GELU):
-            raise TypeError(f"FusedMLP.from_modules: act must be an nn.GELU, got {type(act).__name__}; "
-                            "only a GeLU activation can be fused")
-        for name, module in (("fc1", fc1), ("fc2", fc2)):
-            if not isinstance(module, nn.Linear):
-                raise TypeError(f"FusedMLP.from_modules: {name} must be an nn.Linear, got {type(module).__name__}")
-        if fc1.out_features != fc2.in_features:
-            raise ValueError(f"FusedMLP.from_modules: fc1.out_features={fc1.out_features} does not match "
-                             f"fc2.in_features={fc2.in_features}")
-        mlp = cls(fc1.in_features, fc1.out_features, fc2.out_features, approximate=act.approximate,
-                  device="meta")
-        mlp.fc1 = fc1
-        mlp.fc2 = GeLULinear.from_linear(fc2, approximate=act.approximate)
-        return mlp
-
-    def forward(self, x):
-        return self.fc2(self.fc1(x))
 
 
 # Activation modules of gated MLPs -> gated_linear's activation name (Hugging Face's ACT2FN classes
@@ -172,7 +74,7 @@ def gated_mlp_forward(x, gate_proj, up_proj, down_proj, activation, *, recompute
     unfused computation or raises.
     """
     from memkernels.distributed import is_dtensor
-    from memkernels.ops.gated_linear import gated_linear, gated_mlp_recompute
+    from memkernels.fusions.gated_mlp.op import gated_linear, gated_mlp_recompute
 
     if recompute and gate_multiplier == 1.0 and not is_dtensor(down_proj.weight) and all(
             p is None or type(p) is nn.Linear for p in (gate_proj, up_proj, down_proj)):
@@ -211,7 +113,7 @@ def _tensor_parallel_down(down, operands, activation, down_multiplier):
     from torch.distributed.tensor import Shard
 
     from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
-    from memkernels.ops.gated_linear import gated_linear
+    from memkernels.fusions.gated_mlp.op import gated_linear
 
     mesh, features = down.weight.device_mesh, down.weight.shape[1]
 
@@ -234,7 +136,7 @@ class FusedGatedMLP(nn.Module):
     product, 4*I). With ``recompute=True`` it saves only x, which the caller keeps anyway (the
     norm's output), and recomputes gate and up in backward: 0 new bytes, two more GEMMs; over
     more than 8,192 tokens it runs in token chunks, so backward holds one chunk's I-wide tensors
-    (:func:`~memkernels.ops.gated_linear.gated_mlp_recompute`).
+    (:func:`~memkernels.fusions.gated_mlp.op.gated_mlp_recompute`).
 
     Parameters are Hugging Face's: ``gate_proj``, ``up_proj``, ``down_proj`` nn.Linear modules
     (``packed=True``: one ``gate_up_proj`` [2*I, H] whose first half is gate, Phi-3's layout), so
@@ -250,7 +152,7 @@ class FusedGatedMLP(nn.Module):
     def __init__(self, hidden_size, intermediate_size, *, activation="silu", bias=False, recompute=False,
                  packed=False, gate_multiplier=1.0, down_multiplier=1.0, device=None, dtype=None):
         super().__init__()
-        from memkernels.ops.gated_linear import check_activation
+        from memkernels.fusions.gated_mlp.op import check_activation
         check_activation(activation, "FusedGatedMLP")
         if recompute and gate_multiplier != 1.0:
             raise ValueError(f"FusedGatedMLP: recompute=True forms gate inside gated_mlp_recompute, so it cannot scale "

@@ -1,8 +1,8 @@
 """nn.Module drop-ins for the memory-lean cross-entropy ops."""
 import torch
 
-from memkernels.ops.cross_entropy import cross_entropy
-from memkernels.ops.linear_cross_entropy import linear_cross_entropy
+from memkernels.fusions.loss.cross_entropy import cross_entropy
+from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy
 
 
 class ChunkedCrossEntropyLoss(torch.nn.Module):
@@ -10,11 +10,11 @@ class ChunkedCrossEntropyLoss(torch.nn.Module):
 
     "Chunked" over the vocabulary: on the GPU each row's program walks V in blocks with an
     online logsumexp (no temporaries); on the CPU path rows go in blocks of at most
-    ``memkernels.reference.cross_entropy.BLOCK_ELEMENTS`` logits. Either way the forward
+    ``memkernels.fusions.loss.reference.BLOCK_ELEMENTS`` logits. Either way the forward
     holds 8 bytes per row and the backward allocates only the gradient it returns.
 
     forward(logits (..., V), target (...)) -> float32 loss; options as
-    :func:`memkernels.ops.cross_entropy.cross_entropy` (``weight`` is a buffer).
+    :func:`memkernels.fusions.loss.cross_entropy.cross_entropy` (``weight`` is a buffer).
     """
 
     def __init__(self, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None,
@@ -35,7 +35,7 @@ class LinearCrossEntropyLoss(torch.nn.Module):
     """LM head + cross-entropy that never materializes the logits.
 
     forward(hidden (..., H), weight (V, H), target (...), bias=None) -> float32 loss; options as
-    :func:`memkernels.ops.linear_cross_entropy.linear_cross_entropy` (``class_weight`` is a buffer).
+    :func:`memkernels.fusions.loss.linear_cross_entropy.linear_cross_entropy` (``class_weight`` is a buffer).
     """
 
     def __init__(self, class_weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean", softcap=None,

@@ -10,7 +10,7 @@ q and k are not saved there either); one pair per model forward, shared by every
 - forward:  q_out = rot(q), k_out = rot(k)               one launch; fp32 math, rounded once
 - backward: dq = rotᵀ(dq_out), dk = rotᵀ(dk_out)          one launch
 
-The math is memkernels/reference/rope.py's (the ``backend="torch"`` path). Outputs and gradients are
+The math is memkernels/fusions/rope/reference.py's (the ``backend="torch"`` path). Outputs and gradients are
 laid out as [batch, seq, heads, head_dim] (viewed as [batch, heads, seq, head_dim]): the layout of
 a q_proj output, so attention reads them as Hugging Face's, and the gradients reach q_proj with no
 copy.
@@ -23,11 +23,11 @@ import triton.language as tl
 
 from memkernels import aot
 from memkernels._backend import resolve, triton_interpreted
-from memkernels.ops import _autocast
-from memkernels.ops._custom_op import apply_op, autograd_pair, custom_op
-from memkernels.ops._device_guard import on_tensor_device
-from memkernels.ops._host import next_power_of_2
-from memkernels.reference import rope as reference
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
+from memkernels.fusions.common.device_guard import on_tensor_device
+from memkernels.fusions.common.host import next_power_of_2
+from memkernels.fusions.rope import reference
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Elements of one [heads, head_dim / 2] tile: x1, x2 and their results in fp32 at 4 warps take 76-114
@@ -164,7 +164,7 @@ aot.register(_rope_kernel, name="rope", variants=_aot_variants())
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops (memkernels/ops/_custom_op.py): the forward and the backward, each taking ``backend`` last.
+# Custom ops (memkernels/fusions/common/custom_op.py): the forward and the backward, each taking ``backend`` last.
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
