@@ -17,7 +17,9 @@ class Rule:
     ``kind``: the kind's name (a plan's and a test's word for it). ``option``: the ``apply()`` argument that switches
     it on (``"norms"``, ``"mlp"``, ``"loss"``, ``"rope"``). A rule recognizes a module (:meth:`matches`), says why a
     module it recognizes stays as it is (:meth:`blocker`: a reason, or None), imports what its swap needs before any
-    module changes (:meth:`require`) and swaps (:meth:`swap`).
+    module changes (:meth:`require`) and swaps (:meth:`swap`). A rule asked of the model as a whole
+    (``memkernels.fusions.apply.MODEL_RULES``: a causal LM's loss is its forward's) finds its module with
+    ``locate(model)`` instead of :meth:`matches`.
     """
 
     kind = None
