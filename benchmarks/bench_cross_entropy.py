@@ -17,8 +17,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy, pick_strategy
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 
 CONFIGS = [
     (4096, 1024, 32000, torch.float32),

@@ -32,8 +32,8 @@ from torch import nn
 
 import memkernels
 from memkernels._backend import resolve
-from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.fusions.gated_mlp.module import FusedGatedMLP
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 
 TARGET_VS_EAGER = 0.50
 TARGET_VS_LIGER = 0.67

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from memkernels._backend import resolve
-from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.fusions.gelu_mlp.module import FusedMLP
 from memkernels.fusions.gelu_mlp.op import gelu_linear
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 
 TARGET_SAVED_RATIO = 0.55
 

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from memkernels.functional import linear_logprobs
-from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.fusions.loss.logprobs_reference import eager_linear_logprobs
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 
 TEMPERATURE = 0.7
 ENTROPY_BONUS = 0.01

@@ -27,9 +27,9 @@ if not os.environ.get("TRITON_INTERPRET"):
 import torch  # noqa: E402
 
 import memkernels  # noqa: E402
-from memkernels.meters import SavedBytesMeter  # noqa: E402
-from memkernels.fusions.rope.op import rope  # noqa: E402
 from memkernels.fusions.rope import reference  # noqa: E402
+from memkernels.fusions.rope.op import rope  # noqa: E402
+from memkernels.meters import SavedBytesMeter  # noqa: E402
 
 
 eager_rope = reference.eager  # Hugging Face's apply_rotary_pos_emb, op for op

@@ -85,8 +85,8 @@ except ImportError:  # main() says so; tests/test_bench_step.py skips
 
 import memkernels  # noqa: E402
 from memkernels._backend import get_backend, set_backend  # noqa: E402
-from memkernels.meters import PeakBytesMeter, SavedBytesMeter  # noqa: E402
 from memkernels.audit import gpu_audit  # noqa: E402
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter  # noqa: E402
 
 try:
     import pytest

@@ -90,8 +90,8 @@ def run_report(args):
     import torch
 
     from memkernels._backend import get_backend, resolve
-    from memkernels.planning.estimate import MARGIN_TEXT, breakdown_chart, estimate, estimate_table
     from memkernels.models import TransformerLM, load_config, synthetic_batch
+    from memkernels.planning.estimate import MARGIN_TEXT, breakdown_chart, estimate, estimate_table
     from memkernels.planning.evaluate import compare_steps
     from memkernels.runtime.sizes import format_size
 
@@ -218,8 +218,8 @@ def run_estimate(args):
 
 
 def _add_report(subparsers):
-    from memkernels.planning.estimate import DTYPES
     from memkernels.models import BUILTIN_CONFIGS
+    from memkernels.planning.estimate import DTYPES
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
     report = subparsers.add_parser(
@@ -249,8 +249,8 @@ def _add_report(subparsers):
 
 
 def _add_estimate(subparsers):
-    from memkernels.planning.estimate import DTYPES, OPTIMIZERS
     from memkernels.models import BUILTIN_CONFIGS
+    from memkernels.planning.estimate import DTYPES, OPTIMIZERS
 
     models = ", ".join(name for name in BUILTIN_CONFIGS if not name.startswith("tiny-"))
     est = subparsers.add_parser("estimate", help="per-GPU memory of a training run, and what makes it fit")

@@ -1,12 +1,12 @@
 """Functional API: the fused ops of memkernels/fusions (Triton on CUDA, PyTorch reference elsewhere)."""
-from memkernels.fusions.loss.common import CrossEntropyOutput
 from memkernels.fusions.common.act_mul import gelu_mul, silu_mul
-from memkernels.fusions.loss.cross_entropy import cross_entropy
 from memkernels.fusions.gated_mlp.op import gated_linear, gated_mlp_recompute
 from memkernels.fusions.gelu_mlp.op import gelu_linear
-from memkernels.fusions.norm.layer_norm import add_layer_norm, layer_norm
+from memkernels.fusions.loss.common import CrossEntropyOutput
+from memkernels.fusions.loss.cross_entropy import cross_entropy
 from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy
 from memkernels.fusions.loss.linear_logprobs import linear_logprobs
+from memkernels.fusions.norm.layer_norm import add_layer_norm, layer_norm
 from memkernels.fusions.norm.rms_norm import add_rms_norm, rms_norm
 from memkernels.fusions.rope.op import rope
 

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from memkernels.functional import gelu_mul, silu_mul
-from memkernels.meters import SavedBytesMeter
 from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 pytest.importorskip("triton")

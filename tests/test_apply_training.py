@@ -21,10 +21,10 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from memkernels.fusions.loss import rule as loss_rule  # noqa: E402
-from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
 from memkernels.fusions.apply import apply
+from memkernels.fusions.loss import rule as loss_rule  # noqa: E402
 from memkernels.fusions.loss.rule import CAUSAL_LM_HEADS  # noqa: E402
+from memkernels.models import ModelConfig, TransformerLM  # noqa: E402
 from test_patch import (COMMON, VOCAB, _batch, assert_patched_parity, _gemma, _gemma3, _gemma4,  # noqa: E402
                         _gpt2, _llama, _loss_and_grads, _olmo2, _phi3, _qwen2, _qwen3, _qwen3_5)
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memkernels.fusions.loss.cross_entropy import cross_entropy
 from memkernels.fusions.gelu_mlp.op import gelu_linear
-from memkernels.fusions.norm.layer_norm import layer_norm
+from memkernels.fusions.loss.cross_entropy import cross_entropy
 from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy
+from memkernels.fusions.norm.layer_norm import layer_norm
 from memkernels.fusions.norm.rms_norm import rms_norm
 from memkernels.testing import check_against_reference
 

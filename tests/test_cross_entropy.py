@@ -5,10 +5,10 @@ import triton
 import triton.language as tl
 
 import memkernels
-from memkernels.meters import SavedBytesMeter
-from memkernels.fusions.loss.module import ChunkedCrossEntropyLoss
 from memkernels.fusions.loss.cross_entropy import cast_rne, cross_entropy
+from memkernels.fusions.loss.module import ChunkedCrossEntropyLoss
 from memkernels.fusions.loss.reference import eager_cross_entropy
+from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 from backends import triton_device, use_backend
@@ -294,8 +294,8 @@ def test_cpu_path_works_in_row_blocks(monkeypatch, option_name):
     """The reference (CPU) path's float32 temporaries stay within a few row blocks, whatever N: the
     forward allocates no N x V tensor, the backward only the gradient it returns; same numbers as one
     block."""
-    from memkernels.meters import PeakBytesMeter
     from memkernels.fusions.loss import reference
+    from memkernels.meters import PeakBytesMeter
 
     memkernels.set_backend("torch")
     try:
@@ -332,8 +332,8 @@ def test_meta_walks_two_row_blocks_with_the_cpu_peak(monkeypatch, option_name):
     """On meta the reference path runs only its first two and last row blocks (a plan's meta measurement
     of a 128k vocabulary took 43 s per step walking all of them): the forward and backward peaks
     equal the CPU's walking all 20, and so do the counted FLOPs."""
-    from memkernels.meters import PeakBytesMeter
     from memkernels.fusions.loss import reference
+    from memkernels.meters import PeakBytesMeter
     from memkernels.planning.placement import flop_counter
 
     memkernels.set_backend("torch")

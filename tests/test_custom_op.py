@@ -12,16 +12,16 @@ import torch
 from torch.autograd.function import _is_setup_context_defined
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memkernels.fusions.norm import op as _norm_ops
 from memkernels.fusions.common import act_mul as act_mul_module
+from memkernels.fusions.gated_mlp import op as gated_module
+from memkernels.fusions.gated_mlp import grouped as grouped_module
+from memkernels.fusions.gated_mlp.op import gated_linear
+from memkernels.fusions.gelu_mlp import op as gelu_module
+from memkernels.fusions.gelu_mlp.op import gelu_linear
 from memkernels.fusions.loss import cross_entropy as cross_entropy_module
 from memkernels.fusions.loss import linear_cross_entropy as lce_module
-from memkernels.fusions.gated_mlp import op as gated_module
-from memkernels.fusions.gelu_mlp import op as gelu_module
-from memkernels.fusions.gated_mlp import grouped as grouped_module
 from memkernels.fusions.loss.cross_entropy import cross_entropy
-from memkernels.fusions.gated_mlp.op import gated_linear
-from memkernels.fusions.gelu_mlp.op import gelu_linear
+from memkernels.fusions.norm import op as _norm_ops
 from memkernels.fusions.norm.layer_norm import add_layer_norm
 from memkernels.fusions.norm.rms_norm import rms_norm
 

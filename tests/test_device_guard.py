@@ -89,9 +89,9 @@ def test_the_guard_makes_the_tensor_device_current(current_device):
 
 def test_the_real_launchers_carry_the_guard():
     from memkernels.fusions.common import act_linear as _act_linear
-    from memkernels.fusions.norm import kernels as _norm_kernels
     from memkernels.fusions.loss import cross_entropy
     from memkernels.fusions.loss import linear_cross_entropy
+    from memkernels.fusions.norm import kernels as _norm_kernels
 
     for launcher in (_norm_kernels.norm_forward, _norm_kernels.norm_backward, cross_entropy._launch,
                      _act_linear._product_triton, _act_linear._product_backward_triton,

@@ -9,8 +9,8 @@ import pytest
 import pluggable_standin
 from conftest import SIM_SYNC_TIMEOUT_S
 from memkernels import _C, allocator, device
-from memkernels.forensics import replay as trace_replay
 from memkernels.device import sim
+from memkernels.forensics import replay as trace_replay
 
 pytestmark = pytest.mark.cpp
 

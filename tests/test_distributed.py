@@ -366,8 +366,8 @@ def _vocab_parallel(rank, backend):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     import memkernels
-    from memkernels.meters import SavedBytesMeter
     from memkernels.fusions.loss import linear_cross_entropy as lce
+    from memkernels.meters import SavedBytesMeter
 
     memkernels.set_backend(backend)
     torch.manual_seed(1234)

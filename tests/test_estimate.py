@@ -12,9 +12,9 @@ import math
 import pytest
 import torch
 
-from memkernels.planning.estimate import estimate
 from memkernels.meters import SavedBytesMeter
 from memkernels.models import BUILTIN_CONFIGS, ModelConfig, TransformerLM, load_config, synthetic_batch
+from memkernels.planning.estimate import estimate
 from moe_cases import qwen3_moe_config
 
 # Published parameter counts (model cards / HF safetensors index totals).
@@ -112,8 +112,8 @@ def _measured_cpu_step_peak(config, batch, seq, checkpointing=False):
     """Peak bytes a real fp32 CPU training step (forward and backward) allocates above its start;
     ``checkpointing``: every layer recomputed as a plan applies it (``memkernels.apply(model, plan)``)."""
     from memkernels.meters import PeakBytesMeter
-    from memkernels.planning.placement import OPTION_BY_NAME
     from memkernels.planning.apply_plan import apply_placement
+    from memkernels.planning.placement import OPTION_BY_NAME
     torch.manual_seed(0)
     model = TransformerLM(config)
     if checkpointing:

@@ -8,8 +8,8 @@ from conftest import simulated_device
 from recorded_traces import TRACE_DIR, TRACES, needs_traces
 
 from memkernels import _C, allocator, device
-from memkernels.forensics import replay as trace_replay
 from memkernels.device import sim
+from memkernels.forensics import replay as trace_replay
 
 pytestmark = pytest.mark.cpp
 

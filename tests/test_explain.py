@@ -11,9 +11,9 @@ import pickle
 import pytest
 
 from memkernels import explain
-from memkernels.forensics.replay import load_trace, trace_ops
 from memkernels.cli import main
 from memkernels.forensics.explain import POLICIES, load_snapshot, user_frame
+from memkernels.forensics.replay import load_trace, trace_ops
 
 MiB = 1 << 20
 SEG_A, SEG_B = 0x7F0000000000, 0x7F0002000000

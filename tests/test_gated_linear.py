@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.fusions.gated_mlp.module import FusedGatedMLP
 from memkernels.fusions.common import act_linear as _act_linear
 from memkernels.fusions.gated_mlp import op as gated_module
+from memkernels.fusions.gated_mlp.module import FusedGatedMLP
 from memkernels.fusions.gated_mlp.op import gated_linear, gated_mlp_recompute
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 from act_gemm_cases import compile_recording_ops, gemm_sum_lengths, step_log

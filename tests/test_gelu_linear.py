@@ -7,10 +7,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import memkernels
-from memkernels.meters import SavedBytesMeter
-from memkernels.fusions.gelu_mlp.module import FusedMLP, GeLULinear
 from memkernels.fusions.gelu_mlp import op as gelu_module
+from memkernels.fusions.gelu_mlp.module import FusedMLP, GeLULinear
 from memkernels.fusions.gelu_mlp.op import gelu_linear
+from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 from act_gemm_cases import compile_recording_ops, gemm_sum_lengths, step_log

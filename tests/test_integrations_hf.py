@@ -6,8 +6,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from memkernels.integrations import MemoryCallback  # noqa: E402
 from memkernels.forensics.monitor import COLUMNS, MemoryMonitor  # noqa: E402
+from memkernels.integrations import MemoryCallback  # noqa: E402
 
 STEPS = 3
 

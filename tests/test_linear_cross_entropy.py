@@ -4,11 +4,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memkernels
-from memkernels.meters import PeakBytesMeter, SavedBytesMeter
-from memkernels.fusions.loss.module import LinearCrossEntropyLoss
 from memkernels.fusions.loss import linear_cross_entropy as lce
 from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy, pick_strategy
+from memkernels.fusions.loss.module import LinearCrossEntropyLoss
 from memkernels.fusions.loss.reference import eager_cross_entropy
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 from backends import triton_device

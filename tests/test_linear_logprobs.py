@@ -4,10 +4,10 @@ import torch
 
 import memkernels
 from memkernels.functional import linear_logprobs
-from memkernels.meters import SavedBytesMeter
 from memkernels.fusions.loss import linear_cross_entropy as lce
 from memkernels.fusions.loss import linear_logprobs as llp
 from memkernels.fusions.loss.logprobs_reference import eager_linear_logprobs
+from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 from backends import triton_device

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from memkernels.meters import SavedBytesMeter
 from memkernels.fusions.gated_mlp.grouped import grouped_gated_linear, grouped_mm
+from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 transformers = pytest.importorskip("transformers")

@@ -12,11 +12,11 @@ from conftest import SIM_SYNC_TIMEOUT_S
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memkernels import MemoryMonitor
+from memkernels.forensics.explain import counterfactuals
+from memkernels.forensics.monitor import COLUMNS, SCALARS, PoolStats, TorchCudaStats
 from memkernels.forensics.replay import load_trace
 from memkernels.meters import PeakBytesMeter
 from memkernels.models import BUILTIN_CONFIGS, TransformerLM, synthetic_batch
-from memkernels.forensics.explain import counterfactuals
-from memkernels.forensics.monitor import COLUMNS, SCALARS, PoolStats, TorchCudaStats
 from memkernels.runtime.sizes import format_size
 
 MiB = 1 << 20

@@ -24,8 +24,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 datasets = pytest.importorskip("datasets")
 
-from memkernels.fusions.loss import rule as loss_rule  # noqa: E402
 from memkernels.fusions.apply import apply  # noqa: E402
+from memkernels.fusions.loss import rule as loss_rule  # noqa: E402
 from test_patch import VOCAB, _assert_parity, _gemma, _llama, _loss_and_grads, _qwen2  # noqa: E402
 
 FAMILIES = {"llama": _llama, "qwen2": _qwen2, "gemma": _gemma}

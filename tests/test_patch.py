@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from memkernels.models import ModelConfig, TransformerLM
 from memkernels.fusions.apply import apply
+from memkernels.models import ModelConfig, TransformerLM
 from memkernels.runtime.ledger import activation_ledger
 
 transformers = pytest.importorskip("transformers")

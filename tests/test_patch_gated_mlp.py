@@ -210,8 +210,8 @@ def test_lora_dropout_on_down_proj_is_left_alone():
 
 
 def test_fused_gated_mlp_computes_a_lora_adapter_on_its_down_proj():
-    """FusedGatedMLP and the MLPs apply() fuses run one forward (memkernels.fusions.gated_mlp.module.gated_mlp_forward). FusedGatedMLP
-    had a twin of it that read a peft LoRA down_proj's base weight and dropped the adapter without a word; now the
+    """FusedGatedMLP and the MLPs apply() fuses run one forward (memkernels.fusions.gated_mlp.module's
+    gated_mlp_forward). FusedGatedMLP had a twin of it that read a peft LoRA down_proj's base weight and dropped the adapter without a word; now the
     adapter is its own gated_linear, and one that cannot be fused (LoRA dropout) raises naming why."""
     from memkernels.nn import FusedGatedMLP
 

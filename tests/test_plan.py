@@ -19,9 +19,10 @@ from conftest import SIM_SYNC_TIMEOUT_S
 from moe_cases import qwen3_moe_config
 
 import memkernels
-from memkernels.planning.estimate import QLORA_BYTES_PER_PARAM, ModelSource, estimate, lora_parameters, model_state_bytes
 from memkernels.meters import PeakBytesMeter
 from memkernels.planning import apply_plan as plan_apply
+from memkernels.planning.estimate import (QLORA_BYTES_PER_PARAM, ModelSource, estimate, lora_parameters,
+                                          model_state_bytes)
 from memkernels.planning.placement import OPTION_BY_NAME, flop_counter
 from memkernels.planning.plan import place, plan
 

@@ -3,10 +3,10 @@ through the interpreter without a GPU), and its contract: layout, saved bytes, e
 import pytest
 import torch
 
-from memkernels.meters import SavedBytesMeter
 from memkernels.fusions.rope import op as rope_module
-from memkernels.fusions.rope.op import rope
 from memkernels.fusions.rope import reference
+from memkernels.fusions.rope.op import rope
+from memkernels.meters import SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 pytest.importorskip("triton")

@@ -2,7 +2,7 @@
 import pytest
 
 from memkernels.runtime.sizes import (MAX_DEVICE_BYTES, MIN_DEVICE_BYTES, SizeError, format_size, parse_count,
-                                    parse_device_size, parse_size)
+                                      parse_device_size, parse_size)
 
 GiB = 2**30
 

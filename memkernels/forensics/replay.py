@@ -13,8 +13,8 @@ import statistics
 import sys
 import textwrap
 
-from memkernels.runtime.allocator import core, pool_config
 from memkernels.forensics._torch_policy import ModelOutOfMemory, TorchExpandablePolicyModel, TorchPolicyModel
+from memkernels.runtime.allocator import core, pool_config
 from memkernels.runtime.sizes import format_size
 
 # With no capacity given, the pool's own virtual device has this much memory (it never refuses)...

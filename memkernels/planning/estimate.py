@@ -57,8 +57,7 @@ import math
 import torch
 from torch import nn
 
-from memkernels.models import (TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config,
-                               translate_hf_config)
+from memkernels.models import (TRANSLATED_MODEL_TYPES, TransformerLM, hf_config_dict, load_config, translate_hf_config)
 from memkernels.planning import placement
 from memkernels.runtime.ledger import ledger_forward
 from memkernels.runtime.sizes import format_size, text_table

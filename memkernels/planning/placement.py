@@ -57,11 +57,11 @@ import numpy as np
 import torch
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
-from memkernels.runtime.meters import PeakBytesMeter
-from memkernels.runtime.offload import OffloadActivations
-from memkernels.runtime.ledger import FlashAttentionOnMeta
 from memkernels.planning import apply_plan as plan_apply
 from memkernels.planning.apply_plan import KERNELS, LOSS_STRATEGY, install_loss_strategy  # noqa: F401 (re-exported)
+from memkernels.runtime.ledger import FlashAttentionOnMeta
+from memkernels.runtime.meters import PeakBytesMeter
+from memkernels.runtime.offload import OffloadActivations
 
 __all__ = ["LayerOption", "LAYER_OPTIONS", "LayerProfile", "Placement", "measure_profile", "solve",
            "flop_counter"]
@@ -208,8 +208,8 @@ def _reference_row_bytes(rows, n_tokens, n_classes, cols, dtype, whole_rows):
     measured on meta (the reference walks three row blocks there, whatever the rows)."""
     key = (rows, n_tokens, n_classes, cols, dtype, whole_rows)
     if key not in _row_bytes:
-        from memkernels.fusions.loss.common import make_config
         from memkernels.fusions.loss import reference
+        from memkernels.fusions.loss.common import make_config
         cfg = make_config(n_classes, -100, 0.0, 0.0, 0.0, None)
         scale = torch.ones((), dtype=torch.float32, device="meta")
         figures = []

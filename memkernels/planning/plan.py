@@ -26,9 +26,9 @@ import contextvars
 import dataclasses
 import math
 
-from memkernels.planning.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, ModelSource, default_margin, layer_numel,
-                                       lora_parameters, model_state_bytes)
 from memkernels.planning import placement as placement_mod
+from memkernels.planning.estimate import (DTYPES, FINETUNE_MODES, OPTIMIZERS, ModelSource, default_margin, layer_numel,
+                                          lora_parameters, model_state_bytes)
 from memkernels.runtime.sizes import format_size, parse_count, parse_device_size, parse_size
 
 __all__ = ["plan", "place", "Plan", "Step", "machine_host_memory"]

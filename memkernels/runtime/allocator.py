@@ -440,8 +440,10 @@ def memory_summary(device=None):
         pool = stats(index)
         return _summary_from_stats(
             torch.device("cuda", index),
-            {"allocated_bytes": pool["allocated_bytes"]["current"], "reserved_bytes": pool["reserved_bytes"]["current"],
-             "peak_allocated_bytes": pool["allocated_bytes"]["peak"], "peak_reserved_bytes": pool["reserved_bytes"]["peak"]},
+            {"allocated_bytes": pool["allocated_bytes"]["current"],
+             "reserved_bytes": pool["reserved_bytes"]["current"],
+             "peak_allocated_bytes": pool["allocated_bytes"]["peak"],
+             "peak_reserved_bytes": pool["reserved_bytes"]["peak"]},
             "memkernels", pool_stats=pool)
     if not torch.cuda.is_available():
         return MemorySummary(device, False, NO_CUDA_MESSAGE)

@@ -1,4 +1,5 @@
-"""Sizes as people write them, and tables as people read them: ``80GB``, ``79.6GiB``, ``80G``, ``24000MiB``, ``4M`` tokens.
+"""Sizes as people write them (``80GB``, ``79.6GiB``, ``80G``, ``24000MiB``, ``4M`` tokens), and tables as people
+read them (:func:`text_table`).
 
 Memory sizes follow the JEDEC convention that GPU and DRAM capacities are sold
 in: ``K``/``KB``/``KiB`` = 2¹⁰, ``M``/``MB``/``MiB`` = 2²⁰, ``G``/``GB``/``GiB`` =

@@ -38,10 +38,10 @@ import triton.language as tl
 from memkernels import aot
 from memkernels._backend import resolve, triton_interpreted
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
+from memkernels.fusions.common import act_linear_reference as reference
 from memkernels.fusions.common.custom_op import custom_op
 from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels.fusions.common.host import cdiv, next_power_of_2
-from memkernels.fusions.common import act_linear_reference as reference
 
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 

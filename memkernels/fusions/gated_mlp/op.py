@@ -24,9 +24,9 @@ from memkernels.distributed import is_dtensor
 from memkernels.fusions.common import act_linear as _act_linear
 from memkernels.fusions.common import autocast as _autocast
 from memkernels.fusions.common.act_linear import Step, bias_grad
+from memkernels.fusions.common.act_linear_reference import ACTIVATIONS
 from memkernels.fusions.common.custom_op import apply_op, autograd_pair
 from memkernels.fusions.common.half_gemm import addmm_float32_
-from memkernels.fusions.common.act_linear_reference import ACTIVATIONS
 
 
 # --------------------------------------------------------------------------------------------

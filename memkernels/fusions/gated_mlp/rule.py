@@ -6,7 +6,9 @@ import torch
 from torch import nn
 
 from memkernels.distributed import layout_hooks_only, sharded_along
+from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_forward, gated_mlp_parts, lora_down
 from memkernels.fusions.rule import Rule, dtensor_reason, plain_reason, switch_class
+
 
 def _tensor_parallel_mlp(gate, up, down):
     """Whether ``parallelize_module`` split the gated MLP colwise then rowwise, as the fused forward can run it:
@@ -41,7 +43,6 @@ def _gated_mlp_formula_blocker(module):
 
 
 def _probe_gated_mlp(module):
-    from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_parts
     from memkernels.fusions.common.act_linear_reference import activation
 
     gate, up, _, act = gated_mlp_parts(module)
@@ -103,8 +104,6 @@ def _experts_blocker(module):
     [E, H, I] Parameters, gate first, no bias, not transposed: Qwen2/3-MoE, Mixtral, DeepSeek-V2/V3, OLMoE
     and the others built on transformers' ``use_experts_implementation``), the default gating
     act(gate) * up with a SiLU or GELU activation."""
-    from memkernels.fusions.gated_mlp.module import gated_activation
-
     layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
               "has_post_expert_norm": False, "_is_expert_parallel": False}
     odd = [f"{key}={getattr(module, key)}" for key, expected in layout.items()
@@ -164,8 +163,6 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
 
 
 def _patch_experts(module):
-    from memkernels.fusions.gated_mlp.module import gated_activation
-
     switch_class(module, _FusedExperts)
     module._memkernels_gated_activation = gated_activation(module.act_fn)
 
@@ -180,18 +177,14 @@ class _FusedGatedMLPForward:
 def can_recompute_gated_mlp(module):
     """Whether ``module`` is a gated MLP apply() fused whose projections gated_mlp_recompute can read itself
     (plain, hook-free nn.Linear: LoRA or hooked ones keep the saving variant, which calls them as modules)."""
-    from memkernels.fusions.gated_mlp.module import gated_mlp_parts
-
     return isinstance(module, _FusedGatedMLPForward) and gated_mlp_multipliers(module)[0] == 1.0 and all(
         p is None or plain_reason(p, (nn.Linear,), "projection") is None for p in gated_mlp_parts(module)[:3])
 
 
 def patched_gated_mlp_forward(mlp, x, recompute=None):
-    """The forward of a gated MLP apply() fused: :func:`memkernels.fusions.gated_mlp.module.gated_mlp_forward` on its projections,
-    recomputing in backward when ``recompute`` (default: as apply() set it) and the projections allow it; its own
-    forward where a LoRA state changed after apply() makes down_proj unfusable."""
-    from memkernels.fusions.gated_mlp.module import gated_mlp_forward, gated_mlp_parts
-
+    """The forward of a gated MLP apply() fused: :func:`memkernels.fusions.gated_mlp.module.gated_mlp_forward` on
+    its projections, recomputing in backward when ``recompute`` (default: as apply() set it) and the projections
+    allow it; its own forward where a LoRA state changed after apply() makes down_proj unfusable."""
     gate_proj, up_proj, down_proj, _ = gated_mlp_parts(mlp)
     gate_multiplier, down_multiplier = gated_mlp_multipliers(mlp)
     out = gated_mlp_forward(x, gate_proj, up_proj, down_proj, mlp._memkernels_gated_activation,
@@ -202,8 +195,6 @@ def patched_gated_mlp_forward(mlp, x, recompute=None):
 
 def _patch_gated_mlp(module, recompute):
     """Switch ``module`` to its fused subclass; returns the mode shown in the report."""
-    from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_parts
-
     switch_class(module, _FusedGatedMLPForward)
     module._memkernels_gated_activation = gated_activation(gated_mlp_parts(module)[3])
     module._memkernels_recompute = recompute and can_recompute_gated_mlp(module)
@@ -241,8 +232,6 @@ class GatedMLPRule(Rule):
                 and not isinstance(module, _FusedGatedMLPForward))  # patched by an earlier apply()
 
     def blocker(self, module):
-        from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_parts, lora_down
-
         gate, up, down, act = gated_mlp_parts(module)
         down_parts = lora_down(down)
         tensor_parallel = _tensor_parallel_mlp(gate, up, down)

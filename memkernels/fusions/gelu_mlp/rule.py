@@ -63,9 +63,15 @@ def _not_gelu(act):
 
 
 class _GeluMLPRule(Rule):
-    """What the GELU MLP rules share: the op they need, and the projection whose weights the fused op reads."""
+    """What the GELU MLP rules share: the op they need, and the swap of a Hugging Face MLP: its class switched to
+    ``mixin`` (whose forward calls gelu_linear) with the approximation of its activation module (:meth:`act`)."""
 
     option = "mlp"
+    mixin = None
+
+    def act(self, module):
+        """The module's GELU activation module."""
+        raise NotImplementedError
 
     def require(self):
         try:
@@ -73,6 +79,11 @@ class _GeluMLPRule(Rule):
             import memkernels.fusions.gelu_mlp.op  # noqa: F401 (the subclasses' forwards call it)
         except ImportError as error:
             raise missing_op(self.option, error) from error
+
+    def swap(self, model, name, module, settings):
+        approximate = gelu_approximation(self.act(module))
+        switch_class(module, self.mixin)
+        module._memkernels_gelu = approximate
 
 
 class MLPRule(_GeluMLPRule):
@@ -83,62 +94,61 @@ class MLPRule(_GeluMLPRule):
     def matches(self, module):
         return isinstance(module, MLP)
 
+    def act(self, module):
+        return module.act
+
     def blocker(self, module):
-        if gelu_approximation(module.act) is None:
+        if gelu_approximation(self.act(module)) is None:
             return "activation is not GELU"
         return plain_reason(module.fc1, (nn.Linear,), "fc1") or plain_reason(module.fc2, (nn.Linear,), "fc2")
 
     def swap(self, model, name, module, settings):
         from memkernels.fusions.gelu_mlp.module import FusedMLP
 
-        approximate = gelu_approximation(module.act)
+        approximate = gelu_approximation(self.act(module))
         set_child(model, name, FusedMLP.from_modules(module.fc1, nn.GELU(approximate=approximate), module.fc2))
 
 
 class GPT2MLPRule(_GeluMLPRule):
     """GPT-2's MLP: c_proj (a plain Conv1D) becomes gelu_linear's weight, transposed."""
 
-    kind = "gpt2_mlp"
+    kind, mixin = "gpt2_mlp", _FusedGPT2MLP
 
     def matches(self, module):
         return type(module).__name__ == "GPT2MLP"
 
-    def blocker(self, module):
-        return plain_reason(module.c_proj, (_conv1d(),), "c_proj") or _not_gelu(module.act)
+    def act(self, module):
+        return module.act
 
-    def swap(self, model, name, module, settings):
-        switch_class(module, _FusedGPT2MLP)
-        module._memkernels_gelu = gelu_approximation(module.act)
+    def blocker(self, module):
+        return plain_reason(module.c_proj, (_conv1d(),), "c_proj") or _not_gelu(self.act(module))
 
 
 class FcMLPRule(_GeluMLPRule):
     """A vision tower's fc1 → GELU → fc2 MLP (:data:`FC_MLPS`)."""
 
-    kind = "fc_mlp"
+    kind, mixin = "fc_mlp", _FusedFcMLP
 
     def matches(self, module):
         return type(module).__name__ in FC_MLPS and not isinstance(module, _FusedFcMLP)
 
-    def blocker(self, module):
-        return _not_gelu(getattr(module, "activation_fn", None)) or plain_reason(module.fc2, (nn.Linear,), "fc2")
+    def act(self, module):
+        return getattr(module, "activation_fn", None)
 
-    def swap(self, model, name, module, settings):
-        switch_class(module, _FusedFcMLP)
-        module._memkernels_gelu = gelu_approximation(module.activation_fn)
+    def blocker(self, module):
+        return _not_gelu(self.act(module)) or plain_reason(module.fc2, (nn.Linear,), "fc2")
 
 
 class BertFeedForwardRule(_GeluMLPRule):
     """BERT's (and RoBERTa's) layer: its feed-forward chunk with gelu_linear for output.dense."""
 
-    kind = "bert_ffn"
+    kind, mixin = "bert_ffn", _FusedBertLayer
 
     def matches(self, module):
         return type(module).__name__ in ("BertLayer", "RobertaLayer") and hasattr(module, "intermediate")
 
-    def blocker(self, module):
-        return (plain_reason(module.output.dense, (nn.Linear,), "output.dense")
-                or _not_gelu(module.intermediate.intermediate_act_fn))
+    def act(self, module):
+        return module.intermediate.intermediate_act_fn
 
-    def swap(self, model, name, module, settings):
-        switch_class(module, _FusedBertLayer)
-        module._memkernels_gelu = gelu_approximation(module.intermediate.intermediate_act_fn)
+    def blocker(self, module):
+        return plain_reason(module.output.dense, (nn.Linear,), "output.dense") or _not_gelu(self.act(module))

@@ -41,15 +41,16 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels.distributed import is_dtensor, shard_offset
-from memkernels.fusions.common.device_guard import on_tensor_device
-from memkernels.fusions.common.host import next_power_of_2
 from memkernels._backend import resolve
+from memkernels.distributed import is_dtensor, shard_offset
 from memkernels.fusions.common import autocast as _autocast
 from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
-from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
-                                   grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
+from memkernels.fusions.common.device_guard import on_tensor_device
+from memkernels.fusions.common.host import next_power_of_2
 from memkernels.fusions.loss import reference
+from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if_cpu, finish_output,
+                                            forward_grad_scales, grad_scales, make_config, reduce_rows,
+                                            reduction_denominators, validate_loss_args)
 from memkernels.fusions.loss.reference import finish_rows, row_blocks
 
 # Widest vocabulary block one program holds in registers at a time.

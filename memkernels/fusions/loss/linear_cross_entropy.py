@@ -94,17 +94,18 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels._backend import resolve
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.host import cdiv
-from memkernels.fusions.common.half_gemm import addmm_float32_
-from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if_cpu, finish_output, forward_grad_scales,
-                                   grad_scales, make_config, reduce_rows, reduction_denominators, validate_loss_args)
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.distributed import dtensor_class, is_dtensor, shard_offset, sharded_along
+from memkernels.fusions.common import autocast as _autocast
+from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
+from memkernels.fusions.common.device_guard import on_tensor_device
+from memkernels.fusions.common.half_gemm import addmm_float32_
+from memkernels.fusions.common.host import cdiv
+from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if_cpu, finish_output,
+                                            forward_grad_scales, grad_scales, make_config, reduce_rows,
+                                            reduction_denominators, validate_loss_args)
 from memkernels.fusions.loss.cross_entropy import (cast_rne, partial_rows, predict_rows, predicted_buffer, row_kernels,
-                                           vocab_shard_loss)
+                                                   vocab_shard_loss)
 
 
 @triton.jit
@@ -643,8 +644,8 @@ _ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, 
 
 class _VocabParallelFunction(torch.autograd.Function):
     """hidden (N, H) (this rank's copy, the same on every rank), weight (V/tp, H) and bias (V/tp,) or None (this
-    rank's classes) -> (loss, z-term, predictions) as :func:`memkernels.fusions.loss.linear_cross_entropy.linear_cross_entropy`
-    gives them; dX is this rank's share of the sum over the ranks."""
+    rank's classes) -> (loss, z-term, predictions) as :func:`linear_cross_entropy` gives them; dX is this rank's
+    share of the sum over the ranks."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, cfg, reduction, chunk_size, predict, col_offset, group):

@@ -31,10 +31,10 @@ from memkernels.fusions.common import autocast as _autocast
 from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels.fusions.common.host import next_power_of_2
+from memkernels.fusions.loss import logprobs_reference as reference
 from memkernels.fusions.loss.cross_entropy import cast_rne, tanh_fp32
 from memkernels.fusions.loss.linear_cross_entropy import (head_logits, recompute_chunk_tokens, recompute_tile_classes,
-                                                 tiled_head_backward, validate_head)
-from memkernels.fusions.loss import logprobs_reference as reference
+                                                          tiled_head_backward, validate_head)
 from memkernels.fusions.loss.reference import check_targets
 
 _OP = "linear_logprobs"

@@ -14,6 +14,7 @@ from memkernels.distributed import layout_hooks_only, sharded_along
 from memkernels.fusions.rule import Rule, missing_op, plain_reason, set_child, switch_class, unpatched_class
 from memkernels.models import LogitsLoss
 
+
 @dataclasses.dataclass(frozen=True)
 class LMHead:
     """What a causal LM's head does to ``hidden @ lm_head.weight.T + bias`` before the loss.
@@ -203,8 +204,8 @@ def _loss_blocker(module):
     """Why the causal LM ``module``'s loss stays its own (None when memkernels can compute it)."""
     family = type(module).__name__
     if family not in CAUSAL_LM_HEADS:
-        return (f"{family}'s head is not one memkernels knows (see memkernels.fusions.loss.rule.CAUSAL_LM_HEADS): its forward "
-                "may scale, cap or add to the loss, which the fused loss would drop; its own loss is kept")
+        return (f"{family}'s head is not one memkernels knows (see memkernels.fusions.loss.rule.CAUSAL_LM_HEADS): its "
+                "forward may scale, cap or add to the loss, which the fused loss would drop; its own loss is kept")
     return _head_reason(module.get_output_embeddings())
 
 
