@@ -112,22 +112,22 @@ def host_time_table(device, calls=300):
     """CPU time per forward + backward, issued without waiting for the GPU in the loop."""
     import time
 
-    from memkernels.fusions.gated_mlp import op as gated_module
-    from memkernels.fusions.gelu_mlp import op as gelu_module
+    from memkernels.fusions.gated_mlp.op import GATED_LINEAR
+    from memkernels.fusions.gelu_mlp.op import GELU_LINEAR
 
     backend = "triton" if device == "cuda" else "torch"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x = torch.randn(4, 16, device=device, dtype=dtype, requires_grad=True)
     up = torch.randn(4, 16, device=device, dtype=dtype, requires_grad=True)
     weight = torch.randn(8, 16, device=device, dtype=dtype, requires_grad=True)
-    gelu_op, gated_op = gelu_module._STEPS["forward"].custom_op, gated_module._STEPS["forward"].custom_op
+    gelu_op, gated_op = GELU_LINEAR.custom_op, GATED_LINEAR.custom_op
     rows = {
         "gelu_linear: custom op": lambda: gelu_op(x, weight, None, "none", backend),
-        "gelu_linear: eager twin (what runs)": lambda: gelu_module._GeLULinearFunction.apply(
+        "gelu_linear: eager twin (what runs)": lambda: GELU_LINEAR.function.apply(
             x, weight, None, "none", backend),
         "eager F.linear(F.gelu(x))": lambda: F.linear(F.gelu(x), weight),
         "gated_linear: custom op": lambda: gated_op(x, up, weight, None, "silu", backend),
-        "gated_linear: eager twin (what runs)": lambda: gated_module._GatedLinearFunction.apply(
+        "gated_linear: eager twin (what runs)": lambda: GATED_LINEAR.function.apply(
             x, up, weight, None, "silu", backend),
         "eager F.linear(F.silu(gate) * up)": lambda: F.linear(F.silu(x) * up, weight),
     }

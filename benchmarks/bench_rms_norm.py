@@ -328,7 +328,7 @@ def host_time_section(tokens, hidden, calls=200, device="cuda"):
     import triton
 
     from memkernels.fusions.norm import kernels as _norm_kernels
-    from memkernels.fusions.norm import op as _norm_ops
+    from memkernels.fusions.norm.op import NORM
 
     def wait():
         if device == "cuda":
@@ -358,9 +358,9 @@ def host_time_section(tokens, hidden, calls=200, device="cuda"):
         "empty Triton kernel launch": lambda: _empty_kernel[(1,)](x),
         "memkernels launcher (norm_forward)": lambda: _norm_kernels.norm_forward(
             x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, no_columns),
-        "custom op norm_fwd, no grad": lambda: _norm_ops.norm_fwd(
+        "custom op norm_fwd, no grad": lambda: NORM.custom_op(
             x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, False, "triton"),
-        "its eager twin, no grad": lambda: _norm_ops._NormFunction.apply(
+        "its eager twin, no grad": lambda: NORM.function.apply(
             x.detach(), None, module.weight.detach(), None, 1e-6, 0.0, True, 1, False, False, "triton"),
         "FusedRMSNorm forward, grad": lambda: module(x),
         "FusedRMSNorm forward + backward": lambda: module(x).backward(grad),

@@ -39,22 +39,41 @@ def triton_interpreted():
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def resolve(tensor, op_name):
-    """Return 'triton' or 'torch' for an op called on ``tensor``.
+def runs_triton(tensor):
+    """Whether Triton can run on ``tensor``'s device: CUDA, or the CPU under the interpreter."""
+    return tensor.device.type == "cuda" or (tensor.device.type == "cpu" and triton_interpreted())
 
-    Raises a RuntimeError naming the fix when 'triton' is forced on a tensor
-    that Triton cannot run on.
+
+def resolve(tensor, op_name, backend=None, triton_dtypes=None, what="the input"):
+    """Return 'triton' or 'torch' for the op ``op_name`` called on ``tensor`` (its first operand,
+    called ``what`` in messages): the one place every op decides.
+
+    ``backend``: the call's own choice, None (the configured one: :func:`set_backend`), "triton" or
+    "torch". ``triton_dtypes``: the dtypes the op's Triton kernels take (None: any). Raises a
+    ValueError for an unknown ``backend``, or a per-call "triton" on a device Triton cannot run on;
+    a RuntimeError naming the fix when 'triton' was forced globally there; a TypeError when the
+    Triton kernels would get a dtype they do not take.
     """
-    backend = get_backend()
-    on_cuda = tensor.device.type == "cuda"
-    if backend == "torch":
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"{op_name}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
+    if backend is None:
+        configured = get_backend()
+        if configured == "torch" or (configured == "auto" and tensor.device.type != "cuda"):
+            return "torch"
+        if not runs_triton(tensor):
+            raise RuntimeError(
+                f"memkernels.{op_name}: backend 'triton' was forced but the input is on {tensor.device}. "
+                "Triton runs CPU tensors only under its interpreter: set TRITON_INTERPRET=1 before importing "
+                "triton, or use set_backend('auto') / MEMKERNELS_BACKEND=auto to run the PyTorch reference.")
+    elif backend == "torch":
         return "torch"
-    if backend == "auto":
-        return "triton" if on_cuda else "torch"
-    if on_cuda or (tensor.device.type == "cpu" and triton_interpreted()):
-        return "triton"
-    raise RuntimeError(
-        f"memkernels.{op_name}: backend 'triton' was forced but the input is on {tensor.device}. "
-        "Triton runs CPU tensors only under its interpreter: set TRITON_INTERPRET=1 before importing "
-        "triton, or use set_backend('auto') / MEMKERNELS_BACKEND=auto to run the PyTorch reference."
-    )
+    elif not runs_triton(tensor):
+        raise ValueError(f"{op_name}: backend='triton' cannot run on {tensor.device} tensors; Triton needs CUDA (or "
+                         "CPU tensors with TRITON_INTERPRET=1 set before triton is imported); use backend='torch' "
+                         "or None")
+    if triton_dtypes is not None and tensor.dtype not in triton_dtypes:
+        names = [str(dtype).replace("torch.", "") for dtype in triton_dtypes]
+        names = " or ".join(filter(None, (", ".join(names[:-1]), names[-1])))
+        raise TypeError(f"{op_name}: {what} is {tensor.dtype}; the Triton backend takes {names} (use "
+                        "backend='torch' for other dtypes)")
+    return "triton"

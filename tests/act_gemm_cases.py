@@ -25,11 +25,11 @@ def compile_recording_ops(fn):
 
 
 @contextlib.contextmanager
-def step_log(monkeypatch, steps, matmuls=False):
-    """Yields a list that records, in order, each of ``steps``' (an op module's ``_STEPS``) runs inside
-    the block as ``(step name, backend)``, and with ``matmuls`` every aten matmul as its name, inside
-    the steps or not (the GEMMs are PyTorch's on both backends). In eager mode the ops call their
-    steps' implementations directly (memkernels/fusions/common/custom_op.py), so the record is taken there."""
+def step_log(monkeypatch, spec, matmuls=False):
+    """Yields a list that records, in order, each run of the OpSpec ``spec``'s steps inside the block as
+    ``(step name, backend)``, and with ``matmuls`` every aten matmul as its name, inside the steps or not
+    (the GEMMs are PyTorch's on both backends). In eager mode the ops call their steps' implementations
+    directly (memkernels/fusions/op_spec.py), so the record is taken there."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -41,7 +41,7 @@ def step_log(monkeypatch, steps, matmuls=False):
                 calls.append(func.__name__.split(".")[0])
             return func(*args, **(kwargs or {}))
 
-    for step in steps.values():
+    for step in spec.all_steps.values():
         def recorded(*args, _run=step.run, _name=step.name.split("::")[1]):
             calls.append((_name, args[-1]))
             return _run(*args)

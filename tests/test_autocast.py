@@ -112,7 +112,7 @@ def test_the_custom_ops_carry_the_policy_at_their_autocast_dispatch_key():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = torch.ops.memkernels.gelu_linear(x, weight, None, "none", "torch")
         loss, _, _, _ = torch.ops.memkernels.linear_cross_entropy_recompute(x, weight, target, None, None, -100,
-                                                                            0.0, 0.0, 0.0, "mean", 0, False)
+                                                                            0.0, 0.0, 0.0, "mean", 0, False, "torch")
         y = torch.ops.memkernels.norm_fwd(x.bfloat16(), None, weight[0].float(), None, 1e-6, 0.0, True, 0, False,
                                           False, "torch")[0]
         expected = F.cross_entropy(F.linear(x, weight), target)
@@ -142,9 +142,14 @@ def test_compiled_ops_follow_the_same_policy():
 
 @pytest.mark.parametrize("op", ["memkernels::norm_fwd", "memkernels::gelu_linear", "memkernels::cross_entropy",
                                 "memkernels::linear_cross_entropy_chunked",
-                                "memkernels::linear_cross_entropy_recompute"])
+                                "memkernels::linear_cross_entropy_recompute", "memkernels::linear_logprobs",
+                                "memkernels::gated_linear",
+                                "memkernels::grouped_gated_linear", "memkernels::act_mul", "memkernels::rope"])
 def test_every_forward_op_has_a_kernel_at_both_autocast_keys(op):
-    """The CUDA key cannot run here (no GPU); at least the registration that serves it must exist."""
+    """The CUDA key cannot run here (no GPU); at least the registration that serves it must exist (OpSpec makes it
+    for every op)."""
+    import memkernels.functional  # noqa: F401
+    import memkernels.fusions.gated_mlp.grouped  # noqa: F401  (the one op memkernels.functional does not import)
     for key in ("AutocastCPU", "AutocastCUDA"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(op, key), (op, key)
 

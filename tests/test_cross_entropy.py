@@ -273,10 +273,11 @@ def test_fake_impl_shapes():
         logits = torch.empty(6, 100)
         target = torch.zeros(6, dtype=torch.long)
         loss, z, lse, predicted = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1,
-                                                                     "none", True)
+                                                                     "none", True, "torch")
         assert loss.shape == (6,) and z.shape == (6,) and lse.shape == (6, 2) and loss.dtype == torch.float32
         assert predicted.shape == (6,) and predicted.dtype == torch.int64
-        *_, unasked = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1, "none", False)
+        *_, unasked = torch.ops.memkernels.cross_entropy(logits, target, None, -100, 0.0, 0.0, 0.1, "none", False,
+                                                         "torch")
         assert unasked.shape == (0,)
 
 

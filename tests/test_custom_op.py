@@ -1,4 +1,4 @@
-"""memkernels/fusions/common/custom_op.py: each op is a custom op under torch.compile and its
+"""memkernels/fusions/op_spec.py: each op is a custom op under torch.compile and its
 autograd.Function twin in eager mode, with one formula for both.
 
 The twin exists for host time (a custom op's dispatch cost ~60 us per norm forward + backward;
@@ -7,34 +7,37 @@ and equal: eager calls dispatch no memkernels op, the Functions define no separa
 (Function.apply would bind every call's arguments through inspect.signature), and the custom op's
 registered autograd gives the same gradients, bit for bit, as the twin.
 """
+import importlib
+import pkgutil
+
 import pytest
 import torch
 from torch.autograd.function import _is_setup_context_defined
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import memkernels.fusions
 from memkernels.fusions.common import act_mul as act_mul_module
-from memkernels.fusions.gated_mlp import op as gated_module
-from memkernels.fusions.gated_mlp import grouped as grouped_module
 from memkernels.fusions.gated_mlp.op import gated_linear
-from memkernels.fusions.gelu_mlp import op as gelu_module
 from memkernels.fusions.gelu_mlp.op import gelu_linear
-from memkernels.fusions.loss import cross_entropy as cross_entropy_module
-from memkernels.fusions.loss import linear_cross_entropy as lce_module
 from memkernels.fusions.loss.cross_entropy import cross_entropy
-from memkernels.fusions.norm import op as _norm_ops
 from memkernels.fusions.norm.layer_norm import add_layer_norm
+from memkernels.fusions.norm.op import NORM
 from memkernels.fusions.norm.rms_norm import rms_norm
+from memkernels.fusions.op_spec import SPECS
 
-TWINS = {
-    "norm": _norm_ops._NormFunction,
-    "cross_entropy": cross_entropy_module._CrossEntropyFunction,
-    "linear_cross_entropy recompute": lce_module._RecomputeFunction,
-    "linear_cross_entropy chunked": lce_module._ChunkedFunction,
-    "gelu_linear": gelu_module._GeLULinearFunction,
-    "gated_linear": gated_module._GatedLinearFunction,
-    "grouped_gated_linear": grouped_module._GroupedGatedLinearFunction,
-    "act_mul": act_mul_module._ActMulFunction,
-}
+for _module in pkgutil.walk_packages(memkernels.fusions.__path__, "memkernels.fusions."):  # declares every op
+    importlib.import_module(_module.name)
+TWINS = {name: spec.function for name, spec in SPECS.items()}
+
+
+def test_every_op_is_declared_through_an_op_spec():
+    """Every memkernels:: custom op is a step of an OpSpec (none registered by hand), over a floor of the
+    ops memkernels ships (a new op adds itself to SPECS)."""
+    assert {"norm", "cross_entropy", "linear_cross_entropy_recompute", "linear_cross_entropy_chunked",
+            "linear_logprobs", "gelu_linear", "gated_linear", "grouped_gated_linear", "act_mul", "rope"} <= set(SPECS)
+    registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("memkernels::")}
+    declared = {step.name for spec in SPECS.values() for step in spec.all_steps.values()}
+    assert registered == declared, f"registered outside an OpSpec: {sorted(registered - declared)}"
 
 
 @pytest.mark.parametrize("name", TWINS)
@@ -88,8 +91,8 @@ def test_the_custom_op_and_its_twin_give_the_same_gradients(memory_efficient, in
         (y * grad).sum().backward(retain_graph=True)
         return [y.detach(), residual_out.detach()] + [leaf.grad for leaf in leaves]
 
-    through_op = run(_norm_ops.norm_fwd)
-    through_twin = run(_norm_ops._NormFunction.apply)
+    through_op = run(NORM.custom_op)
+    through_twin = run(NORM.function.apply)
     for a, b in zip(through_op, through_twin):
         assert torch.equal(a, b)
 

@@ -174,7 +174,7 @@ def test_backward_computes_only_needed_grads(backend, needed, monkeypatch):
     for tensor, needs in zip((gate, up, weight, bias), needed):
         tensor.requires_grad_(needs)
     y = gated_linear(gate, up, weight, bias)
-    with step_log(monkeypatch, gated_module._STEPS, matmuls=True) as log:
+    with step_log(monkeypatch, gated_module.GATED_LINEAR, matmuls=True) as log:
         y.backward(torch.ones_like(y))
     # d_gate and d_up need dy @ W; dW needs dy.T @ c; the bias gradient is a sum: no step at all
     needs_inputs, needs_weight = needed[0] or needed[1], needed[2]
@@ -189,7 +189,7 @@ def test_recompute_runs_two_extra_gemms_not_three(backend, monkeypatch):
     module = FusedGatedMLP(16, 40, recompute=True)
     x = torch.randn(5, 16, requires_grad=True)
     y = module(x)
-    with step_log(monkeypatch, gated_module._STEPS, matmuls=True) as log:
+    with step_log(monkeypatch, gated_module.GATED_LINEAR, matmuls=True) as log:
         y.backward(torch.ones_like(y))
     assert log == ["mm", "mm",  # gate and up recomputed
                    ("gated_linear_backward", backend), "mm", "mm",  # dy @ W and dW: no forward GEMM
@@ -203,7 +203,7 @@ def test_recompute_in_chunks_runs_the_same_gemms_a_chunk(backend, monkeypatch):
     x = torch.randn(5, 16, requires_grad=True)
     weights = (module.gate_proj, module.up_proj, module.down_proj)
     y = gated_mlp_recompute(x, *_projection_arguments(weights), chunk_size=2)
-    with step_log(monkeypatch, gated_module._STEPS, matmuls=True) as log:
+    with step_log(monkeypatch, gated_module.GATED_LINEAR, matmuls=True) as log:
         y.backward(torch.ones_like(y))
     chunk = ["mm", "mm",  # gate and up recomputed
              ("gated_linear_backward_product", backend), "mm",  # dy @ W, then c over it

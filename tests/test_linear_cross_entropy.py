@@ -660,7 +660,8 @@ def test_recompute_backward_takes_a_whole_rows_logsumexp_from_the_logits_it_reco
     grads = {}
     for name, saved in (("exact", lse), ("off", off)):
         grads[name] = lce._recompute_backward_impl(torch.tensor(1.0, device=device), hidden, weight, target, bias,
-                                                   saved, None, -100, 0.0, 0.0, 0.0, "mean", 0, True, True, True)
+                                                   saved, None, -100, 0.0, 0.0, 0.0, "mean", 0, True, True, True,
+                                                   backend)
     for exact, from_off in zip(grads["exact"], grads["off"]):
         assert torch.equal(exact, from_off)
     if n_classes == 1:

@@ -215,11 +215,12 @@ def test_whole_row_backward_takes_its_statistics_from_the_logits_it_recomputes(b
     hidden = torch.randn(6, 8, device=device)
     weight = torch.randn(n_classes, 8, device=device) / 3
     target = torch.randint(0, n_classes, (6,), device=device)
-    _, _, stats, _ = llp._forward(hidden, weight, target, None, -100, 0.0, 1.0, True, False, 0)
+    _, _, stats, _ = llp._forward(hidden, weight, target, None, -100, 0.0, 1.0, True, False, 0, backend)
     off = stats.clone()
     off[:, 1:] += 1e-6
     grads = [llp._backward(torch.ones(6, device=device), torch.ones(6, device=device), hidden, weight, target, None,
-                           saved, -100, 0.0, 1.0, True, False, 0, True, True, False) for saved in (stats, off)]
+                           saved, -100, 0.0, 1.0, True, False, 0, True, True, False, backend)
+             for saved in (stats, off)]
     for exact, from_off in zip(*grads):
         assert torch.equal(exact, from_off)
     if n_classes == 1:

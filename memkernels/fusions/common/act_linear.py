@@ -26,7 +26,8 @@ The elementwise passes are the Triton kernels below (``backend="triton"``) or th
 twins in memkernels/fusions/common/act_linear_reference.py (``backend="torch"``): one algorithm on both paths,
 so the CPU tests check what runs on the GPU.
 
-File order: activation math → kernels → launchers → the algorithm → custom-op steps.
+File order: activation math → kernels → launchers → the algorithm (the ops' steps call it; their OpSpecs
+are gelu_linear's and gated_linear's).
 """
 import types
 
@@ -36,15 +37,10 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels._backend import resolve, triton_interpreted
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
 from memkernels.fusions.common import act_linear_reference as reference
-from memkernels.fusions.common.custom_op import custom_op
 from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels.fusions.common.host import cdiv, next_power_of_2
-
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 # --------------------------------------------------------------------------------------------
 # Activation math in fp32. The interpreter's libdevice is a stub, so erf and tanh are built from
@@ -203,23 +199,6 @@ for _name, _variants in _aot_variants().items():
                  name=_name, variants=_variants)
 
 
-def resolve_backend(backend, like, owner, what="the input"):
-    """The backend an act-linear op runs on ``like`` (its first operand, called ``what`` in messages): ``backend``
-    ("triton", "torch", or None to pick by device), checked against the device and dtype Triton can take."""
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"{owner}: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
-    if backend is None:
-        backend = resolve(like, owner)
-    if backend == "triton" and not (like.is_cuda or (like.device.type == "cpu" and triton_interpreted())):
-        raise ValueError(f"{owner}: backend='triton' cannot run on {like.device} tensors; Triton needs CUDA "
-                         "(or CPU tensors with TRITON_INTERPRET=1 set before triton is imported); "
-                         "use backend='torch' or None")
-    if backend == "triton" and like.dtype not in TRITON_DTYPES:
-        raise ValueError(f"{owner}: {what} is {like.dtype}; the Triton backend takes float32, float16 or "
-                         "bfloat16 (use backend='torch' for other dtypes)")
-    return backend
-
-
 # --------------------------------------------------------------------------------------------
 # Launchers: the Triton twins of memkernels.fusions.common.act_linear_reference's passes (same contracts).
 
@@ -360,12 +339,12 @@ def backward_keeping_product(grad_out2d, gate2d, up2d, weight, packed, activatio
     return grads + [product]
 
 
-def backward_keeping_product_fake(grad_out2d, gate2d, up2d, weight, packed, activation):
+def backward_keeping_product_fake(grad_out2d, gate2d, up2d, weight, packed, activation, backend):
     """backward_keeping_product's outputs, unfilled."""
     return grad_input_buffers(gate2d, up2d is not None, packed)[0] + [gate2d.new_empty(gate2d.shape)]
 
 
-def backward_fake(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation):
+def backward_fake(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation, backend):
     """backward's outputs, unfilled (the custom op's fake implementation)."""
     grads = grad_input_buffers(gate2d, up2d is not None, packed)[0] if needs_inputs else []
     return grads + ([grad_out2d.new_empty(weight.shape[0], gate2d.shape[1])] if needs_weight else [])
@@ -420,22 +399,3 @@ def on_dtensors(owner, operands, weight, bias, run_local):
     result = dtensor_class().from_local(local, mesh, out, shape=torch.Size(shape), stride=contiguous_stride(shape),
                                         grad_placements=out_grad)
     return result if bias is None else result + bias
-
-
-# --------------------------------------------------------------------------------------------
-# Custom-op steps (memkernels/fusions/common/custom_op.py): the whole forward, and the backward, each a custom
-# op for torch.compile whose implementation the eager autograd.Function twin calls directly.
-
-
-class Step:
-    """One step of an op as a custom op: ``run(*operands, backend)`` is its implementation, looked up
-    per call (tests wrap it to see which steps run)."""
-
-    def __init__(self, name, schema, run, fake):
-        self.run = run
-        self.custom_op = custom_op(f"memkernels::{name}", self.implementation, lambda *args: fake(*args[:-1]),
-                                   schema=schema)
-        self.name = self.custom_op._qualname
-
-    def implementation(self, *args):
-        return self.run(*args)

@@ -12,7 +12,7 @@ The passes are the act-linear family's (memkernels/fusions/common/act_linear.py:
 PyTorch twins in memkernels/fusions/common/act_linear_reference.py), so this op shares their AOT variants and
 their float64 tests.
 
-File order: steps → autograd → public functions.
+File order: steps → autograd and OpSpec → public functions.
 """
 import functools
 
@@ -20,9 +20,7 @@ import torch
 
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
 from memkernels.fusions.common import act_linear as _act_linear
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.act_linear import Step
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair
+from memkernels.fusions.op_spec import OpSpec, Step
 
 # gelu_mul's approximate -> the activation's name in memkernels/fusions/common/act_linear.py
 _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
@@ -53,18 +51,8 @@ def _backward(grad, a, b, activation, backend):
     return [grad_a.view(a.shape), grad_b.view(b.shape)]
 
 
-_STEPS = {
-    "forward": Step("act_mul", "(Tensor a, Tensor b, str activation, str backend) -> Tensor", _forward,
-                    lambda a, b, activation: torch.empty_like(a, memory_format=torch.contiguous_format)),
-    "backward": Step("act_mul_backward", "(Tensor grad, Tensor a, Tensor b, str activation, str backend) -> Tensor[]",
-                     _backward, lambda grad, a, b, activation: [torch.empty_like(a), torch.empty_like(b)]),
-}
-# Elementwise, as F.silu and mul: autocast leaves the inputs as they are.
-_autocast.register(_STEPS["forward"].name, {"cpu": None, "cuda": None}, positions=(0, 1))
-
-
 # --------------------------------------------------------------------------------------------
-# Autograd
+# Autograd and the declaration
 
 
 def _setup_context(ctx, inputs, output):
@@ -74,23 +62,25 @@ def _setup_context(ctx, inputs, output):
     ctx.activation, ctx.backend = activation, backend
 
 
-def _backward_with(step):
-    """act_mul's backward over ``step``: the custom op under torch.compile, its implementation in eager mode."""
-
-    def backward(ctx, grad):
-        a, b = ctx.saved_tensors
-        needs_a, needs_b = ctx.needs_input_grad[:2]
-        if not (needs_a or needs_b):
-            return None, None, None, None
-        grad_a, grad_b = step(grad, a, b, ctx.activation, ctx.backend)
-        return grad_a if needs_a else None, grad_b if needs_b else None, None, None
-
-    return backward
+def _backward_formula(ctx, steps, grad):
+    a, b = ctx.saved_tensors
+    needs_a, needs_b = ctx.needs_input_grad[:2]
+    if not (needs_a or needs_b):
+        return None, None, None, None
+    grad_a, grad_b = steps.backward(grad, a, b, ctx.activation, ctx.backend)
+    return grad_a if needs_a else None, grad_b if needs_b else None, None, None
 
 
-_ActMulFunction = autograd_pair(
-    _STEPS["forward"].custom_op, _STEPS["forward"].implementation, _setup_context,
-    _backward_with(_STEPS["backward"].custom_op), _backward_with(_STEPS["backward"].implementation))
+# Elementwise, as F.silu and mul: autocast leaves the inputs as they are.
+ACT_MUL = OpSpec(
+    "act_mul",
+    Step("act_mul", _forward,
+         lambda a, b, activation, backend: torch.empty_like(a, memory_format=torch.contiguous_format),
+         schema="(Tensor a, Tensor b, str activation, str backend) -> Tensor"),
+    steps={"backward": Step("act_mul_backward", _backward,
+                            lambda grad, a, b, activation, backend: [torch.empty_like(a), torch.empty_like(b)],
+                            schema="(Tensor grad, Tensor a, Tensor b, str activation, str backend) -> Tensor[]")},
+    setup_context=_setup_context, backward=_backward_formula, autocast={"cpu": None, "cuda": None}, casts=(0, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -107,18 +97,17 @@ def _check_inputs(op_name, a, b, backend):
         raise ValueError(f"{op_name}: a is {tuple(a.shape)} {a.dtype} on {a.device} but b is {tuple(b.shape)} "
                          f"{b.dtype} on {b.device}; they must match (broadcasting is not supported: expand b "
                          "yourself)")
-    return _act_linear.resolve_backend(backend, a, op_name, "a")
+    return ACT_MUL.backend(backend, a, op_name, "a")
 
 
 def _act_mul(a, b, *, activation, op_name, backend):
-    backend = _check_inputs(op_name, a, b, backend)
-    return apply_op(_STEPS["forward"].custom_op, _ActMulFunction, a, b, activation, backend)
+    return ACT_MUL(a, b, activation, _check_inputs(op_name, a, b, backend))
 
 
 def _call(op_name, activation, a, b, backend):
     if is_dtensor(a):
         return _call_dtensor(op_name, activation, a, b, backend)
-    return _autocast.call(_STEPS["forward"].name, functools.partial(_act_mul, activation=activation, op_name=op_name,
+    return ACT_MUL.with_autocast(functools.partial(_act_mul, activation=activation, op_name=op_name,
                                                                     backend=backend), a, b)
 
 

@@ -17,17 +17,15 @@ these operands (CPU: float32 / float16 / bfloat16 with 16-byte aligned strides; 
 else a loop over experts, which reads ``offsets`` on the host (a device sync on CUDA) and runs one GEMM an
 expert: :func:`grouped_mm`.
 
-File order: the grouped GEMM → steps → autograd → public function.
+File order: the grouped GEMM → steps → autograd and OpSpec → public function.
 """
 import functools
 
 import torch
 
 from memkernels.fusions.common import act_linear as _act_linear
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.act_linear import Step, resolve_backend
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair
 from memkernels.fusions.gated_mlp.op import check_activation, halves
+from memkernels.fusions.op_spec import OpSpec, Step
 
 
 # --------------------------------------------------------------------------------------------
@@ -70,7 +68,7 @@ def grouped_mm(a, b, offsets):
 
 
 # --------------------------------------------------------------------------------------------
-# Steps: the forward and the backward, each a custom op (memkernels/fusions/common/custom_op.py)
+# Steps: the forward and the backward, each a custom op (memkernels/fusions/op_spec.py)
 
 
 def _forward(gate_up, weight, offsets, activation, backend):
@@ -96,28 +94,13 @@ def _backward(grad_out, gate_up, weight, offsets, needs_input, needs_weight, act
     return results
 
 
-def _backward_fake(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation):
+def _backward_fake(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend):
     return ([gate_up.new_empty(gate_up.shape)] if needs_input else []) + (
         [weight.new_empty(weight.shape)] if needs_weight else [])
 
 
-_STEPS = {
-    "forward": Step("grouped_gated_linear",
-                    "(Tensor gate_up, Tensor weight, Tensor offsets, str activation, str backend) -> Tensor",
-                    _forward, lambda gate_up, weight, offsets, activation: gate_up.new_empty(gate_up.shape[0],
-                                                                                             weight.shape[1])),
-    "backward": Step("grouped_gated_linear_backward",
-                     "(Tensor grad_out, Tensor gate_up, Tensor weight, Tensor offsets, bool needs_input, "
-                     "bool needs_weight, str activation, str backend) -> Tensor[]", _backward, _backward_fake),
-}
-
-# A GEMM: under autocast gate_up and weight are cast to the region's dtype, as F.linear's are.
-_autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"},
-                   positions=(0, 1))
-
-
 # --------------------------------------------------------------------------------------------
-# Autograd
+# Autograd and the declaration
 
 
 def _setup_context(ctx, inputs, output):
@@ -126,24 +109,30 @@ def _setup_context(ctx, inputs, output):
     ctx.activation, ctx.backend = activation, backend
 
 
-def _backward_with(step):
-    def backward(ctx, grad_out):
-        gate_up, weight, offsets = ctx.saved_tensors
-        needs_input, needs_weight = ctx.needs_input_grad[:2]
-        if not (needs_input or needs_weight):
-            return None, None, None, None, None
-        results = step(grad_out.contiguous(), gate_up, weight, offsets, needs_input, needs_weight, ctx.activation,
-                       ctx.backend)
-        grad_gate_up = results[0] if needs_input else None
-        grad_weight = results[-1] if needs_weight else None
-        return grad_gate_up, grad_weight, None, None, None
-
-    return backward
+def _backward_formula(ctx, steps, grad_out):
+    gate_up, weight, offsets = ctx.saved_tensors
+    needs_input, needs_weight = ctx.needs_input_grad[:2]
+    if not (needs_input or needs_weight):
+        return None, None, None, None, None
+    results = steps.backward(grad_out.contiguous(), gate_up, weight, offsets, needs_input, needs_weight,
+                             ctx.activation, ctx.backend)
+    grad_gate_up = results[0] if needs_input else None
+    grad_weight = results[-1] if needs_weight else None
+    return grad_gate_up, grad_weight, None, None, None
 
 
-_GroupedGatedLinearFunction = autograd_pair(_STEPS["forward"].custom_op, _STEPS["forward"].implementation,
-                                            _setup_context, _backward_with(_STEPS["backward"].custom_op),
-                                            _backward_with(_STEPS["backward"].implementation))
+GROUPED_GATED_LINEAR = OpSpec(
+    "grouped_gated_linear",
+    Step("grouped_gated_linear", _forward,
+         lambda gate_up, weight, offsets, activation, backend: gate_up.new_empty(gate_up.shape[0], weight.shape[1]),
+         schema="(Tensor gate_up, Tensor weight, Tensor offsets, str activation, str backend) -> Tensor"),
+    steps={"backward": Step(
+        "grouped_gated_linear_backward", _backward, _backward_fake,
+        schema="(Tensor grad_out, Tensor gate_up, Tensor weight, Tensor offsets, bool needs_input, bool needs_weight, "
+               "str activation, str backend) -> Tensor[]")},
+    setup_context=_setup_context, backward=_backward_formula,
+    # A GEMM: under autocast gate_up and weight are cast to the region's dtype, as F.linear's are.
+    autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -165,9 +154,8 @@ def grouped_gated_linear(gate_up, weight, offsets, *, activation="silu", backend
     Returns:
         [S, N] in the inputs' dtype.
     """
-    return _autocast.call(_STEPS["forward"].name,
-                          functools.partial(_grouped_gated_linear, activation=activation, backend=backend),
-                          gate_up, weight, offsets, positions=(0, 1))
+    return GROUPED_GATED_LINEAR.with_autocast(
+        functools.partial(_grouped_gated_linear, activation=activation, backend=backend), gate_up, weight, offsets)
 
 
 def _grouped_gated_linear(gate_up, weight, offsets, *, activation, backend):
@@ -186,5 +174,5 @@ def _grouped_gated_linear(gate_up, weight, offsets, *, activation, backend):
             or offsets.device != gate_up.device):
         raise ValueError(f"{owner}: offsets must be an int32 tensor of shape ({weight.shape[0]},) (one end row per "
                          f"expert) on {gate_up.device}")
-    return apply_op(_STEPS["forward"].custom_op, _GroupedGatedLinearFunction, gate_up, weight, offsets, activation,
-                    resolve_backend(backend, gate_up, owner))
+    return GROUPED_GATED_LINEAR(gate_up, weight, offsets, activation,
+                                GROUPED_GATED_LINEAR.backend(backend, gate_up, what="gate_up"))

@@ -22,16 +22,15 @@ import torch.nn.functional as F
 
 from memkernels.distributed import is_dtensor
 from memkernels.fusions.common import act_linear as _act_linear
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.act_linear import Step, bias_grad
+from memkernels.fusions.common.act_linear import bias_grad
 from memkernels.fusions.common.act_linear_reference import ACTIVATIONS
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair
 from memkernels.fusions.common.half_gemm import addmm_float32_
+from memkernels.fusions.op_spec import OpSpec, Step
 
 
 # --------------------------------------------------------------------------------------------
-# Steps (memkernels/fusions/common/custom_op.py, as in gelu_linear): the whole forward and the backward, each a
-# custom op; the last argument, ``backend``, picks the Triton elementwise passes or their PyTorch twins.
+# Steps (memkernels/fusions/op_spec.py, as in gelu_linear): the whole forward and the backward, each a custom
+# op; the last argument, ``backend``, picks the Triton elementwise passes or their PyTorch twins.
 
 
 def halves(gate_up):
@@ -54,29 +53,6 @@ def _forward(gate, up, weight, bias, activation, backend):
     return out.view(*gate.shape[:-1], out.shape[-1])
 
 
-_STEPS = {
-    "forward": Step(
-        "gated_linear",
-        "(Tensor gate, Tensor? up, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor",
-        _forward, lambda gate, up, weight, bias, activation: gate.new_empty(*gate.shape[:-1], weight.shape[0])),
-    "backward": Step(
-        "gated_linear_backward",
-        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, bool needs_inputs, "
-        "bool needs_weight, str activation, str backend) -> Tensor[]",
-        _act_linear.backward, _act_linear.backward_fake),
-    "backward_product": Step(
-        "gated_linear_backward_product",
-        "(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, str backend) "
-        "-> Tensor[]",
-        _act_linear.backward_keeping_product, _act_linear.backward_keeping_product_fake),
-}
-
-
-# A GEMM: under autocast gate, up, weight and bias are cast to the region's dtype, as F.linear's are.
-_autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"},
-                   positions=(0, 1, 2, 3))
-
-
 # --------------------------------------------------------------------------------------------
 # Autograd
 
@@ -96,13 +72,6 @@ def _down_backward(step, backend, activation, grad_out2d, gate2d, up2d, weight, 
     return (grads if needs_inputs else None), grad_weight, grad_bias
 
 
-def _traced_or_eager(name):
-    """The custom op while torch.compile traces, its implementation in eager mode (for the recompute
-    MLP's Function, which calls the steps itself)."""
-    step = _STEPS[name]
-    return step.custom_op if torch.compiler.is_compiling() else step.implementation
-
-
 def _setup_context(ctx, inputs, output):
     """Saves only gate and up, or the packed gate_up (and the weight parameter)."""
     gate, up, weight, bias, activation, backend = inputs
@@ -112,29 +81,40 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _backward_with(step):
-    """gated_linear's backward over ``step``: the custom op under torch.compile, its implementation in
-    eager mode."""
-
-    def backward(ctx, grad_out):
-        gate, up, weight = ctx.saved_tensors
-        gate2d, up2d = _operands(gate, up)
-        needs = ctx.needs_input_grad
-        grads, grad_weight, grad_bias = _down_backward(
-            step, ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight,
-            up is None, needs[0] or needs[1], needs[2], ctx.has_bias and needs[3])
-        grad_gate = grad_up = None
-        if grads is not None:
-            grad_gate = grads[0].view(gate.shape) if needs[0] else None
-            grad_up = grads[1].view(up.shape) if up is not None and needs[1] else None
-        return grad_gate, grad_up, grad_weight, grad_bias, None, None
-
-    return backward
+def _backward_formula(ctx, steps, grad_out):
+    gate, up, weight = ctx.saved_tensors
+    gate2d, up2d = _operands(gate, up)
+    needs = ctx.needs_input_grad
+    grads, grad_weight, grad_bias = _down_backward(
+        steps.backward, ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight,
+        up is None, needs[0] or needs[1], needs[2], ctx.has_bias and needs[3])
+    grad_gate = grad_up = None
+    if grads is not None:
+        grad_gate = grads[0].view(gate.shape) if needs[0] else None
+        grad_up = grads[1].view(up.shape) if up is not None and needs[1] else None
+    return grad_gate, grad_up, grad_weight, grad_bias, None, None
 
 
-_GatedLinearFunction = autograd_pair(_STEPS["forward"].custom_op, _STEPS["forward"].implementation, _setup_context,
-                                     _backward_with(_STEPS["backward"].custom_op),
-                                     _backward_with(_STEPS["backward"].implementation))
+GATED_LINEAR = OpSpec(
+    "gated_linear",
+    Step("gated_linear", _forward,
+         lambda gate, up, weight, bias, activation, backend: gate.new_empty(*gate.shape[:-1], weight.shape[0]),
+         schema="(Tensor gate, Tensor? up, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor"),
+    steps={
+        "backward": Step(
+            "gated_linear_backward", _act_linear.backward, _act_linear.backward_fake,
+            schema="(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, bool needs_inputs, "
+                   "bool needs_weight, str activation, str backend) -> Tensor[]"),
+        # the recomputed MLP's chunked backward (GatedMLPRecomputeFunction), which keeps the product for dW
+        "backward_product": Step(
+            "gated_linear_backward_product", _act_linear.backward_keeping_product,
+            _act_linear.backward_keeping_product_fake,
+            schema="(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, "
+                   "str backend) -> Tensor[]"),
+    },
+    setup_context=_setup_context, backward=_backward_formula,
+    # A GEMM: under autocast gate, up, weight and bias are cast to the region's dtype, as F.linear's are.
+    autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1, 2, 3))
 
 
 # Tokens per chunk of gated_mlp_recompute over a long input (module constant: tests shrink it). The
@@ -170,7 +150,7 @@ class GatedMLPRecomputeFunction(torch.autograd.Function):
         x2d = x.reshape(-1, x.shape[-1])
         rows = x2d.shape[0]
         step = chunk_tokens(rows, down_weight.shape[1], x.element_size(), chunk_size)
-        forward_step = _traced_or_eager("forward")
+        forward_step = GATED_LINEAR.step("forward")
         if step >= rows:
             out = forward_step(*_project(x2d, gate_weight, gate_bias, up_weight, up_bias), down_weight, down_bias,
                                activation, backend)
@@ -206,7 +186,7 @@ def _whole_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, up_
     projections_need = any(needs[:5])
     gate2d, up2d = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
     grads, grad_down_weight, grad_down_bias = _down_backward(
-        _traced_or_eager("backward"), ctx.backend, ctx.activation, grad_out2d, gate2d, up2d, down_weight,
+        GATED_LINEAR.step("backward"), ctx.backend, ctx.activation, grad_out2d, gate2d, up2d, down_weight,
         up_weight is None, projections_need, needs[5], ctx.has_down_bias and needs[6])
     del gate2d, up2d  # the recomputed activations go before the projections' gradients come
     grad_x = grad_gate_weight = grad_gate_bias = grad_up_weight = grad_up_bias = None
@@ -243,7 +223,7 @@ def _chunked_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, u
         down_bias_sum = grad_out2d.new_zeros(down_weight.shape[0], dtype=_sum_dtype(grad_out2d.dtype))
     grad_x = x2d.new_empty(x2d.shape) if needs[0] else None
     projections = ((gate_weight, 0, 1),) if packed else ((gate_weight, 0, 1), (up_weight, 2, 3))
-    backward_step = _traced_or_eager("backward_product")
+    backward_step = GATED_LINEAR.step("backward_product")
     for start in range(0, x2d.shape[0], ctx.step):
         part = slice(start, start + ctx.step)
         x_part, grad_out_part = x2d[part], grad_out2d[part]
@@ -349,9 +329,8 @@ def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, ac
     """
     if any(is_dtensor(t) for t in (gate, up, weight, bias, gate_up)):
         return _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend)
-    return _autocast.call(_STEPS["forward"].name,
-                          functools.partial(_gated_linear, activation=activation, backend=backend),
-                          gate, up, weight, bias, gate_up, positions=range(5))
+    return GATED_LINEAR.with_autocast(functools.partial(_gated_linear, activation=activation, backend=backend),
+                                      gate, up, weight, bias, gate_up, positions=range(5))
 
 
 def _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend):
@@ -374,8 +353,8 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
             raise ValueError(f"{owner}: gate_up must be a tensor of shape [..., 2 * intermediate_size] (an even "
                              f"last dim), got {tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else gate_up}")
         _check_weight(weight, bias, gate_up.shape[-1] // 2, gate_up, owner)
-        return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate_up, None, weight, bias, activation,
-                        _act_linear.resolve_backend(backend, gate_up, owner))
+        return GATED_LINEAR(gate_up, None, weight, bias, activation,
+                            GATED_LINEAR.backend(backend, gate_up, owner, "gate_up"))
     if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor) or gate.dim() < 1:
         raise ValueError(f"{owner}: gate and up must be tensors of shape [..., intermediate_size] "
                          "(or pass gate_up= for the packed form)")
@@ -383,8 +362,7 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
         raise ValueError(f"{owner}: gate has shape {tuple(gate.shape)} but up {tuple(up.shape)}; they must match")
     _check_tensor("up", up, gate, owner)
     _check_weight(weight, bias, gate.shape[-1], gate, owner)
-    return apply_op(_STEPS["forward"].custom_op, _GatedLinearFunction, gate, up, weight, bias, activation,
-                    _act_linear.resolve_backend(backend, gate, owner))
+    return GATED_LINEAR(gate, up, weight, bias, activation, GATED_LINEAR.backend(backend, gate, owner, "gate"))
 
 
 def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *,
@@ -402,10 +380,9 @@ def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weig
     are summed over chunks in float32 buffers for half dtypes (weight-sized: 4 bytes an element of the three
     projections, beside the gradients themselves). An input of at most one chunk runs whole, as before.
     """
-    return _autocast.call(_STEPS["forward"].name,
-                          functools.partial(_gated_mlp_recompute, activation=activation, backend=backend,
-                                            chunk_size=chunk_size),
-                          x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, positions=range(7))
+    run = functools.partial(_gated_mlp_recompute, activation=activation, backend=backend, chunk_size=chunk_size)
+    return GATED_LINEAR.with_autocast(run, x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
+                                      positions=range(7))
 
 
 def _gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *, activation,
@@ -438,4 +415,4 @@ def _gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_wei
     width = gate_weight.shape[0] // 2 if up_weight is None else gate_weight.shape[0]
     _check_weight(down_weight, down_bias, width, x, owner)
     return GatedMLPRecomputeFunction.apply(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias,
-                                           activation, _act_linear.resolve_backend(backend, x, owner), chunk_size)
+                                           activation, GATED_LINEAR.backend(backend, x, owner, "x"), chunk_size)

@@ -11,7 +11,7 @@ public function.
 - dx, dW:  g = dy @ W; dx = g * gelu'(x); gelu(x) over g; dW = dy.T @ gelu(x)
 - db:      db = dy.sum(0)                 a deterministic torch reduction
 
-File order: steps → autograd → public function.
+File order: steps → autograd and OpSpec → public function.
 """
 
 import functools
@@ -20,9 +20,8 @@ import torch
 
 from memkernels.distributed import is_dtensor
 from memkernels.fusions.common import act_linear as _act_linear
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.act_linear import Step, bias_grad
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair
+from memkernels.fusions.common.act_linear import bias_grad
+from memkernels.fusions.op_spec import OpSpec, Step
 
 APPROXIMATIONS = ("none", "tanh")
 # gelu_linear's approximate -> the activation's name in memkernels/fusions/common/act_linear.py
@@ -30,7 +29,7 @@ _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 
 
 # --------------------------------------------------------------------------------------------
-# Steps: the forward and the backward, each a custom op (memkernels/fusions/common/custom_op.py) taking
+# Steps: the forward and the backward, each a custom op (memkernels/fusions/op_spec.py) taking
 # ``backend`` last, "triton" (the Triton elementwise passes) or "torch" (their PyTorch twins).
 
 
@@ -46,25 +45,8 @@ def _backward(grad_out2d, x2d, weight, needs_input, needs_weight, approximate, b
                                 _GELU_ACTIVATIONS[approximate], backend)
 
 
-_STEPS = {
-    "forward": Step(
-        "gelu_linear", "(Tensor x, Tensor weight, Tensor? bias, str approximate, str backend) -> Tensor", _forward,
-        lambda x, weight, bias, approximate: x.new_empty(*x.shape[:-1], weight.shape[0])),
-    "backward": Step(
-        "gelu_linear_backward",
-        "(Tensor grad_out2d, Tensor x2d, Tensor weight, bool needs_input, bool needs_weight, str approximate, "
-        "str backend) -> Tensor[]",
-        _backward,
-        lambda grad_out2d, x2d, weight, needs_input, needs_weight, approximate: _act_linear.backward_fake(
-            grad_out2d, x2d, None, weight, False, needs_input, needs_weight, None)),
-}
-# A GEMM: under autocast x, weight and bias are cast to the region's dtype, as F.linear's are.
-_autocast.register(_STEPS["forward"].name, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"},
-                   positions=(0, 1, 2))
-
-
 # --------------------------------------------------------------------------------------------
-# Autograd
+# Autograd and the declaration
 
 
 def _setup_context(ctx, inputs, output):
@@ -76,41 +58,44 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _backward_with(step):
-    """gelu_linear's backward over ``step``: the custom op under torch.compile, its implementation in
-    eager mode."""
-
-    def backward(ctx, grad_out):
-        x, weight = ctx.saved_tensors
-        grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
-        needs_x, needs_w = ctx.needs_input_grad[:2]
-        grad_x = grad_w = grad_bias = None
-        if needs_x or needs_w:
-            grads = step(grad_out2d, x.reshape(-1, x.shape[-1]), weight, needs_x, needs_w, ctx.approximate,
-                         ctx.backend)
-            grad_x = grads[0].view(x.shape) if needs_x else None
-            grad_w = grads[-1] if needs_w else None
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = bias_grad(grad_out2d)
-        return grad_x, grad_w, grad_bias, None, None
-
-    return backward
+def _backward_formula(ctx, steps, grad_out):
+    x, weight = ctx.saved_tensors
+    grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
+    needs_x, needs_w = ctx.needs_input_grad[:2]
+    grad_x = grad_w = grad_bias = None
+    if needs_x or needs_w:
+        grads = steps.backward(grad_out2d, x.reshape(-1, x.shape[-1]), weight, needs_x, needs_w, ctx.approximate,
+                               ctx.backend)
+        grad_x = grads[0].view(x.shape) if needs_x else None
+        grad_w = grads[-1] if needs_w else None
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = bias_grad(grad_out2d)
+    return grad_x, grad_w, grad_bias, None, None
 
 
-_GeLULinearFunction = autograd_pair(
-    _STEPS["forward"].custom_op, _STEPS["forward"].implementation, _setup_context,
-    _backward_with(_STEPS["backward"].custom_op), _backward_with(_STEPS["backward"].implementation))
+GELU_LINEAR = OpSpec(
+    "gelu_linear",
+    Step("gelu_linear", _forward,
+         lambda x, weight, bias, approximate, backend: x.new_empty(*x.shape[:-1], weight.shape[0]),
+         schema="(Tensor x, Tensor weight, Tensor? bias, str approximate, str backend) -> Tensor"),
+    steps={"backward": Step(
+        "gelu_linear_backward", _backward,
+        lambda grad_out2d, x2d, weight, needs_input, needs_weight, approximate, backend: _act_linear.backward_fake(
+            grad_out2d, x2d, None, weight, False, needs_input, needs_weight, None, backend),
+        schema="(Tensor grad_out2d, Tensor x2d, Tensor weight, bool needs_input, bool needs_weight, str approximate, "
+               "str backend) -> Tensor[]")},
+    setup_context=_setup_context, backward=_backward_formula,
+    # A GEMM: under autocast x, weight and bias are cast to the region's dtype, as F.linear's are.
+    autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1, 2))
 
 
 # --------------------------------------------------------------------------------------------
 # Public function
 
 
-def _check_inputs(x, weight, bias, approximate, backend):
+def _check_inputs(x, weight, bias, approximate):
     if approximate not in APPROXIMATIONS:
         raise ValueError(f"gelu_linear: approximate={approximate!r} is not supported; use 'none' or 'tanh'")
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"gelu_linear: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
     if not isinstance(x, torch.Tensor) or x.dim() < 1:
         raise ValueError("gelu_linear: x must be a tensor of shape [..., in_features]")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
@@ -154,11 +139,10 @@ def gelu_linear(x, weight, bias=None, *, approximate="none", backend=None):
     if any(is_dtensor(t) for t in (x, weight, bias)):  # tensor parallelism: each rank on its shards
         return _act_linear.on_dtensors("gelu_linear", (x,), weight, bias, lambda operands, weight_local: gelu_linear(
             *operands, weight_local, approximate=approximate, backend=backend))
-    return _autocast.call(_STEPS["forward"].name, functools.partial(_gelu_linear, approximate=approximate,
-                                                                    backend=backend), x, weight, bias)
+    return GELU_LINEAR.with_autocast(functools.partial(_gelu_linear, approximate=approximate, backend=backend),
+                                     x, weight, bias)
 
 
 def _gelu_linear(x, weight, bias, *, approximate, backend):
-    _check_inputs(x, weight, bias, approximate, backend)
-    backend = _act_linear.resolve_backend(backend, x, "gelu_linear", "x")
-    return apply_op(_STEPS["forward"].custom_op, _GeLULinearFunction, x, weight, bias, approximate, backend)
+    _check_inputs(x, weight, bias, approximate)
+    return GELU_LINEAR(x, weight, bias, approximate, GELU_LINEAR.backend(backend, x, what="x"))

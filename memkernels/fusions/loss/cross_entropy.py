@@ -41,10 +41,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels._backend import resolve
 from memkernels.distributed import is_dtensor, shard_offset
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels.fusions.common.host import next_power_of_2
 from memkernels.fusions.loss import reference
@@ -52,6 +49,7 @@ from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if
                                             forward_grad_scales, grad_scales, make_config, reduce_rows,
                                             reduction_denominators, validate_loss_args)
 from memkernels.fusions.loss.reference import finish_rows, row_blocks
+from memkernels.fusions.op_spec import OpSpec, Step
 
 # Widest vocabulary block one program holds in registers at a time.
 MAX_BLOCK_V = 4096
@@ -343,9 +341,9 @@ def grad_rows_triton(logits, target, lse, cfg, grad, loss_scale, z_scale, *, col
             col_offset=col_offset, compute_loss=False)
 
 
-def row_kernels(tensor, op_name):
-    """(loss_rows, grad_rows) for the backend that runs ``tensor``."""
-    if resolve(tensor, op_name) == "triton":
+def row_kernels(backend):
+    """(loss_rows, grad_rows) of ``backend`` ("triton" or "torch")."""
+    if backend == "triton":
         return loss_rows_triton, grad_rows_triton
     return reference.loss_rows, reference.grad_rows
 
@@ -468,11 +466,11 @@ def predicted_buffer(reference, n_rows, predict):
 
 def _cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, class_weight: Optional[torch.Tensor],
                            ignore_index: int, label_smoothing: float, softcap: float, z_loss: float,
-                           reduction: str, predict: bool
+                           reduction: str, predict: bool, backend: str
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
-    loss_rows, _ = row_kernels(logits, "cross_entropy")
-    check_targets_if_cpu(resolve(logits, "cross_entropy"), target, cfg)
+    loss_rows, _ = row_kernels(backend)
+    check_targets_if_cpu(backend, target, cfg)
     predicted = predicted_buffer(logits, logits.shape[0], predict)
     ce, z, lse = loss_rows(logits, target, cfg, predicted=predicted if predict else None)
     loss, z_loss = reduce_rows(ce, z, reduction_denominators(target, cfg, reduction), reduction)
@@ -480,7 +478,7 @@ def _cross_entropy_forward(logits: torch.Tensor, target: torch.Tensor, class_wei
 
 
 def _cross_entropy_fake(logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction,
-                        predict):
+                        predict, backend):
     n_rows = logits.shape[0]
     loss = logits.new_empty((n_rows,) if reduction == "none" else (), dtype=torch.float32)
     z_shape = (0,) if not z_loss else ((n_rows,) if reduction == "none" else ())
@@ -490,9 +488,10 @@ def _cross_entropy_fake(logits, target, class_weight, ignore_index, label_smooth
 
 def _cross_entropy_backward(grad_loss: torch.Tensor, logits: torch.Tensor, target: torch.Tensor,
                             lse: torch.Tensor, class_weight: Optional[torch.Tensor], ignore_index: int,
-                            label_smoothing: float, softcap: float, z_loss: float, reduction: str) -> torch.Tensor:
+                            label_smoothing: float, softcap: float, z_loss: float, reduction: str,
+                            backend: str) -> torch.Tensor:
     cfg = make_config(logits.shape[1], ignore_index, label_smoothing, softcap, z_loss, class_weight)
-    _, grad_rows = row_kernels(logits, "cross_entropy")
+    _, grad_rows = row_kernels(backend)
     loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
     grad = torch.empty_like(logits)
     grad_rows(logits, target, lse, cfg, grad, loss_scale, z_scale)
@@ -500,7 +499,7 @@ def _cross_entropy_backward(grad_loss: torch.Tensor, logits: torch.Tensor, targe
 
 
 def _cross_entropy_backward_fake(grad_loss, logits, target, lse, class_weight, ignore_index, label_smoothing,
-                                 softcap, z_loss, reduction):
+                                 softcap, z_loss, reduction, backend):
     return torch.empty_like(logits)
 
 
@@ -508,29 +507,25 @@ def _setup_context(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached), the logsumexp, the predictions
     # Their gradients arrive as None instead of zero tensors: autograd would launch a fill for each.
     ctx.set_materialize_grads(False)
-    logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction, _ = inputs
+    logits, target, class_weight, ignore_index, label_smoothing, softcap, z_loss, reduction, _, backend = inputs
     ctx.save_for_backward(logits, target, output[2], class_weight)
-    ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction)
+    ctx.options = (ignore_index, label_smoothing, softcap, z_loss, reduction, backend)
 
 
-def _backward_with(backward):
-    def _backward(ctx, grad_loss, grad_z_loss, grad_lse, grad_predicted):
-        # z_loss and lse are returned detached by the public function; only the loss carries gradient.
-        logits, target, lse, class_weight = ctx.saved_tensors
-        grad = backward(grad_loss, logits, target, lse, class_weight, *ctx.options)
-        return grad, None, None, None, None, None, None, None, None
-    return _backward
+def _backward_formula(ctx, steps, grad_loss, grad_z_loss, grad_lse, grad_predicted):
+    # z_loss and lse are returned detached by the public function; only the loss carries gradient.
+    logits, target, lse, class_weight = ctx.saved_tensors
+    grad = steps.backward(grad_loss, logits, target, lse, class_weight, *ctx.options)
+    return grad, None, None, None, None, None, None, None, None, None
 
 
-_cross_entropy_op = custom_op("memkernels::cross_entropy", _cross_entropy_forward, _cross_entropy_fake)
-# PyTorch's autocast casts a loss's logits to float32 (a copy of the N x V logits); this op already
-# computes in float32 from logits of any dtype, so it takes them as they are, with the same result.
-_autocast.register(_cross_entropy_op._qualname, {"cpu": None, "cuda": None}, positions=())
-_cross_entropy_backward_op = custom_op("memkernels::cross_entropy_backward", _cross_entropy_backward,
-                                       _cross_entropy_backward_fake)
-_CrossEntropyFunction = autograd_pair(_cross_entropy_op, _cross_entropy_forward, _setup_context,
-                                      _backward_with(_cross_entropy_backward_op),
-                                      _backward_with(_cross_entropy_backward))
+CROSS_ENTROPY = OpSpec(
+    "cross_entropy", Step("cross_entropy", _cross_entropy_forward, _cross_entropy_fake),
+    steps={"backward": Step("cross_entropy_backward", _cross_entropy_backward, _cross_entropy_backward_fake)},
+    setup_context=_setup_context, backward=_backward_formula,
+    # PyTorch's autocast casts a loss's logits to float32 (a copy of the N x V logits); this op already
+    # computes in float32 from logits of any dtype, so it takes them as they are, with the same result.
+    autocast={"cpu": None, "cuda": None}, triton_dtypes=None)
 
 
 class _InplaceCrossEntropy(torch.autograd.Function):
@@ -538,7 +533,7 @@ class _InplaceCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, cfg, reduction, backend, predict):
-        loss_rows, _ = row_kernels(logits, "cross_entropy")
+        loss_rows, _ = row_kernels(backend)
         check_targets_if_cpu(backend, target, cfg)
         denominators, (loss_scale, z_scale) = forward_grad_scales(target, cfg, reduction)
         predicted = predicted_buffer(logits, logits.shape[0], predict)
@@ -566,12 +561,12 @@ class _VocabShardedCrossEntropy(torch.autograd.Function):
     whole vocabulary, the same on every rank of ``group``; the gradient of this rank's logits only."""
 
     @staticmethod
-    def forward(ctx, logits, target, cfg, reduction, predict, col_offset, group):
+    def forward(ctx, logits, target, cfg, reduction, predict, col_offset, group, backend):
         predictions = predict_rows(logits, col_offset, cfg.n_classes) if predict else None
         loss, z_loss, lse, predicted = vocab_shard_loss(*partial_rows(logits, target, cfg, col_offset), predictions,
                                                         target, cfg, reduction, group)
         ctx.save_for_backward(logits, target, lse)
-        ctx.options = (cfg, reduction, col_offset)
+        ctx.options = (cfg, reduction, col_offset, backend)
         ctx.mark_non_differentiable(z_loss, predicted)
         ctx.set_materialize_grads(False)
         return loss, z_loss, predicted
@@ -579,15 +574,15 @@ class _VocabShardedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss, grad_predicted):
         logits, target, lse = ctx.saved_tensors
-        cfg, reduction, col_offset = ctx.options
-        _, grad_rows = row_kernels(logits, "cross_entropy")
+        cfg, reduction, col_offset, backend = ctx.options
+        _, grad_rows = row_kernels(backend)
         loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
         grad = torch.empty_like(logits)
         grad_rows(logits, target, lse, cfg, grad, loss_scale, z_scale, col_offset=col_offset)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
-def _on_dtensor(logits, target, cfg, reduction, predict):
+def _on_dtensor(logits, target, cfg, reduction, predict, backend):
     """cross_entropy of DTensor logits: sharded over the classes on a 1-D mesh (loss_parallel's layout: each rank
     its classes' logits, the rows combined with all-reduces; returns (loss, z-term, predictions), plain tensors
     equal on every rank) or replicated (None: the caller computes on the local copy)."""
@@ -603,7 +598,7 @@ def _on_dtensor(logits, target, cfg, reduction, predict):
     offset = shard_offset(logits, logits.dim() - 1, "cross_entropy: logits")
     local = logits.to_local()
     local = local.reshape(-1, local.shape[-1]).contiguous()
-    return _VocabShardedCrossEntropy.apply(local, target, cfg, reduction, predict, offset, mesh.get_group())
+    return _VocabShardedCrossEntropy.apply(local, target, cfg, reduction, predict, offset, mesh.get_group(), backend)
 
 
 def _check_inplace_allowed(logits):
@@ -620,7 +615,7 @@ def _check_inplace_allowed(logits):
 
 def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoothing=0.0, reduction="mean",
                   softcap=None, z_loss=0.0, return_z_loss=False, inplace_backward=False, return_token_accuracy=False,
-                  return_predicted_tokens=False):
+                  return_predicted_tokens=False, backend=None):
     """Cross-entropy of ``logits`` against class ids, without an N x V float32 log-softmax.
 
     Args:
@@ -639,6 +634,8 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
         return_token_accuracy: also return the fraction of kept rows whose argmax is their target
             (per row with reduction "none"), taken in the loss's pass over the logits.
         return_predicted_tokens: also return each row's argmax (-1 for ignored rows), from that pass.
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
     Returns:
         loss, or ``(loss, z_loss)`` with ``return_z_loss``, float32; with either metric flag a
         :class:`memkernels.functional.CrossEntropyOutput` ``(loss, z_loss, token_accuracy,
@@ -658,12 +655,13 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
     out_shape = target.shape
     target = (target.full_tensor() if is_dtensor(target) else target).reshape(-1).long()
     softcap = float(softcap) if softcap is not None else 0.0
+    backend = CROSS_ENTROPY.backend(backend, logits, what="logits")
     if is_dtensor(logits):
         if inplace_backward:
             raise ValueError("inplace_backward=True takes no DTensor logits: drop it under tensor parallelism")
         cfg = make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, weight)
-        check_targets_if_cpu(resolve(logits, "cross_entropy"), target, cfg)
-        sharded = _on_dtensor(logits, target, cfg, reduction, predict)
+        check_targets_if_cpu(backend, target, cfg)
+        sharded = _on_dtensor(logits, target, cfg, reduction, predict, backend)
         if sharded is not None:
             loss, z, predicted = sharded
             return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
@@ -673,11 +671,11 @@ def cross_entropy(logits, target, *, weight=None, ignore_index=-100, label_smoot
         _check_inplace_allowed(logits)
         cfg = make_config(n_classes, ignore_index, label_smoothing, softcap, z_loss, weight)
         loss, z, predicted = _InplaceCrossEntropy.apply(logits.view(n_rows, n_classes), target, cfg, reduction,
-                                                        resolve(logits, "cross_entropy"), predict)
+                                                        backend, predict)
     else:
-        loss, z, _, predicted = apply_op(_cross_entropy_op, _CrossEntropyFunction,
-                                         logits.reshape(n_rows, n_classes).contiguous(), target,
-                                         None if weight is None else weight.detach(), ignore_index,
-                                         float(label_smoothing), softcap, float(z_loss), reduction, predict)
+        loss, z, _, predicted = CROSS_ENTROPY(logits.reshape(n_rows, n_classes).contiguous(), target,
+                                              None if weight is None else weight.detach(), ignore_index,
+                                              float(label_smoothing), softcap, float(z_loss), reduction, predict,
+                                              backend)
     return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
                          return_token_accuracy, return_predicted_tokens)

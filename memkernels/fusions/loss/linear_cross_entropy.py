@@ -87,6 +87,7 @@ deterministic: reductions are GEMMs and ordered sums, no atomics (which strategy
 ``"auto"`` picks may depend on the device's free memory: name the strategy for runs
 that must match bit for bit).
 """
+import functools
 from typing import Optional
 
 import torch
@@ -94,10 +95,7 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels._backend import resolve
 from memkernels.distributed import dtensor_class, is_dtensor, shard_offset, sharded_along
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels.fusions.common.half_gemm import addmm_float32_
 from memkernels.fusions.common.host import cdiv
@@ -106,6 +104,7 @@ from memkernels.fusions.loss.common import (check_metric_flags, check_targets_if
                                             reduction_denominators, validate_loss_args)
 from memkernels.fusions.loss.cross_entropy import (cast_rne, partial_rows, predict_rows, predicted_buffer, row_kernels,
                                                    vocab_shard_loss)
+from memkernels.fusions.op_spec import OpSpec, Step
 
 
 @triton.jit
@@ -152,7 +151,7 @@ aot.register(_scale_kernel, name="scale_in_float32", variants=[
 ])
 
 
-def _scale_in_float32_(tensor, scale):
+def _scale_in_float32_(tensor, scale, backend):
     """tensor *= scale (0-d float32), the product taken in float32 and rounded once to tensor's dtype.
 
     ``tensor.mul_(scale)`` does that on the CPU (a CPU scale is read as a float32 scalar), but a CUDA
@@ -162,7 +161,7 @@ def _scale_in_float32_(tensor, scale):
     """
     if tensor.dtype not in (torch.float16, torch.bfloat16):
         return tensor.mul_(scale)
-    if tensor.is_contiguous() and resolve(tensor, "linear_cross_entropy") == "triton":
+    if tensor.is_contiguous() and backend == "triton":
         _scale_triton(tensor, scale)
         return tensor
     if scale.device.type == "cpu":
@@ -177,7 +176,6 @@ DEFAULT_CHUNK_BYTES = 16 * 2**20
 # "chunked" may spend this fraction of what it holds anyway (dX + float32 dW) on one chunk: each
 # chunk is a full read-modify-write pass over dW, so the chunk count must stay small at large V x H.
 CHUNKED_TRANSIENT_FRACTION = 1 / 8
-_OP = "linear_cross_entropy"
 
 
 # GPU FLOPs per HBM byte at which a pass costs as much as a GEMM (H100 SXM datasheet: 989 TFLOP/s for
@@ -374,15 +372,14 @@ def _hidden_grad(grad_logits, weight, out):
     out.copy_(total)
 
 
-def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, grads=None, predicted=None):
+def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, backend, grads=None, predicted=None):
     """Loss over token chunks; with ``grads`` = (dX or None, (front, rest) or None, dB64 or None) also
     the gradients (see :func:`_weight_grad_accumulator` for dW); with ``predicted`` (N,) int64 each token's
     argmax class (-1 where ignored), from the loss's pass over each chunk's logits.
 
     Returns (loss, z_loss, lse) with lse (N, 2) float32 (the logsumexp as max + log-sum).
     """
-    backend = resolve(hidden, _OP)
-    loss_rows, _ = row_kernels(hidden, _OP)
+    loss_rows, _ = row_kernels(backend)
     check_targets_if_cpu(backend, target, cfg)
     n_tokens = hidden.shape[0]
     if grads is None:
@@ -428,9 +425,9 @@ def _forward_chunks(hidden, weight, target, bias, cfg, chunk_size, reduction, gr
     return loss, z_loss, lse
 
 
-def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size, reduction, needs):
+def _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size, reduction, needs, backend):
     """Vocabulary-tiled backward from the saved logsumexp; returns (dX, dW, dB), None where not needed."""
-    loss_rows, grad_rows = row_kernels(hidden, _OP)
+    loss_rows, grad_rows = row_kernels(backend)
     cols_per_tile = recompute_tile_classes(hidden.shape[0], cfg.n_classes, hidden.dtype, chunk_size)
     # One tile holds every class: its logsumexp is taken from the recomputed logits in the same launch
     # (the loss kernel with a gradient buffer: one more read of the tile) rather than from the forward's,
@@ -498,10 +495,11 @@ def _empty(reference_tensor):
 def _recompute_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                        bias: Optional[torch.Tensor], class_weight: Optional[torch.Tensor], ignore_index: int,
                        label_smoothing: float, softcap: float, z_loss: float, reduction: str,
-                       chunk_size: int, predict: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                       chunk_size: int, predict: bool, backend: str
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     predicted = predicted_buffer(hidden, hidden.shape[0], predict)
-    loss, z, lse = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
+    loss, z, lse = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction, backend,
                                    predicted=predicted if predict else None)
     return loss, z, lse, predicted
 
@@ -514,7 +512,7 @@ def _loss_shapes(hidden, z_loss, reduction):
 
 
 def _recompute_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
-                    reduction, chunk_size, predict):
+                    reduction, chunk_size, predict, backend):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
     return (loss, z, hidden.new_empty((hidden.shape[0], 2), dtype=torch.float32),
             predicted_buffer(hidden, hidden.shape[0], predict))
@@ -524,17 +522,17 @@ def _recompute_backward_impl(grad_loss: torch.Tensor, hidden: torch.Tensor, weig
                              target: torch.Tensor, bias: Optional[torch.Tensor], lse: torch.Tensor,
                              class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float,
                              softcap: float, z_loss: float, reduction: str, chunk_size: int, needs_hidden: bool,
-                             needs_weight: bool, needs_bias: bool
+                             needs_weight: bool, needs_bias: bool, backend: str
                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
     grads = _recompute_backward(grad_loss, hidden, weight, target, bias, lse, cfg, chunk_size or None, reduction,
-                                (needs_hidden, needs_weight, needs_bias))
+                                (needs_hidden, needs_weight, needs_bias), backend)
     return tuple(g if g is not None else _empty(hidden) for g in grads)
 
 
 def _recompute_backward_fake(grad_loss, hidden, weight, target, bias, lse, class_weight, ignore_index,
                              label_smoothing, softcap, z_loss, reduction, chunk_size, needs_hidden, needs_weight,
-                             needs_bias):
+                             needs_bias, backend):
     return (torch.empty_like(hidden) if needs_hidden else _empty(hidden),
             torch.empty_like(weight) if needs_weight else _empty(hidden),
             torch.empty_like(bias) if needs_bias else _empty(hidden))
@@ -544,32 +542,32 @@ def _recompute_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output[1:])  # z_loss (returned detached), the logsumexp, the predictions
     # Their gradients arrive as None instead of zero tensors: autograd would launch a fill for each.
     ctx.set_materialize_grads(False)
-    hidden, weight, target, bias, class_weight, *options, _ = inputs  # the last: predict, forward's alone
+    hidden, weight, target, bias, class_weight, *options, _, backend = inputs  # predict: forward's alone
     ctx.save_for_backward(hidden, weight, target, bias, class_weight, output[2])
     ctx.options = tuple(options)
+    ctx.backend = backend
 
 
-def _recompute_grad_with(backward):
-    def _recompute_grad(ctx, grad_loss, grad_z_loss, grad_lse, grad_predicted):
-        hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-        grads = backward(grad_loss, hidden, weight, target, bias, lse, class_weight, *ctx.options, *needs)
-        grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None
-    return _recompute_grad
+def _recompute_grad(ctx, steps, grad_loss, grad_z_loss, grad_lse, grad_predicted):
+    hidden, weight, target, bias, class_weight, lse = ctx.saved_tensors
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+    grads = steps.backward(grad_loss, hidden, weight, target, bias, lse, class_weight, *ctx.options, *needs,
+                           ctx.backend)
+    grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
+    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 9
 
 
-_recompute_op = custom_op("memkernels::linear_cross_entropy_recompute", _recompute_forward, _recompute_fake)
 # Under autocast the LM-head matmuls run in the region's dtype, as F.linear's do (hidden, weight and
 # bias are cast); the loss is float32 either way, as PyTorch's policy keeps cross-entropy.
 _AUTOCAST = {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}
 _AUTOCAST_CAST = (0, 1, 3)  # hidden, weight, bias
-_autocast.register(_recompute_op._qualname, _AUTOCAST, _AUTOCAST_CAST)
-_recompute_backward_op = custom_op("memkernels::linear_cross_entropy_recompute_backward", _recompute_backward_impl,
-                                   _recompute_backward_fake)
-_RecomputeFunction = autograd_pair(_recompute_op, _recompute_forward, _recompute_setup,
-                                   _recompute_grad_with(_recompute_backward_op),
-                                   _recompute_grad_with(_recompute_backward_impl))
+RECOMPUTE = OpSpec(
+    "linear_cross_entropy_recompute",
+    Step("linear_cross_entropy_recompute", _recompute_forward, _recompute_fake),
+    steps={"backward": Step("linear_cross_entropy_recompute_backward", _recompute_backward_impl,
+                            _recompute_backward_fake)},
+    setup_context=_recompute_setup, backward=_recompute_grad, autocast=_AUTOCAST, casts=_AUTOCAST_CAST,
+    triton_dtypes=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,7 +577,7 @@ _RecomputeFunction = autograd_pair(_recompute_op, _recompute_forward, _recompute
 def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
                      class_weight: Optional[torch.Tensor], ignore_index: int, label_smoothing: float, softcap: float,
                      z_loss: float, reduction: str, chunk_size: int, predict: bool, needs_hidden: bool,
-                     needs_weight: bool, needs_bias: bool
+                     needs_weight: bool, needs_bias: bool, backend: str
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                 torch.Tensor]:
     cfg = make_config(weight.shape[0], ignore_index, label_smoothing, softcap, z_loss, class_weight)
@@ -587,7 +585,7 @@ def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
     grad_weight_parts = _weight_grad_accumulator(weight) if needs_weight else None
     grad_bias64 = torch.zeros(bias.shape, dtype=torch.float64, device=bias.device) if needs_bias else None
     predicted = predicted_buffer(hidden, hidden.shape[0], predict)
-    loss, z_loss_out, _ = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction,
+    loss, z_loss_out, _ = _forward_chunks(hidden, weight, target, bias, cfg, chunk_size or None, reduction, backend,
                                           grads=(grad_hidden, grad_weight_parts, grad_bias64),
                                           predicted=predicted if predict else None)
     grad_weight_parts = grad_weight_parts or (_empty(hidden), _empty(hidden))
@@ -596,7 +594,7 @@ def _chunked_forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.T
 
 
 def _chunked_fake(hidden, weight, target, bias, class_weight, ignore_index, label_smoothing, softcap, z_loss,
-                  reduction, chunk_size, predict, needs_hidden, needs_weight, needs_bias):
+                  reduction, chunk_size, predict, needs_hidden, needs_weight, needs_bias, backend):
     loss, z = _loss_shapes(hidden, z_loss, reduction)
     grad_weight_parts = (_empty(hidden), _empty(hidden))
     if needs_weight:
@@ -618,7 +616,8 @@ def _chunked_setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(*output[3:])
     ctx.dtypes = (inputs[1].dtype, None if inputs[3] is None else inputs[3].dtype)
-    ctx.needs = inputs[-3:]
+    ctx.needs = inputs[-4:-1]
+    ctx.backend = inputs[-1]
 
 
 def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
@@ -627,16 +626,18 @@ def _chunked_grad(ctx, grad_loss, grad_z_loss, *unused_grads_of_grads):
     needs_hidden, needs_weight, needs_bias = ctx.needs
     scale = grad_loss.float()
     # In place: these buffers exist only for this backward (a second backward trips the version check).
-    grad_hidden = _scale_in_float32_(grad_hidden, scale) if needs_hidden else None
+    grad_hidden = _scale_in_float32_(grad_hidden, scale, ctx.backend) if needs_hidden else None
     grad_weight = (_finish_weight_grad(grad_weight_front, grad_weight_rest, scale, weight_dtype)
                    if needs_weight else None)
     grad_bias = grad_bias64.mul_(scale).to(bias_dtype) if needs_bias else None
-    return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None, None, None, None, None, None
+    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 12
 
 
-_chunked_op = custom_op("memkernels::linear_cross_entropy_chunked", _chunked_forward, _chunked_fake)
-_autocast.register(_chunked_op._qualname, _AUTOCAST, _AUTOCAST_CAST)
-_ChunkedFunction = autograd_pair(_chunked_op, _chunked_forward, _chunked_setup, _chunked_grad, _chunked_grad)
+# No backward step: backward scales the gradients forward computed.
+CHUNKED = OpSpec(
+    "linear_cross_entropy_chunked", Step("linear_cross_entropy_chunked", _chunked_forward, _chunked_fake), steps={},
+    setup_context=_chunked_setup, backward=lambda ctx, steps, *grads: _chunked_grad(ctx, *grads),
+    autocast=_AUTOCAST, casts=_AUTOCAST_CAST, triton_dtypes=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -648,7 +649,7 @@ class _VocabParallelFunction(torch.autograd.Function):
     share of the sum over the ranks."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, cfg, reduction, chunk_size, predict, col_offset, group):
+    def forward(ctx, hidden, weight, bias, target, cfg, reduction, chunk_size, predict, col_offset, group, backend):
         n_tokens = hidden.shape[0]
         local_max = torch.empty(n_tokens, dtype=torch.float32, device=hidden.device)
         sums = torch.empty(n_tokens, 3, dtype=torch.float64, device=hidden.device)
@@ -666,7 +667,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         loss, z_loss, lse, predicted = vocab_shard_loss(local_max, sums, (best, indices) if predict else None,
                                                         target, cfg, reduction, group)
         ctx.save_for_backward(hidden, weight, bias, target, lse)
-        ctx.options = (cfg, reduction, chunk_size, col_offset)
+        ctx.options = (cfg, reduction, chunk_size, col_offset, backend)
         ctx.mark_non_differentiable(z_loss, predicted)
         ctx.set_materialize_grads(False)
         return loss, z_loss, predicted
@@ -674,8 +675,8 @@ class _VocabParallelFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_z_loss, grad_predicted):
         hidden, weight, bias, target, lse = ctx.saved_tensors
-        cfg, reduction, chunk_size, col_offset = ctx.options
-        _, grad_rows = row_kernels(hidden, _OP)
+        cfg, reduction, chunk_size, col_offset, backend = ctx.options
+        _, grad_rows = row_kernels(backend)
         loss_scale, z_scale = grad_scales(grad_loss, reduction_denominators(target, cfg, reduction), reduction, cfg)
         needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
 
@@ -685,7 +686,7 @@ class _VocabParallelFunction(torch.autograd.Function):
         cols_per_tile = recompute_tile_classes(hidden.shape[0], weight.shape[0], hidden.dtype, chunk_size)
         grad_hidden, grad_weight, grad_bias = tiled_head_backward(hidden, weight, bias, cols_per_tile, needs,
                                                                   write_tile_grad)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def _head_layout(weight, bias):
@@ -701,7 +702,7 @@ def _head_layout(weight, bias):
     return weight.device_mesh, shard_offset(weight, 0, "linear_cross_entropy: weight")
 
 
-def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, predict):
+def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, predict, backend):
     """The loss of :func:`memkernels.fusions.loss.linear_cross_entropy.linear_cross_entropy` for a DTensor ``weight``
     sharded over its classes. ``hidden`` (N, H): a plain tensor (the same on every rank, as the replicated input
     of a ColwiseParallel head) or a DTensor (redistributed to Replicate first: one all-gather where it is
@@ -720,7 +721,7 @@ def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, pr
     hidden_local = hidden.to_local(grad_placements=[Partial()])
     bias_local = None if bias is None else bias.to_local()
     return _VocabParallelFunction.apply(hidden_local, weight.to_local(), bias_local, target, cfg, reduction,
-                                        chunk_size, predict, offset, mesh.get_group())
+                                        chunk_size, predict, offset, mesh.get_group(), backend)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -839,7 +840,7 @@ def pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, grad_needed
 def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None, ignore_index=-100,
                          label_smoothing=0.0, reduction="mean", softcap=None, z_loss=0.0, strategy="auto",
                          chunk_size=None, return_z_loss=False, return_token_accuracy=False,
-                         return_predicted_tokens=False):
+                         return_predicted_tokens=False, backend=None):
     """``cross_entropy(hidden @ weight.T + bias, target)`` without materializing the logits.
 
     Args:
@@ -857,6 +858,8 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             for "chunked" at least 1/8 of dX + float32 dW and at least 1180 tokens for half inputs, 80 for
             float32; for "recompute" at least 590 tokens per chunk and 2360 classes per backward tile for half
             inputs, 80 and 160 for float32; see the module docstring).
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
     Returns:
         float32 loss (shape of ``target`` for reduction "none", else 0-d), or
         ``(loss, z_loss)`` with ``return_z_loss`` (z_loss detached); with either metric flag a
@@ -865,8 +868,17 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
     Under ``torch.autocast`` hidden, weight and bias are cast to the region's dtype first (as
     ``F.linear`` casts them) and the loss stays float32 (as PyTorch's policy keeps cross-entropy).
     """
-    hidden, weight, _, bias = _autocast.cast(_recompute_op._qualname, _autocast.device_type_of((hidden,)),
-                                             (hidden, weight, target, bias))
+    run = functools.partial(
+        _linear_cross_entropy, class_weight=class_weight, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        reduction=reduction, softcap=softcap, z_loss=z_loss, strategy=strategy, chunk_size=chunk_size,
+        return_z_loss=return_z_loss, return_token_accuracy=return_token_accuracy,
+        return_predicted_tokens=return_predicted_tokens, backend=backend)
+    return RECOMPUTE.with_autocast(run, hidden, weight, target, bias)
+
+
+def _linear_cross_entropy(hidden, weight, target, bias, *, class_weight, ignore_index, label_smoothing, reduction,
+                          softcap, z_loss, strategy, chunk_size, return_z_loss, return_token_accuracy,
+                          return_predicted_tokens, backend):
     _validate(hidden, weight, bias, strategy, chunk_size, reduction)
     hidden_size = hidden.shape[-1]
     n_tokens = hidden.numel() // max(hidden_size, 1)
@@ -876,6 +888,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
     check_metric_flags(return_token_accuracy, return_predicted_tokens)
     predict = return_token_accuracy or return_predicted_tokens
     out_shape = target.shape
+    backend = RECOMPUTE.backend(backend, hidden, "linear_cross_entropy", "hidden")
     hidden2d = hidden.reshape(n_tokens, hidden_size).contiguous()
     target = (target.full_tensor() if is_dtensor(target) else target).reshape(-1).long()
     weight = weight.contiguous()
@@ -892,17 +905,16 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             raise ValueError('strategy="chunked" takes no vocabulary-sharded (DTensor) weight: it would hold a '
                              'float32 dW per rank in the forward; use strategy="auto" or "recompute"')
         cfg = make_config(weight.shape[0], *options[:4], class_weight)
-        check_targets_if_cpu(resolve(hidden, _OP), target, cfg)
-        loss, z, predicted = _vocab_parallel(hidden2d, weight, target, bias, cfg, reduction, chunk_size, predict)
+        check_targets_if_cpu(backend, target, cfg)
+        loss, z, predicted = _vocab_parallel(hidden2d, weight, target, bias, cfg, reduction, chunk_size, predict,
+                                             backend)
         return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
                              return_token_accuracy, return_predicted_tokens)
     chosen = pick_strategy(strategy, n_tokens, hidden_size, weight.shape[0], hidden.dtype, grad_needed, reduction,
                            device=hidden.device, chunk_size=chunk_size)
     if chosen == "chunked" and grad_needed:
-        loss, z, predicted, *_ = apply_op(_chunked_op, _ChunkedFunction, hidden2d, weight, target, bias,
-                                          class_weight, *options, *needs)
+        loss, z, predicted, *_ = CHUNKED(hidden2d, weight, target, bias, class_weight, *options, *needs, backend)
     else:
-        loss, z, _, predicted = apply_op(_recompute_op, _RecomputeFunction, hidden2d, weight, target, bias,
-                                         class_weight, *options)
+        loss, z, _, predicted = RECOMPUTE(hidden2d, weight, target, bias, class_weight, *options, backend)
     return finish_output(loss, z, out_shape, reduction, return_z_loss, predicted, target, ignore_index,
                          return_token_accuracy, return_predicted_tokens)

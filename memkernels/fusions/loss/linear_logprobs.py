@@ -18,6 +18,7 @@ classes a tile for half inputs, so its GEMMs stay compute-bound on a GPU); ``chu
 Out-of-range targets: the CPU path raises; the Triton path (no host sync) writes NaN into that token's
 results and gradient.
 """
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -26,9 +27,6 @@ import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels._backend import resolve
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels.fusions.common.host import next_power_of_2
 from memkernels.fusions.loss import logprobs_reference as reference
@@ -36,8 +34,8 @@ from memkernels.fusions.loss.cross_entropy import cast_rne, tanh_fp32
 from memkernels.fusions.loss.linear_cross_entropy import (head_logits, recompute_chunk_tokens, recompute_tile_classes,
                                                           tiled_head_backward, validate_head)
 from memkernels.fusions.loss.reference import check_targets
+from memkernels.fusions.op_spec import OpSpec, Step
 
-_OP = "linear_logprobs"
 # Widest vocabulary block one program holds in registers at a time.
 MAX_BLOCK_V = 4096
 
@@ -257,9 +255,9 @@ def grad_cols_triton(logits, target, stats, cfg, grad, grad_logp, grad_entropy, 
             col_offset=col_offset)
 
 
-def _row_kernels(tensor):
-    """(stats_rows, grad_cols) for the backend that runs ``tensor``."""
-    if resolve(tensor, _OP) == "triton":
+def _row_kernels(backend):
+    """(stats_rows, grad_cols) of ``backend`` ("triton" or "torch")."""
+    if backend == "triton":
         return stats_rows_triton, grad_cols_triton
     return reference.stats_rows, reference.grad_cols
 
@@ -270,10 +268,10 @@ def _row_kernels(tensor):
 
 def _forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor],
              ignore_index: int, softcap: float, temperature: float, with_entropy: bool, with_metrics: bool,
-             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+             chunk_size: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy, with_metrics)
-    stats_rows, _ = _row_kernels(hidden)
-    if resolve(hidden, _OP) == "torch" and target.device.type == "cpu":
+    stats_rows, _ = _row_kernels(backend)
+    if backend == "torch" and target.device.type == "cpu":
         check_targets(target, cfg.n_classes, ignore_index)
     n_tokens = hidden.shape[0]
     rows_per_chunk = recompute_chunk_tokens(cfg.n_classes, hidden.dtype, chunk_size or None)
@@ -294,7 +292,7 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, b
 
 
 def _forward_fake(hidden, weight, target, bias, ignore_index, softcap, temperature, with_entropy, with_metrics,
-                  chunk_size):
+                  chunk_size, backend):
     n_tokens = hidden.shape[0]
     return (hidden.new_empty((n_tokens,), dtype=torch.float32),
             hidden.new_empty((n_tokens if with_entropy else 0,), dtype=torch.float32),
@@ -305,10 +303,10 @@ def _forward_fake(hidden, weight, target, bias, ignore_index, softcap, temperatu
 def _backward(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Tensor], hidden: torch.Tensor,
               weight: torch.Tensor, target: torch.Tensor, bias: Optional[torch.Tensor], stats: torch.Tensor,
               ignore_index: int, softcap: float, temperature: float, with_entropy: bool, with_metrics: bool,
-              chunk_size: int, needs_hidden: bool, needs_weight: bool, needs_bias: bool
+              chunk_size: int, needs_hidden: bool, needs_weight: bool, needs_bias: bool, backend: str
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     cfg = reference.LogprobConfig(weight.shape[0], ignore_index, softcap, temperature, with_entropy, False)
-    stats_rows, grad_cols = _row_kernels(hidden)
+    stats_rows, grad_cols = _row_kernels(backend)
     grad_logp = None if grad_logp is None else grad_logp.float().contiguous()
     grad_entropy = None if grad_entropy is None or not with_entropy else grad_entropy.float().contiguous()
     cols_per_tile = recompute_tile_classes(hidden.shape[0], cfg.n_classes, hidden.dtype, chunk_size or None)
@@ -328,14 +326,14 @@ def _backward(grad_logp: Optional[torch.Tensor], grad_entropy: Optional[torch.Te
 
 
 def _backward_fake(grad_logp, grad_entropy, hidden, weight, target, bias, stats, ignore_index, softcap, temperature,
-                   with_entropy, with_metrics, chunk_size, needs_hidden, needs_weight, needs_bias):
+                   with_entropy, with_metrics, chunk_size, needs_hidden, needs_weight, needs_bias, backend):
     return (torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0),
             torch.empty_like(weight) if needs_weight else hidden.new_empty(0),
             torch.empty_like(bias) if needs_bias else hidden.new_empty(0))
 
 
 def _setup(ctx, inputs, output):
-    hidden, weight, target, bias, *options = inputs
+    hidden, weight, target, bias, *options, backend = inputs
     logp, entropy, stats, metrics = output
     ctx.mark_non_differentiable(stats, metrics)
     if not entropy.numel():
@@ -344,25 +342,26 @@ def _setup(ctx, inputs, output):
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(hidden, weight, target, bias, stats)
     ctx.options = tuple(options)
+    ctx.backend = backend
 
 
-def _grad_with(backward):
-    def _grad(ctx, grad_logp, grad_entropy, grad_stats, grad_metrics):
-        hidden, weight, target, bias, stats = ctx.saved_tensors
-        needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
-        if grad_logp is None and grad_entropy is None:
-            return (None,) * 10
-        grads = backward(grad_logp, grad_entropy, hidden, weight, target, bias, stats, *ctx.options, *needs)
-        grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
-        return grad_hidden, grad_weight, None, grad_bias, None, None, None, None, None, None
-    return _grad
+def _grad(ctx, steps, grad_logp, grad_entropy, grad_stats, grad_metrics):
+    hidden, weight, target, bias, stats = ctx.saved_tensors
+    needs = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[3])
+    if grad_logp is None and grad_entropy is None:
+        return (None,) * 11
+    grads = steps.backward(grad_logp, grad_entropy, hidden, weight, target, bias, stats, *ctx.options, *needs,
+                           ctx.backend)
+    grad_hidden, grad_weight, grad_bias = (g if need else None for g, need in zip(grads, needs))
+    return (grad_hidden, grad_weight, None, grad_bias) + (None,) * 7
 
 
-_op = custom_op("memkernels::linear_logprobs", _forward, _forward_fake)
-# Under autocast the head's GEMMs run in the region's dtype, as F.linear's do; the results stay float32.
-_autocast.register(_op._qualname, {"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, (0, 1, 3))
-_backward_op = custom_op("memkernels::linear_logprobs_backward", _backward, _backward_fake)
-_Function = autograd_pair(_op, _forward, _setup, _grad_with(_backward_op), _grad_with(_backward))
+LINEAR_LOGPROBS = OpSpec(
+    "linear_logprobs", Step("linear_logprobs", _forward, _forward_fake),
+    steps={"backward": Step("linear_logprobs_backward", _backward, _backward_fake)},
+    setup_context=_setup, backward=_grad,
+    # Under autocast the head's GEMMs run in the region's dtype, as F.linear's do; the results stay float32.
+    autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1, 3), triton_dtypes=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,7 +405,7 @@ class LogprobMetrics(NamedTuple):
 
 
 def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softcap=None, return_entropy=False,
-                    return_metrics=False, chunk_size=None, ignore_index=-100):
+                    return_metrics=False, chunk_size=None, ignore_index=-100, backend=None):
     """``log_softmax(cap(hidden @ weight.T + bias) / temperature)[target]`` per token, without the logits.
 
     Args:
@@ -423,6 +422,8 @@ def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softc
         chunk_size: tokens per forward chunk (and the backward's tile of classes holds as many logits);
             default: linear_cross_entropy's "recompute" sizes (see :mod:`memkernels.fusions.loss.linear_cross_entropy`).
         ignore_index: tokens with this target give 0 (log-prob and entropy) and no gradient.
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
     Returns:
         logp, float32 of ``target``'s shape; ``(logp, entropy)`` with ``return_entropy``; the metrics last with
         ``return_metrics``. logp and the entropy are differentiable with respect to hidden, weight and bias.
@@ -432,17 +433,23 @@ def linear_logprobs(hidden, weight, target, *, bias=None, temperature=1.0, softc
     inputs). Under ``torch.autocast`` hidden, weight and bias are cast to the region's dtype first, as
     ``F.linear`` casts them; the results stay float32.
     """
-    hidden, weight, _, bias = _autocast.cast(_op._qualname, _autocast.device_type_of((hidden,)),
-                                             (hidden, weight, target, bias))
+    run = functools.partial(_linear_logprobs, temperature=temperature, softcap=softcap, return_entropy=return_entropy,
+                            return_metrics=return_metrics, chunk_size=chunk_size, ignore_index=ignore_index,
+                            backend=backend)
+    return LINEAR_LOGPROBS.with_autocast(run, hidden, weight, target, bias)
+
+
+def _linear_logprobs(hidden, weight, target, bias, *, temperature, softcap, return_entropy, return_metrics,
+                     chunk_size, ignore_index, backend):
     _validate(hidden, weight, target, bias, temperature, softcap, ignore_index, chunk_size)
     hidden_size = hidden.shape[-1]
     n_tokens = target.numel()
     out_shape = target.shape
     hidden2d = hidden.reshape(n_tokens, hidden_size).contiguous()
-    logp, entropy, _, metrics = apply_op(_op, _Function, hidden2d, weight.contiguous(), target.reshape(-1).long(), bias,
-                                         ignore_index, float(softcap) if softcap is not None else 0.0,
-                                         float(temperature), bool(return_entropy), bool(return_metrics),
-                                         chunk_size or 0)
+    logp, entropy, _, metrics = LINEAR_LOGPROBS(
+        hidden2d, weight.contiguous(), target.reshape(-1).long(), bias, ignore_index,
+        float(softcap) if softcap is not None else 0.0, float(temperature), bool(return_entropy), bool(return_metrics),
+        chunk_size or 0, LINEAR_LOGPROBS.backend(backend, hidden, "linear_logprobs", "hidden"))
     results = [logp.view(out_shape)]
     if return_entropy:
         results.append(entropy.view(out_shape))

@@ -17,12 +17,12 @@ _MEMORY_NOTE = """
     gradients stay exact and nothing is divided by zero. Finding K reads one
     count back from the device; that decision is cached per weight state and
     recomputed after an in-place update or optimizer step (see
-    _norm_ops.unrecoverable_columns).
+    memkernels.fusions.norm.op.unrecoverable_columns).
 """
 
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, normalized_shape=None,
-               in_place=False):
+               in_place=False, backend=None):
     """LayerNorm: y = (x - mean) / sqrt(var + eps) * weight + bias, statistics in fp32.
 
     Args:
@@ -37,6 +37,8 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, n
             [M, H] allocation, but only when nothing else can see that buffer (it is
             not shared with another branch, kept by the caller, or a view); otherwise,
             and under torch.compile, it allocates dx as usual.
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
 
     Returns:
         y: x's shape and dtype (computed in fp32, one rounding). An input with
@@ -45,11 +47,11 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, memory_efficient=False, n
     if normalized_shape is None and weight is None and bias is not None:
         normalized_shape = bias.shape
     return normalize("layer_norm", x, None, weight, bias, eps, 0.0, False, "gemma", memory_efficient,
-                     normalized_shape, in_place)[0]
+                     normalized_shape, in_place, backend)[0]
 
 
 def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, memory_efficient=False,
-                   normalized_shape=None, in_place=False):
+                   normalized_shape=None, in_place=False, backend=None):
     """Fused residual add + LayerNorm in one pass: returns (y, residual_out).
 
     residual_out = x + residual (rounded to x's dtype) and y = layer_norm(residual_out),
@@ -60,7 +62,7 @@ def add_layer_norm(x, residual, weight=None, bias=None, eps=1e-5, *, memory_effi
     if normalized_shape is None and weight is None and bias is not None:
         normalized_shape = bias.shape
     return normalize("add_layer_norm", x, residual, weight, bias, eps, 0.0, False, "gemma", memory_efficient,
-                     normalized_shape, in_place)
+                     normalized_shape, in_place, backend)
 
 
 # The memory note is shared by both functions' docstrings.

@@ -1,17 +1,18 @@
-"""RMSNorm / LayerNorm as torch.library custom ops with their autograd (memkernels/fusions/common/custom_op.py).
+"""RMSNorm / LayerNorm as torch.library custom ops with their autograd: one OpSpec, ``NORM``
+(memkernels/fusions/op_spec.py).
 
 ``memkernels::norm_fwd`` and ``memkernels::norm_bwd`` (and
 ``memkernels::norm_bwd_into_dy``, the opt-in in-place backward) are opaque to
 torch.compile (fake implementations give the shapes), so a compiled model
 keeps the fused kernels whole with no graph break. In eager mode the same
 implementations run through their autograd.Function twin, without the custom
-op's dispatch (host time; see _custom_op). Either way the saved tensors go
+op's dispatch (host time; see op_spec). Either way the saved tensors go
 through ``ctx.save_for_backward``, where saved_tensors_hooks (memkernels.runtime.meters,
 activation offload) see them.
 
 Each op runs the Triton kernels (memkernels/fusions/norm/kernels.py) or the
-PyTorch reference (memkernels/fusions/norm/reference.py), as chosen by
-memkernels._backend.resolve in the public function. The public functions live
+PyTorch reference (memkernels/fusions/norm/reference.py), as NORM.backend
+chooses in the public function. The public functions live
 in memkernels/fusions/norm/rms_norm.py and memkernels/fusions/norm/layer_norm.py.
 """
 import functools
@@ -23,14 +24,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memkernels import _backend
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.fusions.norm import reference
+from memkernels.fusions.op_spec import OpSpec, Step
 
 try:  # registers the Triton kernels with memkernels.aot; the PyTorch path needs no triton
-    from memkernels.fusions.norm import kernels as _norm_kernels  # noqa: F401
+    from memkernels.fusions.norm import kernels  # noqa: F401
 except ImportError:
     pass
 
@@ -39,8 +38,8 @@ SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 def _implementation(backend):
     if backend == "triton":
-        from memkernels.fusions.norm import kernels as _norm_kernels
-        return _norm_kernels
+        from memkernels.fusions.norm import kernels
+        return kernels
     return reference
 
 
@@ -274,12 +273,6 @@ def _norm_backward_into_dy_fake(dy, dresidual_out, saved, mean, rstd, weight, bi
             torch.empty_like(bias) if needs_db else _empty(dy))
 
 
-norm_fwd = custom_op("memkernels::norm_fwd", _norm_forward_op, _norm_forward_fake)
-norm_bwd = custom_op("memkernels::norm_bwd", _norm_backward_op, _norm_backward_fake)
-norm_bwd_into_dy = custom_op("memkernels::norm_bwd_into_dy", _norm_backward_into_dy_op, _norm_backward_into_dy_fake,
-                             mutates_args=("dy",))
-
-
 def _private_gradient(dy):
     """True when writing into dy cannot be seen by anyone else (opt-in in_place backward).
 
@@ -316,44 +309,42 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _backward_with(backward, backward_into_dy):
-    """The norm's backward formula over ``backward`` and ``backward_into_dy``: the custom ops
-    under torch.compile, their implementations in eager mode."""
-
-    def _backward(ctx, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
-        saved, mean, rstd, weight, bias, unsafe_cols, fallback = ctx.saved_tensors
-        in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = \
-            ctx.options
-        needs_x, needs_residual, needs_w, needs_b = ctx.needs_input_grad[:4]
-        needs_dx = needs_x or needs_residual
-        needs_dw = has_weight and needs_w
-        needs_db = has_bias and needs_b
-        if not (needs_dx or needs_dw or needs_db):
-            return (None,) * 11
-        if dy is None:  # only residual_out reached the loss: y's gradient is zero
-            dy = torch.zeros_like(saved)
-        dresidual_out = dresidual_out.contiguous() if has_residual and dresidual_out is not None else None
-        if in_place and needs_dx and _private_gradient(dy):
-            dw, db = backward_into_dy(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback,
-                                      eps, offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend)
-            dx = dy
-        else:
-            dx, dw, db = backward(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
-                                  fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
-                                  needs_db, backend)
-        # x and residual get the same gradient tensor, as eager's add gives both its inputs; when both
-        # are leaves, normalize() routes residual through _SeparateGradient so their .grads do not share.
-        return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
-                db if needs_db else None) + (None,) * 7
-
-    return _backward
+def _backward_formula(ctx, steps, dy, dresidual_out, _dmean, _drstd, _dcols, _dfallback):
+    saved, mean, rstd, weight, bias, unsafe_cols, fallback = ctx.saved_tensors
+    in_place, eps, offset, is_rms, casting, memory_efficient, backend, has_residual, has_weight, has_bias = \
+        ctx.options
+    needs_x, needs_residual, needs_w, needs_b = ctx.needs_input_grad[:4]
+    needs_dx = needs_x or needs_residual
+    needs_dw = has_weight and needs_w
+    needs_db = has_bias and needs_b
+    if not (needs_dx or needs_dw or needs_db):
+        return (None,) * 11
+    if dy is None:  # only residual_out reached the loss: y's gradient is zero
+        dy = torch.zeros_like(saved)
+    dresidual_out = dresidual_out.contiguous() if has_residual and dresidual_out is not None else None
+    if in_place and needs_dx and _private_gradient(dy):
+        dw, db = steps.backward_into_dy(dy, dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols, fallback,
+                                        eps, offset, is_rms, casting, memory_efficient, needs_dw, needs_db, backend)
+        dx = dy
+    else:
+        dx, dw, db = steps.backward(dy.contiguous(), dresidual_out, saved, mean, rstd, weight, bias, unsafe_cols,
+                                    fallback, eps, offset, is_rms, casting, memory_efficient, needs_dx, needs_dw,
+                                    needs_db, backend)
+    # x and residual get the same gradient tensor, as eager's add gives both its inputs; when both
+    # are leaves, normalize() routes residual through _SeparateGradient so their .grads do not share.
+    return (dx if needs_x else None, dx if needs_residual else None, dw if needs_dw else None,
+            db if needs_db else None) + (None,) * 7
 
 
-_NormFunction = autograd_pair(norm_fwd, _norm_forward, _setup_context,
-                              _backward_with(norm_bwd, norm_bwd_into_dy),
-                              _backward_with(_norm_backward, _norm_backward_into_dy))
-# PyTorch's autocast policy for layer_norm and rms_norm: float32 on CUDA, the inputs' dtype on CPU.
-_autocast.register(norm_fwd._qualname, {"cpu": None, "cuda": "fp32"}, positions=(0, 1, 2, 3))
+NORM = OpSpec(
+    "norm",
+    Step("norm_fwd", _norm_forward, _norm_forward_fake, custom_op_run=_norm_forward_op),
+    steps={"backward": Step("norm_bwd", _norm_backward, _norm_backward_fake, custom_op_run=_norm_backward_op),
+           "backward_into_dy": Step("norm_bwd_into_dy", _norm_backward_into_dy, _norm_backward_into_dy_fake,
+                                    custom_op_run=_norm_backward_into_dy_op, mutates_args=("dy",))},
+    setup_context=_setup_context, backward=_backward_formula,
+    # PyTorch's autocast policy for layer_norm and rms_norm: float32 on CUDA, the inputs' dtype on CPU.
+    autocast={"cpu": None, "cuda": "fp32"}, casts=(0, 1, 2, 3), triton_dtypes=SUPPORTED_DTYPES, fake_on_meta=True)
 
 
 class _SeparateGradient(torch.autograd.Function):
@@ -453,7 +444,7 @@ def _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, run
 
 
 def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_mode, memory_efficient,
-              normalized_shape, in_place=False):
+              normalized_shape, in_place=False, backend=None):
     """Validate, flatten to [M, H], run the custom op, reshape back. Returns (y, residual_out or None).
 
     A DTensor x runs on each rank's rows (:func:`_normalize_dtensor`)."""
@@ -463,14 +454,15 @@ def normalize(op_name, x, residual, weight, bias, eps, offset, is_rms, casting_m
     if is_dtensor(x):
         return _normalize_dtensor(op_name, x, residual, weight, bias, normalized_shape, functools.partial(
             _normalize_local, op_name, eps=eps, offset=offset, is_rms=is_rms, casting_mode=casting_mode,
-            memory_efficient=memory_efficient, normalized_shape=normalized_shape, in_place=in_place))
+            memory_efficient=memory_efficient, normalized_shape=normalized_shape, in_place=in_place,
+            backend=backend))
     return _normalize_local(op_name, x, residual, weight, bias, eps=eps, offset=offset, is_rms=is_rms,
                             casting_mode=casting_mode, memory_efficient=memory_efficient,
-                            normalized_shape=normalized_shape, in_place=in_place)
+                            normalized_shape=normalized_shape, in_place=in_place, backend=backend)
 
 
 def _normalize_local(op_name, x, residual, weight, bias, *, eps, offset, is_rms, casting_mode, memory_efficient,
-                     normalized_shape, in_place):
+                     normalized_shape, in_place, backend):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op_name}: x must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
@@ -506,14 +498,13 @@ def _normalize_local(op_name, x, residual, weight, bias, *, eps, offset, is_rms,
     offset = float(offset)
     if weight is None and offset != 0.0:
         weight = _zero_weight(hidden, x.device)  # the scale is offset + 0
-    backend = _backend.resolve(x, op_name)
+    backend = NORM.backend(backend, x, op_name, "x")
 
     x2d = x.reshape(-1, hidden).contiguous()
     residual2d = residual.reshape(-1, hidden).contiguous() if residual is not None else None
     if residual is not None and _gradient_goes_to_a_leaf(x) and _gradient_goes_to_a_leaf(residual):
         residual2d = _SeparateGradient.apply(residual2d)
-    y, residual_out, *_ = apply_op(norm_fwd, _NormFunction, x2d, residual2d, weight, bias, eps, offset, is_rms,
-                                   reference.CASTING_MODES[casting_mode], bool(memory_efficient), bool(in_place),
-                                   backend, fake_on_meta=True)
+    y, residual_out, *_ = NORM(x2d, residual2d, weight, bias, eps, offset, is_rms,
+                               reference.CASTING_MODES[casting_mode], bool(memory_efficient), bool(in_place), backend)
     y = y.view(x.shape)
     return y, (residual_out.view(x.shape) if residual is not None else None)

@@ -15,12 +15,12 @@ _MEMORY_NOTE = """
     those K columns is stored instead, as an [M, K] tensor, so gradients stay
     exact with no division by zero. Finding K reads one count back from the
     device; that decision is cached per weight state and recomputed after an
-    in-place update or optimizer step (see _norm_ops.unrecoverable_columns).
+    in-place update or optimizer step (see memkernels.fusions.norm.op.unrecoverable_columns).
 """
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="llama", memory_efficient=False,
-             normalized_shape=None, in_place=False):
+             normalized_shape=None, in_place=False, backend=None):
     """RMSNorm: y = x / sqrt(mean(x**2) + eps) * (offset + weight) [+ bias].
 
     Args:
@@ -41,16 +41,18 @@ def rms_norm(x, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="l
             [M, H] allocation, but only when nothing else can see that buffer (it is
             not shared with another branch, kept by the caller, or a view); otherwise,
             and under torch.compile, it allocates dx as usual.
+        backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
+            memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
 
     Returns:
         y: x's shape and dtype. An input with no rows gives an empty y.
     """
     return normalize("rms_norm", x, None, weight, bias, eps, offset, True, casting_mode, memory_efficient,
-                     normalized_shape, in_place)[0]
+                     normalized_shape, in_place, backend)[0]
 
 
 def add_rms_norm(x, residual, weight=None, eps=1e-6, *, bias=None, offset=0.0, casting_mode="llama",
-                 memory_efficient=False, normalized_shape=None, in_place=False):
+                 memory_efficient=False, normalized_shape=None, in_place=False, backend=None):
     """Fused residual add + RMSNorm in one pass: returns (y, residual_out).
 
     residual_out = x + residual (rounded to x's dtype) and y = rms_norm(residual_out),
@@ -59,7 +61,7 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, bias=None, offset=0.0, c
     include any gradient flowing into residual_out itself.
     """
     return normalize("add_rms_norm", x, residual, weight, bias, eps, offset, True, casting_mode, memory_efficient,
-                     normalized_shape, in_place)
+                     normalized_shape, in_place, backend)
 
 
 # The memory note is shared by both functions' docstrings.

@@ -15,21 +15,17 @@ laid out as [batch, seq, heads, head_dim] (viewed as [batch, heads, seq, head_di
 a q_proj output, so attention reads them as Hugging Face's, and the gradients reach q_proj with no
 copy.
 
-File order: kernel → launcher → custom ops → autograd → public function.
+File order: kernel → launcher → steps → autograd and OpSpec → public function.
 """
 import torch
 import triton
 import triton.language as tl
 
 from memkernels import aot
-from memkernels._backend import resolve, triton_interpreted
-from memkernels.fusions.common import autocast as _autocast
-from memkernels.fusions.common.custom_op import apply_op, autograd_pair, custom_op
 from memkernels.fusions.common.device_guard import on_tensor_device
 from memkernels.fusions.common.host import next_power_of_2
+from memkernels.fusions.op_spec import OpSpec, Step
 from memkernels.fusions.rope import reference
-
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Elements of one [heads, head_dim / 2] tile: x1, x2 and their results in fp32 at 4 warps take 76-114
 # registers a thread on sm_80 / sm_90 with no spills (`python -m memkernels.aot`; tests/test_aot_ops.py).
 _TILE_ELEMENTS = 2048
@@ -164,7 +160,7 @@ aot.register(_rope_kernel, name="rope", variants=_aot_variants())
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops (memkernels/fusions/common/custom_op.py): the forward and the backward, each taking ``backend`` last.
+# Steps (memkernels/fusions/op_spec.py): the forward and the backward, each taking ``backend`` last.
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -186,15 +182,8 @@ def _backward_fake(grad_q, grad_k, cos, sin, q_dtype, k_dtype, backend):
     return reference.empty_rotated(grad_q, q_dtype), reference.empty_rotated(grad_k, k_dtype)
 
 
-rope_fwd = custom_op("memkernels::rope", _forward, _forward_fake)
-rope_bwd = custom_op("memkernels::rope_backward", _backward, _backward_fake)
-# PyTorch's autocast has no entry for mul, cat and add, Hugging Face's RoPE: the inputs are taken as they are
-# (16-bit q with float32 tables promote, as eager's products do).
-_autocast.register(rope_fwd._qualname, {"cpu": None, "cuda": None}, positions=())
-
-
 # --------------------------------------------------------------------------------------------
-# Autograd: only the tables are saved.
+# Autograd and the declaration: only the tables are saved.
 
 
 def _setup_context(ctx, inputs, output):
@@ -204,21 +193,21 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
 
 
-def _backward_with(backward):
-    """RoPE's backward over ``backward``: the custom op under torch.compile, its implementation in eager mode."""
-
-    def backward_formula(ctx, grad_q, grad_k):
-        cos, sin = ctx.saved_tensors
-        needs_q, needs_k = ctx.needs_input_grad[:2]
-        if not (needs_q or needs_k):
-            return None, None, None, None, None
-        dq, dk = backward(grad_q, grad_k, cos, sin, *ctx.dtypes, ctx.backend)
-        return dq if needs_q else None, dk if needs_k else None, None, None, None
-
-    return backward_formula
+def _backward_formula(ctx, steps, grad_q, grad_k):
+    cos, sin = ctx.saved_tensors
+    needs_q, needs_k = ctx.needs_input_grad[:2]
+    if not (needs_q or needs_k):
+        return None, None, None, None, None
+    dq, dk = steps.backward(grad_q, grad_k, cos, sin, *ctx.dtypes, ctx.backend)
+    return dq if needs_q else None, dk if needs_k else None, None, None, None
 
 
-_RopeFunction = autograd_pair(rope_fwd, _forward, _setup_context, _backward_with(rope_bwd), _backward_with(_backward))
+ROPE = OpSpec("rope", Step("rope", _forward, _forward_fake),
+              steps={"backward": Step("rope_backward", _backward, _backward_fake)},
+              setup_context=_setup_context, backward=_backward_formula,
+              # PyTorch's autocast has no entry for mul, cat and add, Hugging Face's RoPE: the inputs are taken as
+              # they are (16-bit q with float32 tables promote, as eager's products do).
+              autocast={"cpu": None, "cuda": None}, fake_on_meta=True)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,8 +219,6 @@ def unsupported(q, k, cos, sin, backend=None):
 
     ``backend`` as :func:`rope`'s; with None, the one memkernels.set_backend resolves for q.
     """
-    if backend not in (None, "triton", "torch"):
-        return ValueError(f"rope: backend={backend!r} is not supported; use None (auto), 'triton' or 'torch'")
     for name, tensor, dims, layout in (("q", q, 4, "[batch, heads, seq, head_dim]"),
                                        ("k", k, 4, "[batch, kv_heads, seq, head_dim]"),
                                        ("cos", cos, 3, "[batch or 1, seq, head_dim]"),
@@ -260,18 +247,13 @@ def unsupported(q, k, cos, sin, backend=None):
         return ValueError("rope: cos or sin requires grad; this RoPE computes no gradient for the tables (position "
                           "tables are constants): pass cos.detach() and sin.detach()")
     try:
-        chosen = backend or resolve(q, "rope")
-    except RuntimeError as error:  # 'triton' forced where Triton cannot run
+        chosen = ROPE.backend(backend, q, what="q")
+    except (ValueError, TypeError, RuntimeError) as error:  # an unknown backend; 'triton' where it cannot run
         return error
-    if chosen == "triton":
-        if not (q.is_cuda or (q.device.type == "cpu" and triton_interpreted())):
-            return ValueError(f"rope: backend='triton' cannot run on {q.device} tensors; Triton needs CUDA (or CPU "
-                              "tensors with TRITON_INTERPRET=1 set before triton is imported); use backend='torch' "
-                              "or None")
-        dtype = next((t.dtype for t in (q, k, cos) if t.dtype not in TRITON_DTYPES), None)
-        if dtype is not None:
-            return TypeError(f"rope: the Triton backend takes float32, float16 or bfloat16 tensors, got {dtype}; "
-                             "use backend='torch' for other dtypes")
+    dtype = next((t.dtype for t in (k, cos) if t.dtype not in ROPE.triton_dtypes), None)
+    if chosen == "triton" and dtype is not None:
+        return TypeError(f"rope: the Triton backend takes float32, float16 or bfloat16 tensors, got {dtype}; "
+                         "use backend='torch' for other dtypes")
     return None
 
 
@@ -295,6 +277,4 @@ def rope(q, k, cos, sin, *, backend=None):
     problem = unsupported(q, k, cos, sin, backend)
     if problem is not None:
         raise problem
-    if backend is None:
-        backend = resolve(q, "rope")
-    return tuple(apply_op(rope_fwd, _RopeFunction, q, k, cos, sin, backend, fake_on_meta=True))
+    return tuple(ROPE(q, k, cos, sin, ROPE.backend(backend, q, what="q")))
