@@ -63,3 +63,45 @@ def test_triton_fixture_puts_tensors_where_the_kernels_run():
         assert tensor.device.type == triton_device()
         assert resolve(tensor, "test") == "triton"
     assert torch.empty(1).device.type == "cpu"
+
+
+def _calls():
+    """Every public op of memkernels.functional, called on small CPU (or meta) tensors with a given backend=."""
+    from memkernels import functional as mf
+
+    def tensors(device):
+        torch.manual_seed(0)
+        x = torch.randn(4, 8, device=device)
+        weight = torch.randn(6, 8, device=device)
+        target = torch.zeros(4, dtype=torch.long, device=device)
+        q, k = torch.randn(1, 2, 4, 8, device=device), torch.randn(1, 2, 4, 8, device=device)
+        cos, sin = torch.randn(1, 4, 8, device=device), torch.randn(1, 4, 8, device=device)
+        return x, weight, target, q, k, cos, sin
+
+    return {
+        "rms_norm": lambda d, b: mf.rms_norm(tensors(d)[0], backend=b),
+        "add_rms_norm": lambda d, b: mf.add_rms_norm(tensors(d)[0], tensors(d)[0], backend=b),
+        "layer_norm": lambda d, b: mf.layer_norm(tensors(d)[0], backend=b),
+        "add_layer_norm": lambda d, b: mf.add_layer_norm(tensors(d)[0], tensors(d)[0], backend=b),
+        "gelu_linear": lambda d, b: mf.gelu_linear(tensors(d)[0], tensors(d)[1], backend=b),
+        "gated_linear": lambda d, b: mf.gated_linear(tensors(d)[0], tensors(d)[0], tensors(d)[1], backend=b),
+        "silu_mul": lambda d, b: mf.silu_mul(tensors(d)[0], tensors(d)[0], backend=b),
+        "cross_entropy": lambda d, b: mf.cross_entropy(tensors(d)[0], tensors(d)[2], backend=b),
+        "linear_cross_entropy": lambda d, b: mf.linear_cross_entropy(tensors(d)[0], tensors(d)[1], tensors(d)[2],
+                                                                     backend=b),
+        "linear_logprobs": lambda d, b: mf.linear_logprobs(tensors(d)[0], tensors(d)[1], tensors(d)[2], backend=b),
+        "rope": lambda d, b: mf.rope(*tensors(d)[3:], backend=b),
+    }
+
+
+@pytest.mark.parametrize("op", sorted(_calls()))
+def test_every_op_takes_the_same_backend_argument(op, restore_backend):
+    """One backend= on every public op, resolved in one place (memkernels._backend.resolve): "torch" runs the
+    reference, an unknown name and "triton" where Triton cannot run are errors naming the argument and the fix."""
+    call = _calls()[op]
+    _backend.set_backend("auto")
+    call("cpu", "torch")
+    with pytest.raises(ValueError, match=f"{op}: backend='cuda' is not supported; use None"):
+        call("cpu", "cuda")
+    with pytest.raises(ValueError, match=f"{op}: backend='triton' cannot run on meta tensors.*use backend='torch'"):
+        call("meta", "triton")
