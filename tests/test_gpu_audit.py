@@ -10,6 +10,8 @@ import torch
 
 import memkernels
 from memkernels.audit import gpu_audit
+from memkernels.fusions.loss import audit as loss_audit
+from memkernels.fusions.rope import audit as rope_audit
 
 pytestmark = pytest.mark.skipif(not memkernels._backend.triton_interpreted(),
                                 reason="counts Triton kernels through the interpreter")
@@ -182,7 +184,7 @@ def test_rope_counts():
     for phase in ("forward", "backward"):
         assert [x.name for x in run[phase].launches] == ["_rope_kernel"]
         assert _triton(run[phase]) == (1, moved, moved)
-        assert gpu_audit._rope_minimum({"N": n, "HQ": q_heads, "HK": k_heads, "D": dim}, e)[phase] == (moved, 0)
+        assert rope_audit.minimum({"N": n, "HQ": q_heads, "HK": k_heads, "D": dim}, e)[phase] == (moved, 0)
     assert run["forward"].syncs == run["backward"].syncs == []
     # eager (Hugging Face's formula): 10 launches forward, 16 backward (the copy back into q_proj's layout is
     # the transpose's backward, outside the audited function)
@@ -560,7 +562,7 @@ def test_liger_kernels_count_through_the_interpreter():
     # Liger's fused linear-CE at the fit's chunk count; at Llama-3-8B's head its own rule gives 32 chunks
     run = gpu_audit.measure(LINEAR_CE["recompute"], dict(N=16, H=16, V=40, C=2), torch.bfloat16, "liger")
     assert [x.name for x in run["forward"].launches if x.kind == "triton"] == ["liger_cross_entropy_kernel"] * 2
-    assert gpu_audit._liger_linear_ce_chunk_count(8192, 4096, 128256) == 32
+    assert loss_audit.liger_chunk_count(8192, 4096, 128256) == 32
 
 
 @pytest.mark.parametrize("strategy", ["chunked", "recompute"])
@@ -572,3 +574,18 @@ def test_linear_cross_entropy_counts_fit_their_held_out_shape(strategy):
     case = dataclasses.replace(LINEAR_CE[strategy], shape=dict(LINEAR_CE[strategy].shape, V=300))
     result = gpu_audit.fit(case, torch.bfloat16)
     assert result["forward"].launches > 0 and result["backward"].launches > 0
+
+
+def test_the_audit_finds_every_fusions_cases_without_a_registry():
+    """Each fusion's cases live in its own audit.py (memkernels/fusions/<family>/audit.py), found by walking the
+    fusions: a new fusion's audit.py is audited with nothing registered, and every audited op names its kernels."""
+    import pathlib
+
+    import memkernels.fusions
+    on_disk = {path.parent.name for path in pathlib.Path(memkernels.fusions.__path__[0]).glob("*/audit.py")}
+    found = {module.__name__.split(".")[-2] for module in gpu_audit.fusion_audits()}
+    assert found == on_disk >= {"norm", "loss", "gelu_mlp", "gated_mlp", "rope"}
+    ops = {case.op: case for case in gpu_audit.cases()}
+    assert {"rms_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy", "gelu_linear", "gated_linear",
+            "gated_mlp", "rope"} <= set(ops)
+    assert all(case.aot_kernels for case in ops.values())

@@ -41,15 +41,20 @@ held-out count is an error, never a silent estimate.
 """
 import argparse
 import contextlib
-import inspect
+import functools
+import importlib
+import importlib.util
 import itertools
 import math
 import os
+import pkgutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from memkernels.fusions.audit_case import TOKENS, Case, Problem  # noqa: F401  (Case, Problem: the audit's own names too)
 
 __all__ = ["GpuSpec", "GPUS", "Launch", "Counts", "count", "audit", "blocks_per_sm", "format_table", "case_at",
            "predict", "model_gpu", "prediction_line", "main"]
@@ -560,35 +565,22 @@ def blocks_per_sm(arch, registers, num_warps, shared_bytes):
 
 
 # ----------------------------------------------------------------------------------------------
-# Ops at real shapes
+# Ops at real shapes: each fusion's audit.py (memkernels/fusions/<family>/audit.py, the contract in
+# memkernels/fusions/audit_case.py)
 
 
-@dataclass
-class Problem:
-    """One op call: ``forward()`` returns the outputs, ``backward(outputs)`` runs autograd."""
+@functools.cache
+def fusion_audits():
+    """Every fusion's audit module (``memkernels.fusions.<family>.audit``), by the fusion's name."""
+    import memkernels.fusions
+    return tuple(importlib.import_module(f"memkernels.fusions.{info.name}.audit")
+                 for info in pkgutil.iter_modules(memkernels.fusions.__path__)
+                 if info.ispkg and importlib.util.find_spec(f"memkernels.fusions.{info.name}.audit") is not None)
 
-    forward: object
-    backward: object
 
-
-@dataclass
-class Case:
-    """An op at one real shape, the small shapes its Triton counts are fitted on, and its minimum."""
-
-    op: str
-    label: str
-    shape: dict
-    variables: tuple  # shape variables the counts are a multilinear polynomial of
-    fit_values: dict  # variable -> two small values (the fit uses every combination)
-    check_values: tuple  # held-out small shapes (dicts) the fit must reproduce exactly
-    build: object  # build(shape, dtype, impl) -> Problem; impl "memkernels" | "eager" | "liger"
-    minimum: object  # minimum(shape, element_bytes) -> {"forward": (bytes, flops), "backward": (bytes, flops)}
-    setup: object = None  # setup(shape) -> context manager that makes the op take a fit variable's value
-    real_shape: object = None  # real_shape(shape, dtype, phase) -> the shape with the op's own value of each
-    #                            fit variable that is not a size (linear-CE's chunks C)
-    liger_setup: object = None  # liger_setup(shape) -> context manager: the same for Liger's op
-    liger_real_shape: object = None  # liger_real_shape(shape) -> the shape with Liger's own values
-    step_row: bool = False  # also print forward + backward (an op that moves backward's work into its forward)
+def cases():
+    """Every audited (op, real shape): each fusion's ``cases()``, the fusions in name order."""
+    return [case for module in fusion_audits() for case in module.cases()]
 
 
 def _torch():
@@ -596,447 +588,10 @@ def _torch():
     return torch
 
 
-def _leaf(*shape, dtype):
-    torch = _torch()
-    return torch.randn(*shape).to(dtype).requires_grad_()
-
-
-def _eager_rms(x, weight, eps=1e-6):
-    # Hugging Face's LlamaRMSNorm: float32 math, result cast back, times the weight.
-    torch = _torch()
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
-
-
-def _norm_problem(op, is_rms, with_residual):
-    def build(shape, dtype, impl):
-        torch = _torch()
-        import torch.nn.functional as F
-        from memkernels import functional
-        n, h = shape["N"], shape["H"]
-        x, w = _leaf(n, h, dtype=dtype), _leaf(h, dtype=dtype)
-        b = None if is_rms else _leaf(h, dtype=dtype)
-        r = _leaf(n, h, dtype=dtype) if with_residual else None
-        grads = [torch.randn(n, h).to(dtype) for _ in range(2)]
-
-        def forward():
-            if impl == "liger":
-                return _liger_norm(is_rms, with_residual, x, r, w, b)
-            if impl == "memkernels":
-                fn = getattr(functional, op)
-                args = (x, r, w) if with_residual else (x, w)
-                out = fn(*args) if is_rms else fn(*args, b)
-                return out if with_residual else (out,)
-            s = x + r if with_residual else x
-            y = _eager_rms(s, w) if is_rms else F.layer_norm(s, (h,), w, b)
-            return (y, s) if with_residual else (y,)
-
-        def backward(outputs):
-            torch.autograd.backward(outputs, grads[:len(outputs)])
-        return Problem(forward, backward)
-    return build
-
-
-def _norm_minimum(is_rms, with_residual):
-    def minimum(shape, e):
-        n, h = shape["N"], shape["H"]
-        params = h * e * (1 if is_rms else 2)
-        inputs = n * h * e * (2 if with_residual else 1) + params
-        outputs = n * h * e * (2 if with_residual else 1)
-        # backward: the incoming gradients, x (or what stands for it) and the weight in; dx (and the
-        # residual's), dw (and db) out
-        backward = outputs + n * h * e + params + n * h * e * (2 if with_residual else 1) + params
-        return {"forward": (inputs + outputs, 0), "backward": (backward, 0)}
-    return minimum
-
-
-def _cross_entropy_problem(shape, dtype, impl):
-    torch = _torch()
-    import torch.nn.functional as F
-    from memkernels import functional
-    n, v = shape["N"], shape["V"]
-    logits = _leaf(n, v, dtype=dtype)
-    target = torch.arange(n) % v  # fixed: where the target sits decides whether its logit is still cached
-
-    def forward():
-        if impl == "memkernels":
-            return (functional.cross_entropy(logits, target),)
-        if impl == "liger":
-            return (_liger().transformers.LigerCrossEntropyLoss()(logits, target),)
-        return (F.cross_entropy(logits.float(), target),)  # as Hugging Face upcasts the logits
-    return Problem(forward, lambda outputs: outputs[0].backward())
-
-
-def _cross_entropy_minimum(shape, e):
-    n, v = shape["N"], shape["V"]
-    return {"forward": (n * v * e + n * 8 + 4, 0), "backward": (n * v * e + n * 8 + 4 + n * v * e, 0)}
-
-
-def _linear_ce_problem(strategy):
-    return lambda shape, dtype, impl: _linear_ce_call(shape, dtype, impl, strategy)
-
-
-def _linear_ce_call(shape, dtype, impl, strategy):
-    torch = _torch()
-    import torch.nn.functional as F
-    from memkernels import functional
-    n, h, v = shape["N"], shape["H"], shape["V"]
-    hidden, weight = _leaf(n, h, dtype=dtype), (torch.randn(v, h) / h ** 0.5).to(dtype).requires_grad_()
-    target = torch.arange(n) % v
-    chunk = shape.get("C")
-
-    def forward():
-        if impl == "memkernels":
-            options = {"chunk_size": -(-n // chunk)} if chunk else {}
-            return (functional.linear_cross_entropy(hidden, weight, target, strategy=strategy, **options),)
-        if impl == "liger":
-            with _liger_linear_ce_chunks(chunk) if chunk else contextlib.nullcontext():
-                return (_liger().transformers.LigerFusedLinearCrossEntropyLoss()(weight, hidden, target),)
-        return (F.cross_entropy((hidden @ weight.t()).float(), target),)
-    return Problem(forward, lambda outputs: outputs[0].backward())
-
-
-def _linear_ce_minimum(shape, e):
-    n, h, v = shape["N"], shape["H"], shape["V"]
-    inputs = n * h * e + v * h * e + n * 8
-    # the chunked strategy computes the gradients in the forward: all three GEMMs are the op's
-    return {"forward": (inputs + 4, 6 * n * h * v), "backward": (4 + n * h * e + v * h * e, 0)}
-
-
-def _linear_ce_recompute_minimum(shape, e):
-    n, h, v = shape["N"], shape["H"], shape["V"]
-    inputs = n * h * e + v * h * e + n * 8
-    # forward: the inputs, the loss, the logits GEMM; backward: the incoming gradient, the inputs again and the
-    # saved (max, log-sum) pair per token, dX and dW written, their two GEMMs (the recomputed logits are extra)
-    return {"forward": (inputs + 4, 2 * n * h * v),
-            "backward": (4 + inputs + n * 8 + n * h * e + v * h * e, 4 * n * h * v)}
-
-
-def _linear_ce_recompute_real_shape(shape, dtype, phase):
-    """The real shape with C = the forward's token chunks, or the backward's vocabulary tiles (the op's rule;
-    at the fitted shapes chunk_size = ceil(N / C) gives C of each)."""
-    from memkernels.fusions.loss import linear_cross_entropy as lce
-    n, v = shape["N"], shape["V"]
-    if phase == "forward":
-        return dict(shape, C=-(-n // lce.recompute_chunk_tokens(v, dtype)))
-    return dict(shape, C=-(-v // lce.recompute_tile_classes(n, v, dtype)))
-
-
-def _linear_ce_chunks(shape, dtype):
-    """Chunks (C) that linear_cross_entropy's "chunked" strategy takes by default (no bias)."""
-    from memkernels.fusions.loss import linear_cross_entropy as lce
-    n, h, v = shape["N"], shape["H"], shape["V"]
-    return -(-n // lce.chunked_chunk_tokens(n, h, v, dtype))
-
-
-@contextlib.contextmanager
-def _linear_ce_small_blocks(shape):
-    """Small shapes: the dX scaling's elementwise kernel in blocks of 64 Ki elements instead of 1 Ki (the same
-    loads and stores, masks honoured, in one program: with 1 Ki a program, the per-program read of the 4-byte
-    scale would count cdiv(N * H, 1024) times, which is no polynomial in N and H; it hits L2 either way, so its
-    HBM bytes are the same). float32 dX in one GEMM per chunk, as on a GPU (the CPU's class blocks summed in
-    float64 are a CPU-only accuracy measure, see linear_cross_entropy._hidden_grad)."""
-    from memkernels.fusions.loss import linear_cross_entropy as lce
-    names = ("_SCALE_BLOCK", "HIDDEN_GRAD_VOCAB_BLOCK")
-    original = [getattr(lce, name) for name in names]
-    for name, value in zip(names, (1 << 16, 1 << 62)):
-        setattr(lce, name, value)
-    try:
-        yield
-    finally:
-        for name, value in zip(names, original):
-            setattr(lce, name, value)
-
-
-def _liger_linear_ce_real_shape(shape):
-    """Liger's fused linear-CE at its own chunk count (the same for both of memkernels' strategies)."""
-    return dict(shape, C=_liger_linear_ce_chunk_count(shape["N"], shape["H"], shape["V"]))
-
-
-def _linear_ce_real_shape(shape, dtype, phase):
-    return dict(shape, C=_linear_ce_chunks(shape, dtype))
-
-
-def _liger_linear_ce_chunk_count(rows, hidden, vocab, chunk_mem_const=1):
-    """Liger's fused linear-CE chunk rule (liger_kernel/ops/fused_linear_cross_entropy.py, 0.8.5): chunks of
-    next_power_of_2(ceil(rows / ceil(V / (chunk_mem_const * H)))) rows, at most all of them."""
-    increase = -(-vocab // (chunk_mem_const * hidden))
-    size = min(1 << max(0, (-(-rows // increase) - 1).bit_length()), rows)
-    return -(-rows // size)
-
-
-@contextlib.contextmanager
-def _liger_linear_ce_chunks(chunks):
-    """Make Liger's fused linear-CE take ``chunks`` chunks at a small shape, as its own rule gives at the real
-    one (32 at Llama-3-8B's head): the fit's C. Its rule sets the chunk count from V / H, which the small
-    hidden sizes would turn into one-row chunks; its ``chunk_mem_const`` argument moves it."""
-    from liger_kernel.ops import fused_linear_cross_entropy as flce
-    original = flce.fused_linear_cross_entropy_forward
-
-    def forward(**kwargs):  # Liger calls it with keywords only
-        rows, hidden = kwargs["_input"].shape
-        vocab = kwargs["weight"].shape[0]
-        constants = [c for c in range(1, vocab + 1) if _liger_linear_ce_chunk_count(rows, hidden, vocab, c) == chunks]
-        if not constants:
-            raise RuntimeError(f"memkernels.gpu_audit: Liger's chunk rule cannot make {chunks} chunks of {rows} rows")
-        return original(**dict(kwargs, chunk_mem_const=constants[0]))
-    flce.fused_linear_cross_entropy_forward = forward
-    try:
-        yield
-    finally:
-        flce.fused_linear_cross_entropy_forward = original
-
-
-def _gelu_linear_problem(shape, dtype, impl):
-    torch = _torch()
-    import torch.nn.functional as F
-    from memkernels import functional
-    m, k, n = shape["M"], shape["K"], shape["N"]
-    x, w, b = _leaf(m, k, dtype=dtype), (torch.randn(n, k) / k ** 0.5).to(dtype).requires_grad_(), _leaf(n, dtype=dtype)
-    grad = torch.randn(m, n).to(dtype)
-
-    def forward():
-        if impl == "memkernels":
-            return (functional.gelu_linear(x, w, b),)
-        return (F.linear(F.gelu(x), w, b),)
-    return Problem(forward, lambda outputs: outputs[0].backward(grad))
-
-
-def _gelu_linear_minimum(shape, e):
-    m, k, n = shape["M"], shape["K"], shape["N"]
-    inputs = m * k * e + n * k * e + n * e
-    return {"forward": (inputs + m * n * e, 2 * m * n * k),
-            "backward": (m * n * e + m * k * e + n * k * e + m * k * e + n * k * e + n * e, 4 * m * n * k)}
-
-
-def _gated_linear_problem(activation):
-    """The part of a gated MLP that gated_linear replaces: Hugging Face's LlamaMLP is
-    ``down_proj(act_fn(gate_proj(x)) * up_proj(x))``; gate_proj and up_proj run the same F.linear in both,
-    so the audited computation starts from their outputs: ``down_proj(act(gate) * up)`` (no bias, as
-    Llama and Gemma), eager as ``F.linear(act(gate) * up, W)``."""
-    def build(shape, dtype, impl):
-        torch = _torch()
-        import torch.nn.functional as F
-        from memkernels import functional
-        m, k, n = shape["M"], shape["K"], shape["N"]
-        gate, up = _leaf(m, k, dtype=dtype), _leaf(m, k, dtype=dtype)
-        w = (torch.randn(n, k) / k ** 0.5).to(dtype).requires_grad_()
-        grad = torch.randn(m, n).to(dtype)
-
-        def forward():
-            if impl == "memkernels":
-                return (functional.gated_linear(gate, up, w, activation=activation),)
-            if impl == "liger":
-                return (F.linear(_liger_gated_product(activation, gate, up), w),)
-            act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-            return (F.linear(act * up, w),)
-        return Problem(forward, lambda outputs: outputs[0].backward(grad))
-    return build
-
-
-def _gated_linear_minimum(shape, e):
-    m, k, n = shape["M"], shape["K"], shape["N"]
-    # forward: gate, up, W in, y out; backward: dy, gate, up, W in, d_gate, d_up, dW out
-    return {"forward": ((2 * m * k + n * k + m * n) * e, 2 * m * n * k),
-            "backward": ((m * n + 2 * m * k + n * k + 2 * m * k + n * k) * e, 4 * m * n * k)}
-
-
-def _gated_mlp_problem(recompute):
-    """A whole SwiGLU MLP, x [M, N] -> [M, N] through I = K: memkernels.FusedGatedMLP against Hugging Face's
-    LlamaMLP ``down_proj(act_fn(gate_proj(x)) * up_proj(x))`` (and Liger's LigerSwiGLUMLP), no biases."""
-    def build(shape, dtype, impl):
-        torch = _torch()
-        from torch import nn
-        import torch.nn.functional as F
-        import memkernels
-        m, k, n = shape["M"], shape["K"], shape["N"]
-        x = _leaf(m, n, dtype=dtype)
-        grad = torch.randn(m, n).to(dtype)
-        if impl == "memkernels":
-            mlp = memkernels.FusedGatedMLP(n, k, recompute=recompute, dtype=dtype)
-        elif impl == "liger":
-            from types import SimpleNamespace
-            from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
-            mlp = LigerSwiGLUMLP(SimpleNamespace(hidden_size=n, intermediate_size=k, hidden_act="silu")).to(dtype)
-        else:
-            linear = dict(bias=False, dtype=dtype)
-            mlp = nn.Module()
-            mlp.gate_proj, mlp.up_proj = nn.Linear(n, k, **linear), nn.Linear(n, k, **linear)
-            mlp.down_proj = nn.Linear(k, n, **linear)
-            mlp.forward = lambda h: mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-
-        def forward():
-            return (mlp(x),)
-        return Problem(forward, lambda outputs: outputs[0].backward(grad))
-    return build
-
-
-def _gated_mlp_minimum(shape, e):
-    m, k, n = shape["M"], shape["K"], shape["N"]
-    # x and the three weights in, y out; backward: dy, x and the weights in, dx and three dW out. Keeping
-    # gate and up for backward (or recomputing them) is beyond this minimum for any implementation.
-    return {"forward": ((2 * m * n + 3 * n * k) * e, 6 * m * n * k),
-            "backward": ((3 * m * n + 6 * n * k) * e, 12 * m * n * k)}
-
-
-_TOKENS = 8192  # tokens per step at the real shapes (e.g. 4 sequences of 2048)
-
-
-# SMs of the H100 SXM: the norm backwards' grids at the real shape are a multiple of it.
-_H100_SMS = 132
-
-
-def _rope_problem(shape, dtype, impl):
-    """Hugging Face's apply_rotary_pos_emb on q and k as its attention passes them (a projection's output
-    viewed as [batch, seq, heads, head_dim] and transposed), with its tables (repeated halves)."""
-    torch = _torch()
-    from memkernels import functional
-    from memkernels.fusions.rope import reference
-    n, q_heads, k_heads, dim = shape["N"], shape["HQ"], shape["HK"], shape["D"]
-    q_base, k_base = _leaf(1, n, q_heads, dim, dtype=dtype), _leaf(1, n, k_heads, dim, dtype=dtype)
-    angles = torch.arange(n).float()[None, :, None] * torch.rand(1, 1, dim // 2)
-    angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
-    grads = [torch.randn(1, q_heads, n, dim).to(dtype), torch.randn(1, k_heads, n, dim).to(dtype)]
-
-    def forward():
-        q, k = q_base.transpose(1, 2), k_base.transpose(1, 2)
-        if impl == "memkernels":
-            return functional.rope(q, k, cos, sin)
-        if impl == "liger":
-            from liger_kernel.transformers.rope import liger_rotary_pos_emb
-            return liger_rotary_pos_emb(q, k, cos, sin)
-        return reference.eager(q, k, cos, sin)
-    return Problem(forward, lambda outputs: torch.autograd.backward(outputs, grads))
-
-
-def _rope_minimum(shape, e):
-    heads_elements = shape["N"] * (shape["HQ"] + shape["HK"]) * shape["D"]
-    # each way: q and k (or their gradients) and the two tables in, q and k (their gradients) out
-    moved = (2 * heads_elements + 2 * shape["N"] * shape["D"]) * e
-    return {"forward": (moved, 0), "backward": (moved, 0)}
-
-
-def _norm_backward_programs(hidden, is_rms):
-    """memkernels' norm backward programs on an H100 at rows of ``hidden`` (_norm_kernels.num_programs)."""
-    from memkernels.fusions.norm import kernels as _norm_kernels
-    num_warps = _norm_kernels.backward_config(hidden, not is_rms)[1]
-    return _norm_kernels.programs_per_sm(num_warps) * _H100_SMS
-
-
-def _norm_real_shape(is_rms):
-    """The shape with the backward's programs at its own H (case_at moves H: a benchmark's rows of 1024
-    run two programs per SM where the case's 4096 run one)."""
-    return lambda shape, dtype, phase: dict(shape, P=_norm_backward_programs(shape["H"], is_rms))
-
-
-@contextlib.contextmanager
-def _norm_programs(shape):
-    """Give the norm backward ``shape["P"]`` programs (the GPU's count at the real shape; the interpreter's
-    default is a fixed few). Each program owns one float32 row of dw/db partial sums."""
-    from memkernels.fusions.norm import kernels as _norm_kernels
-    original = _norm_kernels.num_programs
-    _norm_kernels.num_programs = lambda rows, device, num_warps: min(rows, shape["P"])
-    try:
-        yield
-    finally:
-        _norm_kernels.num_programs = original
-
-
-# Liger's norm backwards, each with one program per SM, one float32 partial row (of dw, and of db) each.
-_LIGER_NORM_BACKWARDS = (("rms_norm", "rms_norm_backward"), ("fused_add_rms_norm", "fused_add_rms_norm_backward"),
-                         ("layer_norm", "layer_norm_backward"))
-
-
-@contextlib.contextmanager
-def _liger_norm_programs(shape):
-    """Give Liger's norm backwards ``shape["P"]`` programs. Their grid is the device's SM count, which they
-    ask only of a CUDA (XPU, NPU) tensor and take as 1 otherwise: counted on the CPU as they are, their
-    partial rows would be an H100's 132 short. Each function is rebuilt from its own source with that one
-    line (``sm_count = 1``) made the fit's value, and put back afterwards."""
-    import importlib
-    patched = []  # (module, name, original)
-    try:
-        for module_name, name in _LIGER_NORM_BACKWARDS:
-            module = importlib.import_module(f"liger_kernel.ops.{module_name}")
-            original = getattr(module, name)
-            source = inspect.getsource(original)
-            if source.count("    sm_count = 1\n") != 1:
-                raise RuntimeError(f"memkernels.gpu_audit: liger_kernel.ops.{module_name}.{name} no longer sets "
-                                   "'sm_count = 1' once; its grid cannot be set for the count")
-            namespace = dict(vars(module), _AUDIT_PROGRAMS=shape["P"])
-            code = compile(source.replace("    sm_count = 1\n", "    sm_count = _AUDIT_PROGRAMS\n"),
-                           inspect.getsourcefile(original), "exec")
-            exec(code, namespace)  # noqa: S102 - Liger's own function, one constant changed
-            setattr(module, name, namespace[name])
-            patched.append((module, name, original))
-        yield
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
-
-
-def _norm_cases():
-    cases = []
-    for op, is_rms, residual in (("rms_norm", True, False), ("add_rms_norm", True, True),
-                                 ("layer_norm", False, False), ("add_layer_norm", False, True)):
-        for h in (4096, 8192):
-            # At least 8 rows per program, as at the real shape (31): a wide row's second pass then
-            # re-reads rows from beyond the program's L2 share at the small shapes too, so the counts
-            # are the polynomial the fit assumes.
-            cases.append(Case(op, f"H={h}", {"N": _TOKENS, "H": h, "P": _norm_backward_programs(h, is_rms)},
-                              ("N", "P"), {"N": (32, 64), "P": (2, 4)}, ({"N": 48, "P": 3},),
-                              _norm_problem(op, is_rms, residual), _norm_minimum(is_rms, residual),
-                              setup=_norm_programs, real_shape=_norm_real_shape(is_rms),
-                              liger_setup=_liger_norm_programs,
-                              liger_real_shape=lambda shape: dict(shape, P=_H100_SMS)))
-    return cases
-
-
-def cases():
-    """Every audited (op, real shape)."""
-    result = _norm_cases()
-    for v, model in ((32000, "Llama-2"), (128256, "Llama-3"), (256000, "Gemma")):
-        result.append(Case("cross_entropy", f"V={v} ({model})", {"N": _TOKENS, "V": v}, ("N",), {"N": (2, 4)},
-                           ({"N": 5},), _cross_entropy_problem, _cross_entropy_minimum))
-    # recompute fits over 2-4 vocabulary tiles: a backward with one tile takes its logsumexp from the
-    # logits it recomputes (one more read of them), the real head's 55 tiles the forward's
-    for strategy, chunks, minimum, real_shape in (
-            ("recompute", (2, 3, 4), _linear_ce_recompute_minimum, _linear_ce_recompute_real_shape),
-            ("chunked", (1, 2, 3), _linear_ce_minimum, _linear_ce_real_shape)):
-        result.append(Case("linear_cross_entropy", f"Llama-3-8B head, {strategy}",
-                           {"N": _TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
-                           {"N": (16, 32), "H": (16, 32), "C": chunks[:2]},
-                           ({"N": 48, "H": 48, "C": chunks[2]},), _linear_ce_problem(strategy), minimum,
-                           setup=_linear_ce_small_blocks, real_shape=real_shape, step_row=True,
-                           liger_real_shape=_liger_linear_ce_real_shape))
-    for label, k, n in (("GPT-2 MLP down 3072->768", 3072, 768), ("Llama-3-8B MLP down 14336->4096", 14336, 4096)):
-        result.append(Case("gelu_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
-                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
-                           _gelu_linear_problem, _gelu_linear_minimum))
-    for label, k, n, activation in (("Llama-3-8B SwiGLU 14336->4096", 14336, 4096, "silu"),
-                                    ("Gemma-2-9B GeGLU-tanh 14336->3584", 14336, 3584, "gelu_tanh")):
-        result.append(Case("gated_linear", label, {"M": _TOKENS, "K": k, "N": n}, ("M", "K", "N"),
-                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
-                           _gated_linear_problem(activation), _gated_linear_minimum))
-    result.append(Case("rope", "Llama-3-8B q, k 32/8 heads of 128", {"N": _TOKENS, "HQ": 32, "HK": 8, "D": 128},
-                       ("N",), {"N": (2, 4)}, ({"N": 5},), _rope_problem, _rope_minimum))
-    for recompute in (False, True):
-        result.append(Case("gated_mlp", "Llama-3-8B MLP " + ("recompute=True" if recompute else "H=4096 I=14336"),
-                           {"M": _TOKENS, "K": 14336, "N": 4096}, ("M", "K", "N"),
-                           {"M": (64, 128), "K": (64, 128), "N": (64, 128)}, ({"M": 192, "K": 64, "N": 192},),
-                           _gated_mlp_problem(recompute), _gated_mlp_minimum))
-    return result
-
-
 # ----------------------------------------------------------------------------------------------
 # Measuring and fitting
 
 
-def _liger():
-    import liger_kernel.transformers  # binds liger_kernel; the package alone does not import this submodule
-    return liger_kernel
 
 
 @contextlib.contextmanager
@@ -1085,18 +640,8 @@ def _liger_interpreter_shim():
             setattr(module, function, original)
 
 
-def _liger_gated_product(activation, gate, up):
-    from liger_kernel.transformers.functional import liger_geglu, liger_swiglu
-    return (liger_swiglu if activation == "silu" else liger_geglu)(gate, up)
 
 
-def _liger_norm(is_rms, with_residual, x, r, w, b):
-    from liger_kernel.transformers.functional import liger_fused_add_rms_norm, liger_layer_norm, liger_rms_norm
-    if is_rms and with_residual:  # Liger's fused add + RMSNorm: (y, x + r)
-        return liger_fused_add_rms_norm(x, r, w, 1e-6)
-    s = x + r if with_residual else x
-    y = liger_rms_norm(s, w, 1e-6) if is_rms else liger_layer_norm(s, w, b, 1e-5)
-    return (y, s) if with_residual else (y,)
 
 
 def measure(case, shape, dtype, impl="memkernels"):
@@ -1302,7 +847,7 @@ def audit(ops=None, dtypes=("bf16", "fp32"), eager=True, liger=False, progress=N
             ours = fit(case, dtype)
             theirs = exact(case, dtype, "eager") if eager else None
             liger_result = None
-            if liger and case.op in _LIGER_OPS and _liger_available():
+            if liger and case.liger and _liger_available():
                 try:
                     liger_result = fit(case, dtype, "liger")
                 except Exception as error:  # noqa: BLE001 - a Liger kernel the interpreter cannot run
@@ -1335,10 +880,6 @@ def step_row(forward, backward):
     return Row(forward.op, forward.label, forward.dtype, "step", _step(forward.result, backward.result),
                forward.minimum_bytes + backward.minimum_bytes, forward.minimum_flops + backward.minimum_flops,
                _step(forward.eager, backward.eager), _step(forward.liger, backward.liger))
-
-
-_LIGER_OPS = {"rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy",
-              "gated_linear", "gated_mlp", "rope"}
 
 
 def _liger_available():
@@ -1377,7 +918,7 @@ def format_table(rows, header=True, footer=True):
     for gpu in (h100, a100):
         peaks = ", ".join(f"{p} {f / 1e12:g} TFLOP/s" for p, f in gpu.peak_flops.items())
         lines.append(f"  {gpu.name}: HBM {gpu.hbm_bytes_per_s / 1e12:g} TB/s, {peaks} (datasheet, dense).")
-    lines.append(f"Shapes: {_TOKENS} tokens. 'x min': HBM bytes over the pass's minimum (inputs read once, outputs "
+    lines.append(f"Shapes: {TOKENS} tokens. 'x min': HBM bytes over the pass's minimum (inputs read once, outputs "
                  "written once). 'fp32 mm': matmuls with a float32 operand on half inputs. 'eager': the same model "
                  "on eager PyTorch's ops for the same computation.")
     return "\n".join(lines)
@@ -1487,16 +1028,6 @@ def prediction_line(op, shape, dtype, device_name, impls=("memkernels", "eager")
     return f"audit MODEL for {gpu} (not a measurement; {dtype}): " + ", ".join(parts)
 
 
-# Each audited op's kernels by their memkernels.aot names (--occupancy with --op compiles only these).
-_AOT_KERNELS = {**{op: ("norm_fwd", "norm_bwd", "norm_reduce_partials")
-                   for op in ("rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm")},
-                "cross_entropy": ("cross_entropy",),
-                "linear_cross_entropy": ("cross_entropy", "scale_in_float32"),
-                **{op: ("act_linear_product", "act_linear_product_backward")
-                   for op in ("gelu_linear", "gated_linear", "gated_mlp")},
-                "rope": ("rope",)}
-
-
 def occupancy(names=None, archs=(80, 90)):
     """[(kernel, variant, arch, registers, shared bytes, warps, blocks per SM)] from the AOT compile."""
     from memkernels import aot
@@ -1556,7 +1087,7 @@ def main(argv=None):
     if args.occupancy:
         print()
         print(f"{'kernel':<30}{'variant':<34}{'arch':<7}{'regs':>6}{'smem B':>9}{'warps':>6}{'blocks/SM':>10}")
-        names = sorted({k for op in args.op for k in _AOT_KERNELS[op]}) if args.op else None
+        names = sorted({k for case in cases() if case.op in args.op for k in case.aot_kernels}) if args.op else None
         for kernel, variant, arch, regs, smem, n_warps, blocks in occupancy(names):
             print(f"{kernel:<30}{variant:<34}{'sm_' + str(arch):<7}{regs:>6}{smem:>9}{n_warps:>6}{blocks:>10}")
     return 0
