@@ -37,7 +37,9 @@ def test_every_op_is_declared_through_an_op_spec():
             "linear_logprobs", "gelu_linear", "gated_linear", "grouped_gated_linear", "act_mul", "rope"} <= set(SPECS)
     registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("memkernels::")}
     declared = {step.name for spec in SPECS.values() for step in spec.all_steps.values()}
-    assert registered == declared, f"registered outside an OpSpec: {sorted(registered - declared)}"
+    # the one helper: a GEMM with a float32 result (common/half_gemm.py), no autograd, called inside steps
+    assert registered - declared == {"memkernels::addmm_float32_"}, "registered outside an OpSpec"
+    assert declared <= registered
 
 
 @pytest.mark.parametrize("name", TWINS)

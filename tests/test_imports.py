@@ -175,3 +175,26 @@ def test_the_private_name_walk_finds_planted_crossings():
                "pkg.d": "from pkg import _C\nfrom . import a\nz = a._helper\n"}
     assert private_crossings(sources, {"pkg"}) == {("pkg.b", "pkg.a"): {"_helper"}, ("pkg.c", "pkg.a"): {"_TABLE"},
                                           ("pkg.d", "pkg.a"): {"_helper"}}
+
+
+def test_nothing_outside_the_audit_registers_kernels_into_pytorchs_own_ops():
+    """Importing memkernels and running its ops leaves PyTorch's aten ops as they were: only the GPU audit, inside
+    its count(), gives the CPU aten's float32-result GEMM (memkernels/fusions/common/half_gemm.py). A source walk,
+    and the one overload checked after a half-precision chunked loss, whose dW takes that GEMM, ran on the CPU."""
+    import torch
+
+    registering = []
+    for path in _modules().values():
+        with open(path) as f:
+            source = f.read()
+        if 'Library("aten"' in source and os.sep + "audit" + os.sep not in path:
+            registering.append(os.path.relpath(path, ROOT))
+    assert not registering
+    native = torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CPU")  # a later torch's own
+    from memkernels.functional import linear_cross_entropy
+    hidden = torch.randn(8, 16, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(10, 16, dtype=torch.bfloat16, requires_grad=True)
+    linear_cross_entropy(hidden, weight, torch.randint(0, 10, (8,)), strategy="chunked", chunk_size=4,
+                         backend="torch").backward()
+    assert weight.grad is not None
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CPU") == native

@@ -515,6 +515,27 @@ def _make_dispatch_mode():
     return _AtenCounter()
 
 
+def _addmm_dtype_out(accumulator, a, b, out_dtype, *, beta=1, alpha=1, out):
+    return _torch().addmm(accumulator, a.to(out_dtype), b.to(out_dtype), beta=beta, alpha=alpha, out=out)
+
+
+@contextlib.contextmanager
+def _half_gemm_on_cpu():
+    """aten's ``addmm.dtype_out`` on the CPU inside the block (PyTorch implements it for CUDA only), so that
+    memkernels' half GEMMs (memkernels::addmm_float32_, memkernels/fusions/common/half_gemm.py) take the overload
+    they take on a GPU and are counted with the half operands a GPU reads. Nothing of aten's changes outside."""
+    torch = _torch()
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::addmm.dtype_out", "CPU"):
+        yield
+        return
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("addmm.dtype_out", _addmm_dtype_out, "CPU")
+    try:
+        yield
+    finally:
+        library._destroy()
+
+
 @contextlib.contextmanager
 def count(run_triton=True):
     """Count every Triton launch and aten op run inside the block; yields a :class:`Counts`.
@@ -526,7 +547,7 @@ def count(run_triton=True):
     if _ACTIVE is not None:
         raise RuntimeError("memkernels.gpu_audit.count() does not nest")
     recorder = _Recorder(run_triton)
-    with _patched_interpreter(), _make_dispatch_mode():
+    with _patched_interpreter(), _half_gemm_on_cpu(), _make_dispatch_mode():
         _ACTIVE = recorder
         try:
             yield recorder.counts

@@ -108,9 +108,9 @@ _STATES = 4096
 
 
 def _mm_flops(_self_shape, a_shape, b_shape, *_args, out_shape=None, **_kwargs):
-    """addmm's FLOPs whatever the overload: addmm_ (in place) and addmm.dtype_out (half operands, float32
-    result: :mod:`memkernels.fusions.common.half_gemm`), whose extra positional ``out_dtype`` the stock formula takes
-    for its ``out_shape`` (a TypeError: "got multiple values for argument 'out_shape'")."""
+    """addmm's FLOPs whatever the overload: addmm_ (in place), addmm.dtype_out (half operands, float32 result),
+    whose extra positional ``out_dtype`` the stock formula takes for its ``out_shape`` (a TypeError: "got multiple
+    values for argument 'out_shape'"), and memkernels::addmm_float32_ (:mod:`memkernels.fusions.common.half_gemm`)."""
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
@@ -127,10 +127,12 @@ def _grouped_mm_flops(a_shape, b_shape, *_args, out_shape=None, **_kwargs):
 
 def flop_counter():
     """A FlopCounterMode that also counts the CPU flash-attention op (what runs on CPU and on meta), every
-    overload of addmm (the fused linear cross-entropy accumulates dX with addmm_ / addmm.dtype_out) and
-    ``torch._grouped_mm`` (Hugging Face's mixture-of-experts experts)."""
+    overload of addmm and memkernels' half-operand GEMM (the fused linear cross-entropy accumulates dX with addmm_ /
+    memkernels::addmm_float32_) and ``torch._grouped_mm`` (Hugging Face's mixture-of-experts experts)."""
+    from memkernels.fusions.common import half_gemm  # noqa: F401  (defines memkernels::addmm_float32_)
     aten = torch.ops.aten
     return FlopCounterMode(display=False, custom_mapping={
+        torch.ops.memkernels.addmm_float32_: _mm_flops,
         aten._scaled_dot_product_flash_attention_for_cpu: flop_registry[aten._scaled_dot_product_flash_attention].__wrapped__,
         aten._scaled_dot_product_flash_attention_for_cpu_backward:
             flop_registry[aten._scaled_dot_product_flash_attention_backward].__wrapped__,

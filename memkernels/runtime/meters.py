@@ -28,6 +28,10 @@ is on the stack or an argument is a tensor subclass (fake tensors, functional
 tensors during torch.compile tracing), skipping the Python key would bypass
 them, so the op is then run as a single call and only its outputs are seen.
 
+The ops in :data:`ONE_KERNEL_OPS` are run as one call all the same: each stands
+for one GPU kernel, and its CPU implementation's temporaries are not memory a GPU
+asks for.
+
 What is *not* seen: memory a kernel allocates internally without returning it
 as a tensor (e.g. a CPU BLAS workspace, or a C++ aten kernel's internal
 buffers), and tensors made outside the dispatcher. The meters count tensor
@@ -54,6 +58,10 @@ __all__ = ["SavedBytesMeter", "PeakBytesMeter"]
 _PYTHON_KEY = torch._C.DispatchKey.Python
 _KEYS_BELOW_PYTHON = torch._C._dispatch_keyset_full_after(_PYTHON_KEY)
 _CORE_NAMESPACES = ("aten", "prim", "prims")
+# Custom ops that stand for one GPU kernel, whose CPU implementation may allocate what the GPU's does not
+# (memkernels::addmm_float32_ widens its half operands where aten has no float32-result GEMM, as on the CPU):
+# run as one call, their outputs alone seen, as a GPU's allocator would see them.
+ONE_KERNEL_OPS = frozenset({"memkernels::addmm_float32_"})
 
 
 def _storage_of(value):
@@ -135,7 +143,8 @@ class _AllocationWatch(TorchDispatchMode):
 
     def _run(self, func, args, kwargs):
         """Run ``func``; a custom op runs with this watch on the stack so its insides are seen."""
-        if not isinstance(func, torch._ops.OpOverload) or func.namespace in _CORE_NAMESPACES:
+        if not isinstance(func, torch._ops.OpOverload) or func.namespace in _CORE_NAMESPACES \
+                or f"{func.namespace}::{func._opname}" in ONE_KERNEL_OPS:
             return func(*args, **kwargs)
         keys = None
         for leaf in tree_leaves((args, kwargs)):
