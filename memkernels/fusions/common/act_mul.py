@@ -19,7 +19,7 @@ import functools
 import torch
 
 from memkernels.distributed import contiguous_stride, dtensor_class, is_dtensor
-from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import act_linear
 from memkernels.fusions.op_spec import OpSpec, Step
 
 # gelu_mul's approximate -> the activation's name in memkernels/fusions/common/act_linear.py
@@ -37,7 +37,7 @@ def _rows(tensor):
 
 def _forward(a, b, activation, backend):
     """c [..., I] = act(a) * b, in a's dtype, contiguous."""
-    return _act_linear.PASSES[backend].product(_rows(a), _rows(b), activation).view(a.shape)
+    return act_linear.PASSES[backend].product(_rows(a), _rows(b), activation).view(a.shape)
 
 
 def _backward(grad, a, b, activation, backend):
@@ -46,7 +46,7 @@ def _backward(grad, a, b, activation, backend):
     # Contiguous buffers (not empty_like, which keeps a transposed a's strides): the passes step rows by
     # stride and take columns as contiguous.
     grad_a, grad_b = (torch.empty(a2d.shape, dtype=a.dtype, device=a.device) for _ in range(2))
-    _act_linear.PASSES[backend].product_backward(_rows(grad).contiguous(), a2d, b2d, activation, grad_a, grad_b,
+    act_linear.PASSES[backend].product_backward(_rows(grad).contiguous(), a2d, b2d, activation, grad_a, grad_b,
                                                  False)
     return [grad_a.view(a.shape), grad_b.view(b.shape)]
 

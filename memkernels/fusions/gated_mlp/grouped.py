@@ -3,7 +3,7 @@
 
 The dense gated_linear's memory contract for experts: eager PyTorch keeps gate_up, act(gate) and the
 product per routed token (4*I elements) for backward; here only gate_up (2*I) is saved. The algorithm is
-_act_linear's with the GEMMs grouped:
+memkernels/fusions/common/act_linear.py's with the GEMMs grouped:
 
 - forward:  c = act(gate) * up                    one elementwise pass into a transient buffer
             y = grouped(c @ weight[e].T)          one grouped GEMM; c is freed
@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import act_linear
 from memkernels.fusions.gated_mlp.op import check_activation, halves
 from memkernels.fusions.op_spec import OpSpec, Step
 
@@ -73,17 +73,17 @@ def grouped_mm(a, b, offsets):
 
 def _forward(gate_up, weight, offsets, activation, backend):
     """[S, N] from gate_up [S, 2*I] and weight [E, N, I]."""
-    product = _act_linear.PASSES[backend].product(*halves(gate_up), activation)
+    product = act_linear.PASSES[backend].product(*halves(gate_up), activation)
     return grouped_mm(product, weight.transpose(-2, -1), offsets)
 
 
 def _backward(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend):
     """[d_gate_up [S, 2*I]] when ``needs_input``, then [dW [E, N, I]] when ``needs_weight``."""
-    passes = _act_linear.PASSES[backend]
+    passes = act_linear.PASSES[backend]
     gate, up = halves(gate_up)
     results = []
     if needs_input:
-        grads, grad_gate, grad_up = _act_linear.grad_input_buffers(gate, True, packed=True)
+        grads, grad_gate, grad_up = act_linear.grad_input_buffers(gate, True, packed=True)
         product = grouped_mm(grad_out, weight, offsets)  # dL/dc, then c
         passes.product_backward(product, gate, up, activation, grad_gate, grad_up, needs_weight)
         results += grads

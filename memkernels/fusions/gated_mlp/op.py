@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from memkernels.distributed import is_dtensor
-from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import act_linear
 from memkernels.fusions.common.act_linear import bias_grad
 from memkernels.fusions.common.act_linear_reference import ACTIVATIONS
 from memkernels.fusions.common.half_gemm import addmm_float32_
@@ -49,7 +49,7 @@ def _operands(gate, up):
 
 def _forward(gate, up, weight, bias, activation, backend):
     """[..., N] from gate and up [..., I] (or a packed [..., 2*I] gate_up and up None)."""
-    out = _act_linear.forward(*_operands(gate, up), weight, bias, activation, backend)
+    out = act_linear.forward(*_operands(gate, up), weight, bias, activation, backend)
     return out.view(*gate.shape[:-1], out.shape[-1])
 
 
@@ -102,13 +102,13 @@ GATED_LINEAR = OpSpec(
          schema="(Tensor gate, Tensor? up, Tensor weight, Tensor? bias, str activation, str backend) -> Tensor"),
     steps={
         "backward": Step(
-            "gated_linear_backward", _act_linear.backward, _act_linear.backward_fake,
+            "gated_linear_backward", act_linear.backward, act_linear.backward_fake,
             schema="(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, bool needs_inputs, "
                    "bool needs_weight, str activation, str backend) -> Tensor[]"),
         # the recomputed MLP's chunked backward (GatedMLPRecomputeFunction), which keeps the product for dW
         "backward_product": Step(
-            "gated_linear_backward_product", _act_linear.backward_keeping_product,
-            _act_linear.backward_keeping_product_fake,
+            "gated_linear_backward_product", act_linear.backward_keeping_product,
+            act_linear.backward_keeping_product_fake,
             schema="(Tensor grad_out2d, Tensor gate2d, Tensor up2d, Tensor weight, bool packed, str activation, "
                    "str backend) -> Tensor[]"),
     },
@@ -126,8 +126,8 @@ CHUNK_TOKENS = 8192
 def chunk_tokens(rows, width, element_size, chunk_size=None):
     """Tokens per chunk of a recomputed gated MLP over ``rows`` tokens of intermediate size ``width``:
     ``chunk_size`` (default :data:`CHUNK_TOKENS`), at most what keeps one [chunk, width] tensor within
-    _act_linear.TRANSIENT_BYTES, split evenly (no short last chunk); ``rows`` when one chunk holds them all."""
-    limit = min(chunk_size or CHUNK_TOKENS, max(1, _act_linear.TRANSIENT_BYTES // max(1, width * element_size)))
+    act_linear.TRANSIENT_BYTES, split evenly (no short last chunk); ``rows`` when one chunk holds them all."""
+    limit = min(chunk_size or CHUNK_TOKENS, max(1, act_linear.TRANSIENT_BYTES // max(1, width * element_size)))
     if rows <= limit:
         return max(rows, 1)
     count = -(-rows // limit)
@@ -210,7 +210,7 @@ def _sum_dtype(dtype):
 
 def _chunked_backward(ctx, x2d, grad_out2d, gate_weight, gate_bias, up_weight, up_bias, down_weight):
     """_whole_backward's gradients, ``ctx.step`` tokens at a time: per chunk gate and up are recomputed, the
-    down projection's backward gives their gradients and the product c (:func:`_act_linear.backward_keeping_product`),
+    down projection's backward gives their gradients and the product c (:func:`act_linear.backward_keeping_product`),
     and every weight and bias gradient is added into a zeroed buffer of :func:`_sum_dtype`; grad_x is written row block by
     row block."""
     needs = ctx.needs_input_grad
@@ -339,7 +339,7 @@ def _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend):
     if gate_up is not None:
         raise ValueError(f"{owner}: the packed gate_up= form takes no DTensor (a shard of gate_up is not a shard of "
                          "gate and one of up); pass gate and up")
-    return _act_linear.on_dtensors(owner, (gate, up), weight, bias, lambda operands, weight_local: gated_linear(
+    return act_linear.on_dtensors(owner, (gate, up), weight, bias, lambda operands, weight_local: gated_linear(
         *operands, weight_local, activation=activation, backend=backend))
 
 

@@ -19,7 +19,7 @@ import functools
 import torch
 
 from memkernels.distributed import is_dtensor
-from memkernels.fusions.common import act_linear as _act_linear
+from memkernels.fusions.common import act_linear
 from memkernels.fusions.common.act_linear import bias_grad
 from memkernels.fusions.op_spec import OpSpec, Step
 
@@ -36,12 +36,12 @@ _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 def _forward(x, weight, bias, approximate, backend):
     """[..., N] from x [..., K]: the shared algorithm on x's 2-D view."""
     x2d = x.reshape(-1, x.shape[-1])
-    out = _act_linear.forward(x2d, None, weight, bias, _GELU_ACTIVATIONS[approximate], backend)
+    out = act_linear.forward(x2d, None, weight, bias, _GELU_ACTIVATIONS[approximate], backend)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def _backward(grad_out2d, x2d, weight, needs_input, needs_weight, approximate, backend):
-    return _act_linear.backward(grad_out2d, x2d, None, weight, False, needs_input, needs_weight,
+    return act_linear.backward(grad_out2d, x2d, None, weight, False, needs_input, needs_weight,
                                 _GELU_ACTIVATIONS[approximate], backend)
 
 
@@ -80,7 +80,7 @@ GELU_LINEAR = OpSpec(
          schema="(Tensor x, Tensor weight, Tensor? bias, str approximate, str backend) -> Tensor"),
     steps={"backward": Step(
         "gelu_linear_backward", _backward,
-        lambda grad_out2d, x2d, weight, needs_input, needs_weight, approximate, backend: _act_linear.backward_fake(
+        lambda grad_out2d, x2d, weight, needs_input, needs_weight, approximate, backend: act_linear.backward_fake(
             grad_out2d, x2d, None, weight, False, needs_input, needs_weight, None, backend),
         schema="(Tensor grad_out2d, Tensor x2d, Tensor weight, bool needs_input, bool needs_weight, str approximate, "
                "str backend) -> Tensor[]")},
@@ -137,7 +137,7 @@ def gelu_linear(x, weight, bias=None, *, approximate="none", backend=None):
         ``F.linear`` casts them, and the result is in that dtype.
     """
     if any(is_dtensor(t) for t in (x, weight, bias)):  # tensor parallelism: each rank on its shards
-        return _act_linear.on_dtensors("gelu_linear", (x,), weight, bias, lambda operands, weight_local: gelu_linear(
+        return act_linear.on_dtensors("gelu_linear", (x,), weight, bias, lambda operands, weight_local: gelu_linear(
             *operands, weight_local, approximate=approximate, backend=backend))
     return GELU_LINEAR.with_autocast(functools.partial(_gelu_linear, approximate=approximate, backend=backend),
                                      x, weight, bias)

@@ -62,10 +62,10 @@ def _norm_minimum(is_rms, with_residual):
 
 
 def _norm_backward_programs(hidden, is_rms):
-    """memkernels' norm backward programs on an H100 at rows of ``hidden`` (_norm_kernels.num_programs)."""
-    from memkernels.fusions.norm import kernels as _norm_kernels
-    num_warps = _norm_kernels.backward_config(hidden, not is_rms)[1]
-    return _norm_kernels.programs_per_sm(num_warps) * H100_SMS
+    """memkernels' norm backward programs on an H100 at rows of ``hidden`` (kernels.num_programs)."""
+    from memkernels.fusions.norm import kernels
+    num_warps = kernels.backward_config(hidden, not is_rms)[1]
+    return kernels.programs_per_sm(num_warps) * H100_SMS
 
 
 def _norm_real_shape(is_rms):
@@ -78,13 +78,13 @@ def _norm_real_shape(is_rms):
 def _norm_programs(shape):
     """Give the norm backward ``shape["P"]`` programs (the GPU's count at the real shape; the interpreter's
     default is a fixed few). Each program owns one float32 row of dw/db partial sums."""
-    from memkernels.fusions.norm import kernels as _norm_kernels
-    original = _norm_kernels.num_programs
-    _norm_kernels.num_programs = lambda rows, device, num_warps: min(rows, shape["P"])
+    from memkernels.fusions.norm import kernels
+    original = kernels.num_programs
+    kernels.num_programs = lambda rows, device, num_warps: min(rows, shape["P"])
     try:
         yield
     finally:
-        _norm_kernels.num_programs = original
+        kernels.num_programs = original
 
 
 # Liger's norm backwards, each with one program per SM, one float32 partial row (of dw, and of db) each.
