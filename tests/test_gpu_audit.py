@@ -589,3 +589,15 @@ def test_the_audit_finds_every_fusions_cases_without_a_registry():
     assert {"rms_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy", "gelu_linear", "gated_linear",
             "gated_mlp", "rope"} <= set(ops)
     assert all(case.aot_kernels for case in ops.values())
+
+
+def test_linear_logprobs_counts_fit_their_held_out_shape():
+    """linear_logprobs is audited on linear_cross_entropy's recompute tiling (its chunk and tile rules): the exact
+    fit holds at a held-out shape, every GEMM on bf16 operands, no host sync."""
+    import dataclasses
+    case = next(case for case in gpu_audit.cases() if case.op == "linear_logprobs")
+    result = gpu_audit.fit(dataclasses.replace(case, shape=dict(case.shape, V=300)), torch.bfloat16)
+    for phase in ("forward", "backward"):
+        assert result[phase].launches > 0 and result[phase].syncs == []
+        matmuls = result[phase].matmul_dtypes
+        assert matmuls and all(dtypes == ("bf16", "bf16") for _, dtypes in matmuls), matmuls

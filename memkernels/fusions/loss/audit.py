@@ -146,8 +146,37 @@ def _liger_linear_ce_chunks(chunks):
         flce.fused_linear_cross_entropy_forward = original
 
 
+def _linear_logprobs_problem(shape, dtype, impl):
+    """linear_logprobs at the head's shape; eager as TRL scores a completion: the logits in float32, their
+    log-softmax, the target's entry gathered."""
+    from memkernels import functional
+    n, h, v = shape["N"], shape["H"], shape["V"]
+    hidden, weight = leaf(n, h, dtype=dtype), (torch.randn(v, h) / h ** 0.5).to(dtype).requires_grad_()
+    target = torch.arange(n) % v
+    grad = torch.randn(n)
+    chunk = shape.get("C")
+
+    def forward():
+        if impl == "memkernels":
+            options = {"chunk_size": -(-n // chunk)} if chunk else {}
+            return (functional.linear_logprobs(hidden, weight, target, **options),)
+        logits = (hidden @ weight.t()).float()
+        return (torch.log_softmax(logits, dim=-1).gather(-1, target[:, None]).squeeze(-1),)
+    return Problem(forward, lambda outputs: outputs[0].backward(grad))
+
+
+def _linear_logprobs_minimum(shape, e):
+    n, h, v = shape["N"], shape["H"], shape["V"]
+    inputs = n * h * e + v * h * e + n * 8
+    # forward: the inputs, each token's float32 log-prob, the logits GEMM; backward: the incoming float32 gradient,
+    # the inputs again and the saved statistics (two float32 a token), dX and dW written, their two GEMMs
+    return {"forward": (inputs + n * 4, 2 * n * h * v),
+            "backward": (n * 4 + inputs + n * 8 + n * h * e + v * h * e, 4 * n * h * v)}
+
+
 def cases():
-    """cross_entropy at three vocabularies; linear_cross_entropy at Llama-3-8B's head, each strategy."""
+    """cross_entropy at three vocabularies; linear_cross_entropy at Llama-3-8B's head, each strategy;
+    linear_logprobs (RL's per-token log-probs) at the same head."""
     result = []
     for v, model in ((32000, "Llama-2"), (128256, "Llama-3"), (256000, "Gemma")):
         result.append(Case("cross_entropy", f"V={v} ({model})", {"N": TOKENS, "V": v}, ("N",), {"N": (2, 4)},
@@ -165,4 +194,9 @@ def cases():
                            setup=_linear_ce_small_blocks, real_shape=real_shape, step_row=True,
                            liger_real_shape=_liger_linear_ce_real_shape,
                            aot_kernels=("cross_entropy", "scale_in_float32"), liger=True))
+    # the same tiling as recompute's (its chunk and tile rules); Liger has no fused log-probs
+    result.append(Case("linear_logprobs", "Llama-3-8B head", {"N": TOKENS, "H": 4096, "V": 128256}, ("N", "H", "C"),
+                       {"N": (16, 32), "H": (16, 32), "C": (2, 3)}, ({"N": 48, "H": 48, "C": 4},),
+                       _linear_logprobs_problem, _linear_logprobs_minimum, setup=_linear_ce_small_blocks,
+                       real_shape=_linear_ce_recompute_real_shape, aot_kernels=("linear_logprobs",)))
     return result
