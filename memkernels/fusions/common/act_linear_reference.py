@@ -61,20 +61,17 @@ def activation_grad(x, name):
 
 
 def _row_blocks(tensor):
-    """Row ranges of ``tensor`` [M, I], at most _BLOCK_ELEMENTS elements each; on meta three of them.
+    """Row ranges of ``tensor`` [M, I], at most _BLOCK_ELEMENTS elements each; on meta the first alone.
 
-    Meta tensors (the planner's profiles) hold no values: blocks differ only in size and run no op a FLOP
-    counter counts; the second starts with what the first left alive, as every later one does, and the last
-    may be smaller, so these three allocate what all of them do, at a CPU run's peak (as the loss references'
-    blocks, memkernels.fusions.loss.reference.row_blocks). One block of all rows, as before, allocated
-    full-size float32 temporaries that no device does: a meta gated_linear forward peaked at 4x the CPU's and
-    the GPU's bytes (80 against 20 MiB at M=4096, I=2048), the backward at 212 against 54 MiB."""
+    Each block's temporaries are freed before the next block's are made, so the first (the largest) holds what
+    every block holds in turn: on meta tensors (the planner's profiles), which hold no values and run no op a
+    FLOP counter counts, the first block allocates the CPU run's peak. One block of all rows, as before, allocated
+    full-size float32 temporaries that no device does: a meta gated_linear forward peaked at 4x the CPU's and the
+    GPU's bytes (80 against 20 MiB at M=4096, I=2048), the backward at 212 against 54 MiB."""
     rows, width = tensor.shape
     step = max(1, _BLOCK_ELEMENTS // max(1, width))
     blocks = [(start, min(start + step, rows)) for start in range(0, rows, step)]
-    if tensor.device.type == "meta" and len(blocks) > 3:
-        blocks = [blocks[0], blocks[1], blocks[-1]]
-    return blocks
+    return blocks[:1] if tensor.device.type == "meta" else blocks
 
 
 def product(gate, up, name):
@@ -85,6 +82,7 @@ def product(gate, up, name):
         if up is not None:
             activated.mul_(_compute(up[start:stop]))
         out[start:stop] = activated
+        del activated  # before the next block's: one block's temporaries at a time
     return out
 
 
@@ -105,3 +103,6 @@ def product_backward(grad, gate, up, name, grad_gate, grad_up, write_product):
         grad_gate[start:stop] = d_gate
         if write_product:
             grad[start:stop] = activated
+        del d, activated, d_gate  # before the next block's: one block's temporaries at a time
+        if up is not None:
+            del up_block
