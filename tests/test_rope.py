@@ -174,6 +174,8 @@ def test_meta_tensors_give_shapes_at_once():
     (lambda a: a.update(backend="cuda"), ValueError, "backend='cuda' is not supported"),
     (lambda a: a.update(backend="triton", q=a["q"].double(), k=a["k"].double()), TypeError,
      "the Triton backend takes float32, float16 or bfloat16"),
+    (lambda a: a.update(backend="triton", cos=a["cos"].double(), sin=a["sin"].double()), TypeError,
+     "rope: cos is torch.float64; the Triton backend takes float32, float16 or bfloat16"),
 ])
 def test_bad_input_is_a_clear_error(change, error, message):
     q, k, cos, sin = hf_inputs(2, 4, 2, 5, 8, torch.float32)

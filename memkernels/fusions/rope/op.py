@@ -246,14 +246,12 @@ def unsupported(q, k, cos, sin, backend=None):
     if torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad):
         return ValueError("rope: cos or sin requires grad; this RoPE computes no gradient for the tables (position "
                           "tables are constants): pass cos.detach() and sin.detach()")
-    try:
-        chosen = ROPE.backend(backend, q, what="q")
-    except (ValueError, TypeError, RuntimeError) as error:  # an unknown backend; 'triton' where it cannot run
+    try:  # an unknown backend, 'triton' where it cannot run or on a dtype it does not take
+        if ROPE.backend(backend, q, what="q") == "triton":
+            for name, tensor in (("k", k), ("cos", cos)):
+                ROPE.backend("triton", tensor, what=name)
+    except (ValueError, TypeError, RuntimeError) as error:
         return error
-    dtype = next((t.dtype for t in (k, cos) if t.dtype not in ROPE.triton_dtypes), None)
-    if chosen == "triton" and dtype is not None:
-        return TypeError(f"rope: the Triton backend takes float32, float16 or bfloat16 tensors, got {dtype}; "
-                         "use backend='torch' for other dtypes")
     return None
 
 
