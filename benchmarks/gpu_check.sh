@@ -20,7 +20,7 @@
 #      launches, host time, every column in the same run
 #   4. the op benchmarks' GPU sections, each with its baselines (eager, Liger, torch.compile) in
 #      the same run and the audit's model prediction under each measured time: the act-linear ops
-#      (bench_gelu_linear, bench_gated_mlp), the norms (bench_rms_norm), RoPE (bench_rope), the losses
+#      (bench_gelu_linear, bench_gated_mlp), the norms (bench_rms_norm), RoPE (bench_rope), DyT (bench_dyt), the losses
 #      (bench_cross_entropy), the RL log-probs (bench_logprobs), MoE experts (bench_moe), offload (bench_offload: no offload, everything, budget auto, recompute,
 #      offloaded checkpoints)
 #   5. the kernel test files without the Triton interpreter: the kernels run on the GPU
@@ -92,12 +92,12 @@ step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE:
         tests/test_offload.py tests/test_offload_engine.py tests/test_offload_cuda.py
     # the figure users judge by: one training step of a Llama-3-8B-shaped decoder, every column
     step "bench_step.py" 3 python benchmarks/bench_step.py
-    for bench in gated_mlp gelu_linear rms_norm rope cross_entropy logprobs moe offload; do
+    for bench in gated_mlp gelu_linear rms_norm rope dyt cross_entropy logprobs moe offload; do
         step "bench_$bench.py" 8 python "benchmarks/bench_$bench.py"
     done
     step "kernel tests on the GPU" 1 python -m pytest -q -p no:randomly -n "$WORKERS" tests/test_gated_linear.py \
         tests/test_gelu_linear.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_cross_entropy.py \
-        tests/test_linear_cross_entropy.py tests/test_linear_logprobs.py tests/test_rope.py tests/test_autocast.py \
+        tests/test_linear_cross_entropy.py tests/test_linear_logprobs.py tests/test_rope.py tests/test_dyt.py tests/test_autocast.py \
         tests/test_patch_gated_mlp.py tests/test_moe.py tests/test_act_mul.py tests/test_token_metrics.py
     echo
     echo "gpu_check: $failed step(s) failed or were cut"

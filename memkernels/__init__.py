@@ -21,6 +21,7 @@ _LAZY = {
     "FusedLayerNorm": "memkernels.nn",
     "FusedAddRMSNorm": "memkernels.nn",
     "FusedAddLayerNorm": "memkernels.nn",
+    "FusedDyT": "memkernels.nn",
     "GeLULinear": "memkernels.nn",
     "FusedMLP": "memkernels.nn",
     "FusedGatedMLP": "memkernels.nn",

@@ -1,5 +1,6 @@
 """Functional API: the fused ops of memkernels/fusions (Triton on CUDA, PyTorch reference elsewhere)."""
 from memkernels.fusions.common.act_mul import gelu_mul, silu_mul
+from memkernels.fusions.dyt.op import dyt
 from memkernels.fusions.gated_mlp.op import gated_linear, gated_mlp_recompute
 from memkernels.fusions.gelu_mlp.op import gelu_linear
 from memkernels.fusions.loss.common import CrossEntropyOutput
@@ -12,4 +13,4 @@ from memkernels.fusions.rope.op import rope
 
 __all__ = ["rms_norm", "add_rms_norm", "layer_norm", "add_layer_norm", "gelu_linear", "gated_linear",
            "gated_mlp_recompute", "silu_mul", "gelu_mul", "cross_entropy", "linear_cross_entropy",
-           "CrossEntropyOutput", "linear_logprobs", "rope"]
+           "CrossEntropyOutput", "linear_logprobs", "rope", "dyt"]

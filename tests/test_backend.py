@@ -91,6 +91,7 @@ def _calls():
                                                                      backend=b),
         "linear_logprobs": lambda d, b: mf.linear_logprobs(tensors(d)[0], tensors(d)[1], tensors(d)[2], backend=b),
         "rope": lambda d, b: mf.rope(*tensors(d)[3:], backend=b),
+        "dyt": lambda d, b: mf.dyt(tensors(d)[0], tensors(d)[0][0, :1], tensors(d)[0][0], backend=b),
     }
 
 

@@ -34,7 +34,7 @@ def test_every_op_is_declared_through_an_op_spec():
     """Every memkernels:: custom op is a step of an OpSpec (none registered by hand), over a floor of the
     ops memkernels ships (a new op adds itself to SPECS)."""
     assert {"norm", "cross_entropy", "linear_cross_entropy_recompute", "linear_cross_entropy_chunked",
-            "linear_logprobs", "gelu_linear", "gated_linear", "grouped_gated_linear", "act_mul", "rope"} <= set(SPECS)
+            "linear_logprobs", "gelu_linear", "gated_linear", "grouped_gated_linear", "act_mul", "rope", "dyt"} <= set(SPECS)
     registered = {name for name in torch._C._dispatch_get_all_op_names() if name.startswith("memkernels::")}
     declared = {step.name for spec in SPECS.values() for step in spec.all_steps.values()}
     # the one helper: a GEMM with a float32 result (common/half_gemm.py), no autograd, called inside steps

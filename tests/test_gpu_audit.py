@@ -10,6 +10,7 @@ import torch
 
 import memkernels
 from memkernels.audit import gpu_audit
+from memkernels.fusions.dyt import audit as dyt_audit
 from memkernels.fusions.loss import audit as loss_audit
 from memkernels.fusions.rope import audit as rope_audit
 
@@ -191,6 +192,26 @@ def test_rope_counts():
     eager = gpu_audit.measure(CASES["rope"], {"N": n, "HQ": q_heads, "HK": k_heads, "D": dim}, torch.bfloat16,
                               impl="eager")
     assert (len(eager["forward"].launches), len(eager["backward"].launches)) == (10, 16)
+
+
+def test_dyt_counts():
+    n, h, e = 4, 64, 2
+    run = _measure("dyt", N=n, H=h)
+    parameters = (2 * h + 1) * e  # weight, bias, alpha
+    # forward: one launch reading x and the parameters, writing y: the minimum
+    assert [x.name for x in run["forward"].launches] == ["_dyt_forward_kernel"]
+    assert _triton(run["forward"]) == (1, 2 * n * h * e + parameters, 2 * n * h * e + parameters)
+    assert dyt_audit.minimum({"N": n, "H": h}, e)["forward"][0] == 2 * n * h * e + parameters
+    # backward: x and y's gradient in, dx out, one float32 partial row each of dw and db and one alpha partial per
+    # (program, column block); then one launch summing them into the parameters' gradients. No aten op.
+    partials = 2 * h * 4 + 4
+    moved = (3 * n * h * e + h * e + e + partials) + (partials + parameters)
+    assert [x.name for x in run["backward"].launches] == ["_dyt_backward_kernel", "_dyt_reduce_kernel"]
+    assert _triton(run["backward"]) == (2, moved, moved)
+    assert run["forward"].syncs == run["backward"].syncs == []
+    # eager (DyT's own module): 4 launches forward, 8 backward
+    eager = gpu_audit.measure(CASES["dyt"], {"N": n, "H": h}, torch.bfloat16, impl="eager")
+    assert (len(eager["forward"].launches), len(eager["backward"].launches)) == (4, 8)
 
 
 def test_gated_linear_counts():
@@ -584,10 +605,10 @@ def test_the_audit_finds_every_fusions_cases_without_a_registry():
     import memkernels.fusions
     on_disk = {path.parent.name for path in pathlib.Path(memkernels.fusions.__path__[0]).glob("*/audit.py")}
     found = {module.__name__.split(".")[-2] for module in gpu_audit.fusion_audits()}
-    assert found == on_disk >= {"norm", "loss", "gelu_mlp", "gated_mlp", "rope"}
+    assert found == on_disk >= {"norm", "loss", "gelu_mlp", "gated_mlp", "rope", "dyt"}
     ops = {case.op: case for case in gpu_audit.cases()}
     assert {"rms_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy", "gelu_linear", "gated_linear",
-            "gated_mlp", "rope"} <= set(ops)
+            "gated_mlp", "rope", "dyt"} <= set(ops)
     assert all(case.aot_kernels for case in ops.values())
 
 

@@ -14,6 +14,11 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   (:data:`memkernels.fusions.norm.rule.NORM_FORMULAS`); a class that computes none of them, needs more than one
   input or holds more than its 1-D weight (and bias) is left alone and listed as
   skipped, with the reason.
+- DyT (Dynamic Tanh, the norm-free transformers' stand-in for LayerNorm, switched with ``norms``): a module
+  holding one learned scalar and one or two vectors (no buffers, no submodules) whose forward computes
+  ``weight * tanh(alpha * x) + bias`` over the last dimension, whatever it calls them (probed once per class in
+  float64) → the same module, its forward calling ``memkernels.functional.dyt`` (x saved, not tanh's output);
+  names, state_dict keys and hooks unchanged. A channels-first DyT (ConvNeXt's) is listed as skipped.
 - GELU MLPs: memkernels' own ``MLP`` → ``FusedMLP``; Hugging Face GPT-2's
   Conv1D MLP, BERT's intermediate/output pair and the vision towers' fc1/fc2 MLPs
   (SigLIP's, CLIP's: :data:`memkernels.fusions.gelu_mlp.rule.FC_MLPS`) → the same MLP computed with
@@ -86,6 +91,7 @@ import itertools
 import torch
 from torch import nn
 
+from memkernels.fusions.dyt.rule import DyTRule
 from memkernels.fusions.gated_mlp.rule import ExpertsRule, GatedMLPRule
 from memkernels.fusions.gelu_mlp.rule import BertFeedForwardRule, FcMLPRule, GPT2MLPRule, MLPRule
 from memkernels.fusions.loss.rule import CausalLMLossRule, LogitsLossRule, causal_lm
@@ -99,7 +105,7 @@ __all__ = ["apply", "PatchReport", "RULES", "MODEL_RULES"]
 
 # Asked of each module in this order; the first rule that recognizes a module decides for it (a norm is never
 # taken for an MLP, memkernels' own MLP never for a Hugging Face one).
-RULES = (NormRule(), MLPRule(), GPT2MLPRule(), FcMLPRule(), BertFeedForwardRule(), ExpertsRule(), GatedMLPRule(),
+RULES = (NormRule(), DyTRule(), MLPRule(), GPT2MLPRule(), FcMLPRule(), BertFeedForwardRule(), ExpertsRule(), GatedMLPRule(),
          LogitsLossRule(), RopeRule())
 # Asked of the model as a whole (each rule's ``locate``): a causal LM's loss is its forward's.
 MODEL_RULES = (CausalLMLossRule(),)
