@@ -546,3 +546,31 @@ def test_torch_compile_fullgraph(backend, recompute, monkeypatch):
     backward_step = "gated_linear_backward_product" if recompute == "chunks" else "gated_linear_backward"
     assert f"memkernels.{backward_step}.default" in graph_ops["backward"]
     assert not any("silu" in op for ops in graph_ops.values() for op in ops)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_meta_peaks_equal_the_cpus_to_the_byte_every_call(dtype, activation):
+    """The planner profiles on meta: gated_linear's torch path must allocate there what it allocates on the CPU.
+    Meta walks one row block (the CPU walks eight here); from the second call on, a block of that shape is one
+    allocation of the first call's measured peak (act_linear_reference._meta_block): the same bytes."""
+    from memkernels.fusions.common import act_linear_reference
+
+    tokens, width, hidden = 512, 1024, 64  # 64-row blocks of 1024 columns
+
+    def peaks(device):
+        torch.manual_seed(0)
+        gate, up = (torch.randn(tokens, width).to(dtype).to(device).requires_grad_() for _ in range(2))
+        weight = torch.randn(hidden, width).to(dtype).to(device).requires_grad_()
+        grad = torch.randn(tokens, hidden).to(dtype).to(device)
+        with PeakBytesMeter() as forward:
+            y = gated_linear(gate, up, weight, activation=activation, backend="torch")
+        with PeakBytesMeter() as backward:
+            y.backward(grad)
+        return forward.peak_bytes, backward.peak_bytes
+
+    act_linear_reference._META_BLOCK_PEAKS.clear()
+    cpu = peaks("cpu")
+    assert peaks("meta") == cpu  # measured
+    assert act_linear_reference._META_BLOCK_PEAKS  # the blocks' peaks, kept
+    assert peaks("meta") == cpu  # from the kept peaks
