@@ -50,7 +50,8 @@ def test_no_compile_errors_and_no_spills(reports):
     assert not failed, "compile errors or spills:\n" + aot.format_table(failed)
 
 
-@pytest.mark.parametrize("kernel", ["act_linear_product", "act_linear_product_backward", "rope"])
+@pytest.mark.parametrize("kernel", ["act_linear_product", "act_linear_product_backward", "rope", "dyt_forward",
+                                    "dyt_backward"])
 def test_act_linear_passes_vectorize_their_loads(reports, kernel):
     # The activation-linear passes are bandwidth-bound: with contiguous rows (16-byte aligned pointers,
     # 16-divisible row strides, as the JIT sees them) each thread's 8 consecutive elements must load as
