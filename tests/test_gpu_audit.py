@@ -214,6 +214,19 @@ def test_dyt_counts():
     assert (len(eager["forward"].launches), len(eager["backward"].launches)) == (4, 8)
 
 
+def test_silu_mul_counts():
+    m, k, e = 4, 64, 2
+    run = _measure("silu_mul", M=m, K=k)
+    # one pass each way at the minimum: a, b in and c out; dc, a, b in and da, db out (the product recomputed)
+    assert [x.name for x in run["forward"].launches] == ["_product_kernel"]
+    assert _triton(run["forward"]) == (1, 3 * m * k * e, 3 * m * k * e)
+    assert [x.name for x in run["backward"].launches] == ["_product_backward_kernel"]
+    assert _triton(run["backward"]) == (1, 5 * m * k * e, 5 * m * k * e)
+    assert run["forward"].syncs == run["backward"].syncs == []
+    eager = gpu_audit.measure(CASES["silu_mul"], {"M": m, "K": k}, torch.bfloat16, impl="eager")
+    assert (len(eager["forward"].launches), len(eager["backward"].launches)) == (2, 3)
+
+
 def test_gated_linear_counts():
     m = k = n = 64  # tokens, intermediate (the width of gate and up), hidden
     e = 2
@@ -608,7 +621,7 @@ def test_the_audit_finds_every_fusions_cases_without_a_registry():
     assert found == on_disk >= {"norm", "loss", "gelu_mlp", "gated_mlp", "rope", "dyt"}
     ops = {case.op: case for case in gpu_audit.cases()}
     assert {"rms_norm", "add_layer_norm", "cross_entropy", "linear_cross_entropy", "gelu_linear", "gated_linear",
-            "gated_mlp", "rope", "dyt"} <= set(ops)
+            "gated_mlp", "silu_mul", "rope", "dyt"} <= set(ops)
     assert all(case.aot_kernels for case in ops.values())
 
 

@@ -77,13 +77,36 @@ def _gated_mlp_minimum(shape, e):
             "backward": ((3 * m * n + 6 * n * k) * e, 12 * m * n * k)}
 
 
+def _silu_mul_problem(shape, dtype, impl):
+    """silu_mul alone (``F.silu(a) * b``, a gated MLP's elementwise core for callers who keep their own down
+    projection), against eager's two ops and Liger's liger_swiglu."""
+    import torch.nn.functional as F
+    from memkernels import functional
+    a, b = leaf(shape["M"], shape["K"], dtype=dtype), leaf(shape["M"], shape["K"], dtype=dtype)
+    grad = torch.randn(shape["M"], shape["K"]).to(dtype)
+
+    def forward():
+        if impl == "memkernels":
+            return (functional.silu_mul(a, b),)
+        if impl == "liger":
+            return (_liger_gated_product("silu", a, b),)
+        return (F.silu(a) * b,)
+    return Problem(forward, lambda outputs: outputs[0].backward(grad))
+
+
+def _silu_mul_minimum(shape, e):
+    elements = shape["M"] * shape["K"]
+    # forward: a and b in, c out; backward: dc, a and b in, da and db out
+    return {"forward": (3 * elements * e, 0), "backward": (5 * elements * e, 0)}
+
+
 def _liger_gated_product(activation, gate, up):
     from liger_kernel.transformers.functional import liger_geglu, liger_swiglu
     return (liger_swiglu if activation == "silu" else liger_geglu)(gate, up)
 
 
 def cases():
-    """gated_linear (SwiGLU, GeGLU-tanh) and the whole gated MLP, kept and recomputed."""
+    """gated_linear (SwiGLU, GeGLU-tanh), the whole gated MLP, kept and recomputed, and silu_mul alone."""
     kernels = ("act_linear_product", "act_linear_product_backward")
     fit = dict(variables=("M", "K", "N"), fit_values={"M": (64, 128), "K": (64, 128), "N": (64, 128)},
                check_values=({"M": 192, "K": 64, "N": 192},), aot_kernels=kernels, liger=True)
@@ -95,4 +118,7 @@ def cases():
                     {"M": TOKENS, "K": 14336, "N": 4096}, build=_gated_mlp_problem(recompute),
                     minimum=_gated_mlp_minimum, **fit)
                for recompute in (False, True)]
+    result.append(Case("silu_mul", "Llama-3-8B's I=14336", {"M": TOKENS, "K": 14336}, ("M", "K"),
+                       {"M": (64, 128), "K": (64, 128)}, ({"M": 192, "K": 64},), _silu_mul_problem,
+                       _silu_mul_minimum, aot_kernels=kernels, liger=True))
     return result
