@@ -330,3 +330,9 @@ def test_a_fused_dyt_falls_back_to_its_own_forward_on_what_dyt_does_not_take():
     memkernels.apply(model)
     with pytest.raises(RuntimeError, match="size of tensor"):
         model.norm1(torch.randn(2, 5))
+
+
+def test_the_ledger_counts_dyt_as_a_norm():
+    from memkernels.runtime.ledger import categorize
+    for type_name in ("DynamicTanh", "FusedDyT", "LigerDyT", "MemkernelsDynamicTanh"):
+        assert categorize("layers.0.pre", {"layers.0.pre": type_name}) == "norm"

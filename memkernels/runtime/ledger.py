@@ -108,7 +108,7 @@ def _on_meta(model, values):
 
 
 _CATEGORY_RULES = (
-    ("norm", re.compile(r"norm", re.I)),
+    ("norm", re.compile(r"norm|dyt|dynamictanh", re.I)),  # DyT stands where a norm would
     ("logits/loss", re.compile(r"loss|lm_head|crossentropy|logits", re.I)),
     ("embedding", re.compile(r"embed|wte|wpe", re.I)),
     ("attention", re.compile(r"atten|attn", re.I)),
