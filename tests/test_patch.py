@@ -453,13 +453,13 @@ def test_rope_is_redirected_per_class_and_the_model_file_keeps_its_function():
 def test_rope_calls_reach_the_fused_op_once_per_layer(monkeypatch):
     from memkernels.fusions.rope import op as rope_module
     calls = []
-    real = rope_module.rope
+    real = rope_module.rope_checked  # what the redirected attention calls once unsupported() has passed
 
     def counting(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rope_module, "rope", counting)
+    monkeypatch.setattr(rope_module, "rope_checked", counting)
     model = _llama()
     apply(model, norms=False, mlp=False, loss=False, measure=False)
     ids, labels = _batch()

@@ -359,4 +359,10 @@ def dyt(x, alpha, weight, bias=None, *, backend=None):
     problem = unsupported(x, alpha, weight, bias, backend)
     if problem is not None:
         raise problem
+    return dyt_checked(x, alpha, weight, bias, backend)
+
+
+def dyt_checked(x, alpha, weight, bias=None, backend=None):
+    """:func:`dyt` for arguments :func:`unsupported` has accepted (apply()'s patched forwards ask it first, to
+    fall back to the module's own forward): the checks not run twice a call."""
     return DYT(x, alpha, weight, bias, DYT.backend(backend, x, what="x"))

@@ -95,7 +95,7 @@ class _FusedDyTForward:
         alpha, weight, bias = (None if name is None else getattr(self, name) for name in self._memkernels_dyt_roles)
         if op.unsupported(x, alpha, weight, bias) is not None:  # a dtype or device the fused op does not take
             return unpatched_class(type(self)).forward(self, x)
-        return op.dyt(x, alpha, weight, bias)
+        return op.dyt_checked(x, alpha, weight, bias)
 
 
 class DyTRule(Rule):

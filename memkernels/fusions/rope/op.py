@@ -275,4 +275,10 @@ def rope(q, k, cos, sin, *, backend=None):
     problem = unsupported(q, k, cos, sin, backend)
     if problem is not None:
         raise problem
+    return rope_checked(q, k, cos, sin, backend)
+
+
+def rope_checked(q, k, cos, sin, backend=None):
+    """:func:`rope` for arguments :func:`unsupported` has accepted (apply()'s redirected attention asks it first,
+    to fall back to the model's own RoPE): the checks not run twice a call."""
     return tuple(ROPE(q, k, cos, sin, ROPE.backend(backend, q, what="q")))

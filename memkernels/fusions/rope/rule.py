@@ -95,7 +95,7 @@ def _fused_rope_function(original):
         if args or kwargs and (kwargs.keys() != {"unsqueeze_dim"} or kwargs["unsqueeze_dim"] != 1) \
                 or rope_op.unsupported(q, k, cos, sin) is not None:
             return original(q, k, cos, sin, *args, **kwargs)
-        return rope_op.rope(q, k, cos, sin)
+        return rope_op.rope_checked(q, k, cos, sin)
 
     return fused
 
