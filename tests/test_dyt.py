@@ -336,3 +336,20 @@ def test_the_ledger_counts_dyt_as_a_norm():
     from memkernels.runtime.ledger import categorize
     for type_name in ("DynamicTanh", "FusedDyT", "LigerDyT", "MemkernelsDynamicTanh"):
         assert categorize("layers.0.pre", {"layers.0.pre": type_name}) == "norm"
+
+
+def test_a_model_with_its_dyt_fused_compiles_whole():
+    # torch.compile traces the patched forward (the fallback check, then the custom op) with no graph break
+    torch.manual_seed(0)
+    model, unpatched = _randomized(Block()), _randomized(Block())
+    unpatched.load_state_dict(model.state_dict())
+    memkernels.apply(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    x, image = torch.randn(3, 4, 16), torch.randn(2, 16, 3, 3)
+    outputs, expected = compiled(x, image), unpatched(x, image)
+    for got, want in zip(outputs, expected):
+        torch.testing.assert_close(got, want)
+    (outputs[0].sum() + outputs[1].sum()).backward()
+    (expected[0].sum() + expected[1].sum()).backward()
+    for (name, got), want in zip(model.named_parameters(), unpatched.parameters()):
+        torch.testing.assert_close(got.grad, want.grad, msg=name)
