@@ -14,10 +14,13 @@ tile by tile, so the pass needs no I-wide float32 copy of its operands and its p
 eager's (tests/test_gated_linear.py measures it). On ``meta`` tensors (the planning tools' shape-only
 runs) there is no memory to bound, only host time: one block.
 """
+import itertools
 import math
 
 import torch
 import torch.nn.functional as F
+
+from memkernels.fusions.common.host import row_blocks
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
@@ -68,11 +71,9 @@ def _row_blocks(tensor):
     FLOP counter counts, the first block allocates the CPU run's peak. One block of all rows, as before, allocated
     full-size float32 temporaries that no device does: a meta gated_linear forward peaked at 4x the CPU's and the
     GPU's bytes (80 against 20 MiB at M=4096, I=2048), the backward at 212 against 54 MiB."""
-    rows, width = tensor.shape
-    step = max(1, _BLOCK_ELEMENTS // max(1, width))
-    if tensor.device.type == "meta":  # not the whole list: a planner's long sequence has 10^4-10^5 blocks a call
-        return [(0, min(step, rows))] if rows else []
-    return ((start, min(start + step, rows)) for start in range(0, rows, step))
+    blocks = row_blocks(*tensor.shape, _BLOCK_ELEMENTS)
+    # on meta the first alone, not a list of all: a planner's long sequence has 10^4-10^5 blocks a call
+    return list(itertools.islice(blocks, 1)) if tensor.device.type == "meta" else blocks
 
 
 def _meta_block(key, block):

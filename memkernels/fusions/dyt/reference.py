@@ -20,6 +20,8 @@ up in float64 in block order (deterministic), cast to each parameter's dtype onc
 """
 import torch
 
+from memkernels.fusions.common.host import row_blocks
+
 # Elements per float32 temporary of a row block (1 MiB).
 BLOCK_ELEMENTS = 1 << 18
 
@@ -47,12 +49,6 @@ def compute_dtype(*tensors):
     return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def row_blocks(rows, cols):
-    """Slices of at most BLOCK_ELEMENTS elements' worth of rows (at least one row each)."""
-    step = max(1, BLOCK_ELEMENTS // max(cols, 1))
-    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
-
-
 def forward(x, alpha, weight, bias, dtype):
     """y = weight * tanh(alpha * x) + bias as ``dtype``. x: [M, H]; alpha: one element; weight, bias: [H]
     (bias may be None). Returns [M, H] contiguous."""
@@ -60,9 +56,9 @@ def forward(x, alpha, weight, bias, dtype):
     a, w = alpha.reshape(()).to(compute), weight.to(compute)
     b = None if bias is None else bias.to(compute)
     y = torch.empty(x.shape, dtype=dtype, device=x.device)
-    for rows in row_blocks(*x.shape):
-        block = torch.tanh(x[rows].to(compute) * a) * w
-        y[rows] = block if b is None else block + b
+    for start, stop in row_blocks(*x.shape, BLOCK_ELEMENTS):
+        block = torch.tanh(x[start:stop].to(compute) * a) * w
+        y[start:stop] = block if b is None else block + b
     return y
 
 
@@ -74,12 +70,12 @@ def backward(grad, x, alpha, weight, bias_dtype, needs_x, needs_params):
     a, w = alpha.reshape(()).to(compute), weight.to(compute)
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device) if needs_x else None
     sums = torch.zeros(3, x.shape[1], dtype=torch.float64, device=x.device) if needs_params else None
-    for rows in row_blocks(*x.shape):
-        xs, g = x[rows].to(compute), grad[rows].to(compute)
+    for start, stop in row_blocks(*x.shape, BLOCK_ELEMENTS):
+        xs, g = x[start:stop].to(compute), grad[start:stop].to(compute)
         t = torch.tanh(xs * a)
         g_w_s = g * w * (1 - t * t)
         if needs_x:
-            dx[rows] = g_w_s * a
+            dx[start:stop] = g_w_s * a
         if needs_params:
             sums[0] += (g * t).sum(0)
             sums[1] += g.sum(0)

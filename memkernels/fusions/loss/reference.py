@@ -37,6 +37,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from memkernels.fusions.common import host
+
 
 # Logits per block of rows: each float32 temporary of a block is at most 4 MiB.
 BLOCK_ELEMENTS = 2**20
@@ -45,9 +47,7 @@ BLOCK_ELEMENTS = 2**20
 def row_blocks(logits):
     """Row slices of ``logits`` (R, V), each of at most BLOCK_ELEMENTS logits (one row at least): the blocks the
     references walk (cross-entropy's and :mod:`memkernels.fusions.loss.logprobs_reference`'); on meta three of them."""
-    n_rows, n_cols = logits.shape
-    rows = max(1, BLOCK_ELEMENTS // max(n_cols, 1))
-    blocks = [slice(start, min(start + rows, n_rows)) for start in range(0, n_rows, rows)]
+    blocks = [slice(start, stop) for start, stop in host.row_blocks(*logits.shape, BLOCK_ELEMENTS)]
     if logits.device.type == "meta" and len(blocks) > 3:
         # Meta tensors hold no values: blocks differ only in size, and none runs an op
         # FlopCounterMode counts; the second one starts with what the first left alive, as every

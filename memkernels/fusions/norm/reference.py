@@ -32,6 +32,8 @@ compact [M, K] tensor, K = number of such columns (usually 0).
 """
 import torch
 
+from memkernels.fusions.common.host import row_blocks
+
 CASTING_MODES = {"none": 0, "llama": 1, "gemma": 2}
 
 # Elements per float32 temporary of a row block (1 MiB): small next to any tensor worth
@@ -109,13 +111,6 @@ def _round(t, dtype):
     return t.to(dtype).to(t.dtype)
 
 
-def row_blocks(rows, hidden):
-    """(start, stop) of consecutive row blocks of at most BLOCK_ELEMENTS elements (at least one row)."""
-    step = max(1, BLOCK_ELEMENTS // hidden)
-    for start in range(0, rows, step):
-        yield start, min(start + step, rows)
-
-
 def _rows(t, start, stop):
     """Rows start:stop of an [M, ...] tensor, or None."""
     return None if t is None else t[start:stop]
@@ -141,7 +136,7 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
     if memory_efficient:
         unsafe_cols = unsafe_cols.to(x.device)
         fallback = torch.empty((rows, unsafe_cols.numel()), dtype=dtype, device=x.device)
-    for start, stop in row_blocks(rows, hidden):
+    for start, stop in row_blocks(rows, hidden, BLOCK_ELEMENTS):
         if residual is None:
             s = x[start:stop].to(compute)
         else:
@@ -225,7 +220,7 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
         dx = torch.empty_like(dy) if dx_out is None else dx_out
     dw_total = torch.zeros(hidden, dtype=torch.float64, device=dy.device) if needs_dw else None
     db_total = torch.zeros(hidden, dtype=torch.float64, device=dy.device) if needs_db else None
-    for start, stop in row_blocks(rows, hidden):
+    for start, stop in row_blocks(rows, hidden, BLOCK_ELEMENTS):
         xhat = recovery.xhat(saved[start:stop], _rows(mean, start, stop), rstd[start:stop],
                              _rows(fallback, start, stop))
         dy_c = dy[start:stop].to(compute)
