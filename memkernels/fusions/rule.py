@@ -109,6 +109,16 @@ def _copy_function(fn):
     return type(fn)(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+def probe_of(module):
+    """A stand-in of ``module`` for a probe forward: its class and settings, its own dicts of parameters and
+    submodules (a probe replaces them with random float64 ones), never the module itself (no hooks fire, no
+    device work, nothing of the model's changed)."""
+    probe = object.__new__(type(module))
+    probe.__dict__.update(module.__dict__)
+    probe._parameters, probe._modules = dict(module._parameters), dict(module._modules)
+    return probe
+
+
 def set_child(model, name, new):
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model

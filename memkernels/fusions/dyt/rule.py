@@ -8,7 +8,7 @@ import itertools
 import torch
 from torch import nn
 
-from memkernels.fusions.rule import Rule, dtensor_reason, missing_op, switch_class, unpatched_class
+from memkernels.fusions.rule import Rule, dtensor_reason, missing_op, probe_of, switch_class, unpatched_class
 
 _PROBED = {}  # (class, its plain settings) -> ("last" | "first", (alpha, weight, bias names)), or None
 
@@ -59,8 +59,7 @@ def _probe(module, alpha_name, vector_names):
     values = {alpha_name: torch.rand(getattr(module, alpha_name).shape, generator=generator,
                                      dtype=torch.float64) + 0.3}
     values.update({name: torch.randn(hidden, generator=generator, dtype=torch.float64) for name in vector_names})
-    probe = object.__new__(type(module))
-    probe.__dict__.update(module.__dict__)
+    probe = probe_of(module)
     probe._parameters = {name: nn.Parameter(value, requires_grad=False) for name, value in values.items()}
     inputs = {"last": torch.randn(2, 3, hidden, generator=generator, dtype=torch.float64) * 2,
               "first": torch.randn(2, hidden, 3, 2, generator=generator, dtype=torch.float64) * 2}

@@ -7,7 +7,7 @@ from torch import nn
 
 from memkernels.distributed import layout_hooks_only, sharded_along
 from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_forward, gated_mlp_parts, lora_down
-from memkernels.fusions.rule import Rule, dtensor_reason, plain_reason, switch_class
+from memkernels.fusions.rule import Rule, dtensor_reason, plain_reason, probe_of, switch_class
 
 
 def _tensor_parallel_mlp(gate, up, down):
@@ -56,14 +56,13 @@ def _probe_gated_mlp(module):
                 parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64))
         return linear.requires_grad_(False)
 
-    probe = object.__new__(type(module))
-    probe.__dict__.update(module.__dict__)
+    probe = probe_of(module)
     projections = {"down_proj": stand_in(width, hidden, module.down_proj)}
     if up is None:
         projections["gate_up_proj"] = stand_in(hidden, 2 * width, gate)
     else:
         projections.update(gate_proj=stand_in(hidden, width, gate), up_proj=stand_in(hidden, width, up))
-    probe._modules = {**module._modules, **projections}
+    probe._modules.update(projections)
     sizes = {"hidden_size": hidden, "intermediate_size": width}
     probe.__dict__.update({name: value for name, value in sizes.items() if name in module.__dict__})
     # Values no model uses, so a forward that ignores or misreads one shows.

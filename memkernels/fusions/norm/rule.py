@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from memkernels.distributed import is_dtensor, layout_hooks_only
-from memkernels.fusions.rule import Rule, missing_op, plain_reason, set_child
+from memkernels.fusions.rule import Rule, missing_op, plain_reason, probe_of, set_child
 
 # A norm class of a model library (Hugging Face has an RMSNorm per family, ~180 in transformers 5) is
 # fused when its forward computes, bit for bit on probe inputs, one of these formulas, keyed by the
@@ -74,8 +74,7 @@ def _formulas(x, weight, bias, eps):
 
 def _probe_norm(module, eps, names, hidden):
     generator = torch.Generator().manual_seed(0)
-    probe = object.__new__(type(module))
-    probe.__dict__.update(module.__dict__)
+    probe = probe_of(module)
     matching = set(NORM_FORMULAS)
     for dtype in (torch.float32, torch.bfloat16):
         values = {name: torch.randn(hidden, generator=generator).to(dtype) for name in names}
