@@ -20,12 +20,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-if not os.environ.get("TRITON_INTERPRET"):
-    import torch as _torch_probe  # the interpreter must be chosen before triton's first import
-    if not _torch_probe.cuda.is_available():
-        os.environ["TRITON_INTERPRET"] = "1"
-
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import: Triton launches run on the CPU
 
 import memkernels  # noqa: E402
 from memkernels.fusions.dyt import reference  # noqa: E402
