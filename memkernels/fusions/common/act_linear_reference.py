@@ -94,8 +94,18 @@ def _meta_block(key, block):
         torch.empty(peak, dtype=torch.uint8, device="meta")  # allocated and freed at once, as the block's
 
 
-# (pass, activation, dtypes, block shape, flags) -> peak bytes of one block's temporaries, measured on meta
+# (pass, activation, dtypes, flags, block shape) -> peak bytes of one block's temporaries, measured on meta
 _META_BLOCK_PEAKS = {}
+
+
+def _walk(tensor, block, key):
+    """``block(start, stop)`` over ``tensor``'s row blocks; on meta through :func:`_meta_block`, ``key`` (the pass,
+    its activation, dtypes and flags) completed with the block's shape."""
+    for start, stop in _row_blocks(tensor):
+        if tensor.device.type == "meta":
+            _meta_block((*key, stop - start, tensor.shape[1]), lambda: block(start, stop))
+        else:
+            block(start, stop)
 
 
 def product(gate, up, name):
@@ -109,12 +119,7 @@ def product(gate, up, name):
         out[start:stop] = activated
         del activated  # before the next block's: one block's temporaries at a time
 
-    for start, stop in _row_blocks(gate):
-        if gate.device.type == "meta":
-            _meta_block(("product", name, gate.dtype, None if up is None else up.dtype, stop - start, gate.shape[1]),
-                        lambda: block(start, stop))
-        else:
-            block(start, stop)
+    _walk(gate, block, ("product", name, gate.dtype, None if up is None else up.dtype))
     return out
 
 
@@ -139,10 +144,5 @@ def product_backward(grad, gate, up, name, grad_gate, grad_up, write_product):
         if up is not None:
             del up_block
 
-    for start, stop in _row_blocks(gate):
-        if gate.device.type == "meta":
-            _meta_block(("product_backward", name, grad.dtype, gate.dtype, None if up is None else up.dtype,
-                         grad_gate.dtype, None if grad_up is None else grad_up.dtype, write_product, stop - start,
-                         gate.shape[1]), lambda: block(start, stop))
-        else:
-            block(start, stop)
+    _walk(gate, block, ("product_backward", name, grad.dtype, gate.dtype, None if up is None else up.dtype,
+                        grad_gate.dtype, None if grad_up is None else grad_up.dtype, write_product))
