@@ -401,7 +401,8 @@ def _step_flops(model, ids, head_recompute=False):
 
 @dataclasses.dataclass
 class LayerProfile:
-    """What :func:`measure_profile` measured, per micro-batch of 1 and 2 (affine in between and beyond).
+    """What :func:`measure_profile` measured, per micro-batch of 1 and 2 (affine in between and beyond; micro-batch 1
+    alone when measured with ``batches=(1,)``).
 
     Bytes are ints; ``segments``: {batch: {segment: peak}} of the keep-everything step of a
     ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra`` / ``moved``:
@@ -428,7 +429,7 @@ class LayerProfile:
     keep_flops: int
     step_flops: int
     parts: tuple
-    moved: dict = dataclasses.field(default_factory=lambda: {1: {}, 2: {}})
+    moved: dict = dataclasses.field(default_factory=dict)
     head_live: dict = dataclasses.field(default_factory=dict)
     kernels: bool = False
     head: object = None
@@ -447,9 +448,14 @@ class LayerProfile:
 
     @property
     def offload_measured(self):
-        return any(OPTION_BY_NAME[name].offloaded for name in self.savings[1])
+        return any(OPTION_BY_NAME[name].offloaded for name in self.savings.get(1, ()))
 
     def _at(self, table, batch):
+        if batch == 1:
+            return dict(table[1]) if isinstance(table[1], dict) else table[1]
+        if 2 not in table:
+            raise ValueError(f"this profile is measured at micro-batch 1 only; micro-batch {batch} needs "
+                             "measure_profile(..., batches=(1, 2))")
         one, two = table[1], table[2]
         if isinstance(one, dict):
             return {key: one[key] + (batch - 1) * (two[key] - one[key]) for key in one}
@@ -562,29 +568,36 @@ def _build(source, depth, dtype, kernels=False, option=None, backend="triton"):
 _profiles = {}  # (model key, seq, dtype, kernels, backend) -> LayerProfile
 
 
-def measure_profile(source, seq, dtype, *, kernels=False, offload=False, backend="triton", keep_only=False):
+def measure_profile(source, seq, dtype, *, kernels=False, offload=False, backend="triton", keep_only=False,
+                    batches=(1, 2)):
     """Measure a :class:`LayerProfile` on meta for ``source`` (an estimate ``ModelSource``) at ``seq``
     (cached per model, sequence length, dtype, kernels and backend). ``offload``: also measure the
     offload options (through :class:`_MetaOffload`; measured once, on first request). ``backend``:
     whose fused loss the kernels' profile counts (``"triton"``: a GPU's; ``"torch"``: the CPU path's,
     whose row kernels add float32 blocks). ``keep_only``: the keep-everything part alone (its peaks:
     :meth:`LayerProfile.keep_peak`), two meta steps where the whole profile takes about sixteen; completed
-    when asked for without it."""
+    when asked for without it. ``batches``: ``(1,)`` measures micro-batch 1 alone, half the meta steps (a
+    search that asks only whether micro-batch 1 fits); completed with micro-batch 2 when asked for."""
+    if tuple(batches) not in ((1,), (1, 2)):
+        raise ValueError(f"measure_profile(batches={batches!r}): use (1,) or (1, 2)")
     key = (source.key(), seq, dtype, kernels, backend if kernels else None)
     if key not in _profiles and _predicting.get():
         guess = _predicted_profile(key, offload, keep_only)
         if guess is not None:
             return guess
     if key not in _profiles:
-        _profiles[key] = _measure_profile(source, seq, dtype, kernels, backend)
+        _profiles[key] = _new_profile(source, seq, kernels)
     profile = _profiles[key]
+    for batch in batches:
+        if batch not in profile.segments:
+            _measure_keep(profile, source, dtype, backend, batch)
     if keep_only:
         return profile
     if not profile.complete:
-        _measure_recompute(profile, source, dtype, backend)
-    if offload and not profile.offload_measured:
-        _measure_options(profile, source, dtype, kernels, [o for o in LAYER_OPTIONS if o.offloaded],
-                         backend)
+        _measure_flops(profile, source, dtype, backend)
+    options = [o for o in LAYER_OPTIONS if offload or not o.offloaded]
+    for batch in batches:
+        _measure_options(profile, source, dtype, options, backend, batch)
     return profile
 
 
@@ -640,58 +653,34 @@ def _predicted_profile(key, offload, keep_only=False):
            for name in ("segments", "resident", "savings", "extra", "moved", "head_live")})
 
 
-def _measure_options(profile, source, dtype, kernels, options, backend="triton"):
-    """Add ``options``' savings, extra and moved bytes (batch 1 and 2, against the keep-everything
-    step in ``profile``) and recompute FLOPs to ``profile``."""
-    options = [o for o in options if o.name != "keep" and all(p in profile.parts + ("layer",) for p in o.actions)]
-    last_bwd = f"bwd{profile.probe}"
-    for batch in (1, 2):
-        ids = torch.empty(batch, profile.seq, dtype=torch.long, device="meta")
-        for table in (profile.savings, profile.extra, profile.moved):
-            table[batch]["keep"] = 0
-        for option in options:
-            model, offload = _build(source, profile.depth, dtype, kernels, option, backend)
-            run = _metered_step(model, ids)
-            profile.savings[batch][option.name] = profile.head_live[batch] - run.live["head"]
-            profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd]
-            profile.moved[batch][option.name] = offload.stats()["bytes_offloaded"] if offload else 0
-    one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
-    profile.recompute["keep"] = 0
-    for option in options:
-        if not option.offloaded:
-            model = _build(source, profile.depth, dtype, kernels, option, backend)[0]
-            profile.recompute[option.name] = _step_flops(model, one) - profile.keep_flops
-    for option in options:
-        if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
-            recomputed = {part: "recompute" for part in option.recomputed}
-            profile.recompute[option.name] = next(profile.recompute[o.name] for o in LAYER_OPTIONS
-                                                  if o.actions == recomputed)
-
-
-def _measure_profile(source, seq, dtype, kernels, backend="triton"):
-    """The keep-everything part of a :class:`LayerProfile`: its segments' peaks, R and the live bytes at the
-    head, at micro-batches 1 and 2 (two meta steps); :func:`_measure_recompute` adds the rest."""
+def _new_profile(source, seq, kernels):
+    """An empty :class:`LayerProfile` of ``source`` at ``seq``: the measured copy's depth and the parts its layers
+    have (attention, MLP)."""
     depth = min(_DEPTH, source.num_layers)
-    probe_layer = _probe_layer(depth)
-    probe, _ = _build(source, depth, dtype, kernels, backend=backend)
-    _, layers = plan_apply.find_layers(probe)
+    _, layers = plan_apply.find_layers(source.build(1))
     parts = tuple(p for p in ("attn", "mlp") if plan_apply.submodule_name(layers[-1], p) is not None)
-    profile = LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments={}, resident={},
-                           savings={1: {}, 2: {}}, extra={1: {}, 2: {}}, recompute={}, keep_flops=0, step_flops=0,
-                           parts=parts, kernels=kernels)
-    for batch in (1, 2):
-        ids = torch.empty(batch, seq, dtype=torch.long, device="meta")
-        keep = _metered_step(probe if batch == 1 else _build(source, depth, dtype, kernels, backend=backend)[0], ids)
-        profile.segments[batch] = dict(keep.peaks)
-        profile.head_live[batch] = keep.live["head"]
-        # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
-        after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
-        profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
-    return profile
+    return LayerProfile(num_layers=source.num_layers, depth=depth, seq=seq, segments={}, resident={},
+                        savings={}, extra={}, moved={}, recompute={}, keep_flops=0, step_flops=0, parts=parts,
+                        kernels=kernels)
 
 
-def _measure_recompute(profile, source, dtype, backend="triton"):
-    """Complete ``profile``: the step's FLOPs, the fused loss's figures and the recompute options."""
+def _measure_keep(profile, source, dtype, backend, batch):
+    """The keep-everything step at micro-batch ``batch`` (one meta step): its segments' peaks, R and the live bytes
+    at the head."""
+    depth, probe_layer = profile.depth, profile.probe
+    ids = torch.empty(batch, profile.seq, dtype=torch.long, device="meta")
+    keep = _metered_step(_build(source, depth, dtype, profile.kernels, backend=backend)[0], ids)
+    profile.segments[batch] = dict(keep.peaks)
+    profile.head_live[batch] = keep.live["head"]
+    # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
+    after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
+    profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
+    for table in (profile.savings, profile.extra, profile.moved):
+        table[batch] = {"keep": 0}
+
+
+def _measure_flops(profile, source, dtype, backend="triton"):
+    """The step's FLOPs (one sequence) and the fused loss's figures."""
     depth, kernels = profile.depth, profile.kernels
     one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
     keep_flops, head_recompute = _step_flops(_build(source, depth, dtype, kernels, backend=backend)[0], one,
@@ -703,7 +692,32 @@ def _measure_recompute(profile, source, dtype, backend="triton"):
                  if depth > 1 else keep_flops)
     profile.keep_flops, profile.head_recompute = keep_flops, head_recompute
     profile.step_flops = keep_flops + (source.num_layers - depth) * per_layer
-    _measure_options(profile, source, dtype, kernels, _RECOMPUTE_ONLY, backend)
+    profile.recompute["keep"] = 0
+
+
+def _measure_options(profile, source, dtype, options, backend, batch):
+    """Add the savings, extra and moved bytes at ``batch`` (against the keep-everything step in ``profile``) and the
+    recompute FLOPs of those ``options`` not measured yet (a meta step each)."""
+    options = [o for o in options if o.name not in profile.savings[batch]
+               and all(p in profile.parts + ("layer",) for p in o.actions)]
+    last_bwd = f"bwd{profile.probe}"
+    ids = torch.empty(batch, profile.seq, dtype=torch.long, device="meta")
+    for option in options:
+        model, offload = _build(source, profile.depth, dtype, profile.kernels, option, backend)
+        run = _metered_step(model, ids)
+        profile.savings[batch][option.name] = profile.head_live[batch] - run.live["head"]
+        profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd]
+        profile.moved[batch][option.name] = offload.stats()["bytes_offloaded"] if offload else 0
+    one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
+    for option in options:
+        if not option.offloaded and option.name not in profile.recompute:
+            model = _build(source, profile.depth, dtype, profile.kernels, option, backend)[0]
+            profile.recompute[option.name] = _step_flops(model, one) - profile.keep_flops
+    for option in options:
+        if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
+            recomputed = {part: "recompute" for part in option.recomputed}
+            profile.recompute[option.name] = next(profile.recompute[o.name] for o in LAYER_OPTIONS
+                                                  if o.actions == recomputed)
 
 
 @dataclasses.dataclass
@@ -779,7 +793,7 @@ def _option_costs(profile, batch, options, *, tflops, pcie_gbps):
     return out
 
 
-def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0, host_budget=None):
+def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0, host_budget=None, enough=None):
     """The cheapest :class:`Placement` whose predicted peak fits ``budget`` bytes at micro-batch ``batch``.
 
     ``offload``: also consider activation offload (needs a CUDA device or the simulated one, and a
@@ -791,7 +805,9 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     reach (kept when cheaper).
     ``tflops``: sustained throughput of a GPU (TFLOP/s) for the recompute cost; ``pcie_gbps``:
     host link bandwidth (GB/s). When nothing fits, returns the placement with the lowest
-    predicted peak, ``fits=False``.
+    predicted peak, ``fits=False``. ``enough``: a predicate on placements; the first placement found that
+    fits the budget and the host budget and satisfies it is returned, the cheapest or not (for a search that asks
+    only whether any placement does: the same answer, found with fewer DP runs).
     """
     if offload and not profile.offload_measured:
         raise ValueError("solve(offload=True): the profile has no offload figures; measure it with "
@@ -800,14 +816,20 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
                if all(part in profile.parts + ("layer",) for part in o.actions)]
     costs = _option_costs(profile, batch, options, tflops=tflops, pcie_gbps=pcie_gbps)
     placement = _placement(profile, batch, budget, options, costs, tflops, price=0.0)
-    if host_budget is None or placement.offload_bytes <= host_budget:
+    # A price changes what each option costs, never which placements fit: when none fits at price 0, none will.
+    if host_budget is None or placement.offload_bytes <= host_budget or not placement.fits:
         return placement
-    best = (_placement(profile, batch, budget, _without_offload(options), costs, tflops, price=0.0)
-            if placement.fits else placement)
+
+    def answers(found):
+        return enough is not None and found.fits and enough(found)
+
+    best = _placement(profile, batch, budget, _without_offload(options), costs, tflops, price=0.0)
+    if answers(best):
+        return best
     # log10 of the price in seconds per byte moved: from 1e-16 (a GB's copy priced at 0.1 us, nothing) to 1e-6 (a
     # MB's at a second, more than any recompute); 12 halvings: the price within 0.6%
     low, high = -16.0, -6.0
-    over = placement if placement.fits else None  # the cheapest fitting placement over the host budget seen
+    over = placement  # the cheapest fitting placement over the host budget seen
     for _ in range(12):
         middle = (low + high) / 2
         trial = _placement(profile, batch, budget, options, costs, tflops, price=10.0 ** middle)
@@ -815,14 +837,15 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
             high = middle
             if trial.fits and (not best.fits or trial.added_seconds < best.added_seconds):
                 best = trial
+                if answers(best):
+                    return best
         else:
             low = middle
             if trial.fits:
                 over = trial
-    if over is not None:
-        between = _toward(profile, batch, budget, over, options, costs, tflops, host_budget)
-        if between is not None and between.fits and (not best.fits or between.added_seconds < best.added_seconds):
-            best = between
+    between = _toward(profile, batch, budget, over, options, costs, tflops, host_budget)
+    if between is not None and between.fits and (not best.fits or between.added_seconds < best.added_seconds):
+        best = between
     return best
 
 

@@ -416,12 +416,16 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
                           f"{dtype} weights and activations, fp32 master weights"))
 
     act_offload = host_mem is not None
+    deciding = _deciding.get()  # a search's question, whether it fits: the micro-batch and alternatives are not asked
+    batches = (1,) if deciding else (1, 2)  # micro-batch 2's steps only where micro-batches are compared
     # Without kernels, the keep-everything steps first: the rest of the profile only if the kernels lose.
-    profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload, keep_only=kernels)
+    profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload, keep_only=kernels,
+                                            batches=batches)
     use_kernels = False
     if kernels:
         try:
-            fused = placement_mod.measure_profile(source, seq, compute_dtype, kernels=True, offload=act_offload)
+            fused = placement_mod.measure_profile(source, seq, compute_dtype, kernels=True, offload=act_offload,
+                                                  batches=batches)
         except (ImportError, RuntimeError) as error:
             steps.append(Step("memkernels kernels", False, "", "", f"unavailable here ({error})"[:200]))
         else:
@@ -444,14 +448,14 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
     else:
         steps.append(Step("memkernels kernels", False, "", "", "kernels=False"))
     if not use_kernels:
-        profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload)
+        profile = placement_mod.measure_profile(source, seq, compute_dtype, offload=act_offload, batches=batches)
 
     sequence_seconds = profile.step_flops / (tflops * 1e12)
 
-    def solve(micro, budget, host_optimizer=0):
+    def solve(micro, budget, host_optimizer=0, enough=None):
         host_budget = None if host_mem is None else max(0, host_mem - host_optimizer) // gpus
         return placement_mod.solve(profile, micro, max(budget, 1), offload=act_offload, tflops=tflops,
-                                   pcie_gbps=pcie_gbps, host_budget=host_budget)
+                                   pcie_gbps=pcie_gbps, host_budget=host_budget, enough=enough)
 
     def candidate(mode, stage, opt_offload):
         trainable = None if mode == "full" else adapters
@@ -464,9 +468,13 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
             if gpus > 1 and stage == 3 else 0
         per_gpu = sum(v for k, v in state.items() if k != "host_optimizer") + fsdp
         budget = gpu_mem - margin - per_gpu
-        found = solve(1, budget, state["host_optimizer"])
-        host = state["host_optimizer"] + found.offload_bytes * gpus
         gathers = gather_seconds(state["parameters"] * gpus, gpus, link_gbps) if stage == 3 and gpus > 1 else 0.0
+
+        def enough(placement):  # a search asks only whether it fits: any placement within the cap answers
+            return max_overhead is None or (placement.added_seconds + gathers) / sequence_seconds <= max_overhead
+
+        found = solve(1, budget, state["host_optimizer"], enough if deciding else None)
+        host = state["host_optimizer"] + found.offload_bytes * gpus
         return Candidate(mode, stage, opt_offload, state, fsdp, budget, found, host, gathers, sequence_seconds)
 
     def host_fits(c, placement):
@@ -501,7 +509,6 @@ def plan(model_or_config, *, gpu_mem, seq, global_batch_tokens=None, gpus=1, hos
         else with the most activation budget to spare."""
         return (1, -c.overhead) if memory_fits(c) else (0, c.budget - c.placement.predicted_peak)
 
-    deciding = _deciding.get()  # a search's question, whether it fits: the micro-batch and alternatives are not asked
     stages = (zero_stage,) if zero_stage is not None else (0, 1, 2, 3) if gpus > 1 else (0,)
     # The flow falls back to LoRA, then QLoRA; a search asks about the mode given only.
     modes = FINETUNE_MODES[FINETUNE_MODES.index(finetune):][:1 if deciding else None]
