@@ -9,6 +9,7 @@
 #include "bindings/device.cpp"
 #include "bindings/device_pool.cpp"
 #include "bindings/offload.cpp"
+#include "bindings/plan.cpp"
 #include "bindings/pool.cpp"  // last: it says `using namespace mk::core;`
 
 namespace py = pybind11;
@@ -34,4 +35,5 @@ PYBIND11_MODULE(_C, m) {
   bind_pool(m);
   bind_device_pool(m);
   bind_offload(m);
+  bind_plan(m);
 }

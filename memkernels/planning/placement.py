@@ -9,9 +9,9 @@ Two parts:
    :class:`~memkernels.meters.PeakBytesMeter`. Hooks cut the step into segments (the
    embedding, each layer's forward, the head = final norm + LM head + loss forward and
    backward, each layer's backward, the embedding's backward) and record the live bytes at
-   each boundary and the peak inside each segment. :class:`~torch.utils.flop_counter.FlopCounterMode`
-   counts the FLOPs each option replays (a separate run: its module tracker
-   keeps tensors alive). Layers are identical, so an L-layer model's
+   each boundary and the peak inside each segment; :class:`_FlopTally` counts each step's FLOPs as it runs
+   (FlopCounterMode's formulas: what an option replays is its step's FLOPs less the keep-everything
+   step's). Layers are identical, so an L-layer model's
    figures follow from the 4-layer ones: the first two and the last layers are measured as such,
    each further middle layer adds R bytes (the live bytes a middle layer leaves behind after its
    forward) to every later segment.
@@ -53,10 +53,11 @@ import functools
 import math
 from fractions import Fraction
 
-import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
+from memkernels._C import plan as _dp
 from memkernels.planning import apply_plan as plan_apply
 from memkernels.planning.apply_plan import KERNELS, LOSS_STRATEGY, install_loss_strategy  # noqa: F401 (re-exported)
 from memkernels.runtime.ledger import FlashAttentionOnMeta
@@ -343,16 +344,43 @@ def lm_inputs(model, ids):
     return (), {"input_ids": ids, "labels": ids, "use_cache": False}
 
 
+@functools.lru_cache(maxsize=None)
+def _flop_formulas():
+    return flop_counter().flop_registry
+
+
+class _FlopTally(TorchDispatchMode):
+    """The FLOPs :func:`flop_counter` counts (its formulas), without FlopCounterMode's module tracker, whose
+    references keep tensors alive: entered above a PeakBytesMeter, a step counts its FLOPs as it is measured
+    (the meter below still sees a custom op's insides; this tally, like FlopCounterMode, the op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.formulas = _flop_formulas()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.formulas.get(func._overloadpacket)
+        if formula is not None:
+            self.flops += formula(*args, **kwargs, out_val=out)
+        return out
+
+
 def _metered_step(model, ids):
-    """One forward + backward of ``model`` on meta ids, segmented by layer; returns the :class:`_Timeline`."""
+    """One forward + backward of ``model`` on meta ids, segmented by layer; returns the :class:`_Timeline`, with
+    the step's FLOPs (``flops``, a modelled fused loss's included) and those its fused loss replays
+    (``head_recompute``)."""
     from memkernels.runtime.ledger import meta_forward
     _, layers = plan_apply.find_layers(model)
     for param in model.parameters():
         if param.requires_grad:  # gradients are model state: present before the step, as after the first one
             param.grad = torch.zeros_like(param)
-    meter = PeakBytesMeter()
+    meter, tally = PeakBytesMeter(), _FlopTally()
     handles = []
-    with meter, meta_forward(model), torch.enable_grad():
+    _MODELLED_HEAD.update(step=0, recompute=0, figures=None)
+    with meter, meta_forward(model), torch.enable_grad(), tally:
         timeline = _Timeline(meter)
         last = len(layers) - 1
 
@@ -383,20 +411,20 @@ def _metered_step(model, ids):
         finally:
             for handle in handles:
                 handle.remove()
+    timeline.flops = tally.flops + _MODELLED_HEAD["step"]
+    timeline.head_recompute = _MODELLED_HEAD["recompute"]
     return timeline
 
 
-def _step_flops(model, ids, head_recompute=False):
-    """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, layers' recompute included;
-    a modelled fused loss's own recompute is not: ``head_recompute=True`` returns it beside, as
-    (step FLOPs, FLOPs the fused loss replays))."""
+def _step_flops(model, ids):
+    """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, layers' recompute and a
+    modelled fused loss's included), counted by :class:`_FlopTally`."""
     from memkernels.runtime.ledger import meta_forward
     _MODELLED_HEAD.update(step=0, recompute=0, figures=None)
-    with meta_forward(model), torch.enable_grad(), flop_counter() as counter:
+    with meta_forward(model), torch.enable_grad(), _FlopTally() as tally:
         args, kwargs = lm_inputs(model, ids)
         _loss_of(model(*args, **kwargs)).backward()
-    total = counter.get_total_flops() + _MODELLED_HEAD["step"]
-    return (total, _MODELLED_HEAD["recompute"]) if head_recompute else total
+    return tally.flops + _MODELLED_HEAD["step"]
 
 
 @dataclasses.dataclass
@@ -627,8 +655,12 @@ def _predicted_profile(key, offload, keep_only=False):
                 and (keep_only or (p.complete and (p.offload_measured or not offload)))}
     below = sorted(s for s in measured if s < seq)
     above = sorted(s for s in measured if s > seq)
-    anchors = ([below[-1], above[0]] if below and above else below[-2:] if len(below) > 1
-               else above[:2] if len(above) > 1 else None)
+    # Between two measured lengths: the two around it. Beyond them: the nearest and the farthest on that side, as a
+    # slope read over a few thousand tokens carries the steps of chunked work (a tiled MLP's last chunk, a loss
+    # chunk) far out: Qwen2-72B's extra bytes at 90,112 tokens were 1.8 GB off from 81,920 and 82,944, 18 MB from
+    # 8,192 and 82,944.
+    anchors = ([below[-1], above[0]] if below and above else [below[0], below[-1]] if len(below) > 1
+               else [above[0], above[-1]] if len(above) > 1 else None)
     if anchors is None:
         return None
     (s1, p1), (s2, p2) = ((s, measured[s]) for s in anchors)
@@ -666,7 +698,7 @@ def _new_profile(source, seq, kernels):
 
 def _measure_keep(profile, source, dtype, backend, batch):
     """The keep-everything step at micro-batch ``batch`` (one meta step): its segments' peaks, R and the live bytes
-    at the head."""
+    at the head; at micro-batch 1, the FLOPs of one sequence and the fused loss's figures."""
     depth, probe_layer = profile.depth, profile.probe
     ids = torch.empty(batch, profile.seq, dtype=torch.long, device="meta")
     keep = _metered_step(_build(source, depth, dtype, profile.kernels, backend=backend)[0], ids)
@@ -677,27 +709,28 @@ def _measure_keep(profile, source, dtype, backend, batch):
     profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
     for table in (profile.savings, profile.extra, profile.moved):
         table[batch] = {"keep": 0}
+    if batch == 1:
+        profile.keep_flops, profile.head_recompute = keep.flops, keep.head_recompute
+        # The fused loss is installed: what it needs at one sequence (its bytes are in the head segment).
+        profile.head = _MODELLED_HEAD["figures"] if keep.head_recompute else None
 
 
 def _measure_flops(profile, source, dtype, backend="triton"):
-    """The step's FLOPs (one sequence) and the fused loss's figures."""
-    depth, kernels = profile.depth, profile.kernels
-    one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
-    keep_flops, head_recompute = _step_flops(_build(source, depth, dtype, kernels, backend=backend)[0], one,
-                                             head_recompute=True)
-    # The fused loss is installed: what it needs at one sequence (its bytes are in the head segment).
-    profile.head = _MODELLED_HEAD["figures"] if head_recompute else None
-    # One more layer's step FLOPs, to extrapolate to the full depth.
-    per_layer = (keep_flops - _step_flops(_build(source, depth - 1, dtype, kernels, backend=backend)[0], one)
-                 if depth > 1 else keep_flops)
-    profile.keep_flops, profile.head_recompute = keep_flops, head_recompute
-    profile.step_flops = keep_flops + (source.num_layers - depth) * per_layer
+    """The full model's step FLOPs (one sequence), from the measured copy's and one layer's more."""
+    depth = profile.depth
+    if depth > 1:
+        one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
+        per_layer = profile.keep_flops - _step_flops(_build(source, depth - 1, dtype, profile.kernels,
+                                                            backend=backend)[0], one)
+    else:
+        per_layer = profile.keep_flops
+    profile.step_flops = profile.keep_flops + (source.num_layers - depth) * per_layer
     profile.recompute["keep"] = 0
 
 
 def _measure_options(profile, source, dtype, options, backend, batch):
-    """Add the savings, extra and moved bytes at ``batch`` (against the keep-everything step in ``profile``) and the
-    recompute FLOPs of those ``options`` not measured yet (a meta step each)."""
+    """Add the savings, extra and moved bytes of ``options`` at ``batch`` (against the keep-everything step in
+    ``profile``; a meta step each, those measured before skipped) and, at micro-batch 1, the FLOPs each replays."""
     options = [o for o in options if o.name not in profile.savings[batch]
                and all(p in profile.parts + ("layer",) for p in o.actions)]
     last_bwd = f"bwd{profile.probe}"
@@ -708,16 +741,8 @@ def _measure_options(profile, source, dtype, options, backend, batch):
         profile.savings[batch][option.name] = profile.head_live[batch] - run.live["head"]
         profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd]
         profile.moved[batch][option.name] = offload.stats()["bytes_offloaded"] if offload else 0
-    one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
-    for option in options:
-        if not option.offloaded and option.name not in profile.recompute:
-            model = _build(source, profile.depth, dtype, profile.kernels, option, backend)[0]
-            profile.recompute[option.name] = _step_flops(model, one) - profile.keep_flops
-    for option in options:
-        if option.offloaded:  # offload replays nothing: its FLOPs are those of its recomputed part
-            recomputed = {part: "recompute" for part in option.recomputed}
-            profile.recompute[option.name] = next(profile.recompute[o.name] for o in LAYER_OPTIONS
-                                                  if o.actions == recomputed)
+        if batch == 1:
+            profile.recompute[option.name] = run.flops - profile.keep_flops
 
 
 @dataclasses.dataclass
@@ -866,45 +891,14 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
     cap_bytes = max([end_need] + [n for row in needs for n in row] + [1])
     quantum = max(1, math.ceil(cap_bytes / _STATES))
     cap = math.ceil(cap_bytes / quantum)
-    step = [costs[o.name][0] // quantum for o in options]
-    seconds = np.array([costs[o.name][2] + price * costs[o.name][4] for o in options])
-    dp = np.full(cap + 1, np.inf)
-    dp[0] = 0.0
-    back = np.zeros((num_layers, cap + 1), dtype=np.int16)
-    origin = np.zeros((num_layers, cap + 1), dtype=np.int32)
-    sources = np.arange(cap + 1, dtype=np.int32)
-    for i in range(num_layers):
-        new = np.full(cap + 1, np.inf)
-        for k in range(len(options)):
-            need = max(0, math.ceil(needs[i][k] / quantum))
-            if need > cap:
-                continue
-            candidate = dp + seconds[k]
-            candidate[:need] = np.inf
-            # State s moves to s + step, capped: below the cap each target has one source (a shift); the cap
-            # takes the cheapest of the sources that reach it, the one of most savings on a tie.
-            shift = min(step[k], cap)
-            cap_source = cap - int(np.argmin(candidate[cap - shift:][::-1]))
-            cand = candidate[:cap - shift + 1]  # target t's source: t - shift, the cap's: cap_source
-            cand[-1] = candidate[cap_source]
-            # Later options win only when strictly cheaper: ties keep the earlier option. (copyto with where=, not
-            # boolean indexing: a plan's search runs this loop about 60,000 times.)
-            better = np.less(cand, new[shift:])
-            np.copyto(new[shift:], cand, where=better)
-            np.copyto(back[i, shift:], k, where=better)
-            np.copyto(origin[i, shift:], sources[:cap - shift + 1], where=better)
-            if better[-1]:
-                origin[i, cap] = cap_source
-        dp = new
     end = max(0, math.ceil(end_need / quantum))
-    feasible = ends_fit and end <= cap and np.isfinite(dp[end:]).any()
+    indices = _dp.cheapest_placement(
+        [max(0, math.ceil(need / quantum)) for row in needs for need in row],
+        [costs[o.name][0] // quantum for o in options],
+        [costs[o.name][2] + price * costs[o.name][4] for o in options], cap, end) if ends_fit else None
+    feasible = indices is not None
     if feasible:
-        state = end + int(np.argmin(dp[end:]))
-        indices = []
-        for i in range(num_layers - 1, -1, -1):
-            indices.append(int(back[i, state]))
-            state = int(origin[i, state])
-        choices = [options[k] for k in reversed(indices)]
+        choices = [options[k] for k in indices]
     else:
         choices = [max(options, key=lambda o: costs[o.name][0])] * num_layers
     return _placement_of(profile, batch, budget, choices, costs, tflops, feasible)

@@ -1,0 +1,16 @@
+// Bindings of the planner's placement DP (memkernels._C.plan): marshalling only.
+// memkernels/planning/placement.py prepares the figures and reads the choices.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "plan/placement_dp.hpp"
+
+namespace py = pybind11;
+
+void bind_plan(py::module_& m) {
+  auto plan = m.def_submodule("plan", "The planner's placement DP (memkernels/planning/placement.py).");
+  plan.def("cheapest_placement", &mk::plan::cheapest_placement, py::arg("needs"), py::arg("steps"),
+           py::arg("seconds"), py::arg("cap"), py::arg("end"), py::call_guard<py::gil_scoped_release>(),
+           "Each layer's option on a cheapest path to a state >= end (None when none): needs is layers x options "
+           "(row-major), quantized savings; steps and seconds one per option; states 0..cap, cap saturated.");
+}
