@@ -844,6 +844,77 @@ def test_host_budget_is_bridged_between_the_prices_edges():
     assert previous == unbounded.added_seconds
 
 
+def test_solve_enough_answers_whether_any_placement_does_with_fewer_dp_runs(monkeypatch):
+    """solve(enough=...): a search's question (does any placement fit the GPU and the host within a cap?) gets the
+    answer the cheapest placement gives, from fewer DP runs; where nothing fits at price 0 (no price can make it
+    fit), one DP run. Llama-3-8B QLoRA at 128k tokens, host budgets and caps on both sides of the answer."""
+    from memkernels.planning import placement
+    profile = placement.measure_profile(ModelSource("llama-3-8b"), 131072, torch.bfloat16, kernels=True, offload=True)
+    runs = []
+    dp = placement._placement
+    monkeypatch.setattr(placement, "_placement", lambda *args, **kwargs: runs.append(1) or dp(*args, **kwargs))
+    budget = profile.keep_peak(1) // 2
+    unbounded = placement.solve(profile, 1, budget, offload=True)
+    answers, fewer = set(), 0
+    for host in (0, unbounded.offload_bytes // 8, unbounded.offload_bytes // 2):
+        for cap_seconds in (0.05, 0.2, 1.0, math.inf):
+            runs.clear()
+            cheapest = placement.solve(profile, 1, budget, offload=True, host_budget=host)
+            full_runs = len(runs)
+            runs.clear()
+            quick = placement.solve(profile, 1, budget, offload=True, host_budget=host,
+                                    enough=lambda p, cap=cap_seconds: p.added_seconds <= cap)
+            answer = cheapest.fits and cheapest.added_seconds <= cap_seconds
+            assert (quick.fits and quick.offload_bytes <= host and quick.added_seconds <= cap_seconds) == answer
+            assert len(runs) <= full_runs
+            answers.add(answer)
+            fewer += len(runs) < full_runs
+    assert answers == {True, False} and fewer
+    runs.clear()
+    nothing = placement.solve(profile, 1, profile.keep_peak(1) // 50, offload=True, host_budget=0)
+    assert not nothing.fits and len(runs) == 1
+
+
+def test_a_metered_step_counts_the_flops_flop_counter_counts():
+    """The FLOPs a metered step counts as it runs (_FlopTally: FlopCounterMode's formulas, without its module
+    tracker) equal a FlopCounterMode run of the same step, for the keep-everything copy and each option, with and
+    without the kernels, on a Llama and a mixture-of-experts model (grouped GEMMs)."""
+    from memkernels.planning import placement
+    from memkernels.runtime.ledger import meta_forward
+    for config in ("tiny-llama", qwen3_moe_config(2)):
+        source = ModelSource(config)
+        for kernels in (False, True):
+            for option in (None,) + tuple(o for o in placement.LAYER_OPTIONS if o.name != "keep"):
+                ids = torch.empty(1, 256, dtype=torch.long, device="meta")
+                run = placement._metered_step(placement._build(source, 3, torch.float32, kernels, option)[0], ids)
+                model = placement._build(source, 3, torch.float32, kernels, option)[0]
+                placement._MODELLED_HEAD.update(step=0, recompute=0, figures=None)
+                with meta_forward(model), torch.enable_grad(), flop_counter() as counter:
+                    args, kwargs = placement.lm_inputs(model, ids)
+                    placement._loss_of(model(*args, **kwargs)).backward()
+                assert run.flops == counter.get_total_flops() + placement._MODELLED_HEAD["step"] > 0, option
+                assert run.head_recompute == placement._MODELLED_HEAD["recompute"]
+
+
+def test_a_profile_measured_at_micro_batch_1_is_completed_with_micro_batch_2(monkeypatch):
+    """measure_profile(batches=(1,)) (a search's) runs micro-batch 1's steps alone and refuses to answer for
+    micro-batch 2; asked again with both, it measures micro-batch 2 and equals a profile measured whole."""
+    from memkernels.planning import placement
+    monkeypatch.setattr(placement, "_profiles", {})
+    source = ModelSource("tiny-llama")
+    part = placement.measure_profile(source, 2048, torch.bfloat16, kernels=True, offload=True, batches=(1,))
+    assert part.complete and list(part.segments) == [1] and placement.solve(part, 1, 1 << 62, offload=True).fits
+    with pytest.raises(ValueError, match="micro-batch 1 only"):
+        part.figures(2)
+    with pytest.raises(ValueError, match=r"batches=\(2,\)\): use \(1,\) or \(1, 2\)"):
+        placement.measure_profile(source, 2048, torch.bfloat16, batches=(2,))
+    whole = placement.measure_profile(source, 2048, torch.bfloat16, kernels=True, offload=True)
+    assert whole is part and sorted(whole.segments) == [1, 2]
+    monkeypatch.setattr(placement, "_profiles", {})
+    fresh = placement.measure_profile(source, 2048, torch.bfloat16, kernels=True, offload=True)
+    assert dataclasses.asdict(fresh) == dataclasses.asdict(whole)
+
+
 def _full_fits(result):
     return result.fits and result.config.finetune == "full"
 
