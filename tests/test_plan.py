@@ -711,8 +711,7 @@ def test_host_memory_never_makes_a_plan_worse():
 
 def test_a_host_budget_bounds_what_the_placement_moves():
     """solve(host_budget=): what the placement moves stays within it, the added time never rises as it grows, and
-    a budget of 0 gives a recompute-only placement, no slower than the recompute-only DP's (the walk from the
-    placement over the budget checks the exact peak, where the DP rounds savings down: 6.21 s against 6.39)."""
+    a budget of 0 gives a recompute-only placement, no slower than the recompute-only DP's."""
     from memkernels.planning import placement as placement_module
     from memkernels.planning.estimate import ModelSource
     profile = placement_module.measure_profile(ModelSource("llama-3-8b"), 65536, torch.bfloat16, kernels=True,
@@ -733,7 +732,7 @@ def test_a_host_budget_bounds_what_the_placement_moves():
 
 
 def _synthetic_profile(rng, num_layers, names):
-    """A LayerProfile of random byte figures small enough that the DP's quantum is one byte (no rounding)."""
+    """A LayerProfile of random byte figures."""
     from memkernels.planning.placement import LayerProfile
 
     def per_batch(draw):
@@ -755,8 +754,8 @@ def _synthetic_profile(rng, num_layers, names):
 
 
 def test_the_placement_dp_is_the_cheapest_of_every_placement_that_fits():
-    """solve() against brute force over every placement of up to 4 layers (figures of a byte quantum, so the
-    DP's rounding loses nothing): it fits exactly when some placement fits, and then at the least added time."""
+    """solve() against brute force over every placement of up to 4 layers: it fits exactly when some placement
+    fits, and then at the least added time."""
     import itertools
     import random
 
@@ -995,7 +994,7 @@ def test_keep_only_profile_is_completed_on_request(monkeypatch):
 
 def test_when_the_host_binds_the_message_does_not_ask_for_bigger_gpus():
     """Llama-3-8B at 512k tokens with 1 TB of host memory: the GPUs would hold the placement only by offloading
-    1.70 TiB per GPU; the message names the host memory it would take, not a GPU size below the 80 GB given.
+    1.64 TiB per GPU; the message names the host memory it would take, not a GPU size below the 80 GB given.
     (At 384k, this test's length until the meta profiles stopped counting the fused MLPs' float32 temporaries
     at full size, the placement now fits: 2-28 of 32 layers' checkpoints offloaded.)"""
     result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=524288, host_mem="1TB")

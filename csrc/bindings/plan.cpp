@@ -10,7 +10,7 @@ namespace py = pybind11;
 void bind_plan(py::module_& m) {
   auto plan = m.def_submodule("plan", "The planner's placement DP (memkernels/planning/placement.py).");
   plan.def("cheapest_placement", &mk::plan::cheapest_placement, py::arg("needs"), py::arg("steps"),
-           py::arg("seconds"), py::arg("cap"), py::arg("end"), py::call_guard<py::gil_scoped_release>(),
-           "Each layer's option on a cheapest path to a state >= end (None when none): needs is layers x options "
-           "(row-major), quantized savings; steps and seconds one per option; states 0..cap, cap saturated.");
+           py::arg("seconds"), py::arg("end"), py::call_guard<py::gil_scoped_release>(),
+           "Each layer's option on a cheapest path (None when none): needs is layers x options (row-major) bytes "
+           "saved before the layer; steps the bytes each option saves, seconds its cost; at least end saved in all.");
 }

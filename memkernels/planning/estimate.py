@@ -462,7 +462,7 @@ def estimate(model_or_config, *, batch, seq, dtype="bf16", optimizer="adamw", sh
     peak = placement.predict_peak(profile, batch, [option] * num_layers)
     host = 0
     if offload:
-        _, _, savings, _, moved = profile.figures(batch)
+        _, _, savings, _, moved, _ = profile.figures(batch)
         base = _LAYER_OPTION[checkpointing, False]
         activations -= num_layers * (savings[option.name] - savings[base])
         host = num_layers * moved[option.name]

@@ -40,17 +40,15 @@ compute: max(0, t - t_fwd) on the way out (during the next layer's forward) plus
 max(0, t - 2 t_fwd) on the way back (during backward), t = bytes moved (measured) / PCIe
 bandwidth, t_fwd the layer's forward time.
 
-The DP walks the layers in forward order with the prefix savings S_i as its state,
-discretized in units of q = max(savings needed) / 4096, savings rounded down and needs
-rounded up (so a placement the DP accepts fits under the model). It is exact for that
-discretization: the minimum added time over all 12^L placements, with ties going to the
-option listed first (keep before recompute before offload, smaller parts first).
+The DP (``memkernels._C.plan.cheapest_placement``, csrc/plan/) walks the layers in forward order; a layer's
+states are the Pareto front of (prefix savings S_i in bytes, added seconds) over the choices before it, so no byte
+is rounded. It is exact: the minimum added time over all 12^L placements, with ties going to the option listed first
+(keep before recompute before offload, smaller parts first).
 """
 import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 from fractions import Fraction
 
 import torch
@@ -102,7 +100,6 @@ LAYER_OPTIONS = (
 )
 OPTION_BY_NAME = {option.name: option for option in LAYER_OPTIONS}
 _RECOMPUTE_ONLY = tuple(o for o in LAYER_OPTIONS if not o.offloaded)
-_STATES = 4096
 # The kernels a plan measures and applies (plan_apply.KERNELS, with the fused loss's LOSS_STRATEGY): the fused
 # loss's meta step is not run (at a 128k vocabulary it took seconds per step, a minute per plan):
 # :class:`_ModelledLoss` stands in for it on meta, with the bytes of :func:`fused_head_bytes`.
@@ -434,7 +431,9 @@ class LayerProfile:
 
     Bytes are ints; ``segments``: {batch: {segment: peak}} of the keep-everything step of a
     ``depth``-layer copy; ``resident``: {batch: R}; ``savings`` / ``extra`` / ``moved``:
-    {batch: {option: bytes}} (``moved``: bytes an offload option sends to the host);
+    {batch: {option: bytes}} (``moved``: bytes an offload option sends to the host; ``held``: bytes the option
+    keeps alive from the head through backward that every layer's copy shares, counted once however many layers
+    take it: 1,024 on a tiny Hugging Face Llama whichever layers recompute their attention);
     ``head_live``: {batch: live bytes of the keep-everything step when the head starts};
     ``recompute``: {option: FLOPs replayed per sequence}; ``keep_flops`` / ``step_flops``: FLOPs
     of one sequence's keep-everything step of the measured copy / of the full model, without
@@ -459,6 +458,7 @@ class LayerProfile:
     parts: tuple
     moved: dict = dataclasses.field(default_factory=dict)
     head_live: dict = dataclasses.field(default_factory=dict)
+    held: dict = dataclasses.field(default_factory=dict)
     kernels: bool = False
     head: object = None
     head_recompute: int = 0
@@ -490,9 +490,10 @@ class LayerProfile:
         return one + (batch - 1) * (two - one)
 
     def figures(self, batch):
-        """(segments, R, savings, extra, moved) at micro-batch ``batch`` for the full depth."""
+        """(segments, R, savings, extra, moved, held) at micro-batch ``batch`` for the full depth."""
+        held = self._at(self.held, batch) if self.held else {}  # none held: a profile built by hand
         return tuple(self._at(table, batch) for table in (self.segments, self.resident, self.savings, self.extra,
-                                                           self.moved))
+                                                           self.moved)) + (held,)
 
     @property
     def probe(self):
@@ -682,7 +683,7 @@ def _predicted_profile(key, offload, keep_only=False):
         keep_flops=quadratic(p1.keep_flops, p2.keep_flops), step_flops=quadratic(p1.step_flops, p2.step_flops),
         head_recompute=quadratic(p1.head_recompute, p2.head_recompute),
         **{name: affine(getattr(p1, name), getattr(p2, name))
-           for name in ("segments", "resident", "savings", "extra", "moved", "head_live")})
+           for name in ("segments", "resident", "savings", "extra", "moved", "head_live", "held")})
 
 
 def _new_profile(source, seq, kernels):
@@ -707,7 +708,7 @@ def _measure_keep(profile, source, dtype, backend, batch):
     # R: what a middle layer leaves resident (the first and last layers may differ; they are measured).
     after = keep.live[f"gap{probe_layer}"] if probe_layer < depth - 1 else keep.live["head"]
     profile.resident[batch] = after - keep.live[f"gap{probe_layer - 1}"] if probe_layer else 0
-    for table in (profile.savings, profile.extra, profile.moved):
+    for table in (profile.savings, profile.extra, profile.moved, profile.held):
         table[batch] = {"keep": 0}
     if batch == 1:
         profile.keep_flops, profile.head_recompute = keep.flops, keep.head_recompute
@@ -738,8 +739,13 @@ def _measure_options(profile, source, dtype, options, backend, batch):
     for option in options:
         model, offload = _build(source, profile.depth, dtype, profile.kernels, option, backend)
         run = _metered_step(model, ids)
-        profile.savings[batch][option.name] = profile.head_live[batch] - run.live["head"]
-        profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd]
+        saved = profile.head_live[batch] - run.live["head"]
+        profile.savings[batch][option.name] = saved
+        # What the head's peak drops by less than the bytes saved before it: a tensor of the whole model's the
+        # option keeps for backward (counted once, as held; the option's own backward transient without it).
+        held = max(0, saved - (profile.segments[batch]["head"] - run.peaks["head"]))
+        profile.held[batch][option.name] = held
+        profile.extra[batch][option.name] = run.peaks[last_bwd] - profile.segments[batch][last_bwd] - held
         profile.moved[batch][option.name] = offload.stats()["bytes_offloaded"] if offload else 0
         if batch == 1:
             profile.recompute[option.name] = run.flops - profile.keep_flops
@@ -801,8 +807,8 @@ def _ranges(indices):
 
 
 def _option_costs(profile, batch, options, *, tflops, pcie_gbps):
-    """Per option: (savings, extra, seconds, recompute flops, offload bytes) at ``batch``."""
-    _, _, savings, extra, moved = profile.figures(batch)
+    """Per option: (savings, extra, seconds, recompute flops, offload bytes, held bytes) at ``batch``."""
+    _, _, savings, extra, moved, held = profile.figures(batch)
     throughput = tflops * 1e12
     # A layer's forward: a third of its share of the step (backward does about twice the forward's work).
     layer_seconds = batch * profile.step_flops / (3 * profile.num_layers) / throughput
@@ -814,7 +820,7 @@ def _option_costs(profile, batch, options, *, tflops, pcie_gbps):
             transfer = moved[option.name] / (pcie_gbps * 1e9)
             seconds += max(0.0, transfer - layer_seconds) + max(0.0, transfer - 2 * layer_seconds)
         out[option.name] = (max(0, savings[option.name]), extra[option.name], seconds, recompute_flops,
-                            moved[option.name])
+                            moved[option.name], held.get(option.name, 0))
     return out
 
 
@@ -830,9 +836,11 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     reach (kept when cheaper).
     ``tflops``: sustained throughput of a GPU (TFLOP/s) for the recompute cost; ``pcie_gbps``:
     host link bandwidth (GB/s). When nothing fits, returns the placement with the lowest
-    predicted peak, ``fits=False``. ``enough``: a predicate on placements; the first placement found that
-    fits the budget and the host budget and satisfies it is returned, the cheapest or not (for a search that asks
-    only whether any placement does: the same answer, found with fewer DP runs).
+    predicted peak, ``fits=False``; when placements fit but none within ``host_budget``, the one that moves least
+    (``fits`` says the GPU budget holds; its ``offload_bytes`` exceed ``host_budget``). ``enough``: a predicate
+    on placements; the first placement found that fits the budget and the host budget and satisfies it is
+    returned, the cheapest or not (for a search that asks only whether any placement does: the same answer,
+    found with fewer DP runs).
     """
     if offload and not profile.offload_measured:
         raise ValueError("solve(offload=True): the profile has no offload figures; measure it with "
@@ -871,7 +879,9 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     between = _toward(profile, batch, budget, over, options, costs, tflops, host_budget)
     if between is not None and between.fits and (not best.fits or between.added_seconds < best.added_seconds):
         best = between
-    return best
+    # Nothing fits within the host budget: the fitting placement that moves least, over it (the caller compares
+    # offload_bytes: "the GPUs would hold it with this much host memory").
+    return best if best.fits else over
 
 
 def _without_offload(options):
@@ -881,27 +891,28 @@ def _without_offload(options):
 
 def _placement(profile, batch, budget, options, costs, tflops, price):
     """The DP of the module docstring over ``options``, each option's seconds raised by ``price`` per byte it
-    moves to the host; the Placement's figures are the unpriced ones."""
+    moves to the host; the Placement's figures are the unpriced ones. Once per amount of held bytes the options
+    have (mostly 0 and one more): the options holding at most that much, it added to the head's and every
+    backward's peak; the cheapest of those that fit."""
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
-    num_layers = profile.num_layers
-    # Savings needed before layer i for option o, and at the end (the head).
-    needs = [[max(forward[i], backward[i] + costs[o.name][1]) - budget for o in options] for i in range(num_layers)]
-    end_need = head - budget
-    ends_fit = max(embed, tail) <= budget
-    cap_bytes = max([end_need] + [n for row in needs for n in row] + [1])
-    quantum = max(1, math.ceil(cap_bytes / _STATES))
-    cap = math.ceil(cap_bytes / quantum)
-    end = max(0, math.ceil(end_need / quantum))
-    indices = _dp.cheapest_placement(
-        [max(0, math.ceil(need / quantum)) for row in needs for need in row],
-        [costs[o.name][0] // quantum for o in options],
-        [costs[o.name][2] + price * costs[o.name][4] for o in options], cap, end) if ends_fit else None
-    feasible = indices is not None
-    if feasible:
-        choices = [options[k] for k in indices]
-    else:
-        choices = [max(options, key=lambda o: costs[o.name][0])] * num_layers
-    return _placement_of(profile, batch, budget, choices, costs, tflops, feasible)
+    found = None
+    if max(embed, tail) <= budget:
+        for reserve in sorted({costs[o.name][5] for o in options}):
+            allowed = [o for o in options if costs[o.name][5] <= reserve]
+            # Savings needed before layer i for option o, and at the end (the head).
+            needs = [max(0, max(forward[i], backward[i] + costs[o.name][1] + reserve) - budget)
+                     for i in range(profile.num_layers) for o in allowed]
+            indices = _dp.cheapest_placement(needs, [costs[o.name][0] for o in allowed],
+                                             [costs[o.name][2] + price * costs[o.name][4] for o in allowed],
+                                             max(0, head + reserve - budget))
+            if indices is not None:
+                seconds = sum(costs[allowed[k].name][2] + price * costs[allowed[k].name][4] for k in indices)
+                if found is None or seconds < found[0]:
+                    found = (seconds, [allowed[k] for k in indices])
+    if found is not None:
+        return _placement_of(profile, batch, budget, found[1], costs, tflops, True)
+    choices = [max(options, key=lambda o: costs[o.name][0])] * profile.num_layers
+    return _placement_of(profile, batch, budget, choices, costs, tflops, False)
 
 
 def _placement_of(profile, batch, budget, choices, costs, tflops, feasible=True):
@@ -932,10 +943,11 @@ def _toward(profile, batch, budget, over, options, costs, tflops, host_budget):
     while moved > host_budget:
         # With the choices as they are: S_i saved before layer i, layer i's own peak, the peaks before / after it.
         saved, own = [0] * (layers + 1), [0] * layers
+        reserve = max(costs[choice.name][5] for choice in choices)  # held bytes: on the head and every backward
         for i, choice in enumerate(choices):
-            own[i] = max(forward[i] - saved[i], backward[i] - saved[i] + costs[choice.name][1])
+            own[i] = max(forward[i] - saved[i], backward[i] - saved[i] + costs[choice.name][1] + reserve)
             saved[i + 1] = saved[i] + costs[choice.name][0]
-        before, after = [max(embed, tail)] * (layers + 1), [head - saved[layers]] * (layers + 1)
+        before, after = [max(embed, tail)] * (layers + 1), [head - saved[layers] + reserve] * (layers + 1)
         for i in range(layers):
             before[i + 1] = max(before[i], own[i])
             after[layers - 1 - i] = max(after[layers - i], own[layers - 1 - i])
@@ -946,8 +958,8 @@ def _toward(profile, batch, budget, over, options, costs, tflops, host_budget):
                 if freed <= 0:
                     continue
                 gained = costs[option.name][0] - costs[mine.name][0]  # saved bytes every later peak gains
-                peak = max(before[i], forward[i] - saved[i], backward[i] - saved[i] + costs[option.name][1],
-                           after[i + 1] - gained)
+                peak = max(before[i], forward[i] - saved[i], backward[i] - saved[i] + costs[option.name][1] + reserve,
+                           after[i + 1] - gained) + max(0, costs[option.name][5] - reserve)
                 if peak > budget:
                     continue
                 cost = (costs[option.name][2] - costs[mine.name][2]) / freed
@@ -966,10 +978,11 @@ def predict_peak(profile, batch, choices, costs=None, **cost_args):
         costs = _option_costs(profile, batch, set(choices), tflops=cost_args.get("tflops", 400.0),
                               pcie_gbps=cost_args.get("pcie_gbps", 25.0))
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
+    reserve = max((costs[choice.name][5] for choice in choices), default=0)
     peak, saved = max(embed, tail), 0
     for i, choice in enumerate(choices):
         saving, extra = costs[choice.name][:2]
-        peak = max(peak, forward[i] - saved, backward[i] - saved + extra)
+        peak = max(peak, forward[i] - saved, backward[i] - saved + extra + reserve)
         saved += saving
-    return int(max(peak, head - saved))
+    return int(max(peak, head - saved + reserve))
 
