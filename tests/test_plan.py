@@ -843,6 +843,21 @@ def test_host_budget_is_bridged_between_the_prices_edges():
     assert previous == unbounded.added_seconds
 
 
+def test_a_placement_within_a_slack_of_less_than_one_percent_is_found():
+    """Llama-3-8B at 411,648 tokens, 70.04 GiB for activations and 116.8 GiB of host memory per GPU (8 x 80 GB, ZeRO-3
+    with optimizer offload, 1 TB): keeping every layer's checkpoint on the host fits with 0.6 GB to spare and moves
+    about 100 GB. A DP over savings rounded to 1/4,096 of the largest need (a 320 MB quantum) never offered it, and
+    no placement within the host budget was found, where one was at 410,624 and 414,720 tokens."""
+    from memkernels.planning import placement
+    profile = placement.measure_profile(ModelSource("llama-3-8b"), 411648, torch.bfloat16, kernels=True, offload=True,
+                                        batches=(1,))
+    budget, host = int(70.04 * 2**30), int(116.8 * 2**30)
+    every_checkpoint = [placement.OPTION_BY_NAME["offload checkpoint"]] * profile.num_layers
+    assert budget - (1 << 30) < placement.predict_peak(profile, 1, every_checkpoint) <= budget
+    found = placement.solve(profile, 1, budget, offload=True, host_budget=host)
+    assert found.fits and found.offload_bytes <= host and found.predicted_peak <= budget
+
+
 def test_solve_enough_answers_whether_any_placement_does_with_fewer_dp_runs(monkeypatch):
     """solve(enough=...): a search's question (does any placement fit the GPU and the host within a cap?) gets the
     answer the cheapest placement gives, from fewer DP runs; where nothing fits at price 0 (no price can make it
