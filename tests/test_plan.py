@@ -750,7 +750,7 @@ def _synthetic_profile(rng, num_layers, names):
                         resident=per_batch(lambda: rng.randint(0, 100)), savings=per_batch(lambda: per_option(0, 800)),
                         extra=per_batch(lambda: per_option(0, 300)), recompute=per_option(1, 10 ** 12),
                         keep_flops=10 ** 12, step_flops=10 ** 13, parts=("attn", "mlp"),
-                        moved=per_batch(lambda: per_option(0, 0)))
+                        moved=per_batch(lambda: per_option(0, 0)), held=per_batch(lambda: per_option(0, 0)))
 
 
 def test_the_placement_dp_is_the_cheapest_of_every_placement_that_fits():
@@ -878,7 +878,7 @@ def test_solve_enough_answers_whether_any_placement_does_with_fewer_dp_runs(monk
             runs.clear()
             quick = placement.solve(profile, 1, budget, offload=True, host_budget=host,
                                     enough=lambda p, cap=cap_seconds: p.added_seconds <= cap)
-            answer = cheapest.fits and cheapest.added_seconds <= cap_seconds
+            answer = cheapest.fits and cheapest.offload_bytes <= host and cheapest.added_seconds <= cap_seconds
             assert (quick.fits and quick.offload_bytes <= host and quick.added_seconds <= cap_seconds) == answer
             assert len(runs) <= full_runs
             answers.add(answer)

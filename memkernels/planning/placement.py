@@ -413,17 +413,6 @@ def _metered_step(model, ids):
     return timeline
 
 
-def _step_flops(model, ids):
-    """FLOPs of one training step of ``model`` on meta ``ids`` (forward + backward, layers' recompute and a
-    modelled fused loss's included), counted by :class:`_FlopTally`."""
-    from memkernels.runtime.ledger import meta_forward
-    _MODELLED_HEAD.update(step=0, recompute=0, figures=None)
-    with meta_forward(model), torch.enable_grad(), _FlopTally() as tally:
-        args, kwargs = lm_inputs(model, ids)
-        _loss_of(model(*args, **kwargs)).backward()
-    return tally.flops + _MODELLED_HEAD["step"]
-
-
 @dataclasses.dataclass
 class LayerProfile:
     """What :func:`measure_profile` measured, per micro-batch of 1 and 2 (affine in between and beyond; micro-batch 1
@@ -491,9 +480,8 @@ class LayerProfile:
 
     def figures(self, batch):
         """(segments, R, savings, extra, moved, held) at micro-batch ``batch`` for the full depth."""
-        held = self._at(self.held, batch) if self.held else {}  # none held: a profile built by hand
         return tuple(self._at(table, batch) for table in (self.segments, self.resident, self.savings, self.extra,
-                                                           self.moved)) + (held,)
+                                                           self.moved, self.held))
 
     @property
     def probe(self):
@@ -721,8 +709,8 @@ def _measure_flops(profile, source, dtype, backend="triton"):
     depth = profile.depth
     if depth > 1:
         one = torch.empty(1, profile.seq, dtype=torch.long, device="meta")
-        per_layer = profile.keep_flops - _step_flops(_build(source, depth - 1, dtype, profile.kernels,
-                                                            backend=backend)[0], one)
+        per_layer = profile.keep_flops - _metered_step(_build(source, depth - 1, dtype, profile.kernels,
+                                                              backend=backend)[0], one).flops
     else:
         per_layer = profile.keep_flops
     profile.step_flops = profile.keep_flops + (source.num_layers - depth) * per_layer
@@ -820,7 +808,7 @@ def _option_costs(profile, batch, options, *, tflops, pcie_gbps):
             transfer = moved[option.name] / (pcie_gbps * 1e9)
             seconds += max(0.0, transfer - layer_seconds) + max(0.0, transfer - 2 * layer_seconds)
         out[option.name] = (max(0, savings[option.name]), extra[option.name], seconds, recompute_flops,
-                            moved[option.name], held.get(option.name, 0))
+                            moved[option.name], held[option.name])
     return out
 
 
@@ -862,7 +850,7 @@ def solve(profile, batch, budget, *, offload=False, tflops=400.0, pcie_gbps=25.0
     # log10 of the price in seconds per byte moved: from 1e-16 (a GB's copy priced at 0.1 us, nothing) to 1e-6 (a
     # MB's at a second, more than any recompute); 12 halvings: the price within 0.6%
     low, high = -16.0, -6.0
-    over = placement  # the cheapest fitting placement over the host budget seen
+    over = placement  # the fitting placement over the host budget at the highest price tried: the least moving
     for _ in range(12):
         middle = (low + high) / 2
         trial = _placement(profile, batch, budget, options, costs, tflops, price=10.0 ** middle)
@@ -895,6 +883,7 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
     have (mostly 0 and one more): the options holding at most that much, it added to the head's and every
     backward's peak; the cheapest of those that fit."""
     embed, tail, head, forward, backward = profile.layer_peaks(batch)
+    priced = {o.name: costs[o.name][2] + price * costs[o.name][4] for o in options}
     found = None
     if max(embed, tail) <= budget:
         for reserve in sorted({costs[o.name][5] for o in options}):
@@ -903,10 +892,9 @@ def _placement(profile, batch, budget, options, costs, tflops, price):
             needs = [max(0, max(forward[i], backward[i] + costs[o.name][1] + reserve) - budget)
                      for i in range(profile.num_layers) for o in allowed]
             indices = _dp.cheapest_placement(needs, [costs[o.name][0] for o in allowed],
-                                             [costs[o.name][2] + price * costs[o.name][4] for o in allowed],
-                                             max(0, head + reserve - budget))
+                                             [priced[o.name] for o in allowed], max(0, head + reserve - budget))
             if indices is not None:
-                seconds = sum(costs[allowed[k].name][2] + price * costs[allowed[k].name][4] for k in indices)
+                seconds = sum(priced[allowed[k].name] for k in indices)
                 if found is None or seconds < found[0]:
                     found = (seconds, [allowed[k] for k in indices])
     if found is not None:
