@@ -16,8 +16,9 @@ targets, and for each loop that makes more than 1.25x PyTorch's device allocatio
 (:func:`memkernels.forensics.replay.device_allocation_causes`). Last, every periodic loop (each trace
 repeated as one step of a loop, the fixed-scale synthetic loops, the capacity loop's 8-step
 triangle wave repeated): device allocations / frees per step from step 3 on, memkernels' pool
-beside PyTorch's model (:func:`memkernels.forensics.replay.replay_periodic`), and issue 33's target:
-none from step 3 on (a cudaMalloc inside a step costs that step).
+(told where each step ends, as ``install()``'s optimizer hook does) beside PyTorch's model
+(:func:`memkernels.forensics.replay.replay_periodic`), and issue 33's target: none from step 3 on
+(a cudaMalloc inside a step costs that step).
 
     python benchmarks/bench_allocator.py --no-traces --seeds 3-8   (held-out seeds of the loops)
 """

@@ -297,6 +297,99 @@ def test_release_before_growth_releases_only_what_the_growth_needs():
     pool.check_invariants()
 
 
+# ---------------------------------------------------------------------- repeating loops (end_step)
+
+
+def _churning_step(pool):
+    """One step that rules 2 and 3 make churn: a 40 MiB temporary, then a 200 MiB one. Without
+    end_step every step after the first allocates and releases both segments: the 200 MiB idle
+    segment may not serve 40 MiB (rule 3: over 4x), so 40 MiB grows the pool past its mark and
+    rule 2 releases the idle 200; then 200 MiB grows it again and rule 2 releases the idle 40."""
+    pool.free(pool.malloc(40 * MiB))
+    pool.free(pool.malloc(200 * MiB))
+
+
+def _per_step(pool, steps, step, mark):
+    counts, last = [], (0, 0)
+    for _ in range(steps):
+        step(pool)
+        if mark:
+            pool.end_step()
+        stats = pool.stats()
+        now = stats["num_device_alloc"], stats["num_device_free"]
+        counts.append((now[0] - last[0], now[1] - last[1]))
+        last = now
+    return counts
+
+
+def test_a_step_that_repeats_the_last_makes_the_next_run_without_device_allocations():
+    pool, _ = make_pool()
+    assert _per_step(pool, 6, _churning_step, mark=False)[2:] == [(2, 2)] * 4  # the churn end_step ends
+    pool, _ = make_pool()
+    counts = _per_step(pool, 6, _churning_step, mark=True)
+    assert counts[2:] == [(0, 0)] * 4, counts  # step 2 repeated step 1: from step 3 on, from the cache
+    stats = pool.stats()
+    assert stats["num_steps"] == 6 and stats["num_repeated_steps"] == 5 and stats["repeating_loop"]
+    # rule 3 yields: the 40 MiB temporary is carved from the idle 200 MiB segment, freed before 200 MiB comes
+    assert [s["total_size"] for s in pool.segments()] == [200 * MiB]
+    pool.check_invariants()
+
+
+def test_steps_that_differ_keep_the_peak_lowering_rules():
+    """Another batch shape every step: end_step changes nothing (the same device calls, the same peak)."""
+    def varying(seed):
+        sizes = iter([(5 + 7 * ((seed * 31 + i * 17) % 11)) * MiB + i * 4096 for i in range(1000)])
+
+        def step(pool):
+            held = [pool.malloc(next(sizes)) for _ in range(6)]
+            for address in held:
+                pool.free(address)
+        return step
+
+    for seed in range(3):
+        runs = []
+        for mark in (False, True):
+            pool, _ = make_pool()
+            counts = _per_step(pool, 8, varying(seed), mark)
+            runs.append((counts, pool.stats()["reserved_bytes"]["peak"]))
+        assert runs[0] == runs[1]
+        assert pool.stats()["num_steps"] == 8 and pool.stats()["num_repeated_steps"] == 0
+
+
+def test_the_repeating_rules_end_at_the_first_request_that_differs():
+    pool, _ = make_pool()
+    for _ in range(2):
+        pool.free(pool.malloc(3 * MiB))
+        pool.free(pool.malloc(5 * MiB))
+        pool.end_step()
+    assert pool.stats()["repeating_loop"]  # step 2 repeated step 1
+    pool.free(pool.malloc(3 * MiB))
+    assert pool.stats()["repeating_loop"]
+    pool.free(pool.malloc(7 * MiB))  # not in the last step after 3 MiB: the rules are back on
+    assert not pool.stats()["repeating_loop"]
+    pool.free(pool.malloc(5 * MiB))  # and stay on until the step ends
+    assert not pool.stats()["repeating_loop"]
+    pool.end_step()
+    pool.end_step()  # nothing allocated since: not a step (a second optimizer's hook)
+    stats = pool.stats()
+    assert stats["num_steps"] == 3 and stats["num_repeated_steps"] == 1 and stats["repeating_loop"]
+
+
+def test_a_step_may_skip_what_the_last_one_allocated_once():
+    """Step 1 also allocates what stays (parameters, optimizer state): the next step repeats it when
+    its requests appear in step 1's in order, whatever step 1 allocated between them."""
+    pool, _ = make_pool()
+    params = [pool.malloc(n * MiB) for n in (9, 11)]
+    pool.free(pool.malloc(3 * MiB))
+    params.append(pool.malloc(13 * MiB))
+    pool.free(pool.malloc(5 * MiB))
+    pool.end_step()
+    pool.free(pool.malloc(3 * MiB))
+    pool.free(pool.malloc(5 * MiB))
+    pool.end_step()
+    assert pool.stats()["num_repeated_steps"] == 1 and pool.stats()["repeating_loop"]
+
+
 def _events_trace(steps):
     """A one-device trace from ("alloc", name, bytes) / ("free", name) steps (stream 0)."""
     events, addresses = [], {}
@@ -712,21 +805,10 @@ def test_cli_reports_a_missing_trace():
 # ---------------------------------------------------------------------- periodic loops (issue 33)
 
 # What a step costs is a cudaMalloc inside it: once a loop repeats, the pool should serve every
-# step from its cache. Where it does not yet, why (docs/allocator.md, "Periodic loops"): the oversize
-# rule (3) sends requests to new segments while larger free blocks sit idle, and the release before
-# growth (rule 2) then gives back segments a later step needs again.
-PERIODIC_CHURN = {
-    "capacity #1": "rules 3 and 2 cycle: 5 device allocations and 5 frees every period",
-    "capacity #2": "rules 3 and 2: device allocations and frees in periods 3-6 before the cache settles",
-    "tinyllama_lora_step.pickle": "rules 3 and 2: device allocations in steps 3-5 before the cache settles",
-    "transformer_lm_step.pickle": "rule 3: a device allocation in step 3 before the cache settles",
-}
+# step from its cache. replay_periodic ends each step with end_step(), as install()'s optimizer hook
+# does; without it rules 2 and 3 cycle (docs/allocator.md, "Periodic loops": capacity #1 made 5
+# device allocations and 5 frees every period for good).
 PERIODIC_STEPS = 6
-
-
-def _periodic(name):
-    return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=PERIODIC_CHURN[name])) \
-        if name in PERIODIC_CHURN else name
 
 
 def test_periodic_ops_repeat_what_the_trace_frees_keep_what_persists_and_carry_outputs():
@@ -773,7 +855,7 @@ def test_replay_periodic_counts_device_allocations_and_frees_per_step():
     assert expandable["memkernels"]["device_allocs"][0] > 0  # page mappings
 
 
-@pytest.mark.parametrize("name", [_periodic(f"{kind} #{seed}") for kind in ("fixed", "capacity") for seed in range(3)])
+@pytest.mark.parametrize("name", [f"{kind} #{seed}" for kind in ("fixed", "capacity") for seed in range(3)])
 def test_the_pool_makes_no_device_allocations_from_step_3_on_in_periodic_synthetic_loops(name):
     bench = load_benchmark("bench_allocator")
     (loop,) = [loop for loop in bench.periodic_loops([], range(3)) if loop[0] == name]
@@ -786,7 +868,7 @@ def test_the_pool_makes_no_device_allocations_from_step_3_on_in_periodic_synthet
 
 
 @needs_traces
-@pytest.mark.parametrize("name", [_periodic(name) for name in TRACES])
+@pytest.mark.parametrize("name", TRACES)
 def test_the_pool_makes_no_device_allocations_from_step_3_on_in_a_repeated_trace(name):
     result = trace_replay.replay_periodic(os.path.join(TRACE_DIR, name), steps=PERIODIC_STEPS)["memkernels"]
     late = result["device_allocs"][2:], result["device_frees"][2:]

@@ -22,7 +22,10 @@ def process_state(monkeypatch):
     monkeypatch.setattr(allocator, "_plugin", allocator._plugin)
     monkeypatch.setattr(torch.Tensor, "record_stream", torch.Tensor.record_stream)
     monkeypatch.delenv(allocator.NCCL_AVOID_RECORD_STREAMS, raising=False)
+    monkeypatch.setattr(allocator, "_step_hook", None)
     yield
+    if allocator._step_hook is not None:  # the optimizer hook this test's install() registered
+        allocator._step_hook.remove()
     _C.forget_torch_out_of_memory_error()
 
 
@@ -69,6 +72,30 @@ def test_install_with_expandable_segments(monkeypatch):
     assert _C.installed_device_pool() is not None
     with pytest.raises(TypeError, match="unknown allocator option"):
         allocator.install(expandable_segment=True)
+
+
+def test_install_ends_a_pool_step_at_every_optimizer_step(monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(torch.cuda.memory, "CUDAPluggableAllocator", lambda *names: names)
+    monkeypatch.setattr(torch.cuda.memory, "change_current_allocator", lambda a: None)
+    ended = []
+    monkeypatch.setattr(allocator, "end_step", lambda: ended.append(True))
+    parameter = torch.nn.Parameter(torch.ones(2))
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    allocator.install()
+    allocator.install()  # installed twice: still one hook
+    parameter.grad = torch.ones(2)
+    optimizer.step()
+    optimizer.step()
+    assert len(ended) == 2
+    allocator._step_hook.remove()
+    allocator._step_hook = None
+    allocator.install(mark_steps=False)
+    optimizer.step()
+    assert len(ended) == 2 and allocator._step_hook is None
+    with pytest.raises(ValueError, match="mark_steps must be True or False"):
+        allocator.install(mark_steps="yes")
 
 
 # ---------------------------------------------------------------- under install(), with the simulated device
@@ -195,3 +222,18 @@ def test_install_warns_where_record_stream_is_still_relied_on(installed, monkeyp
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     with pytest.warns(RuntimeWarning, match="process group already exists"):
         allocator.install()
+
+
+def test_an_optimizer_step_ends_the_step_of_every_device_the_pool_serves(installed):
+    allocator.install()
+    parameter = torch.nn.Parameter(torch.ones(2))
+    parameter.grad = torch.ones(2)
+    optimizer = torch.optim.SGD([parameter], lr=0.1)
+    for _ in range(2):
+        for device in (0, 1):
+            installed.free(installed.alloc_torch(3 * MiB, device, None), 3 * MiB, device, None)
+        optimizer.step()
+    pool = _C.installed_device_pool()
+    for device in (0, 1):  # the second step repeated the first on both devices
+        stats = pool.stats(device)
+        assert (stats["num_steps"], stats["num_repeated_steps"], stats["repeating_loop"]) == (2, 1, True)

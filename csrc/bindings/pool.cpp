@@ -60,6 +60,9 @@ py::dict device_stats_dict(const DeviceStats& s) {
   d["num_ooms"] = s.num_ooms;
   d["num_early_releases"] = s.num_early_releases;
   d["num_gc_releases"] = s.num_gc_releases;
+  d["num_steps"] = s.num_steps;
+  d["num_repeated_steps"] = s.num_repeated_steps;
+  d["repeating_loop"] = s.repeating_loop;
   d["fragmentation"] = s.fragmentation();
   d["external_fragmentation"] = s.external_fragmentation();
   d["free_bytes"] = s.free_bytes;
@@ -223,6 +226,9 @@ void bind_pool(py::module_& m) {
       .def(
           "reset_peak_stats", [](Allocator& a, int device) { a.pool(device).reset_peak_stats(); },
           py::arg("device") = 0)
+      .def(
+          "end_step", [](Allocator& a, int device) { a.pool(device).end_step(); }, py::arg("device") = 0, Guard(),
+          "The loop ended a step (a training loop: the optimizer's step); see docs/allocator.md, \"Repeating loops\".")
       .def(
           "stats", [](Allocator& a, int device) { return device_stats_dict(a.pool(device).stats()); },
           py::arg("device") = 0)

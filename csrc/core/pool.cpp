@@ -177,9 +177,19 @@ Block* DevicePool::find_free(PoolKind pool, StreamId stream, std::size_t rounded
       for (auto next = std::next(it); next != set.end() && growable(*next) < growable(*it); ++next) it = next;
     if (it != set.end() && (*it)->size <= largest && (best == nullptr || BySizeAddr{}(*it, best))) best = *it;
   };
-  for (auto& entry : free_[int(pool)].by_stream)
-    if (entry.first == stream) consider(entry.second);
-  if (events_ != nullptr) consider(free_[int(pool)].any);
+  auto consider_all = [&] {
+    for (auto& entry : free_[int(pool)].by_stream)
+      if (entry.first == stream) consider(entry.second);
+    if (events_ != nullptr) consider(free_[int(pool)].any);
+  };
+  consider_all();
+  // In a repeating loop the oversize rule yields rather than ask for a new segment: the request
+  // then carves the large block the same way every step, where a new segment would be released
+  // and allocated again (see "Repeating loops").
+  if (best == nullptr && repeating_ && largest != SIZE_MAX) {
+    largest = SIZE_MAX;
+    consider_all();
+  }
   return best;
 }
 
@@ -301,8 +311,9 @@ Block* DevicePool::new_segment_block(PoolKind pool, StreamId stream, std::size_t
                                   policy.segment_granularity;
   std::int64_t reserved = stats_.total.reserved_bytes.current;
 
-  // Release idle whole segments rather than raise the reserved high-water mark.
-  if (policy.release_before_growth >= 0.0 && reserved + std::int64_t(preferred) > high_water_) {
+  // Release idle whole segments rather than raise the reserved high-water mark (not in a
+  // repeating loop: the loop needs them again within the step).
+  if (policy.release_before_growth >= 0.0 && !repeating_ && reserved + std::int64_t(preferred) > high_water_) {
     std::size_t idle = idle_bytes_;
     if (idle > 0 && double(idle) >= policy.release_before_growth * double(reserved + std::int64_t(preferred))) {
       double excess = double(reserved + std::int64_t(preferred) - high_water_) * kReleaseHeadroom;
@@ -355,7 +366,7 @@ void DevicePool::fail_oom(std::size_t requested, StreamId stream, std::size_t se
 Block* DevicePool::grow_block(PoolKind pool, StreamId stream, std::size_t rounded, std::size_t requested) {
   auto reserved = [&] { return std::size_t(stats_.total.reserved_bytes.current); };
   GrowthPlan plan = plan_growth(pool, stream, rounded);
-  if (config_.policy.release_before_growth >= 0.0 && reserved() + plan.bytes > std::size_t(high_water_) &&
+  if (config_.policy.release_before_growth >= 0.0 && !repeating_ && reserved() + plan.bytes > std::size_t(high_water_) &&
       unmap_free_pages(reserved() + plan.bytes - std::size_t(high_water_), plan.joins) > 0) {
     ++stats_.num_early_releases;
     plan = plan_growth(pool, stream, rounded);
@@ -613,6 +624,32 @@ std::string DevicePool::oom_message(std::size_t requested, std::size_t segment_b
   return text;
 }
 
+// ---------------------------------------------------------------- repeating loops
+//
+// Rules 2 and 3 (policy.hpp) lower the peak while a run's peak is still being found. In a loop
+// whose steps repeat, they only trade device allocations for nothing: rule 3 sends a request to
+// a new segment while a larger free block idles, rule 2 releases idle segments at the high-water
+// mark, and the next step allocates them again (docs/allocator.md, "Periodic loops"). So the pool
+// is told where steps end (end_step: the optimizer's step, or the caller), and while a step
+// repeats the one before it, it runs as a repeating loop: rule 2 releases nothing and rule 3
+// yields to any free block that fits rather than grow. "Repeats" is checked as the step goes:
+// its request sizes so far must appear in the last step's, in order (a subsequence: step 1 also
+// allocated the parameters). The first request that does not (another batch shape) switches the
+// rules back on until the step ends, so loops whose shapes change run as without end_step. A
+// step longer than kStepRecordLimit requests is compared up to that many. Out of memory, the
+// memory cap and the GC threshold still release as always.
+
+void DevicePool::end_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (this_step_requests_.empty()) return;  // nothing allocated since the last call (a second optimizer)
+  stats_.num_repeated_steps += repeating_;
+  ++stats_.num_steps;
+  last_step_requests_.swap(this_step_requests_);
+  this_step_requests_.clear();
+  match_from_ = 0;
+  repeating_ = true;  // until a request shows otherwise
+}
+
 // ---------------------------------------------------------------- malloc / free
 
 std::uintptr_t DevicePool::malloc(std::size_t bytes, StreamId stream) {
@@ -625,6 +662,13 @@ std::uintptr_t DevicePool::malloc(std::size_t bytes, StreamId stream) {
   }
   if (!queues_.empty()) process_events(false);
   note_stream(stream);
+  if (this_step_requests_.size() < kStepRecordLimit) this_step_requests_.push_back(bytes);
+  if (repeating_) {
+    auto begin = last_step_requests_.begin() + std::ptrdiff_t(match_from_);
+    auto found = std::find(begin, last_step_requests_.end(), bytes);
+    repeating_ = found != last_step_requests_.end();
+    match_from_ = std::size_t(found - last_step_requests_.begin()) + 1;
+  }
   const Policy& policy = config_.policy;
   std::size_t rounded = policy.round_size(bytes);
   PoolKind pool = policy.pool_for(rounded);
@@ -893,6 +937,7 @@ DeviceStats DevicePool::stats() {
 
 DeviceStats DevicePool::stats_locked() {
   DeviceStats s = stats_;
+  s.repeating_loop = repeating_;
   s.memory_cap = std::int64_t(cap_bytes());
   s.free_bytes = s.largest_free_block = 0;
   s.free_histogram.fill(0);

@@ -128,6 +128,9 @@ class DevicePool {
   void set_memory_cap(std::size_t bytes, double fraction);
   void set_trace_capacity(std::size_t entries);
   void reset_peak_stats();
+  // The caller's loop ended a step (a training loop: the optimizer's step). When a step repeats the
+  // one before it, the next step runs as a repeating loop; see pool.cpp, "Repeating loops".
+  void end_step();
 
   DeviceStats stats();
   std::vector<SegmentInfo> segments();
@@ -230,6 +233,11 @@ class DevicePool {
   DeviceStats stats_;
   std::size_t idle_bytes_ = 0;   // bytes in whole free segments that may be released
   std::int64_t high_water_ = 0;  // reserved-bytes peak, unaffected by reset_peak_stats
+  // Repeating loops (pool.cpp): the request sizes of the last step and of this one, in order.
+  static constexpr std::size_t kStepRecordLimit = std::size_t(1) << 19;
+  std::vector<std::size_t> last_step_requests_, this_step_requests_;
+  std::size_t match_from_ = 0;  // this step's requests so far are a subsequence of last_step_requests_[0, match_from_)
+  bool repeating_ = false;      // ... and this step runs under the repeating-loop rules
   std::uint64_t tick_ = 0;
   std::uint64_t event_seq_ = 0;
   TraceRing trace_;

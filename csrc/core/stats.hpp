@@ -52,6 +52,9 @@ struct DeviceStats {
   std::int64_t num_ooms = 0;
   std::int64_t num_early_releases = 0;  // segments released before the pool grew
   std::int64_t num_gc_releases = 0;     // segments released by the GC threshold
+  std::int64_t num_steps = 0;           // steps ended (DevicePool::end_step calls after an allocation)
+  std::int64_t num_repeated_steps = 0;  // of those, steps that repeated the one before throughout
+  bool repeating_loop = false;          // this step so far repeats the last: the repeating-loop rules hold
   // Derived when the snapshot of stats is taken:
   std::int64_t free_bytes = 0;          // cached free (inactive) bytes
   std::int64_t largest_free_block = 0;

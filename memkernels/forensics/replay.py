@@ -522,6 +522,8 @@ def replay_periodic(trace, *, steps=6, device=0, capacity=None, expandable_segme
     A device allocation inside a step is a ``cudaMalloc`` (a device synchronization) paid by that
     step, a device free a ``cudaFree``; once a loop repeats, a cache that keeps what the loop
     needs makes neither. With expandable segments the counts are page mappings and unmappings.
+    memkernels' pool is told where each step ends (``end_step``, as ``install()``'s optimizer hook
+    does), so from step 3 on it runs the loop under its repeating-loop rules (docs/allocator.md).
 
     Returns a dict: ``steps``, ``persistent`` and ``carried`` (see :func:`periodic_ops`),
     ``ideal_peak_bytes`` (peak live bytes of the loop) and, for ``"memkernels"`` and
@@ -589,6 +591,8 @@ def replay_periodic(trace, *, steps=6, device=0, capacity=None, expandable_segme
                     free(held[slot])
                     held[slot] = None
                     requested -= held_sizes[slot]
+            if name == "memkernels":
+                pool.end_step(device)  # the optimizer's step under install()
             after = counts()
             allocs.append(after[0] - before[0])
             frees.append(after[1] - before[1])

@@ -146,21 +146,25 @@ def format_memory_summary(stats, device=0):
 # ---------------------------------------------------------------------- the installed pool (PyTorch plug-in)
 
 _plugin = None  # the CUDAPluggableAllocator handed to torch: torch must never outlive its reference
+_step_hook = None  # the optimizer step hook that calls end_step(), registered once per process
 
 
-def install(**config):
+def install(*, mark_steps=True, **config):
     """Make memkernels' pool PyTorch's CUDA allocator (CUDAPluggableAllocator + change_current_allocator).
 
     Must run before the first CUDA allocation of the process. ``**config``: pool options, as for
     :func:`replay` (e.g. ``memory_cap_fraction=0.9``, ``gc_threshold=0.8``,
     ``trace_capacity=100_000``, ``expandable_segments=True`` for segments that grow by mapping
     pages through the driver's virtual-memory API; off by default, see docs/allocator.md).
+    ``mark_steps``: every optimizer step ends a step of the pool's loop (:func:`end_step`, through
+    torch's global optimizer step hook), so a loop whose steps repeat makes no ``cudaMalloc`` after
+    its first two steps (default True; False: call :func:`end_step` yourself, or never).
     Returns the installed ``memkernels._C.Pool``.
 
     Untested on a GPU (none was available): everything up to handing the entry points to torch
     is tested on the simulated device; the torch calls themselves are thin.
     """
-    global _plugin
+    global _plugin, _step_hook
     import torch
 
     if torch.version.cuda is None:
@@ -175,8 +179,14 @@ def install(**config):
             "initialized in this process, so PyTorch's own allocator may hold memory. Call install() at the "
             "start of the program, before creating any CUDA tensor."
         )
+    if not isinstance(mark_steps, bool):
+        raise ValueError(f"mark_steps must be True or False, got {mark_steps!r}")
     C = core()
     pool = C.install_device_pool(pool_config(**config))
+    if mark_steps and _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: end_step())
     _raise_torch_out_of_memory_error(torch)
     _avoid_record_stream(torch)
     plugin = torch.cuda.memory.CUDAPluggableAllocator(C.__file__, C.DEVICE_POOL_ALLOC_SYMBOL, C.DEVICE_POOL_FREE_SYMBOL)
@@ -476,6 +486,21 @@ def empty_cache():
     pool = installed_pool()
     for device in pool.devices():
         pool.empty_cache(device)
+
+
+def end_step():
+    """A step of the training loop ended: tell the installed pool (every device it serves).
+
+    ``install()`` calls it on every optimizer step. A step whose requests repeat the step before
+    it makes the pool serve the next one as a repeating loop: nothing is released before the pool
+    grows, and a request takes any free block that fits rather than a new segment, so after its
+    first two steps such a loop makes no ``cudaMalloc`` or ``cudaFree`` (docs/allocator.md,
+    "Repeating loops"). A step that differs (another batch shape) keeps the peak-lowering rules.
+    Call it yourself where a step ends without an optimizer step, or after ``install(mark_steps=False)``.
+    """
+    pool = installed_pool()
+    for device in pool.devices():
+        pool.end_step(device)
 
 
 def reset_peak_stats(device=None):
