@@ -20,6 +20,7 @@ from conftest import SIM_SYNC_TIMEOUT_S
 from torch.utils.checkpoint import checkpoint
 
 import memkernels
+import memkernels.runtime.offload as offload_runtime
 from memkernels import device
 from memkernels.device import sim
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
@@ -839,12 +840,15 @@ def test_offloaded_checkpoints_move_only_the_region_inputs_and_match_bitwise(off
     assert stats["kept_by_reason"]["not_checkpoint_input"] > 0  # the embedding's, the head's, the loss's saves
 
 
-def test_offloaded_checkpoints_prefetch_one_region_ahead(offload):
-    layers = 5
+@pytest.mark.parametrize("prefetch_bytes", [1, "auto"])
+def test_offloaded_checkpoints_prefetch_one_region_ahead(offload, monkeypatch, prefetch_bytes):
+    monkeypatch.setattr(offload_runtime, "_AUTO_PREFETCH_FLOOR", 1 << 10)  # under one region's input
+    layers, region_input = 5, 4 * 16 * 32 * 4
     model, batch = CheckpointedGPT(False, layers=layers), make_batch()
     expected = train(model, [batch])
-    # A window smaller than one region's input still restores the next one ahead of its recompute.
-    manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0, prefetch_bytes=1)
+    # A window smaller than one region's input still restores the next one ahead of its recompute; "auto"'s is
+    # one region's input, not every region's (the block is the whole forward).
+    manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0, prefetch_bytes=prefetch_bytes)
     model = copy.deepcopy(model)
     with manager:
         loss = model(*batch)
@@ -854,6 +858,7 @@ def test_offloaded_checkpoints_prefetch_one_region_ahead(offload):
     stats = manager.stats()
     assert stats["storages_offloaded"] == layers - 1
     assert stats["prefetch_hits"] == layers - 1 and stats["restores_on_demand"] == 0
+    assert stats["prefetch_window_bytes"] == (1 if prefetch_bytes == 1 else region_input)
 
 
 def test_offloaded_checkpoints_under_hugging_face_gradient_checkpointing(offload):
@@ -1019,6 +1024,175 @@ def test_prefetch_continues_into_the_blocks_entered_before(offload):
     assert stats["prefetch_hits"] == stats["storages_offloaded"] - 1
 
 
+class SavesBoth(torch.autograd.Function):
+    """x * y, saving both; backward unpacks them in pack order (x first), as autograd's own nodes do."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        ctx.save_for_backward(x, y)
+        return x * y
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y = ctx.saved_tensors
+        return grad * y, grad * x
+
+
+class TwoSavesLayer(nn.Module):
+    """Saves its input (the Linear), two activations read by one node in pack order, and the input of its last
+    op (sin), each storage once: a prefetch window of one tensor restores the first of the two on demand."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+
+    def forward(self, h):
+        a = self.linear(h)
+        return SavesBoth.apply(a * 2, a + 1).sin()  # the scalar ops save nothing
+
+
+class LayerStack(nn.Module):
+    def __init__(self, layers=4, dim=64):
+        super().__init__()
+        self.layers = nn.ModuleList(TwoSavesLayer(dim) for _ in range(layers))
+
+    def forward(self, x, per_layer_context=None):
+        for layer in self.layers:
+            with per_layer_context if per_layer_context is not None else contextlib.nullcontext():
+                x = layer(x)
+        return x.pow(2).mean()
+
+
+def test_auto_prefetch_window_restores_the_previous_block_whole(offload, monkeypatch):
+    """Blocks (one per layer) whose offloaded bytes exceed a fixed window: "auto" makes the window the largest
+    block's, so each block's restores are all prefetch hits; the fixed window restores one tensor of each block
+    on demand. The floor is lowered to a KiB so that 128 KiB blocks stand for the 128 MiB-plus of a real layer."""
+    monkeypatch.setattr(offload_runtime, "_AUTO_PREFETCH_FLOOR", 1 << 10)
+    layers, tensor = 4, 128 * 64 * 4
+    model, x = LayerStack(layers), torch.randn(128, 64, requires_grad=True)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+
+    def run(prefetch_bytes):
+        model.zero_grad()
+        manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None, prefetch_bytes=prefetch_bytes)
+        assert manager.stats()["prefetch_window_bytes"] == (1 << 10 if prefetch_bytes == "auto" else prefetch_bytes)
+        offloaded_per_block = []
+
+        class Block:
+            def __enter__(self):
+                self.before = manager.stats()["bytes_offloaded"]
+                manager.__enter__()
+
+            def __exit__(self, *exc):
+                manager.__exit__(*exc)
+                offloaded_per_block.append(manager.stats()["bytes_offloaded"] - self.before)
+
+        loss = model(x, Block())
+        settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
+        window = manager.stats()["prefetch_window_bytes"]  # before backward: this step's forward counts
+        loss.backward()
+        assert_bitwise_equal([expected], [[p.grad for p in model.parameters()]])
+        return manager.stats(), window, offloaded_per_block
+
+    stats, window, offloaded_per_block = run("auto")
+    # Layer 0's input is the leaf x (kept); every other block offloads its input, the two, and sin's input.
+    assert offloaded_per_block == [3 * tensor] + [4 * tensor] * (layers - 1)
+    assert window == max(offloaded_per_block) == stats["prefetch_window_bytes"]
+    assert stats["restores_on_demand"] == 1, "only backward's first restore waits for its copy"
+    assert stats["prefetch_hits"] == stats["storages_offloaded"] - 1 and stats["restores_from_device"] == 0
+
+    stats, window, _ = run(tensor)  # a fixed window of one tensor
+    assert window == tensor
+    assert stats["restores_on_demand"] == 1 + layers, "each block's first-packed of the two comes on demand"
+
+
+def test_auto_prefetch_window_in_a_whole_forward_block_is_one_layer(offload, monkeypatch):
+    """One block around the whole model (the usual `with offload: loss = model(x)`): the window is the largest
+    layer of its nn.ModuleList, not the block, so backward does not bring the whole step back at once."""
+    monkeypatch.setattr(offload_runtime, "_AUTO_PREFETCH_FLOOR", 1 << 10)
+    layers, tensor = 4, 128 * 64 * 4
+    model, x = LayerStack(layers), torch.randn(128, 64, requires_grad=True)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None)
+    with manager:
+        loss = model(x)
+    settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
+    # A layer offloads its input, the two and sin's input (layer 0: not its input, the leaf x); the last one
+    # runs to the block's end, the loss's input (pow) too.
+    assert manager.stats()["bytes_offloaded"] == 4 * layers * tensor
+    assert manager.stats()["prefetch_window_bytes"] == 5 * tensor
+    loss.backward()
+    assert_bitwise_equal([expected], [[p.grad for p in model.parameters()]])
+    stats = manager.stats()
+    assert stats["restores_on_demand"] == 1 and stats["prefetch_hits"] == stats["storages_offloaded"] - 1
+
+
+def test_auto_prefetch_window_counts_pinned_bytes_only(offload, monkeypatch):
+    """A pageable copy is restored on demand, never prefetched: it takes no room in the window."""
+    monkeypatch.setattr(offload_runtime, "_AUTO_PREFETCH_FLOOR", 1 << 10)
+    x = torch.randn(128 << 10, requires_grad=True)  # 512 KiB storages: a pinned slab each, two under the cap
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None, max_pinned_bytes=1 << 20)
+    with pytest.warns(RuntimeWarning, match="pageable"):
+        with manager:
+            loss = (x * 1).sin().sin().sin().sum()
+    stats = manager.stats()
+    assert stats["bytes_offloaded"] == 3 * (512 << 10) and stats["bytes_pageable"] == 512 << 10
+    assert stats["prefetch_window_bytes"] == 1 << 20
+    loss.backward()
+    assert torch.equal(x.grad, torch.autograd.grad((x * 1).sin().sin().sin().sum(), x)[0])
+
+
+def test_prefetch_bytes_takes_auto_or_a_nonnegative_int(offload):
+    for value in ("auto", 0, 1 << 20):
+        assert offload(prefetch_bytes=value).prefetch_bytes == value
+    assert offload().prefetch_bytes == "auto"
+    for value in ("fast", -1, None, 2.5, True):
+        with pytest.raises(ValueError, match=r"prefetch_bytes must be 'auto' or a non-negative int \(bytes\)"):
+            memkernels.OffloadActivations(prefetch_bytes=value)
+
+
+def test_unpack_of_a_tensor_still_copying_starts_the_restores_before_it(offload):
+    """A tensor whose device-to-host copy is still running is read on the device, without waiting for the
+    copy; that unpack also starts restoring the offloaded tensors before it, which come back as prefetch hits
+    rather than on demand."""
+    x = torch.randn(256, 256, requires_grad=True)
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None)
+    with manager:
+        h1 = x * 2
+        h2 = h1.sin()  # saves h1
+        settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)  # h1 is on the host
+        sim.hold_events(True)  # h2's copy stays in flight
+        loss = h2.cos().sum()  # saves h2
+    # Between cos's backward (it reads h2) and sin's (it reads h1): let the copies run.
+    h2.register_hook(lambda grad: sim.hold_events(False))
+    loss.backward()
+    assert torch.equal(x.grad, torch.autograd.grad((x * 2).sin().cos().sum(), x)[0])
+    stats = manager.stats()
+    assert stats["restores_from_device"] == 1
+    assert stats["prefetch_hits"] == 1 and stats["restores_on_demand"] == 0
+
+
+def test_unpack_reads_the_device_copy_still_held_after_its_copy_completed(offload):
+    """A device copy whose D2H copy completed since the manager last looked is still alive at the unpack:
+    it is read there, not dropped and copied back (a restore and a wait backward does not need)."""
+    x = torch.randn(256, 256, requires_grad=True)
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None)
+    sim.hold_events(True)  # no copy completes inside the block
+    with manager:
+        loss = (x * 2).sin().cos().sum()  # saves sin's input and cos's
+    sim.hold_events(False)
+    device.synchronize()  # the copies completed; the manager has not looked since
+    assert manager._pending, "the device copies are still held"
+    loss.backward()
+    assert torch.equal(x.grad, torch.autograd.grad((x * 2).sin().cos().sum(), x)[0])
+    stats = manager.stats()
+    assert stats["restores_from_device"] == 1, "cos's input, read where it was"
+    assert stats["prefetch_hits"] == 1 and stats["restores_on_demand"] == 0
+
+
 class CheckpointedTimedLayers(TimedLayers):
     """TimedLayers with every layer checkpointed: backward recomputes each layer's forward kernel (the
     kernel comes first in the region: checkpoint stops recomputing once it has every saved tensor)."""
@@ -1071,6 +1245,8 @@ def test_offloaded_checkpoints_cost_at_most_2_percent_over_recompute(offload):
     ({"min_offload_bytes": -1}, "min_offload_bytes"),
     ({"max_pinned_bytes": 1.5}, "max_pinned_bytes"),
     ({"prefetch_bytes": "1M"}, "prefetch_bytes"),
+    ({"prefetch_bytes": -1}, "prefetch_bytes"),
+    ({"prefetch_bytes": None}, "prefetch_bytes"),
     ({"offload_last_module": 1}, "offload_last_module"),
 ])
 def test_bad_arguments_name_themselves(kwargs, name):

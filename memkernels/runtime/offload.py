@@ -66,13 +66,18 @@ How a saved tensor is handled:
 * Unpacking is idempotent (``retain_graph=True``, double backward): the
   pinned copy lives as long as the autograd graph holds the saved tensor; a
   restored storage is shared while alive and restored again otherwise.
-* Prefetch: each unpack (of an offloaded tensor, or of one the budget kept)
-  also starts restoring the tensors packed just before the one unpacked, up
-  to ``prefetch_bytes`` in flight. It does not rely on
+* Prefetch: each unpack (of an offloaded tensor, or of one still on the
+  device) also starts restoring the tensors packed just before the one
+  unpacked, up to the prefetch window in flight: by default
+  (``prefetch_bytes="auto"``) the largest layer's offloaded bytes, so that
+  backward restores one layer ahead (see the class). It does not rely on
   backward unpacking in reverse pack order: whatever is unpacked without a
-  prefetch is restored on demand. A prefetched tensor is allocated on the
-  compute stream, which waits for its copy before using it, so the caching
-  allocator cannot hand the memory out while the copy still writes it.
+  prefetch is restored on demand. A tensor whose device copy is still alive
+  when it is unpacked (its device-to-host copy running, or done since the
+  last look) is read there: no copy back, no wait. A prefetched tensor is
+  allocated on the compute stream, which waits for its copy before using it,
+  so the caching allocator cannot hand the memory out while the copy still
+  writes it.
 * An exception inside the block discards everything the block offloaded:
   pinned blocks go back to the pool, handles are released, the copy streams
   are drained.
@@ -109,6 +114,10 @@ _KEEP_REASONS = ("parameter", "small", "other_device", "no_offload", "unsupporte
 # steady rate (a few ms on PCIe), small enough to cost nothing next to a training step.
 _BANDWIDTH_PROBE_BYTES = 64 << 20
 _measured_bandwidth = {}  # torch.device -> bytes per second, device to host
+
+# The smallest "auto" prefetch window: the fixed window "auto" replaced, so that prefetch never runs
+# shallower than it did (and about 0.2% of an 80 GB device).
+_AUTO_PREFETCH_FLOOR = 128 << 20
 
 # Forward times kept for the "auto" budget: the median of the last few blocks (a step slowed by a host
 # hiccup or a recompile does not shrink the budget for good).
@@ -162,6 +171,25 @@ def _positive_number(name, value, unit):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or value == float("inf"):
         raise ValueError(f"{name} must be a positive, finite number of {unit} or None (measured), got {value!r}")
     return float(value)
+
+
+def _layer_stack(module):
+    """The layers under `module`, for the "auto" prefetch window: the children of one class, at least two,
+    of an ``nn.ModuleList``, ``nn.Sequential`` or ``nn.ModuleDict`` (how models hold their layers), that
+    hold the most parameters among such groups (a model's layer stack holds more than any group inside one
+    of its layers, such as an MoE layer's experts). A WeakSet, empty when there is none."""
+    layers, most = (), 0
+    for container in module.modules():
+        if not isinstance(container, (torch.nn.ModuleList, torch.nn.Sequential, torch.nn.ModuleDict)):
+            continue
+        by_class = collections.defaultdict(list)
+        for child in container.children():
+            by_class[type(child)].append(child)
+        for children in by_class.values():
+            parameters = sum(p.numel() for child in children for p in child.parameters())
+            if len(children) >= 2 and parameters > most:
+                layers, most = children, parameters
+    return weakref.WeakSet(layers)
 
 
 def _storage_key(storage):
@@ -401,9 +429,23 @@ class OffloadActivations:
             the device); False keeps it on the device (counted as ``"cap"``).
             Never an error either way.
         prefetch_bytes: during backward, restore ahead of need at most this
-            many bytes that autograd has not asked for yet (default 128 MiB),
-            and always at least the next tensor, however large; 0 restores
-            every tensor on demand.
+            many bytes that autograd has not asked for yet, and always at
+            least the next tensor, however large. ``"auto"`` (default): the
+            largest layer's offloaded bytes seen so far (this step's forward
+            included), so that backward restores one layer ahead, never below
+            128 MiB. A layer is a block (one ``with``); in a block that calls a
+            model holding its layers in an ``nn.ModuleList``, ``nn.Sequential``
+            or ``nn.ModuleDict``, one of those (from its call to the next
+            one's: a block that is the whole forward would otherwise bring
+            the whole step's bytes back at backward's first unpack, and its
+            peak would be no lower than without offload); with
+            ``only_checkpoint_inputs``, one region's input. Only bytes copied
+            to pinned memory count: pageable copies are restored on demand,
+            never prefetched. The 128 MiB floor is the fixed window ``"auto"``
+            replaced: small layers are prefetched no less deep than before, for
+            about 0.2% of an 80 GB device. An int: that many bytes, fixed; 0
+            restores every tensor on demand. ``stats()["prefetch_window_bytes"]``
+            is the window in effect.
         offload_last_module: also offload what is saved after the last module
             call in the block began (default False: backward needs it first).
 
@@ -424,7 +466,7 @@ class OffloadActivations:
 
     def __init__(self, budget="auto", *, only_checkpoint_inputs=False, link_bandwidth=None, forward_seconds=None,
                  recast_parameters=True, min_offload_bytes=1 << 20, max_pinned_bytes=None, pageable_fallback=True,
-                 prefetch_bytes=128 << 20, offload_last_module=False):
+                 prefetch_bytes="auto", offload_last_module=False):
         if budget != "auto":
             _nonnegative_int("budget", budget, allow_none=True, expected="'auto', None or a non-negative int")
         self.budget = budget
@@ -441,7 +483,9 @@ class OffloadActivations:
         self.only_checkpoint_inputs = only_checkpoint_inputs
         self.min_offload_bytes = _nonnegative_int("min_offload_bytes", min_offload_bytes)
         self.max_pinned_bytes = _nonnegative_int("max_pinned_bytes", max_pinned_bytes, allow_none=True)
-        self.prefetch_bytes = _nonnegative_int("prefetch_bytes", prefetch_bytes)
+        if prefetch_bytes != "auto":
+            _nonnegative_int("prefetch_bytes", prefetch_bytes, expected="'auto' or a non-negative int")
+        self.prefetch_bytes = prefetch_bytes
         if not isinstance(offload_last_module, bool):
             raise ValueError(f"offload_last_module must be True or False, got {offload_last_module!r}")
         self.offload_last_module = offload_last_module
@@ -475,6 +519,8 @@ class OffloadActivations:
         self._block_budget = None   # bytes this block may still offload; None: no limit
         self._last_budget = None    # what the latest block started with
         self._last_bandwidth = None  # the link's bytes per second, once "auto" measured it
+        self._largest_layer_offload = 0  # pinned bytes of the largest layer so far: the "auto" prefetch window
+        self._layer_stacks = weakref.WeakKeyDictionary()  # module called -> _layer_stack(module)
 
     # ------------------------------------------------------------ public API
 
@@ -602,7 +648,10 @@ class OffloadActivations:
         ``budget_bytes`` (what the latest block could offload; None: no
         limit), ``forward_seconds`` (the forward time "auto" uses: given, or
         the median measured, None before the first), ``link_bandwidth``
-        (bytes/s: given, or measured once "auto" needed it; None before).
+        (bytes/s: given, or measured once "auto" needed it; None before);
+        ``prefetch_window_bytes`` (the prefetch window in effect: for
+        ``prefetch_bytes="auto"``, the largest layer's pinned bytes so far,
+        at least 128 MiB).
         """
         with self._lock:
             out = {"enabled": self.enabled, "mode": self._mode, **self._counts,
@@ -611,7 +660,8 @@ class OffloadActivations:
                    "forward_seconds": self.forward_seconds if self.forward_seconds is not None else (
                        statistics.median(self._forward_times) if self._forward_times else None),
                    "link_bandwidth": self.link_bandwidth if self.link_bandwidth is not None else (
-                       self._last_bandwidth)}
+                       self._last_bandwidth),
+                   "prefetch_window_bytes": self._prefetch_window()}
             if self._engine is not None and not self._engine.closed:
                 self._drain()
                 self._final_engine_stats = self._engine.stats()
@@ -722,6 +772,8 @@ class OffloadActivations:
         self._modules_called = False
         self._checkpoint_inputs_seen = False
         self._counted = set()            # (reason, storage key) already counted as kept
+        self._layers = None              # the layers of the model this block runs, once a module call shows them
+        self._layer_offload = 0          # pinned bytes offloaded since the current layer began
 
     def _stream(self):
         if self._mode == "cuda":
@@ -737,7 +789,20 @@ class OffloadActivations:
         if self.only_checkpoint_inputs:
             return  # there the last region's input, not the last module's saves, is what backward needs first
         with self._lock:
-            self._flush_deferred()
+            self._flush_deferred()  # the saves so far belong to the layer before, if this call starts one
+            if self._starts_a_layer(module):
+                self._layer_offload = 0
+
+    def _starts_a_layer(self, module):
+        """Is this call one of the block's layers? The first module called whose subtree holds a layer
+        stack (the model, usually) names them; a module's stack is looked up once per manager."""
+        if not self._layers:
+            layers = self._layer_stacks.get(module)
+            if layers is None:
+                layers = self._layer_stacks[module] = _layer_stack(module)
+            if layers:
+                self._layers = layers
+        return self._layers is not None and module in self._layers
 
     def _scan_modules(self):
         for module in self._unscanned:
@@ -854,6 +919,10 @@ class OffloadActivations:
             self._pending.append(stash)
             self._counts["bytes_offloaded"] += stash.nbytes
             self._counts["storages_offloaded"] += 1
+            # Pinned copies only (pageable ones never take window room). With only_checkpoint_inputs each
+            # checkpoint input is its region's whole offload: a layer's.
+            self._layer_offload = stash.nbytes if self.only_checkpoint_inputs else self._layer_offload + stash.nbytes
+            self._largest_layer_offload = max(self._largest_layer_offload, self._layer_offload)
         self._deferred.clear()
 
     def _offload_pageable(self, stash):
@@ -949,17 +1018,21 @@ class OffloadActivations:
                 raise RuntimeError(
                     "memkernels.OffloadActivations: this saved tensor was discarded (the forward pass under "
                     "OffloadActivations raised, or the manager was closed); run the forward pass again")
+            # Taken before the drain below, which drops it if its D2H copy completed since the last look:
+            # while it lives it is read here, not copied back and waited for.
+            source = stash.source
             if self._engine is not None and not self._engine.closed:
                 self._drain()
                 self._release_orphans()
                 self._drain_when_backward_ends()
-            if stash.source is not None:  # deferred, kept, or its D2H copy still running
+            if source is not None:  # deferred, kept, or its D2H copy still running (or just completed)
                 self._counts["restores_from_device"] += 1
-                if stash.state == _Stash.KEPT:
-                    # Under a budget the latest saves stay here; the offloaded ones before them must start
-                    # coming back now, behind this part of backward, not on demand when it reaches them.
-                    self._prefetch_before(stash)
-                return stash.source
+                # Later unpacks share it while it lives (once drained, the stash no longer holds it).
+                stash.restored = weakref.ref(source)
+                # The offloaded stashes before it (kept under a budget, or copies still running) must start
+                # coming back now, behind this part of backward, not on demand when it reaches them.
+                self._prefetch_before(stash)
+                return source
             storage = stash.restored() if stash.restored is not None else None
             if storage is not None:
                 return storage
@@ -989,13 +1062,18 @@ class OffloadActivations:
         else:
             self._engine.synchronize(handle)  # CPU compute reads the bytes right after we return
 
+    def _prefetch_window(self):
+        if self.prefetch_bytes == "auto":
+            return max(_AUTO_PREFETCH_FLOOR, self._largest_layer_offload)
+        return self.prefetch_bytes
+
     def _prefetch_before(self, unpacked):
         """Start restoring the stashes packed before `unpacked` (latest first) in its block, within budget;
         at a block's first stash (the last its backward needs), the block entered before it: a plan's
         offloaded layers are a block each, and the previous layer's restore then runs while this
         layer's backward ends, not on demand. One block, not further, and only once this block's own
         restores are done, so that restored copies of two blocks never pile up on the device."""
-        stream = None
+        stream, limit = None, self._prefetch_window()
         order, index, scanned = unpacked.order, unpacked.index, 0
         blocks = 2 if unpacked.index == 0 else 1
         while order is not None and scanned < _PREFETCH_SCAN_LIMIT and blocks:
@@ -1011,8 +1089,7 @@ class OffloadActivations:
                     continue
                 # At least one tensor ahead, however large: a window smaller than one layer's saves would
                 # otherwise restore every one on demand.
-                if self.prefetch_bytes == 0 or (self._prefetched_bytes and
-                                                self._prefetched_bytes + stash.nbytes > self.prefetch_bytes):
+                if limit == 0 or (self._prefetched_bytes and self._prefetched_bytes + stash.nbytes > limit):
                     return
                 stream = self._stream() if stream is None else stream
                 storage = self._new_device_storage(stash.nbytes)
