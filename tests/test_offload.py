@@ -4,6 +4,7 @@ Every test compares against the same computation without offload: gradients
 must be bitwise identical, since offload only moves bytes. Memory claims are
 measured with memkernels.meters.
 """
+import collections
 import contextlib
 import copy
 import os
@@ -21,6 +22,7 @@ from torch.utils.checkpoint import checkpoint
 
 import memkernels
 import memkernels.runtime.offload as offload_runtime
+from memkernels import _C
 from memkernels import device
 from memkernels.device import sim
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
@@ -1411,3 +1413,81 @@ def test_pinned_cap_trims_at_the_next_block_not_inside_the_step(offload):
     manager.empty_cache()  # outside the step: nothing in use, everything goes back
     stats = manager.stats()
     assert stats["live_handles"] == 0 and stats["pinned_bytes"] == 0
+
+
+class _CountingEngine:
+    """The C++ engine with its waiting calls counted (trim() waits on every copy in flight)."""
+
+    def __init__(self, engine):
+        self._engine, self.calls = engine, collections.Counter()
+
+    def __getattr__(self, name):
+        attr = getattr(self._engine, name)
+        if name in ("trim", "synchronize_all"):
+            def counted(*args, **kwargs):
+                self.calls[name] += 1
+                return attr(*args, **kwargs)
+            return counted
+        return attr
+
+
+@pytest.mark.parametrize("pageable_fallback", [False, True], ids=["kept", "pageable"])
+def test_pinned_cap_refusal_never_trims_between_the_blocks_of_one_forward(offload, pageable_fallback):
+    """A block per layer (what apply_plan's per-layer offload does) under a cap that refuses: entering a later
+    block of the same forward must not trim, since trim() waits for every copy in flight and the host would
+    stop there behind the earlier layers' copies (modelled: its clock would jump). The refusal is answered
+    between steps, at the next step's first block: the unused pinned slab goes back then. Gradients bitwise
+    equal to no offload."""
+    sim.set_link_bandwidth(LINK)  # each 32 KiB copy takes 0.5 modelled ms, the layers' compute none
+    layers, tensor, steps = 4, 128 * 64 * 4, 3
+    model, x = LayerStack(layers), torch.randn(128, 64, requires_grad=True)
+    model(x).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    cap = tensor + tensor // 2  # one 32 KiB block pins, the next one is refused
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None, max_pinned_bytes=cap,
+                      pageable_fallback=pageable_fallback)
+    engine = manager._engine = _CountingEngine(_C.offload.Engine(max_pinned_bytes=cap))
+    entries = []  # per block entry: (step, block, waits during __enter__, host clock moved, slab frees)
+
+    class PerLayerBlock:
+        def __init__(self, step):
+            self.step, self.block = step, 0
+
+        def __enter__(self):
+            calls, clock = sum(engine.calls.values()), sim.host_clock()
+            frees = engine.stats()["pool"]["slab_frees"]
+            manager.__enter__()
+            entries.append((self.step, self.block, sum(engine.calls.values()) - calls, sim.host_clock() - clock,
+                            engine.stats()["pool"]["slab_frees"] - frees))
+            self.block += 1
+
+        def __exit__(self, *exc):
+            manager.__exit__(*exc)
+
+    warns = pytest.warns(RuntimeWarning, match="pageable") if pageable_fallback else contextlib.nullcontext()
+    refusals = []
+    with warns:
+        for step in range(steps):
+            model.zero_grad()
+            loss = model(x, PerLayerBlock(step))
+            refusals.append(engine.stats()["pool"]["refusals"])
+            loss.backward()
+            assert_bitwise_equal([expected], [[p.grad for p in model.parameters()]])
+            del loss
+    assert refusals[0] > 0 and refusals == sorted(set(refusals)), "every step's forward was refused pinned memory"
+    stats = manager.stats()
+    assert (stats["bytes_pageable"] > 0) == pageable_fallback and (stats["kept_by_reason"]["cap"] > 0) != (
+        pageable_fallback)
+    mid_forward = [e for e in entries if e[1] > 0]
+    assert len(mid_forward) == steps * (layers - 1)
+    assert all(waits == 0 and moved == 0 for _, _, waits, moved, _ in mid_forward), \
+        f"a later block of a forward trimmed or waited on the copies: {mid_forward}"
+    # Between steps the trim still runs (once per step after a refusal) and gives the unused slab back.
+    first_blocks = [e for e in entries if e[1] == 0]
+    assert engine.calls["trim"] == steps - 1
+    assert first_blocks[0][2] == 0 and all(waits >= 1 and frees >= 1 for _, _, waits, _, frees in first_blocks[1:]), \
+        f"the next step's first block must trim and give the unused slab back: {first_blocks}"
+    assert stats["engine"]["pool"]["peak_pinned_bytes"] <= cap
+    manager.wait_for_offloads()
+    manager.empty_cache()
+    assert manager.stats()["live_handles"] == 0 and manager.stats()["pinned_bytes"] == 0

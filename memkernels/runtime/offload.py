@@ -322,7 +322,7 @@ class _Stash:
 class _Packed:
     """What autograd holds instead of a saved tensor: the stash and the view's geometry."""
 
-    __slots__ = ("stash", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version")
+    __slots__ = ("stash", "dtype", "size", "stride", "storage_offset", "tensor_ref", "version", "__weakref__")
 
     def __init__(self, stash, tensor):
         self.stash = stash
@@ -506,9 +506,10 @@ class OffloadActivations:
         self._reset_block_state()
         self._pending = collections.deque()  # stashes whose D2H copy may still run (they hold their source)
         self._live = weakref.WeakSet()   # every stash some autograd graph may still hold, all blocks
+        self._held = weakref.WeakSet()   # what autograd graphs hold of those (_Packed): empty between steps
         self._prefetched_bytes = 0
         self._orphans = []  # (storage, handle, stream) of retired prefetches: freed at an explicit point
-        self._refusals_seen = 0  # the pinned pool's cap refusals already answered with a trim
+        self._refusals_seen = 0  # the pinned pool's refusals already answered with a trim (between steps)
         self._drain_queued = False
         self._counts = {"bytes_offloaded": 0, "storages_offloaded": 0, "prefetch_hits": 0, "restores_on_demand": 0,
                         "restores_from_device": 0, "bytes_recast": 0, "storages_recast": 0, "bytes_pageable": 0}
@@ -620,8 +621,10 @@ class OffloadActivations:
         """Return the pinned host memory no saved tensor uses to the host (``cudaFreeHost``).
 
         ``cudaFreeHost`` synchronizes the device, so the pool never does this by itself in the middle
-        of a step: it refuses what would cross ``max_pinned_bytes`` (the tensor stays on the device)
-        and trims at the next block's start. Call this outside the training step.
+        of a step: it refuses what would cross ``max_pinned_bytes`` (the tensor goes to pageable memory,
+        or stays on the device) and trims at the first block's start once no graph holds a saved tensor
+        (the next step's first block, not a later block of the same forward). Call this outside the
+        training step.
         """
         if self._active:
             raise RuntimeError("empty_cache() inside the OffloadActivations block; leave the block first")
@@ -756,12 +759,27 @@ class OffloadActivations:
         return statistics.median(self._forward_times) if self._forward_times else None
 
     def _trim_after_refusals(self):
-        """At a block's start (outside the step): if the cap refused pinned memory since the last
-        trim, free the cached slabs nothing uses so that the right sizes fit this time."""
+        """At a block's start between steps: if the pinned pool refused memory since the last trim, free
+        the cached slabs nothing uses so that the right sizes fit this time.
+
+        Only when no graph holds a saved tensor of ours (nothing in ``self._held`` but discarded ones):
+        ``trim()`` waits for every copy in flight (and ``cudaFreeHost`` synchronizes the device). With a
+        block per layer, every later block of a forward finds the earlier blocks' saves held there, so
+        it never trims mid-step behind their copies; the refusal is answered at the first block after
+        the step's backward released them, when no copy the step still needs is in flight (one left
+        running is of a tensor no graph reads any more). Until then refused tensors go to pageable
+        memory (or stay, ``"cap"``) as they would anyway."""
         refusals = self._engine.stats()["pool"]["refusals"]
-        if refusals != self._refusals_seen:
-            self._refusals_seen = refusals
-            self._engine.trim()
+        if refusals == self._refusals_seen:
+            return
+        if any(packed.stash.state != _Stash.DISCARDED for packed in self._held):
+            return  # inside a step (or a graph is still held): wait for the next block between steps
+        self._refusals_seen = refusals
+        # trim() would wait for them anyway; drained first, a copy left running by the last backward (its
+        # tensor read on the device) gives its pinned block back too, so that its slab can go.
+        self._engine.synchronize_all()
+        self._drain()
+        self._engine.trim()
 
     def _reset_block_state(self):
         self._by_storage = {}            # storage key -> weakref to its live stash (this block)
@@ -894,7 +912,9 @@ class OffloadActivations:
                 if self.offload_last_module:
                     self._flush_deferred()
             self._drain()
-            return _Packed(stash, tensor)
+            packed = _Packed(stash, tensor)
+            self._held.add(packed)
+            return packed
 
     def _flush_deferred(self):
         """Start the D2H copies of everything deferred so far."""
