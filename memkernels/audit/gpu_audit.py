@@ -17,6 +17,12 @@ shapes of real models, in bf16 and fp32:
 - **FLOPs**: aten by ``torch.utils.flop_counter``'s formulas (the ones ``FlopCounterMode``
   uses); Triton as 2*M*N*K per ``tl.dot``. Float64 work in kernels (each element widened to
   float64, each float64 arithmetic op) is counted apart as "fp64" FLOPs.
+- **CUDA-core work in Triton kernels**: every floating-point elementwise instruction a kernel
+  executes, counted per element as the interpreter runs it (so work repeated inside a tile loop
+  counts once per time it runs): ``alu`` (add, multiply, compare, select, fma, casts) and ``sfu``
+  (exp, log, sqrt, rsqrt, erf, sin, cos: the special-function units). An activation applied to
+  operand tiles inside a GEMM's k-loop is counted N / BLOCK_N times over; a separate elementwise
+  pass once (``tests/test_gpu_audit.py::test_work_repeated_inside_a_tile_loop_is_counted``).
 - **Tensor-core eligibility**: each matmul's operand dtypes (aten and ``tl.dot``); a float32
   operand on half inputs is flagged.
 - **Host syncs**: aten ops that read device memory back to the host (:data:`SYNC_OPS`).
@@ -25,7 +31,9 @@ shapes of real models, in bf16 and fp32:
 - **Occupancy** (``--occupancy``): blocks per SM on sm_80 / sm_90 from the registers and
   shared memory that :mod:`memkernels.aot` compiles (ptxas), see :func:`blocks_per_sm`.
 - **Predicted time, a model**: the sum over launches of max(bytes / HBM bandwidth,
-  FLOPs / peak at the operands' precision) plus :data:`LAUNCH_OVERHEAD_S` per launch, on the
+  FLOPs / peak at the operands' precision + alu / ALU rate + sfu / SFU rate: the elementwise
+  work of a kernel that also runs ``tl.dot`` holds its tensor cores up, so it adds) plus
+  :data:`LAUNCH_OVERHEAD_S` per launch, on the
   figures of :data:`GPUS`; the same model is applied to eager PyTorch's op sequence for the
   same computation. It is not a measurement: caches beyond the rule above, achieved (not
   peak) bandwidth, tile quantization on the real autotuned configs, overlap between
@@ -68,19 +76,26 @@ class GpuSpec:
     hbm_bytes_per_s: float
     peak_flops: dict  # operand precision -> FLOP/s: "bf16"/"fp16" tensor cores, "fp32" without TF32, "fp64"
     l2_bytes: int
+    # Elementwise instructions a second over all SMs: "alu", the FP32 lanes (an fma is one; half the fp32
+    # FLOP/s); "sfu", the special-function units (16 lanes an SM a clock on sm_80 and sm_90).
+    ops_per_s: dict = field(default_factory=dict)
 
 
 # NVIDIA A100 datasheet (80GB SXM): 2039 GB/s; 312 TFLOPS bf16/fp16 tensor; 19.5 TFLOPS fp32;
 # 9.7 TFLOPS fp64 (non-tensor). NVIDIA H100 datasheet (SXM5): 3.35 TB/s; 989 TFLOPS bf16/fp16
-# tensor (dense); 67 TFLOPS fp32; 34 TFLOPS fp64 (non-tensor).
+# tensor (dense); 67 TFLOPS fp32; 34 TFLOPS fp64 (non-tensor). Elementwise rates from the same
+# boost clocks and SM counts: A100 108 SMs x 1.41 GHz (64 FP32 lanes, 16 SFU an SM), H100 132 SMs x
+# 1.98 GHz (128 FP32 lanes, 16 SFU an SM).
+_A100_OPS = {"alu": 108 * 64 * 1.41e9, "sfu": 108 * 16 * 1.41e9}
+_H100_OPS = {"alu": 132 * 128 * 1.98e9, "sfu": 132 * 16 * 1.98e9}
 GPUS = {
     "A100-80GB": GpuSpec("A100-80GB", 2.039e12, {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "fp64": 9.7e12},
-                         40 * 2**20),
+                         40 * 2**20, _A100_OPS),
     "H100-SXM": GpuSpec("H100-SXM", 3.35e12, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 34e12},
-                        50 * 2**20),
+                        50 * 2**20, _H100_OPS),
     # The H100's chip with HBM3e: the same peaks, 4.8 TB/s.
     "H200-SXM": GpuSpec("H200-SXM", 4.8e12, {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "fp64": 34e12},
-                        50 * 2**20),
+                        50 * 2**20, _H100_OPS),
 }
 # Host-side cost of one kernel launch on an idle stream (typical CUDA figure, a model constant).
 LAUNCH_OVERHEAD_S = 4e-6
@@ -125,10 +140,15 @@ class Launch:
     #                        bytes missed in the programs' own recent accesses, transfers: see _hbm_bytes)
     dot: bool = False  # Triton: the kernel runs tl.dot
     programs: int = 0  # Triton: programs in the grid
+    ops: dict = field(default_factory=dict)  # Triton: "alu" / "sfu" -> elementwise instructions, per element
+
+    def compute_seconds(self, gpu):
+        """Tensor-core (or fp32/fp64) FLOPs at their peak plus the CUDA-core elementwise work at its rate."""
+        return (sum(f / gpu.peak_flops[p] for p, f in self.flops.items())
+                + sum(n / gpu.ops_per_s[unit] for unit, n in self.ops.items()))
 
     def seconds(self, gpu):
-        compute = sum(f / gpu.peak_flops[p] for p, f in self.flops.items())
-        return max(self.hbm_bytes / gpu.hbm_bytes_per_s, compute) + LAUNCH_OVERHEAD_S
+        return max(self.hbm_bytes / gpu.hbm_bytes_per_s, self.compute_seconds(gpu)) + LAUNCH_OVERHEAD_S
 
 
 @dataclass
@@ -193,6 +213,8 @@ class _TritonLaunch:
         self.dot_dtypes = []
         self.dot_flops = {}
         self.fp64_ops = 0
+        self.ops = {"alu": 0, "sfu": 0}
+        self.in_special = False  # inside a special function, whose inner unary_op is not counted again
         tensors = {}  # storage start -> (bytes, position of the first argument on it)
         for position, arg in enumerate(host_args):
             if hasattr(arg, "untyped_storage"):
@@ -262,7 +284,7 @@ class _TritonLaunch:
         return Launch("triton", self.name, hbm_bytes=_hbm_bytes(per_argument, self.dot, 1),
                       requested_bytes=int(self.requested.sum()), flops=flops,
                       matmul_dtypes=tuple(dict.fromkeys(self.dot_dtypes)), arguments=per_argument, dot=self.dot,
-                      programs=self.programs)
+                      programs=self.programs, ops={unit: n for unit, n in self.ops.items() if n})
 
 
 def _hbm_bytes(per_argument, dot, launches):
@@ -338,6 +360,11 @@ def _tl_precision(tl, dtype):
     return {tl.bfloat16: "bf16", tl.float16: "fp16", tl.float32: "fp32", tl.float64: "fp64"}.get(dtype, str(dtype))
 
 
+# The interpreter's builtins that run on the special-function units.
+_SPECIAL_FUNCTIONS = ("create_exp", "create_exp2", "create_log", "create_log2", "create_sqrt", "create_precise_sqrt",
+                      "create_rsqrt", "create_erf", "create_sin", "create_cos")
+
+
 @contextlib.contextmanager
 def _patched_interpreter():
     """Wrap the interpreter's load/store/dot builtins and its grid executor while counting."""
@@ -347,7 +374,9 @@ def _patched_interpreter():
     builder = interpreter.InterpreterBuilder
     executor = interpreter.GridExecutor
     originals = {name: getattr(builder, name) for name in ("create_masked_load", "create_masked_store",
-                                                          "create_dot", "binary_op", "cast_impl")}
+                                                          "create_dot", "binary_op", "cast_impl", "unary_op",
+                                                          "ternary_op", "create_fma")
+                 + tuple(name for name in _SPECIAL_FUNCTIONS if hasattr(builder, name))}
     original_call, original_init_args = executor.__call__, executor._init_args_hst
 
     # The builder's methods take more parameters in some Triton releases (3.6's create_masked_load has
@@ -383,13 +412,48 @@ def _patched_interpreter():
         kernel = _ACTIVE.kernel if _ACTIVE else None
         if kernel is not None and lhs.dtype.scalar == tl.float64:
             kernel.fp64_ops += int(np.broadcast(lhs.data, rhs.data).size)
+        elif kernel is not None and lhs.dtype.scalar.is_floating():
+            kernel.ops["alu"] += int(np.broadcast(lhs.data, rhs.data).size)
         return originals["binary_op"](self, lhs, rhs, op)
 
     def cast_impl(self, src, dst_type):
         kernel = _ACTIVE.kernel if _ACTIVE else None
         if kernel is not None and dst_type.scalar == tl.float64 and src.dtype.scalar != tl.float64:
             kernel.fp64_ops += int(np.size(src.data))  # each widened element feeds an fp64 sum or product
+        elif kernel is not None and dst_type.scalar.is_floating() and src.dtype.scalar.is_floating():
+            kernel.ops["alu"] += int(np.size(src.data))
         return originals["cast_impl"](self, src, dst_type)
+
+    def unary_op(self, arg, op):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None and not kernel.in_special and arg.dtype.scalar.is_floating():
+            kernel.ops["alu"] += int(np.size(arg.data))
+        return originals["unary_op"](self, arg, op)
+
+    def ternary_op(self, lhs, rhs, other, op):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None and other.dtype.scalar.is_floating():
+            kernel.ops["alu"] += int(np.broadcast(lhs.data, rhs.data, other.data).size)
+        return originals["ternary_op"](self, lhs, rhs, other, op)
+
+    def fma(self, x, y, z):
+        kernel = _ACTIVE.kernel if _ACTIVE else None
+        if kernel is not None:
+            kernel.ops["alu"] += int(np.broadcast(x.data, y.data, z.data).size)  # one instruction
+        return originals["create_fma"](self, x, y, z)
+
+    def special(name):
+        def wrapped(self, arg, *rest):
+            kernel = _ACTIVE.kernel if _ACTIVE else None
+            if kernel is None:
+                return originals[name](self, arg, *rest)
+            kernel.ops["sfu"] += int(np.size(arg.data))
+            kernel.in_special = True
+            try:
+                return originals[name](self, arg, *rest)
+            finally:
+                kernel.in_special = False
+        return wrapped
 
     def init_args(self, args_dev, kwargs):
         args_hst, kwargs_hst = original_init_args(self, args_dev, kwargs)
@@ -417,6 +481,12 @@ def _patched_interpreter():
     setattr(builder, "create_dot", dot)
     setattr(builder, "binary_op", binary_op)
     setattr(builder, "cast_impl", cast_impl)
+    setattr(builder, "unary_op", unary_op)
+    setattr(builder, "ternary_op", ternary_op)
+    setattr(builder, "create_fma", fma)
+    for name in _SPECIAL_FUNCTIONS:
+        if name in originals:
+            setattr(builder, name, special(name))
     executor.__call__, executor._init_args_hst = call, init_args
     try:
         yield
@@ -689,7 +759,13 @@ def measure(case, shape, dtype, impl="memkernels"):
 def _pass_result(counts):
     kernels = {}
     for (kind, name), (launches, hbm, requested, flops) in counts.by_kernel().items():
-        kernels[(kind, name)] = {"launches": launches, "hbm": hbm, "requested": requested, "flops": flops}
+        ops = {}
+        for launch in counts.launches:
+            if (launch.kind, launch.name) == (kind, name):
+                for unit, n in launch.ops.items():
+                    ops[unit] = ops.get(unit, 0) + n
+        kernels[(kind, name)] = {"launches": launches, "hbm": hbm, "requested": requested, "flops": flops,
+                                 "ops": ops}
     return PassResult(kernels, sorted(set(counts.matmul_dtypes)), counts.syncs)
 
 
@@ -727,6 +803,9 @@ def _summaries(counts):
     for launch in counts.launches:
         if launch.dot:
             out[(launch.kind, launch.name, "dot")] = 1
+        for unit, n in launch.ops.items():
+            key = (launch.kind, launch.name, "ops:" + unit)
+            out[key] = out.get(key, 0) + n
         if launch.kind == "triton":
             key = (launch.kind, launch.name, "programs")
             out[key] = out.get(key, 0) + launch.programs
@@ -742,9 +821,10 @@ def _summaries(counts):
 class PassResult:
     """One pass of one op at the real shape (fitted), with what the model predicts."""
 
-    kernels: dict  # (kind, name) -> {"launches", "hbm", "requested", "flops": {precision: n}}
+    kernels: dict  # (kind, name) -> {"launches", "hbm", "requested", "flops": {precision: n}, "ops": {unit: n}}
     matmul_dtypes: list
     syncs: list
+    ops_scaled: list = field(default_factory=list)  # kernels whose elementwise ops are scaled, not fitted (fit())
 
     @property
     def hbm_bytes(self):
@@ -763,7 +843,8 @@ class PassResult:
             if not k["launches"]:
                 continue
             per = Launch("", "", hbm_bytes=k["hbm"] / k["launches"],
-                         flops={p: f / k["launches"] for p, f in k["flops"].items()})
+                         flops={p: f / k["launches"] for p, f in k["flops"].items()},
+                         ops={u: n / k["launches"] for u, n in k.get("ops", {}).items()})
             total += k["launches"] * per.seconds(gpu)
         return total
 
@@ -789,20 +870,35 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
         coefficients = np.linalg.solve(design, targets) if design.shape[0] == design.shape[1] else \
             np.linalg.lstsq(design, targets, rcond=None)[0]
         predicted_checks = _design(checks, variables) @ coefficients
+        scaled = set()  # elementwise-op counts of kernels whose lanes past a row's end still compute
         for check, prediction, summary in zip(checks, predicted_checks, summaries[len(shapes):]):
             actual = np.array([summary.get(k, 0) for k in keys], dtype=np.float64)
             wrong = [(k, int(round(p)), int(a)) for k, p, a in zip(keys, prediction, actual) if abs(p - a) > 0.5]
+            scaled.update(k for k, _, _ in wrong if k[2].startswith("ops:"))
+            wrong = [w for w in wrong if not w[0][2].startswith("ops:")]
             if wrong:
                 raise RuntimeError(f"memkernels.gpu_audit: {case.op} {phase} counts are not the polynomial the fit "
                                    f"assumes at {check}: (count, predicted, measured) {wrong[:4]}")
         values = _design([real], variables) @ coefficients
+        # A kernel that pads its rows to a block runs its elementwise instructions on the padding too (a
+        # GPU's masked lanes still execute): not a polynomial in the shape. Its ops are scaled from the
+        # largest measured shape by the kernel's requested bytes (exact), where padding is the smallest
+        # share it is measured at; the result says which kernels (ops_scaled), never silently.
+        largest = max(range(len(runs)), key=lambda i: sum(summaries[i].get(k, 0) for k in keys if k[2] == "requested"))
+        for index, key in enumerate(keys):
+            if key in scaled:
+                requested = (key[0], key[1], "requested")
+                real_requested = values[0][keys.index(requested)]
+                values[0][index] = summaries[largest][key] * real_requested / summaries[largest][requested]
         kernels = {}
         for key, value in zip(keys, values[0]):
             kind, name, metric = key
-            entry = kernels.setdefault((kind, name), {"launches": 0, "hbm": 0, "requested": 0, "flops": {}})
+            entry = kernels.setdefault((kind, name), {"launches": 0, "hbm": 0, "requested": 0, "flops": {}, "ops": {}})
             value = int(round(value))
             if metric.startswith("flops:"):
                 entry["flops"][metric[6:]] = value
+            elif metric.startswith("ops:"):
+                entry["ops"][metric[4:]] = value
             elif metric.startswith("arg"):
                 position, what = metric[3:].split(":")
                 entry.setdefault("arguments", {}).setdefault(int(position), {})[what] = value
@@ -815,7 +911,8 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
                 entry.pop("programs", None)
                 entry["hbm"] = _hbm_bytes(per_argument, entry.pop("dot", 0) > 0, max(entry["launches"], 1))
         last = runs[-1][phase]
-        results[phase] = PassResult(kernels, sorted(set(last.matmul_dtypes)), last.syncs)
+        results[phase] = PassResult(kernels, sorted(set(last.matmul_dtypes)), last.syncs,
+                                    sorted({name for _, name, _ in scaled}))
     return results
 
 
