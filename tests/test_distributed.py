@@ -7,7 +7,8 @@ everywhere in this project: against the unpatched model run in float64 on the
 whole batch, within 2x the error of the unpatched fp32 model (single process),
 plus a floor of a few fp32 roundings of the largest gradient. Models: GPT-style (GELU MLP) and
 Llama-style (SwiGLU through gated_linear, saving or recompute), the latter with peft LoRA on every
-projection (only the adapters train), and transformers' Qwen3-MoE (routed experts through grouped GEMMs).
+projection (only the adapters train), and transformers' Qwen3-MoE, Mixtral and DeepSeek-V3 (routed experts
+through grouped GEMMs; DeepSeek-V3 with latent attention and a shared expert).
 """
 import copy
 import os
@@ -17,7 +18,7 @@ import torch
 
 from memkernels.models import ModelConfig, TransformerLM
 from gloo_ranks import WORLD, spawn
-from moe_cases import qwen3_moe_config
+from moe_cases import deepseek_v3_config, mixtral_config, qwen3_moe_config
 from memkernels.fusions.apply import apply
 
 CONFIG = ModelConfig(name="dist-tiny", vocab_size=101, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=4,
@@ -28,11 +29,15 @@ LLAMA_CONFIG = CONFIG.replace(name="dist-tiny-llama", norm="rmsnorm", mlp="swigl
                               num_kv_heads=2)
 MODELS = {"gelu": (CONFIG, True), "swiglu": (LLAMA_CONFIG, True), "swiglu-recompute": (LLAMA_CONFIG, "recompute"),
           "swiglu-lora": (LLAMA_CONFIG, True),  # peft LoRA (non-zero adapters) on every projection
-          "qwen3-moe": (CONFIG, True)}  # transformers' Qwen3-MoE: routed experts (stacked weights), grouped GEMMs
+          # transformers' mixtures of experts: routed experts (stacked weights), grouped GEMMs
+          "qwen3-moe": (CONFIG, True), "mixtral": (CONFIG, True), "deepseek-v3": (CONFIG, True)}
+HF_CONFIGS = {"qwen3-moe": qwen3_moe_config, "mixtral": mixtral_config, "deepseek-v3": deepseek_v3_config}
 # What apply() replaces: 5 norms, 2 MLPs (GELU or gated), the loss, and the Llama-style models' 2 rotary attentions;
-# Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks (apply() is given _CausalLM, a
-# wrapper: it fuses a loss only on the causal LM itself or a peft model's base model).
-REPLACED = {"gelu": 8, "qwen3-moe": 13}
+# Qwen3-MoE: 9 norms (q and k norms included), 2 rotary attentions, 2 experts blocks; Mixtral: 5 norms, 2 rotary
+# attentions, 2 experts blocks; DeepSeek-V3: 9 norms (the latent attention's two included), 2 rotary attentions, the
+# dense first layer's MLP, the second's experts and shared expert (apply() is given _CausalLM, a wrapper: it fuses a
+# loss only on the causal LM itself or a peft model's base model).
+REPLACED = {"gelu": 8, "qwen3-moe": 13, "mixtral": 9, "deepseek-v3": 14}
 
 
 class _CausalLM(torch.nn.Module):
@@ -53,10 +58,10 @@ class _CausalLM(torch.nn.Module):
 
 def _build(model_name):
     config, _ = MODELS[model_name]
-    if model_name == "qwen3-moe":
+    if model_name in HF_CONFIGS:
         import transformers
         return _CausalLM(transformers.AutoModelForCausalLM.from_config(
-            transformers.AutoConfig.for_model(**qwen3_moe_config(layers=2))))
+            transformers.AutoConfig.for_model(**HF_CONFIGS[model_name](layers=2))))
     model = TransformerLM(config)
     if model_name.endswith("-lora"):
         import peft
@@ -92,7 +97,8 @@ def _training(rank, mode, model_name):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         mesh = init_device_mesh("cpu", (WORLD,))
-        layers = {"swiglu-lora": "base_model.model.blocks", "qwen3-moe": "model.model.layers"}.get(model_name, "blocks")
+        layers = "base_model.model.blocks" if model_name == "swiglu-lora" else \
+            "model.model.layers" if model_name in HF_CONFIGS else "blocks"
         for block in patched.get_submodule(layers):
             fully_shard(block, mesh=mesh)
         fully_shard(patched, mesh=mesh)
