@@ -2,6 +2,10 @@
 
 Run: python benchmarks/bench_cross_entropy.py            (CPU: memory; a few minutes on 2 cores)
 On a machine with a GPU it also times forward+backward (ms).
+     pytest benchmarks/bench_cross_entropy.py --benchmark-only [--benchmark-json ce.json]
+         linear_cross_entropy's forward + backward per strategy ("recompute", "chunked", "auto"), timed:
+         on a CPU at N=256 H=64 V=1000 fp32 (seconds), with CUDA at the first bf16 config; its held
+         (hooks) bytes and the strategy "auto" picked in extra_info.
 
 Columns (bytes, measured, never from formulas):
 - extra peak: peak live bytes allocated over forward+backward (memkernels.meters.PeakBytesMeter)
@@ -169,6 +173,43 @@ def main():
         timing_section(configs)
     else:
         print("no GPU: timing section skipped")
+
+
+# ------------------------------------------------------------------------------------------------- pytest-benchmark
+def bench_config(device):
+    """(N, H, V, dtype) of the pytest-benchmark test: CONFIGS' bf16 one with CUDA, a small fp32 one on a CPU."""
+    return CONFIGS[1] if device == "cuda" else (256, 64, 1000, torch.float32)
+
+
+def pytest_generate_tests(metafunc):
+    if "strategy" in metafunc.fixturenames:
+        metafunc.parametrize("strategy", ["recompute", "chunked", "auto"])
+
+
+def test_linear_cross_entropy_forward_backward(benchmark, strategy):
+    """pytest-benchmark: linear_cross_entropy's forward + backward with ``strategy``, synchronized on a GPU."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    n_tokens, hidden_size, n_classes, dtype = bench_config(device)
+    hidden, weight, target = make_inputs(n_tokens, hidden_size, n_classes, dtype, device)
+    method = lambda h, w, t: linear_cross_entropy(h, w, t, strategy=strategy)  # noqa: E731
+    with SavedBytesMeter() as saved:
+        loss = method(hidden, weight, target)
+    loss.backward()
+    del loss
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run():
+        hidden.grad = weight.grad = None
+        method(hidden, weight, target).backward()
+        sync()
+
+    if device == "cuda":
+        benchmark(run)
+    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
+        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    picked = pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, True, "mean", device=hidden.device)
+    benchmark.extra_info.update(config=[n_tokens, hidden_size, n_classes], dtype=str(dtype), strategy=picked,
+                                held_hooks_bytes=saved.new_bytes)
 
 
 if __name__ == "__main__":

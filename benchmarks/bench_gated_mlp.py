@@ -1,6 +1,7 @@
 """Gated MLP (SwiGLU): activation memory of a Llama-3-8B MLP, memkernels vs eager and Liger's layout.
 
     python -m benchmarks.bench_gated_mlp [--tokens 2048] [--hidden 4096] [--intermediate 14336]
+    pytest benchmarks/bench_gated_mlp.py --benchmark-only [--benchmark-json gated_mlp.json]
 
 Memory (any device, one run per implementation and dtype, bf16 and fp32): bytes saved for backward
 per token (SavedBytesMeter, new storages only; x and the parameters are the caller's) and the extra
@@ -17,11 +18,17 @@ including the parameter gradients), for
 Targets (exit status 1 if one is missed): memkernels saves <= 50% of eager's bytes and <= 67% of
 Liger's; recompute saves 0 new bytes; each memkernels peak <= eager's.
 
-Timing (only with a CUDA device): TFLOP/s of the whole MLP forward+backward against eager and, when
+Timing (only with a CUDA device): TFLOP/s of the whole MLP forward+backward against eager, eager under
+torch.compile (the same module compiled, in the same run; its compile is outside the timing) and, when
 liger_kernel is installed, Liger's layout (LigerSiLUMulFunction between the projections), with
 FusedGatedMLP's PyTorch path on the same CUDA tensors beside it (backend "torch": the same cuBLAS
-GEMMs, PyTorch's elementwise ops in place of the one Triton pass each way).
+GEMMs, PyTorch's elementwise ops in place of the one Triton pass each way). On a CPU the section says
+it skipped (torch.compile's column too: inductor makes C++ loops there, not the GPU's kernels).
 On a CPU the default shape takes minutes (nine 2048 x 4096 x 14336 GEMMs per step and dtype).
+
+pytest-benchmark (test_gated_mlp_forward_backward): FusedGatedMLP's forward + backward at a small shape on a
+CPU (64 tokens, 64 -> 2 x 224 -> 64, fp32; its PyTorch path) or the default shape in bf16 with CUDA; the saved
+bytes per token of eager and memkernels at that shape in extra_info.
 """
 import argparse
 import sys
@@ -151,8 +158,8 @@ def timing_table(tokens, hidden, intermediate):
 
     print(f"\nSwiGLU MLP fwd+bwd timing on {torch.cuda.get_device_name()}: {tokens} tokens, "
           f"{hidden} -> 2 x {intermediate} -> {hidden}")
-    print(f"{'dtype':<10}{'eager TFLOP/s':>15}{'memkernels TFLOP/s':>20}{'recompute TFLOP/s':>19}"
-          f"{'torch path TFLOP/s':>20}{'Liger TFLOP/s':>14}")
+    print(f"{'dtype':<10}{'eager TFLOP/s':>15}{'compile TFLOP/s':>17}{'memkernels TFLOP/s':>20}"
+          f"{'recompute TFLOP/s':>19}{'torch path TFLOP/s':>20}{'Liger TFLOP/s':>14}")
     flops = 3 * 2.0 * tokens * hidden * intermediate * 3  # three GEMMs forward, twice that backward
     for dtype in (torch.bfloat16, torch.float16):
         linear = dict(bias=False, device="cuda", dtype=dtype)
@@ -162,7 +169,9 @@ def timing_table(tokens, hidden, intermediate):
         x = torch.randn(tokens, hidden, device="cuda", dtype=dtype, requires_grad=True)
         grad_out = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
         silu_mul, liger_label = _liger_silu_mul("cuda")
-        models = {"eager": eager, "memkernels": FusedGatedMLP.from_module(eager),
+        compiled = torch.compile(eager)  # eager's module compiled: the baseline a user of torch.compile has
+        compiled(x).backward(grad_out)  # compiles here, outside the timing
+        models = {"eager": eager, "compile": compiled, "memkernels": FusedGatedMLP.from_module(eager),
                   "recompute": FusedGatedMLP.from_module(eager, recompute=True)}
         if liger_label.startswith("Liger ("):  # only Liger's own kernel: its layout in torch ops times nothing
             models["Liger"] = LigerLayoutMLP(eager.gate_proj, eager.up_proj, eager.down_proj, silu_mul)
@@ -179,10 +188,12 @@ def timing_table(tokens, hidden, intermediate):
             memkernels.set_backend("auto")
         liger = f"{flops / ms['Liger'] * 1e-9:>14.1f}" if "Liger" in ms else f"{'-':>14}"
         print(f"{str(dtype).replace('torch.', ''):<10}{flops / ms['eager'] * 1e-9:>15.1f}"
+              f"{flops / ms['compile'] * 1e-9:>17.1f}"
               f"{flops / ms['memkernels'] * 1e-9:>20.1f}{flops / ms['recompute'] * 1e-9:>19.1f}"
               f"{flops / ms['torch path'] * 1e-9:>20.1f}{liger}")
         print("  measured ms, fwd+bwd: " + ", ".join(f"{name} {value:.3f}" for name, value in ms.items())
               + f"; memkernels / eager {ms['memkernels'] / ms['eager']:.2f}x"
+              + f", memkernels / compile {ms['memkernels'] / ms['compile']:.2f}x"
               + (f", memkernels / Liger {ms['memkernels'] / ms['Liger']:.2f}x" if "Liger" in ms else
                  " (liger_kernel not installed)"))
         # the model's memkernels is FusedGatedMLP without recompute (gpu_audit's first gated_mlp case)
@@ -202,8 +213,49 @@ def main(argv=None):
     if device == "cuda":
         timing_table(args.tokens, args.hidden, args.intermediate)
     else:
-        print("\nGPU timing: skipped (no CUDA device)")
+        print("\nGPU timing (eager, torch.compile, memkernels, Liger): skipped (no CUDA device; torch.compile's "
+              "column needs one too: inductor makes C++ loops on a CPU, not the GPU's kernels)")
     return 0 if ok else 1
+
+
+# ------------------------------------------------------------------------------------------------- pytest-benchmark
+def bench_shape(device):
+    """(tokens, hidden, intermediate, dtype) of the pytest-benchmark test: main()'s default shape in bf16 with
+    CUDA, a small one on a CPU (seconds, not minutes)."""
+    return (2048, 4096, 14336, torch.bfloat16) if device == "cuda" else (64, 64, 224, torch.float32)
+
+
+def test_gated_mlp_forward_backward(benchmark):
+    """pytest-benchmark: FusedGatedMLP's forward + backward (the memory table's "memkernels" row), synchronized
+    on a GPU; the saved bytes per token of eager and memkernels at the same shape in extra_info."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens, hidden, intermediate, dtype = bench_shape(device)
+    torch.manual_seed(0)
+    linear = dict(bias=False, device=device, dtype=dtype)
+    eager = _with_act(EagerGatedMLP(nn.Linear(hidden, intermediate, **linear),
+                                    nn.Linear(hidden, intermediate, **linear),
+                                    nn.Linear(intermediate, hidden, **linear)))
+    fused = FusedGatedMLP.from_module(eager)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
+    grad_out = torch.randn(tokens, hidden, device=device, dtype=dtype)
+    saved = {name: measure(model, x, grad_out)[0] / tokens for name, model in (("eager", eager), ("memkernels", fused))}
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run():
+        fused(x).backward(grad_out)
+        x.grad = None
+        for param in fused.parameters():
+            param.grad = None
+        sync()
+
+    if device == "cuda":
+        benchmark(run)
+    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
+        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark.extra_info.update(shape=[tokens, hidden, intermediate], dtype=str(dtype),
+                                backend=resolve(x, "gated_linear"),
+                                saved_bytes_per_token=saved)
+    assert saved["memkernels"] <= TARGET_VS_EAGER * saved["eager"]
 
 
 if __name__ == "__main__":

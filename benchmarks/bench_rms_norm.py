@@ -2,6 +2,7 @@
 
     python benchmarks/bench_rms_norm.py                    # CPU, PyTorch reference path
     python benchmarks/bench_rms_norm.py --backend triton   # CPU, Triton kernels in the interpreter (slow)
+    pytest benchmarks/bench_rms_norm.py --benchmark-only   # forward + backward of each fused norm, timed
 
 Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
   - new B/tok: bytes the norm creates and keeps for backward
@@ -37,6 +38,11 @@ programs per SM over H = 1024..8192 instead, with each compiled variant's regist
 
 GPU timing (only with CUDA): forward+backward GB/s of memkernels (Triton) vs eager
 and torch.compile'd eager; otherwise the section says it skipped.
+
+pytest-benchmark (test_norm_forward_backward): FusedRMSNorm's and FusedLayerNorm's forward + backward at
+[64, 512] fp32 on a CPU (the PyTorch reference path) or at [tokens, hidden]'s defaults in bf16 with CUDA; the
+saved bytes per token (measure_memory's "new B/tok") of the fused norm and its eager twin in extra_info.
+Imported (by pytest) rather than run, the module reads no command line: ARGS holds the defaults.
 """
 import argparse
 import gc
@@ -49,7 +55,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 
-def _parse():
+def _parse(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=4096)
@@ -57,10 +63,11 @@ def _parse():
                         help="memkernels path on the CPU: PyTorch reference (default) or Triton interpreter")
     parser.add_argument("--sweep-backward", action="store_true",
                         help="GPU only: sweep the norm backward's warps per row and programs per SM, then exit")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-ARGS = _parse()
+# The command line only when run as a script: imported (pytest benchmarks/ --benchmark-only), sys.argv is pytest's.
+ARGS = _parse(None if __name__ == "__main__" else [])
 if ARGS.backend == "triton":
     os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first triton import
 
@@ -403,6 +410,48 @@ def main():
     elif ARGS.backend == "triton":  # the interpreter: memkernels' Python path with the launches stubbed
         host_time_section(8, 64, calls=2000, device="cpu")
     gpu_section(ARGS.tokens, ARGS.hidden)
+
+
+# ------------------------------------------------------------------------------------------------- pytest-benchmark
+def _bench_shape(device):
+    """(tokens, hidden, dtype) of the pytest-benchmark test: the script's defaults in bf16 with CUDA, a small
+    shape on a CPU."""
+    return (4096, 4096, torch.bfloat16) if device == "cuda" else (64, 512, torch.float32)
+
+
+def pytest_generate_tests(metafunc):
+    if "norm" in metafunc.fixturenames:
+        metafunc.parametrize("norm", ["rms_norm", "layer_norm"])
+
+
+def test_norm_forward_backward(benchmark, norm):
+    """pytest-benchmark: the fused norm's forward + backward, synchronized on a GPU; saved bytes per token of it
+    and of its eager twin (measure_memory, on the CPU) in extra_info."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    tokens, hidden, dtype = _bench_shape(device)
+    group = {"rms_norm": 0, "layer_norm": 2}[norm]  # _groups' plain RMSNorm and LayerNorm groups
+    modules = _groups(hidden, dtype, "cpu")[group][1]  # [(label, eager), (label, fused), (label, memory_efficient)]
+    saved = {label: measure_memory(module, False, 8, hidden, dtype)[0]
+             for label, module in (("eager", modules[0][1]), ("memkernels", modules[1][1]))}
+    module = _groups(hidden, dtype, device)[group][1][1][1]
+    x = torch.randn(tokens, hidden, dtype=dtype, device=device, requires_grad=True)
+    grad = torch.randn_like(x)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def run():
+        module(x).backward(grad)
+        x.grad = None
+        for parameter in module.parameters():
+            parameter.grad = None
+        sync()
+
+    if device == "cuda":
+        benchmark(run)
+    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
+        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark.extra_info.update(shape=[tokens, hidden], dtype=str(dtype), module=type(module).__name__,
+                                saved_bytes_per_token=saved)
+    assert saved["memkernels"] <= saved["eager"]
 
 
 if __name__ == "__main__":

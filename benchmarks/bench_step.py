@@ -13,8 +13,11 @@ cache; with it Hugging Face copies K and V into a DynamicCache in every layer), 
 ``optimizer.step()``, ``optimizer.zero_grad(set_to_none=True)``.
 Defaults: with CUDA, Llama-3-8B's dims (H 4096, I 14336, 32 heads, 8 KV heads, vocab 128256) with 4 layers at
 8192 tokens in bf16 (what fits an 80 GB card in every column; --layers for a bigger one); on a CPU, H 64, I 224,
-2 heads, 1 KV head, vocab 512, 2 layers, 128 tokens, fp32 (the Triton interpreter's cost grows with the tokens;
-the launch counts do not depend on them).
+2 heads, 1 KV head, vocab 512, 2 layers, 128 tokens, fp32 (the Triton interpreter's cost grows with the tokens).
+The launches per layer do not depend on the tokens; in memkernels' columns the step's launches and saved bytes
+do, through the loss: apply()'s linear cross-entropy runs with strategy "auto" (what a user gets), which takes
+"recompute" under 119 float32 tokens at this shape and "chunked" from there (apply()'s step: 124 launches at 8
+tokens, 126 at 128; tests/test_bench_step.py pins the 8-token figures).
 
 Columns, one at a time in the same run, each a fresh model built from the same seed (the same weights):
   eager;  compile: ``torch.compile(model)`` (not on a CPU: inductor makes C++ loops there, not the GPU's kernels,

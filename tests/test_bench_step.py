@@ -1,9 +1,13 @@
 """benchmarks/bench_step.py's CPU counts of a whole Llama training step, pinned (issue 31.4). No timing.
 
 The model is the benchmark's CPU shape (H 64, I 224, 2 heads, 1 KV head, vocab 512, 2 layers, fp32, SDPA,
-use_cache=False, AdamW fused) at 8 tokens: the launch counts do not depend on the tokens, the Triton
-interpreter's time does. A launch is an aten op that runs a kernel or a Triton grid (gpu_audit.count(); see the
-benchmark's docstring); launches per layer are the 2-layer model's count minus the 1-layer model's.
+use_cache=False, AdamW fused) at 8 tokens, where the Triton interpreter's time is short. The launches per layer
+do not depend on the tokens; the step's count and the saved bytes do, through the loss: its "auto" strategy
+(linear_cross_entropy.pick_strategy) takes "recompute" at 8 float32 tokens and "chunked" from 119 (at the
+benchmark's 128 tokens apply()'s step is 126 launches, recompute's 130). A launch is an aten op that runs a
+kernel or a Triton grid (gpu_audit.count(); see the benchmark's docstring); launches per layer are the 2-layer
+model's count minus the 1-layer model's. The saved bytes per token (SavedBytesMeter over the forward) are pinned
+too.
 
 Where the counts per layer come from (each measured op by op on transformers 5.24 / torch 2.13):
   common to every column, 30: 21 GEMMs (q, k, v, o, gate, up, down forward; dX and dW of each backward),
@@ -45,6 +49,11 @@ pytestmark = pytest.mark.skipif(not bench_step.interpreting(), reason=(
 SHAPE = bench_step.default_shape("cpu", tokens=8)
 # {column: (launches per step, launches per layer)}: derived in the module docstring
 PINNED = {"eager": (250, 100), "memkernels": (124, 40), "recompute": (128, 42)}
+# {column: saved bytes per token}: SavedBytesMeter's new bytes over the forward / 8 tokens (eager 119,148 bytes,
+# apply() 63,912, recompute 35,240), as measured on transformers 5.24 / torch 2.13; deterministic (shapes and
+# dtypes only). mlp="recompute" saves apply()'s bytes less each MLP's gate and up: 2 x 224 x 4 bytes a token in
+# each of the 2 layers, 3,584 bytes a token.
+PINNED_SAVED_PER_TOKEN = {"eager": 14893.5, "memkernels": 7989.0, "recompute": 4405.0}
 _figures = {}
 
 
@@ -73,9 +82,16 @@ def test_launches_per_step_and_per_layer(column):
         assert kernels["triton:_norm_fwd_kernel"] == kernels["triton:_norm_bwd_kernel"] == 5  # 2 per layer + final
         assert kernels["triton:_product_kernel"] == kernels["triton:_product_backward_kernel"] == 2
         assert kernels["triton:_rope_kernel"] == 4  # forward and backward, 2 layers
-        # and saved fewer bytes per token for backward than eager (here: the column's own test, so that each
-        # interpreted column is counted once on whichever xdist worker runs it)
-        assert counted["saved"] < figures("eager")["saved"]
+        # and saved fewer bytes per token for backward than eager
+        assert PINNED_SAVED_PER_TOKEN[column] < PINNED_SAVED_PER_TOKEN["eager"]
+    # the saved bytes per token, exactly (each interpreted column counted once, in its own test)
+    assert counted["saved"] / SHAPE.tokens == PINNED_SAVED_PER_TOKEN[column], counted["saved"]
+
+
+def test_recompute_saves_apply_s_bytes_less_the_mlp_s_gate_and_up():
+    # on the pinned figures: 2 layers x (gate + up) x I x 4 bytes (float32)
+    assert PINNED_SAVED_PER_TOKEN["memkernels"] - PINNED_SAVED_PER_TOKEN["recompute"] == (
+        SHAPE.layers * 2 * SHAPE.intermediate * 4)
 
 
 def test_memkernels_launches_per_layer_at_most_liger():

@@ -179,13 +179,15 @@ def test_default_chunking_matches_float64(backend, strategy, dtype, chunks, monk
     """The default chunks: "one" has fewer tokens than a chunk. "several": 163 tokens with the 16 MiB floor off
     and every dtype at float32's ridge (20 FLOPs per byte; bfloat16's 295 would take 2363 tokens, minutes in
     the interpreter; test_chunked_default_chunks_keep_the_update_compute_bound checks that rule at its own
-    values): chunked takes two chunks of at least its minimum 4 * 20 = 80 tokens, the second a token shorter
+    values) and the 1024-token floor off: chunked takes two chunks of at least its minimum 4 * 20 = 80 tokens,
+    the second a token shorter
     (82 + 81), recompute forward chunks of its minimum (float32 80, bfloat16 2 * 20 * 2 / 2 = 40) and a last
     one of 3 tokens."""
     if chunks == "one":
         run_check(dtype, 33, 16, 129, "mean", strategy, "combined", chunk_size=None)
         return
     monkeypatch.setattr(lce, "DEFAULT_CHUNK_BYTES", 1)
+    monkeypatch.setattr(lce, "CHUNKED_MIN_TOKENS", 1)
     monkeypatch.setitem(lce.RIDGE_FLOPS_PER_BYTE, dtype, 20)
     assert lce.chunked_chunk_tokens(163, 16, 129, dtype, bias=True) == 82
     assert 163 % lce.recompute_chunk_tokens(129, dtype) == 3
@@ -312,7 +314,8 @@ class TestHeldBytes:
         as keeps a chunk within max(DEFAULT_CHUNK_BYTES, (dX + float32 dW) / 8) with the float32 gradient of half
         inputs with a bias, and the transient peak stays within that budget."""
         monkeypatch.setattr(lce, "DEFAULT_CHUNK_BYTES", 1)  # so the held-bytes fraction decides
-        monkeypatch.setitem(lce.RIDGE_FLOPS_PER_BYTE, dtype, 1)  # and not the 4 * ridge tokens minimum
+        monkeypatch.setitem(lce.RIDGE_FLOPS_PER_BYTE, dtype, 1)  # and not the 4 * ridge tokens minimum,
+        monkeypatch.setattr(lce, "CHUNKED_MIN_TOKENS", 1)  # nor the 1024-token floor
         n_tokens, hidden_size, n_classes = 64, 64, 512  # several chunks of several tokens in every dtype
         hidden = torch.randn(n_tokens, hidden_size, dtype=dtype, requires_grad=True)
         weight = torch.randn(n_classes, hidden_size, dtype=dtype, requires_grad=True)
@@ -359,12 +362,14 @@ class TestHeldBytes:
 
     @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
     def test_chunked_default_chunks_keep_the_update_compute_bound(self, dtype, monkeypatch):
-        """Default "chunked" chunks: no chunk under m = 4 * ridge tokens (fp32 80, bf16 1180; each reads and writes
-        the float32 dW for 2 r V H FLOPs) when the budget would give fewer, and equal chunks, so that the last
-        one is not short: 2 m + 3 tokens are two chunks (m + 2, m + 1), not two of m and one of 3; under 2 m
-        tokens, one chunk."""
+        """Default "chunked" chunks: no chunk under m = max(1024, 4 * ridge) tokens (fp32 1024, bf16 1180; each
+        reads and writes the float32 dW for 2 r V H FLOPs; issue 31.3 asks >= 1,024 in every dtype) when the
+        budget would give fewer, and equal chunks, so that the last one is not short: 2 m + 3 tokens are two
+        chunks (m + 2, m + 1), not two of m and one of 3; under 2 m tokens, one chunk."""
         monkeypatch.setattr(lce, "DEFAULT_CHUNK_BYTES", 1)  # so the minimum decides
-        minimum = 4 * lce.RIDGE_FLOPS_PER_BYTE[dtype]
+        minimum = max(1024, 4 * lce.RIDGE_FLOPS_PER_BYTE[dtype])
+        assert minimum == {torch.float32: 1024, torch.bfloat16: 1180}[dtype]
+        assert lce.chunked_chunk_tokens(2 * minimum + 3, 8, 5, dtype) == minimum + 2
         calls = []
         monkeypatch.setattr(lce, "head_logits", lambda h, w, b, logits=lce.head_logits: calls.append(len(h)) or logits(h, w, b))
         for n_tokens, expected in ((2 * minimum + 3, [minimum + 2, minimum + 1]), (2 * minimum - 1, [2 * minimum - 1]),
@@ -399,8 +404,10 @@ class TestHeldBytes:
         assert pick_strategy("auto", 8192, *head, bf16, True, "none") == "recompute"  # chunked cannot
         assert pick_strategy("chunked", 1, *head, bf16, True, "mean") == "chunked"  # named: taken as is
         # 8192 tokens, bf16: 6 chunks of 1366 >= 4 x 295 tokens, whose updates cost their FLOPs only; 10 x 295 =
-        # 2950 V H against 2 x 8192 + 295 x 8192 x 2 / 4096 = 17564 V H. float32: 16 chunks of 512 >= 80, 12 x 20
+        # 2950 V H against 2 x 8192 + 295 x 8192 x 2 / 4096 = 17564 V H. float32: 8 chunks of 1024 >= 80, 12 x 20
         # = 240 V H against 16384 + 20 x 8192 x 4 / 4096 = 16544 V H.
+        assert lce.chunked_chunk_tokens(8192, *head, bf16) == 1366
+        assert lce.chunked_chunk_tokens(8192, *head, f32) == 1024  # the budget alone: 544 tokens
         for dtype in (bf16, torch.float16, f32):
             assert pick_strategy("auto", 8192, *head, dtype, True, "mean") == "chunked"
         # One chunk of N >= 4 ridge tokens: 2950 H against N (2 H + 590): bf16 from N = 1376 (12,083,200 against

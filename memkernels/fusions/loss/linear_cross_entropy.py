@@ -74,12 +74,13 @@ the float32 dX, so small ones make memory-bound GEMMs on a GPU (see
 head at 8192 tokens, bfloat16: 14 chunks of 590 tokens and 55 tiles of 2360
 classes, against 390 chunks and 376 tiles with 16 MiB alone. For ``"chunked"`` it is the
 larger of :data:`DEFAULT_CHUNK_BYTES` and :data:`CHUNKED_TRANSIENT_FRACTION` of
-what the strategy holds anyway (dX plus the float32 dW), but no chunk under 4 x the GPU's
-FLOPs per byte in tokens (1180 for half inputs, 80 for float32; see
-:func:`chunked_chunk_tokens`): every chunk reads and writes all of the float32 dW, so
-smaller chunks make its update memory-bound; the chunks are of equal size, so the last
-one is not short. Llama-3-8B's head at 8192 tokens, bfloat16: 6 chunks of 1366 tokens
-(334 MiB of logits each; float32: 16 of 512). A chunk of half logits
+what the strategy holds anyway (dX plus the float32 dW), but no chunk under 1024 tokens
+nor under 4 x the GPU's FLOPs per byte in tokens (1180 for half inputs, 1024 for
+float32; see :func:`chunked_chunk_tokens`, :data:`CHUNKED_MIN_TOKENS`): every chunk
+reads and writes all of the float32 dW, so smaller chunks make its update memory-bound;
+the chunks are of equal size, so the last one is not short. Llama-3-8B's head at 8192
+tokens, bfloat16: 6 chunks of 1366 tokens (334 MiB of logits each; float32: 8 of 1024,
+501 MiB each). A chunk of half logits
 takes their gradient in place (rounded once to the input dtype, as eager's is); only
 with a bias gradient does it go through a float32 chunk first, so that ``dB`` sums
 unrounded values. ``chunk_size`` (tokens per chunk) overrides the chunk. Results are
@@ -183,6 +184,15 @@ CHUNKED_TRANSIENT_FRACTION = 1 / 8
 RIDGE_FLOPS_PER_BYTE = {torch.bfloat16: 295, torch.float16: 295, torch.float32: 20}
 
 
+# "chunked" chunks have at least this many tokens (unless N has fewer), in every dtype (issue 31.3), and at least
+# 4 * ridge (1180 for bf16/fp16): every chunk's dW update reads and writes the whole float32 accumulator. float32's
+# ridge (20, FP32 without TF32) alone would allow 80-token chunks, but a float32 GEMM runs on TF32 tensor cores
+# wherever torch.backends.cuda.matmul allows it (ridge ~148: ~590 tokens), and below ~1k rows cuBLAS's dW GEMMs
+# fall off their efficient sizes; the cost is a larger transient chunk (Llama-3-8B's head at 8192 float32 tokens:
+# 8 chunks of 1024, 501 MiB of logits each, instead of 16 of 512).
+CHUNKED_MIN_TOKENS = 1024
+
+
 # The "recompute" chunks and tiles are at least this many times the size at which their GEMM's FLOPs take as
 # long as its re-read operand's bytes (headroom for the bytes it also writes).
 RIDGE_HEADROOM = 2
@@ -215,16 +225,17 @@ def chunked_budget(n_tokens, hidden_size, n_classes, dtype):
 def chunked_chunk_tokens(n_tokens, hidden_size, n_classes, dtype, bias=False, chunk_size=None):
     """Tokens per "chunked" chunk: chunk_size, or by default the N tokens in C chunks of ceil(N / C) (the last
     one up to C - 1 shorter), C as small as keeps a chunk within :func:`chunked_budget` (e bytes a logit, 4 more
-    for half inputs with a bias gradient: its float32 chunk) but no chunk under 4 * ridge tokens (1180 for
-    bf16/fp16, 80 for float32) unless N is: a chunk of r tokens reads and writes the float32 dW accumulator
-    (8 V H bytes) for the 2 r V H FLOPs of its update, r / 4 FLOPs per byte, so a smaller chunk (a short last
-    one included) makes that update memory-bound on a GPU. Under 2 * 4 * ridge tokens that is one chunk."""
+    for half inputs with a bias gradient: its float32 chunk) but no chunk under m = max(CHUNKED_MIN_TOKENS,
+    4 * ridge) tokens (1180 for bf16/fp16, 1024 for float32) unless N is: a chunk of r tokens reads and writes
+    the float32 dW accumulator (8 V H bytes) for the 2 r V H FLOPs of its update, r / 4 FLOPs per byte, so a
+    smaller chunk (a short last one included) makes that update memory-bound on a GPU (float32: see
+    CHUNKED_MIN_TOKENS). Under 2 m tokens that is one chunk."""
     if chunk_size is not None:
         return chunk_size
     budget = chunked_budget(n_tokens, hidden_size, n_classes, dtype)
     bytes_per_logit = torch.finfo(dtype).bits // 8 + (4 if bias and dtype != torch.float32 else 0)
     fit = max(1, budget // (bytes_per_logit * max(n_classes, 1)))
-    minimum = 4 * RIDGE_FLOPS_PER_BYTE[dtype]
+    minimum = max(CHUNKED_MIN_TOKENS, 4 * RIDGE_FLOPS_PER_BYTE[dtype])
     n_chunks = max(1, min(-(-n_tokens // max(fit, minimum)), n_tokens // minimum))
     return max(1, -(-n_tokens // n_chunks))
 
@@ -855,7 +866,7 @@ def linear_cross_entropy(hidden, weight, target, *, bias=None, class_weight=None
             predictions come from each chunk's logits in the loss's pass (no extra GEMM).
         strategy: "auto", "chunked" or "recompute" (see the module docstring).
         chunk_size: tokens per logits chunk; default: as many as fit the transient budget (16 MiB;
-            for "chunked" at least 1/8 of dX + float32 dW and at least 1180 tokens for half inputs, 80 for
+            for "chunked" at least 1/8 of dX + float32 dW and at least 1180 tokens for half inputs, 1024 for
             float32; for "recompute" at least 590 tokens per chunk and 2360 classes per backward tile for half
             inputs, 80 and 160 for float32; see the module docstring).
         backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
