@@ -1008,11 +1008,11 @@ def test_keep_only_profile_is_completed_on_request(monkeypatch):
 
 
 def test_when_the_host_binds_the_message_does_not_ask_for_bigger_gpus():
-    """Llama-3-8B at 512k tokens with 1 TB of host memory: the GPUs would hold the placement only by offloading
-    1.64 TiB per GPU; the message names the host memory it would take, not a GPU size below the 80 GB given.
-    (At 384k, this test's length until the meta profiles stopped counting the fused MLPs' float32 temporaries
-    at full size, the placement now fits: 2-28 of 32 layers' checkpoints offloaded.)"""
-    result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=524288, host_mem="1TB")
+    """Llama-3-8B at 384k tokens with 512 GB of host memory: the GPUs would hold the placement only by offloading
+    84 GiB per GPU, 672 GiB in all; the message names the host memory it would take, not a GPU size below the
+    80 GB given. (At 512k with 1 TB, this test's case until offload prefetched a whole layer ahead by default,
+    the restored layer now takes the GPUs past 80 GB: "It would fit on GPUs of 95.17 GiB".)"""
+    result = plan("llama-3-8b", gpu_mem="80GB", gpus=8, seq=393216, host_mem="512GB")
     assert not result.fits
-    assert result.nearest.startswith("The GPUs would hold it") and "of host memory" in result.nearest
-    assert "the node has 1.00 TiB" in result.nearest
+    assert result.nearest.startswith("The GPUs would hold it") and "672.00 GiB of host memory" in result.nearest
+    assert "the node has 512.00 GiB" in result.nearest
