@@ -328,6 +328,37 @@ def test_empty_batch(backend):
     assert torch.equal(weight.grad, torch.zeros_like(weight)) and torch.equal(bias.grad, torch.zeros_like(bias))
 
 
+@pytest.mark.parametrize("op", ["gated_linear", "packed", "recompute", "recompute_chunked", "gelu_linear"])
+def test_outputs_may_be_modified_in_place(op):
+    """The output [2, 5, 8] (float64) is the op's own tensor, not a view made inside it, so autograd takes an
+    in-place add into it (Llama-4's MoE adds its routed experts into the shared expert's output) and gives the
+    gradients of the out-of-place add."""
+    from memkernels.functional import gelu_linear
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64).requires_grad_()
+    gate_up_weight = torch.randn(12, 8, generator=generator, dtype=torch.float64).requires_grad_()
+    down = torch.randn(8, 6, generator=generator, dtype=torch.float64).requires_grad_()
+    square = torch.randn(8, 8, generator=generator, dtype=torch.float64).requires_grad_()
+    residual = torch.randn(2, 5, 8, generator=generator, dtype=torch.float64)
+    ops = {"gated_linear": lambda: gated_linear(*(x @ gate_up_weight.t()).chunk(2, -1), down),
+           "packed": lambda: gated_linear(gate_up=x @ gate_up_weight.t(), weight=down),
+           "recompute": lambda: gated_mlp_recompute(x, gate_up_weight, None, None, None, down, None),
+           "recompute_chunked": lambda: gated_mlp_recompute(x, gate_up_weight, None, None, None, down, None,
+                                                            chunk_size=4),
+           "gelu_linear": lambda: gelu_linear(x, square)}
+    leaves = (x, gate_up_weight, square if op == "gelu_linear" else down)
+
+    def grads(in_place):
+        out = ops[op]()
+        assert out._base is None and out.shape == residual.shape
+        out = out.add_(residual) if in_place else out + residual
+        return torch.autograd.grad((out * residual).sum(), leaves, allow_unused=op == "gelu_linear")
+
+    for got, expected in zip(grads(True), grads(False)):
+        assert (got is None and expected is None) or torch.equal(got, expected)
+
+
 # --------------------------------------------------------------------------------------------
 # Memory contract, measured
 

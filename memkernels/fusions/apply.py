@@ -34,8 +34,10 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   projections, and LoRA dropout on down_proj (it needs the product materialized).
 - mixture-of-experts experts in transformers' stacked layout (``gate_up_proj`` [E, 2*I, H],
   ``down_proj`` [E, H, I], gate first, no bias) → the same routing with the down projection as
-  ``grouped_gated_linear``: gate_up saved per routed token, act(gate) * up never. Other layouts
-  (GPT-OSS's) are left alone, with the reason.
+  ``grouped_gated_linear``: gate_up saved per routed token, act(gate) * up never; ``mlp="recompute"``:
+  ``grouped_gated_mlp_recompute``, which saves neither gate_up nor the gathered hidden states and recomputes
+  both in backward. Other layouts (GPT-OSS's interleaved, Llama-4's transposed) are left alone, with the
+  reason, and so are all experts with ``mlp=False`` (the report lists every mixture-of-experts layer).
 - rope: an attention module whose forward calls a module-level function named like a RoPE
   (``apply_rotary_pos_emb``) that computes ``x * cos + rotate_half(x) * sin`` for q and k (probed once
   per function in float64) → the same class with that one call redirected to ``memkernels.functional.rope``
@@ -116,10 +118,10 @@ class PatchReport:
 
     ``replaced``: list of dicts ``name`` (qualified module name, ``''`` = the model),
     ``before``, ``after`` (type names; a gated MLP's adds its mode, "(saves gate, up)" or
-    "(recompute)"); ``skipped``: dicts ``name``, ``type``, ``reason``; ``notes``: sentences on
-    when a replacement takes effect; ``bytes_per_token``: ``{"before": float, "after": float}`` saved
-    for backward per token by a training forward (measured on a meta copy at
-    ``measured_tokens``), or None with ``measure_note`` saying why.
+    "(recompute)", stacked experts' "(saves gate_up)" or "(recompute)"); ``skipped``: dicts ``name``, ``type``,
+    ``reason``; ``notes``: sentences on when a replacement takes effect; ``bytes_per_token``:
+    ``{"before": float, "after": float}`` saved for backward per token by a training forward (measured on a meta
+    copy at ``measured_tokens``), or None with ``measure_note`` saying why.
     """
 
     def __init__(self):
@@ -238,10 +240,15 @@ def _plan(model, settings, report):
     leaves alone go to ``report.skipped`` with its reason. Nothing is changed yet."""
     actions = []
     rules = [rule for rule in RULES if settings[rule.option]]
+    reported_off = [rule for rule in RULES if not settings[rule.option] and rule.reported_when_off]
     for name, module in model.named_modules():
         rule = next((rule for rule in rules if rule.matches(module)), None)
         if rule is not None:
             _decide(rule, name, module, actions, report)
+            continue
+        off = next((rule for rule in reported_off if rule.matches(module)), None)
+        if off is not None:
+            report.skipped.append({"name": name, "type": type(module).__name__, "reason": f"{off.option}=False"})
     for rule in MODEL_RULES:
         found = rule.locate(model) if settings[rule.option] else None
         if found is not None:
@@ -270,7 +277,8 @@ def apply(model, *, norms=True, mlp=True, loss=True, rope=True, measure=True):
     ``model``: any nn.Module (a memkernels :class:`~memkernels.models.TransformerLM`,
     a Hugging Face model, or your own module containing nn.LayerNorm/nn.RMSNorm).
     ``norms`` / ``mlp`` / ``loss`` / ``rope``: which kinds to replace (see the module doc);
-    ``mlp="recompute"`` also recomputes gated MLPs' gate and up in backward instead of saving them.
+    ``mlp="recompute"`` also recomputes gated MLPs' (and stacked experts') gate and up in backward instead of saving
+    them.
     ``measure``: for a causal LM, also measure saved bytes per token before and
     after on a meta copy (no real memory, a fraction of a second). Call it
     before wrapping the model in DDP/FSDP or ``torch.compile``.

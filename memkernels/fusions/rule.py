@@ -25,6 +25,7 @@ class Rule:
     kind = None
     option = None
     note = None  # a sentence the report adds once when this rule fused something
+    reported_when_off = False  # whether the report lists the modules it recognizes when its option is off
 
     def matches(self, module):
         """Whether ``module`` is of this rule's kind (and not fused already)."""

@@ -6,7 +6,7 @@ besides x). Here only gate and up (x) are saved; the product is formed when a GE
 transient buffer that is freed at once:
 
 - forward:  c = act(gate) * up       one elementwise pass: fp32 math, rounded once to the dtype
-            y = c @ W.T + b           cuBLAS (F.linear); c is freed
+            y = c @ W.T + b           cuBLAS (mm or addmm into y); c is freed
 - backward: g = dy @ W                cuBLAS, [M, I]: dL/dc
             one pass reads g, gate, up and writes d_gate = g * up * act'(gate), d_up = g * act(gate),
             and c over g (the buffer is done with)
@@ -32,7 +32,6 @@ are gelu_linear's and gated_linear's).
 import types
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -275,21 +274,22 @@ def _chunk(length, other, element_size, minimum):
     return max(minimum, TRANSIENT_BYTES // max(1, other * element_size))
 
 
-def forward(gate2d, up2d, weight, bias, activation, backend):
-    """y [M, N] = (act(gate2d) * up2d) @ weight.T (+ bias), c formed in row chunks where it is large."""
+def forward(gate2d, up2d, weight, bias, activation, backend, lead=None):
+    """y [*lead, N] (``lead`` default [M]) = (act(gate2d) * up2d) @ weight.T (+ bias), c formed in row chunks where
+    it is large. The GEMMs write into y itself, not into a 2-D buffer viewed as y: an op that returns a view of its
+    own buffer returns an output autograd forbids to modify in place (Llama-4's MoE adds into its shared expert's)."""
     passes = PASSES[backend]
     rows, width = gate2d.shape
+    out = gate2d.new_empty(*((rows,) if lead is None else lead), weight.shape[0])
+    out2d = out.view(rows, weight.shape[0])
     step = _chunk(rows, width, gate2d.element_size(), MIN_CHUNK_ROWS)
-    if step >= rows:
-        return F.linear(passes.product(gate2d, up2d, activation), weight, bias)
-    out = gate2d.new_empty(rows, weight.shape[0])
     for start in range(0, rows, step):
         part = slice(start, start + step)
         product = passes.product(gate2d[part], None if up2d is None else up2d[part], activation)
         if bias is None:
-            torch.mm(product, weight.t(), out=out[part])
+            torch.mm(product, weight.t(), out=out2d[part])
         else:
-            torch.addmm(bias, product, weight.t(), out=out[part])
+            torch.addmm(bias, product, weight.t(), out=out2d[part])
         del product  # before the next chunk's is formed
     return out
 

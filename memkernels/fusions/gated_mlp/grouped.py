@@ -17,7 +17,16 @@ these operands (CPU: float32 / float16 / bfloat16 with 16-byte aligned strides; 
 else a loop over experts, which reads ``offsets`` on the host (a device sync on CUDA) and runs one GEMM an
 expert: :func:`grouped_mm`.
 
-File order: the grouped GEMM → steps → autograd and OpSpec → public function.
+``mlp="recompute"``: :func:`grouped_gated_mlp_recompute` is the whole experts' MLP from the token-ordered hidden
+states [T, H] and each routed row's token, as two ops: the gather and gate_up projection (grouped_gather_mm), then
+the down projection above (grouped_gated_linear_recomputing). Each saves only the hidden states (which the caller
+keeps), the row-to-token index and the weights; the second recomputes gate_up in backward (one more grouped GEMM),
+the first gathers the rows again. No tensor is saved per routed token beyond the index, where the default path
+saves the gathered rows (H) and gate_up (2*I). Two ops, so that autograd adds and frees one weight gradient before
+the next is made, as in eager. No token chunks, unlike the dense gated_mlp_recompute: backward holds gate_up and
+its gradient for all routed tokens at once, as the default path's backward does.
+
+File order: the grouped GEMM → steps → autograd and OpSpec → public functions.
 """
 import functools
 
@@ -51,12 +60,16 @@ def _grouped_mm_runs(a, b):
 def grouped_mm(a, b, offsets):
     """Per expert e, the rows (or, for 2-D ``b``, the columns of ``a`` and rows of ``b``) from ``offsets[e-1]`` to
     ``offsets[e]``: ``a`` [S, K] x ``b`` [E, K, N] -> [S, N]; ``a`` [M, S] x ``b`` [S, N] -> [E, M, N] (a weight
-    gradient; an expert without rows gets zeros). torch._grouped_mm where it runs, else a loop over experts."""
+    gradient; an expert without rows gets zeros). torch._grouped_mm where it runs, else a loop over experts
+    (differentiable in the first form, as torch._grouped_mm is: the experts' gate_up projection under autograd)."""
     if _grouped_mm_runs(a, b):
         return torch._grouped_mm(a, b, offs=offsets)
     ends = offsets.tolist()
     starts = [0] + ends[:-1]
     if b.dim() == 3:
+        if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+            # autograd records no out= op: one GEMM an expert into its own tensor, then one copy into the result
+            return torch.cat([a[start:end] @ b[expert] for expert, (start, end) in enumerate(zip(starts, ends))])
         out = a.new_empty(a.shape[0], b.shape[-1])
         for expert, (start, end) in enumerate(zip(starts, ends)):
             torch.mm(a[start:end], b[expert], out=out[start:end])
@@ -99,6 +112,48 @@ def _backward_fake(grad_out, gate_up, weight, offsets, needs_input, needs_weight
         [weight.new_empty(weight.shape)] if needs_weight else [])
 
 
+def _gather_forward(hidden_states, rows, gate_up_proj, offsets):
+    """gate_up [S, 2*I]: hidden_states [T, H] gathered by ``rows`` [S] (each row's token), grouped through
+    gate_up_proj [E, 2*I, H]; the gathered rows are transient. No elementwise pass, so no backend argument."""
+    return grouped_mm(hidden_states[rows], gate_up_proj.transpose(-2, -1), offsets)
+
+
+def _gather_backward(grad_gate_up, hidden_states, rows, gate_up_proj, offsets, needs_input, needs_weight):
+    """[d_hidden_states [T, H]] when ``needs_input`` (the rows' gradients summed per token, as autograd sums an
+    index's), then [d_gate_up_proj [E, 2*I, H]] when ``needs_weight``; the rows gathered again for it."""
+    results = []
+    if needs_input:
+        grad_routed = grouped_mm(grad_gate_up, gate_up_proj, offsets)
+        results.append(hidden_states.new_zeros(hidden_states.shape).index_put_((rows,), grad_routed, accumulate=True))
+        del grad_routed
+    if needs_weight:
+        results.append(grouped_mm(grad_gate_up.t(), hidden_states[rows], offsets))
+    return results
+
+
+def _gather_backward_fake(grad_gate_up, hidden_states, rows, gate_up_proj, offsets, needs_input, needs_weight):
+    return [tensor.new_empty(tensor.shape) for needs, tensor in ((needs_input, hidden_states),
+                                                                 (needs_weight, gate_up_proj)) if needs]
+
+
+def _recomputing_forward(gate_up, hidden_states, rows, gate_up_proj, weight, offsets, activation, backend):
+    """:func:`_forward`'s [S, N]; hidden_states, rows and gate_up_proj go only to backward, to recompute gate_up."""
+    return _forward(gate_up, weight, offsets, activation, backend)
+
+
+def _recomputing_backward(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, needs_input, needs_weight,
+                          activation, backend):
+    """:func:`_backward`'s results with gate_up recomputed (one more grouped GEMM)."""
+    return _backward(grad_out, _gather_forward(hidden_states, rows, gate_up_proj, offsets), weight, offsets,
+                     needs_input, needs_weight, activation, backend)
+
+
+def _recomputing_backward_fake(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, needs_input, needs_weight,
+                               activation, backend):
+    return ([weight.new_empty(rows.shape[0], 2 * weight.shape[2])] if needs_input else []) + (
+        [weight.new_empty(weight.shape)] if needs_weight else [])
+
+
 # --------------------------------------------------------------------------------------------
 # Autograd and the declaration
 
@@ -135,8 +190,65 @@ GROUPED_GATED_LINEAR = OpSpec(
     autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1))
 
 
+def _gather_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # hidden_states, rows, gate_up_proj, offsets: not the output
+
+
+def _gather_backward_formula(ctx, steps, grad_gate_up):
+    hidden_states, rows, gate_up_proj, offsets = ctx.saved_tensors
+    needs_input, _, needs_weight = ctx.needs_input_grad[:3]
+    results = iter(steps.backward(grad_gate_up.contiguous(), hidden_states, rows, gate_up_proj, offsets, needs_input,
+                                  needs_weight) if needs_input or needs_weight else [])
+    return (next(results) if needs_input else None), None, (next(results) if needs_weight else None), None
+
+
+GROUPED_GATHER_MM = OpSpec(
+    "grouped_gather_mm",
+    Step("grouped_gather_mm", _gather_forward,
+         lambda hidden_states, rows, gate_up_proj, offsets: hidden_states.new_empty(rows.shape[0],
+                                                                                     gate_up_proj.shape[1]),
+         schema="(Tensor hidden_states, Tensor rows, Tensor gate_up_proj, Tensor offsets) -> Tensor"),
+    steps={"backward": Step(
+        "grouped_gather_mm_backward", _gather_backward, _gather_backward_fake,
+        schema="(Tensor grad_gate_up, Tensor hidden_states, Tensor rows, Tensor gate_up_proj, Tensor offsets, "
+               "bool needs_input, bool needs_weight) -> Tensor[]")},
+    setup_context=_gather_setup_context, backward=_gather_backward_formula,
+    autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 2))
+
+
+def _recomputing_setup_context(ctx, inputs, output):
+    gate_up, hidden_states, rows, gate_up_proj, weight, offsets, activation, backend = inputs
+    ctx.save_for_backward(hidden_states, rows, gate_up_proj, weight, offsets)  # not gate_up
+    ctx.activation, ctx.backend = activation, backend
+
+
+def _recomputing_backward_formula(ctx, steps, grad_out):
+    hidden_states, rows, gate_up_proj, weight, offsets = ctx.saved_tensors
+    needs_input, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+    results = iter(steps.backward(grad_out.contiguous(), hidden_states, rows, gate_up_proj, weight, offsets,
+                                  needs_input, needs_weight, ctx.activation, ctx.backend)
+                   if needs_input or needs_weight else [])
+    grad_gate_up = next(results) if needs_input else None
+    return grad_gate_up, None, None, None, (next(results) if needs_weight else None), None, None, None
+
+
+GROUPED_GATED_LINEAR_RECOMPUTING = OpSpec(
+    "grouped_gated_linear_recomputing",
+    Step("grouped_gated_linear_recomputing", _recomputing_forward,
+         lambda gate_up, hidden_states, rows, gate_up_proj, weight, offsets, activation, backend:
+         gate_up.new_empty(gate_up.shape[0], weight.shape[1]),
+         schema="(Tensor gate_up, Tensor hidden_states, Tensor rows, Tensor gate_up_proj, Tensor weight, "
+                "Tensor offsets, str activation, str backend) -> Tensor"),
+    steps={"backward": Step(
+        "grouped_gated_linear_recomputing_backward", _recomputing_backward, _recomputing_backward_fake,
+        schema="(Tensor grad_out, Tensor hidden_states, Tensor rows, Tensor gate_up_proj, Tensor weight, "
+               "Tensor offsets, bool needs_input, bool needs_weight, str activation, str backend) -> Tensor[]")},
+    setup_context=_recomputing_setup_context, backward=_recomputing_backward_formula,
+    autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1, 3, 4))
+
+
 # --------------------------------------------------------------------------------------------
-# Public function
+# Public functions
 
 
 def grouped_gated_linear(gate_up, weight, offsets, *, activation="silu", backend=None):
@@ -170,9 +282,63 @@ def _grouped_gated_linear(gate_up, weight, offsets, *, activation, backend):
     if weight.dtype != gate_up.dtype or weight.device != gate_up.device:
         raise ValueError(f"{owner}: weight is {weight.dtype} on {weight.device} but gate_up {gate_up.dtype} on "
                          f"{gate_up.device}; give them one dtype and device")
-    if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (weight.shape[0],)
-            or offsets.device != gate_up.device):
-        raise ValueError(f"{owner}: offsets must be an int32 tensor of shape ({weight.shape[0]},) (one end row per "
-                         f"expert) on {gate_up.device}")
+    _check_offsets(offsets, weight.shape[0], gate_up.device, owner)
     return GROUPED_GATED_LINEAR(gate_up, weight, offsets, activation,
                                 GROUPED_GATED_LINEAR.backend(backend, gate_up, what="gate_up"))
+
+
+def _check_offsets(offsets, experts, device, owner):
+    if (not isinstance(offsets, torch.Tensor) or offsets.dtype != torch.int32 or offsets.shape != (experts,)
+            or offsets.device != device):
+        raise ValueError(f"{owner}: offsets must be an int32 tensor of shape ({experts},) (one end row per expert) "
+                         f"on {device}")
+
+
+def grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, activation="silu",
+                                backend=None):
+    """The routed experts' gated MLPs, ``(act(gate) * up) @ down_proj[e].T`` with gate_up the row's hidden state
+    through ``gate_up_proj[e]``, saving only the inputs: gate_up is recomputed in backward (``mlp="recompute"``).
+
+    Args:
+        hidden_states: [T, H], the tokens; float32 / float16 / bfloat16 (the torch backend takes any floating
+            dtype).
+        rows: [S] int64, each routed row's token, rows sorted by expert (``order // top_k``).
+        gate_up_proj: [E, 2*I, H], the experts' packed gate and up projections (first half gate; Hugging Face's
+            stacked ``gate_up_proj``); down_proj: [E, H, I]. Same dtype and device as hidden_states.
+        offsets: [E] int32, each expert's end row, ending at S.
+        activation, backend: as :func:`grouped_gated_linear`'s.
+
+    Returns:
+        [S, H] in the inputs' dtype, row r the down projection of token ``rows[r]``'s gated MLP.
+    """
+    return GROUPED_GATHER_MM.with_autocast(
+        functools.partial(_grouped_gated_mlp_recompute, activation=activation, backend=backend), hidden_states, rows,
+        gate_up_proj, down_proj, offsets, positions=(0, 2, 3))
+
+
+def _grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, activation, backend):
+    owner = "grouped_gated_mlp_recompute"
+    check_activation(activation, owner)
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+        raise ValueError(f"{owner}: hidden_states must be a 2-D tensor [tokens, hidden_size]")
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(f"{owner}: rows must be a 1-D int64 tensor (each routed row's token)")
+    hidden = hidden_states.shape[1]
+    for name, weight, shape in (("gate_up_proj", gate_up_proj, "[experts, 2 * intermediate_size, hidden_size]"),
+                                ("down_proj", down_proj, "[experts, hidden_size, intermediate_size]")):
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+            raise ValueError(f"{owner}: {name} must be {shape}")
+        if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
+            raise ValueError(f"{owner}: {name} is {weight.dtype} on {weight.device} but hidden_states "
+                             f"{hidden_states.dtype} on {hidden_states.device}; give them one dtype and device")
+    if (gate_up_proj.shape[2] != hidden or down_proj.shape[1] != hidden or gate_up_proj.shape[0] != down_proj.shape[0]
+            or gate_up_proj.shape[1] != 2 * down_proj.shape[2]):
+        raise ValueError(f"{owner}: gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} "
+                         f"must be [E, 2*I, H={hidden}] and [E, H, I]")
+    _check_offsets(offsets, down_proj.shape[0], hidden_states.device, owner)
+    # Two autograd nodes, not one: autograd adds and frees down_proj's gradient before gate_up_proj's is made, as
+    # it does eager's (one node returning both would hold both, E*H*I elements more at backward's peak).
+    gate_up = GROUPED_GATHER_MM(hidden_states, rows, gate_up_proj, offsets)
+    return GROUPED_GATED_LINEAR_RECOMPUTING(
+        gate_up, hidden_states, rows, gate_up_proj, down_proj, offsets, activation,
+        GROUPED_GATED_LINEAR_RECOMPUTING.backend(backend, hidden_states, owner, "hidden_states"))

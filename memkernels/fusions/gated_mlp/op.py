@@ -49,8 +49,7 @@ def _operands(gate, up):
 
 def _forward(gate, up, weight, bias, activation, backend):
     """[..., N] from gate and up [..., I] (or a packed [..., 2*I] gate_up and up None)."""
-    out = act_linear.forward(*_operands(gate, up), weight, bias, activation, backend)
-    return out.view(*gate.shape[:-1], out.shape[-1])
+    return act_linear.forward(*_operands(gate, up), weight, bias, activation, backend, lead=gate.shape[:-1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -152,20 +151,25 @@ class GatedMLPRecomputeFunction(torch.autograd.Function):
         step = chunk_tokens(rows, down_weight.shape[1], x.element_size(), chunk_size)
         forward_step = GATED_LINEAR.step("forward")
         if step >= rows:
-            out = forward_step(*_project(x2d, gate_weight, gate_bias, up_weight, up_bias), down_weight, down_bias,
-                               activation, backend)
+            # gate and up in x's leading shape: the step returns the output itself, not a view of it, which the
+            # caller could not modify in place
+            gate, up = _project(x2d, gate_weight, gate_bias, up_weight, up_bias)
+            lead = x.shape[:-1]
+            out = forward_step(gate.view(*lead, gate.shape[-1]), up.view(*lead, up.shape[-1]), down_weight,
+                               down_bias, activation, backend)
         else:
-            out = x2d.new_empty(rows, down_weight.shape[0])
+            out = x.new_empty(*x.shape[:-1], down_weight.shape[0])
+            out2d = out.view(rows, down_weight.shape[0])
             for start in range(0, rows, step):
                 part = slice(start, start + step)
-                out[part] = forward_step(*_project(x2d[part], gate_weight, gate_bias, up_weight, up_bias),
-                                         down_weight, down_bias, activation, backend)
+                out2d[part] = forward_step(*_project(x2d[part], gate_weight, gate_bias, up_weight, up_bias),
+                                           down_weight, down_bias, activation, backend)
         ctx.save_for_backward(x, gate_weight, gate_bias, up_weight, up_bias, down_weight)
         ctx.has_down_bias = down_bias is not None
         ctx.activation = activation
         ctx.backend = backend
         ctx.step = step
-        return out.view(*x.shape[:-1], down_weight.shape[0])
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):

@@ -1,7 +1,8 @@
 """apply()'s rules for gated MLPs (SwiGLU / GeGLU) and mixture-of-experts experts: the down projection through
 ``gated_linear`` (``grouped_gated_linear`` for stacked experts), so gate and up are saved and act(gate) * up never
-is; ``mlp="recompute"`` saves only the MLP's input. LoRA adapters (peft) and colwise/rowwise tensor parallelism
-are taken; anything else whose forward the fused path would go around is left alone with the reason."""
+is; ``mlp="recompute"`` saves only the MLP's input (experts: grouped_gated_mlp_recompute). LoRA adapters (peft) and
+colwise/rowwise tensor parallelism are taken; anything else whose forward the fused path would go around is left
+alone with the reason."""
 import torch
 from torch import nn
 
@@ -110,6 +111,12 @@ def _experts_blocker(module):
     if odd:
         return f"mixture-of-experts experts with {', '.join(odd)}: only gate-first, bias-free stacked experts are fused"
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == down.dim() == 3
+            and gate_up.shape[2] == 2 * down.shape[1] and gate_up.shape[1] == down.shape[2]):
+        # told by the shapes: Llama-4's experts carry no is_transposed attribute to read
+        return ("mixture-of-experts experts in the transposed layout (gate_up_proj [E, H, 2*I], down_proj [E, I, H]: "
+                "Llama-4's, whose forward runs every expert on every token, scaled by its router score, with no top-k "
+                "indices); only [E, 2*I, H] / [E, H, I] experts called with top-k indices and weights are fused")
     if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3
             and down.dim() == 3 and gate_up.shape[1] == 2 * down.shape[2] and gate_up.shape[0] == down.shape[0]):
         return ("mixture-of-experts experts not in the stacked layout (gate_up_proj [E, 2*I, H] and down_proj "
@@ -137,13 +144,14 @@ class _FusedExperts:
 def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     """What transformers' experts forward computes (the routed tokens' gated MLPs, weighted and summed per
     token) with the down projection through grouped_gated_linear: per routed token only the [2*I] gate_up is
-    saved for backward, act(gate) and act(gate) * up never are (eager keeps both: 4*I).
+    saved for backward, act(gate) and act(gate) * up never are (eager keeps both: 4*I). Recomputing
+    (``mlp="recompute"``), grouped_gated_mlp_recompute saves neither gate_up nor the gathered hidden states.
 
     hidden_states [T, H]; top_k_index [T, k] (int); top_k_weights [T, k]. Routed tokens are sorted by
     expert (stable), projected by one grouped GEMM, down-projected by another, weighted, put back in
     token order and summed over the k choices (in the weights' dtype, then the input's, as
     transformers' grouped_mm path does)."""
-    from memkernels.fusions.gated_mlp.grouped import grouped_gated_linear, grouped_mm
+    from memkernels.fusions.gated_mlp.grouped import grouped_gated_linear, grouped_gated_mlp_recompute, grouped_mm
 
     tokens, top_k = top_k_index.shape
     count = experts.gate_up_proj.shape[0]
@@ -152,18 +160,26 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     # CPU (exact below 2**24), integers on CUDA, as transformers' grouped_mm path counts them
     ids = expert_ids.int() if expert_ids.is_cuda else expert_ids.float()
     offsets = torch.histc(ids, bins=count, min=0, max=count - 1).cumsum(0, dtype=torch.int32)
-    gate_up = grouped_mm(hidden_states[order // top_k], experts.gate_up_proj.transpose(-2, -1), offsets)
-    routed = grouped_gated_linear(gate_up, experts.down_proj, offsets,
-                                  activation=experts._memkernels_gated_activation)
+    rows = order // top_k
+    activation = experts._memkernels_gated_activation
+    if experts._memkernels_recompute:
+        routed = grouped_gated_mlp_recompute(hidden_states, rows, experts.gate_up_proj, experts.down_proj, offsets,
+                                             activation=activation)
+    else:
+        gate_up = grouped_mm(hidden_states[rows], experts.gate_up_proj.transpose(-2, -1), offsets)
+        routed = grouped_gated_linear(gate_up, experts.down_proj, offsets, activation=activation)
     routed = routed * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel(), device=order.device)
     return routed[restore].view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
 
 
-def _patch_experts(module):
+def _patch_experts(module, recompute):
+    """Switch ``module`` to its fused subclass; returns the mode shown in the report."""
     switch_class(module, _FusedExperts)
     module._memkernels_gated_activation = gated_activation(module.act_fn)
+    module._memkernels_recompute = recompute
+    return "recompute" if recompute else "saves gate_up"
 
 
 class _FusedGatedMLPForward:
@@ -207,6 +223,7 @@ class ExpertsRule(Rule):
     """A mixture-of-experts' experts in transformers' stacked layout (see :func:`_experts_blocker`)."""
 
     kind, option = "experts", "mlp"
+    reported_when_off = True  # the report lists every mixture-of-experts layer, fused or not
 
     def matches(self, module):
         return type(module).__name__.endswith("Experts") and not isinstance(module, _FusedExperts)
@@ -215,7 +232,8 @@ class ExpertsRule(Rule):
         return _experts_blocker(module)
 
     def swap(self, model, name, module, settings):
-        _patch_experts(module)
+        mode = _patch_experts(module, settings["mlp"] == "recompute")
+        return f"{type(module).__name__} ({mode})"
 
 
 class GatedMLPRule(Rule):

@@ -36,8 +36,7 @@ _GELU_ACTIVATIONS = {"none": "gelu", "tanh": "gelu_tanh"}
 def _forward(x, weight, bias, approximate, backend):
     """[..., N] from x [..., K]: the shared algorithm on x's 2-D view."""
     x2d = x.reshape(-1, x.shape[-1])
-    out = act_linear.forward(x2d, None, weight, bias, _GELU_ACTIVATIONS[approximate], backend)
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return act_linear.forward(x2d, None, weight, bias, _GELU_ACTIVATIONS[approximate], backend, lead=x.shape[:-1])
 
 
 def _backward(grad_out2d, x2d, weight, needs_input, needs_weight, approximate, backend):
