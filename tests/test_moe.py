@@ -485,19 +485,28 @@ def test_gpt_oss_experts_are_left_alone_with_the_reason():
     assert len(reasons) == 2 and all("only gate-first, bias-free stacked experts are fused" in r for r in reasons)
 
 
-def test_trainer_trains_two_steps():
-    """transformers.Trainer runs two optimizer steps on the patched Qwen3-MoE and the loss is finite and moves."""
-    model = _build("qwen3_moe")
-    apply(model, measure=False)
-    ids = _ids()
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_trainer_trains_two_steps(name):
+    """transformers.Trainer runs two AdamW steps on the patched model; its losses equal the unpatched model's run
+    (the same initialization, batches and order) to fp32 rounding: the first is the same forward fused, the second
+    follows one step of gradients that match (the float64 rule of the parity tests)."""
+    ids = torch.randint(0, VOCAB, (4, 24), generator=torch.Generator().manual_seed(2))
     dataset = [{"input_ids": row, "labels": row} for row in ids]
-    args = transformers.TrainingArguments(output_dir="/tmp/memkernels-moe-trainer", per_device_train_batch_size=2,
-                                          max_steps=2, learning_rate=1e-3, report_to=[], logging_steps=1,
-                                          save_strategy="no", use_cpu=True)
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
-    trainer.train()
-    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+    def train(patched):
+        model = _build(name)
+        if patched:
+            apply(model, measure=False)
+        args = transformers.TrainingArguments(output_dir="/tmp/memkernels-moe-trainer", per_device_train_batch_size=2,
+                                              max_steps=2, learning_rate=1e-3, report_to=[], logging_steps=1,
+                                              save_strategy="no", use_cpu=True)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=dataset)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    losses, unpatched = train(True), train(False)
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses))) and losses[0] != losses[1]
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(unpatched), rtol=1e-5, atol=0)  # measured 1e-7
 
 
 def test_benchmark_qwen3_30b_a3b_row_on_meta():
@@ -516,3 +525,49 @@ def test_benchmark_qwen3_30b_a3b_row_on_meta():
     assert measured["eager"][0] - measured["memkernels"][0] == 2 * intermediate * routed_bytes
     assert measured["eager"][0] - measured["memkernels recompute"][0] == (4 * intermediate + hidden) * routed_bytes
     assert measured["memkernels recompute"][1] <= measured["memkernels"][1] <= measured["eager"][1]
+
+
+class _PerExpertMoE(torch.nn.Module):
+    """transformers 4.x's layout (Mixtral's and Qwen2-MoE's sparse blocks before the stacked ``...Experts``): a
+    router and an ``nn.ModuleList`` of one gated MLP an expert, run on the tokens routed to each."""
+
+    def __init__(self, hidden=64, intermediate=32, experts=4, top_k=2):
+        super().__init__()
+        config = transformers.Qwen2MoeConfig(hidden_size=hidden, intermediate_size=intermediate, hidden_act="silu")
+        self.top_k = top_k
+        self.gate = torch.nn.Linear(hidden, experts, bias=False)
+        self.experts = torch.nn.ModuleList(
+            transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeMLP(config, intermediate_size=intermediate)
+            for _ in range(experts))
+
+    def forward(self, x):
+        weights, chosen = torch.topk(F.softmax(self.gate(x), dim=-1), self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(chosen == e)
+            out = out.index_add(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+def test_experts_as_a_module_per_expert_are_fused_as_gated_mlps():
+    """Each expert of a per-expert module list is a gated MLP apply() fuses by structure (the dense rule): every
+    expert reported fused, the loss and every gradient within the float64 rule."""
+    torch.manual_seed(0)
+    model = _PerExpertMoE()
+    patched = copy.deepcopy(model)
+    report = apply(patched, measure=False)
+    fused = [row for row in report.replaced if row["name"].startswith("experts.")]
+    assert len(fused) == 4, report
+    x = torch.randn(24, 64)
+    reference = copy.deepcopy(model).double()
+    runs = []
+    for run, inputs in ((reference, x.double()), (model, x), (patched, x)):
+        run.zero_grad(set_to_none=True)
+        loss = run(inputs).square().mean()
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad for n, p in run.named_parameters() if p.grad is not None}))
+    (loss64, grads64), (loss_e, grads_e), (loss_p, grads_p) = runs
+    _assert_parity(loss64.reshape(1), loss_e.reshape(1), loss_p.reshape(1), "loss")
+    assert set(grads_p) == set(grads_e) == set(grads64)
+    for key, g64 in grads64.items():
+        _assert_parity(g64, grads_e[key], grads_p[key], key)
