@@ -10,10 +10,11 @@ its top-k experts by a random router's softmax; the loss is sum(out * dy) for a 
 backward. Methods, each on a fresh copy with the same weights and routing:
 - eager: transformers' own experts forward (``experts_implementation="grouped_mm"``, its default: one grouped
   GEMM each way around act(gate) * up);
-- memkernels: the same module after ``memkernels.apply`` (down projection through grouped_gated_linear: gate_up
-  saved per routed token);
-- memkernels recompute: after ``memkernels.apply(mlp="recompute")`` (grouped_gated_mlp_recompute: neither
-  gate_up nor the gathered hidden states saved, gate_up recomputed in backward);
+- memkernels: the same module after ``memkernels.apply`` (gate_up projection through grouped_gather_mm, the rows
+  gathered inside the op and not saved; down projection through grouped_gated_linear: gate_up saved per routed
+  token);
+- memkernels recompute: after ``memkernels.apply(mlp="recompute")`` (grouped_gated_mlp_recompute: no gate_up
+  saved either, gate_up recomputed in backward);
 - Liger: Liger-Kernel's ``LigerFusedMoEFunction`` (``liger_kernel.ops.fused_moe``, in releases from April 2026 on)
   on the same weights, where that is installed; Triton kernels, so on the GPU only. Otherwise a line says why it
   is not measured (not installed, or an installed version without the op).

@@ -17,12 +17,16 @@ these operands (CPU: float32 / float16 / bfloat16 with 16-byte aligned strides; 
 else a loop over experts, which reads ``offsets`` on the host (a device sync on CUDA) and runs one GEMM an
 expert: :func:`grouped_mm`.
 
-``mlp="recompute"``: :func:`grouped_gated_mlp_recompute` is the whole experts' MLP from the token-ordered hidden
-states [T, H] and each routed row's token, as two ops: the gather and gate_up projection (grouped_gather_mm), then
-the down projection above (grouped_gated_linear_recomputing). Each saves only the hidden states (which the caller
-keeps), the row-to-token index and the weights; the second recomputes gate_up in backward (one more grouped GEMM),
-the first gathers the rows again. No tensor is saved per routed token beyond the index, where the default path
-saves the gathered rows (H) and gate_up (2*I). Two ops, so that autograd adds and frees one weight gradient before
+The experts' gate_up projection, :func:`grouped_gather_mm`: gate_up [S, 2*I] from the token-ordered hidden states
+[T, H] and each routed row's token (``rows`` [S]), the gathered rows [S, H] transient in forward and gathered
+again in backward; saved: the hidden states (which the caller keeps: the router reads them), the row-to-token
+index and the weights, so no H-wide tensor per routed token. The default experts path is grouped_gather_mm then
+grouped_gated_linear: per routed token gate_up (2*I) and the index are saved.
+
+``mlp="recompute"``: :func:`grouped_gated_mlp_recompute` is the whole experts' MLP from the same inputs, as two ops:
+grouped_gather_mm, then the down projection above recomputing gate_up in backward (grouped_gated_linear_recomputing:
+one more grouped GEMM and gather). Neither saves gate_up: no tensor is saved per routed token beyond the index,
+where the default path saves gate_up (2*I). Two ops, so that autograd adds and frees one weight gradient before
 the next is made, as in eager. No token chunks, unlike the dense gated_mlp_recompute: backward holds gate_up and
 its gradient for all routed tokens at once, as the default path's backward does.
 
@@ -61,7 +65,8 @@ def grouped_mm(a, b, offsets):
     """Per expert e, the rows (or, for 2-D ``b``, the columns of ``a`` and rows of ``b``) from ``offsets[e-1]`` to
     ``offsets[e]``: ``a`` [S, K] x ``b`` [E, K, N] -> [S, N]; ``a`` [M, S] x ``b`` [S, N] -> [E, M, N] (a weight
     gradient; an expert without rows gets zeros). torch._grouped_mm where it runs, else a loop over experts
-    (differentiable in the first form, as torch._grouped_mm is: the experts' gate_up projection under autograd)."""
+    (differentiable in the first form, as torch._grouped_mm is, for callers under autograd; the ops here call it
+    with grad off)."""
     if _grouped_mm_runs(a, b):
         return torch._grouped_mm(a, b, offs=offsets)
     ends = offsets.tolist()
@@ -294,6 +299,51 @@ def _check_offsets(offsets, experts, device, owner):
                          f"on {device}")
 
 
+def grouped_gather_mm(hidden_states, rows, gate_up_proj, offsets):
+    """The routed rows' gate_up projections, ``hidden_states[rows[r]] @ gate_up_proj[e].T`` for each row r of expert
+    e, saving for backward only the inputs (no gathered rows: backward gathers them again).
+
+    Args:
+        hidden_states: [T, H], the tokens; float32 / float16 / bfloat16 (or float64, through the loop over
+            experts).
+        rows: [S] int64, each routed row's token, rows sorted by expert (``order // top_k``).
+        gate_up_proj: [E, 2*I, H], the experts' packed gate and up projections (Hugging Face's stacked
+            ``gate_up_proj``), same dtype and device as hidden_states.
+        offsets: [E] int32, each expert's end row, ending at S.
+
+    Returns:
+        [S, 2*I] in the inputs' dtype: gate_up for :func:`grouped_gated_linear`. The gradient of hidden_states
+        sums each token's rows, as autograd sums an index's.
+    """
+    return GROUPED_GATHER_MM.with_autocast(_grouped_gather_mm, hidden_states, rows, gate_up_proj, offsets)
+
+
+def _grouped_gather_mm(hidden_states, rows, gate_up_proj, offsets):
+    owner = "grouped_gather_mm"
+    _check_gather(hidden_states, rows, owner)
+    _check_weight("gate_up_proj", gate_up_proj, "[experts, 2 * intermediate_size, hidden_size]", hidden_states, owner)
+    if gate_up_proj.shape[2] != hidden_states.shape[1]:
+        raise ValueError(f"{owner}: gate_up_proj {tuple(gate_up_proj.shape)} must be [E, 2*I, "
+                         f"H={hidden_states.shape[1]}]")
+    _check_offsets(offsets, gate_up_proj.shape[0], hidden_states.device, owner)
+    return GROUPED_GATHER_MM(hidden_states, rows, gate_up_proj, offsets)
+
+
+def _check_gather(hidden_states, rows, owner):
+    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
+        raise ValueError(f"{owner}: hidden_states must be a 2-D tensor [tokens, hidden_size]")
+    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
+        raise ValueError(f"{owner}: rows must be a 1-D int64 tensor (each routed row's token)")
+
+
+def _check_weight(name, weight, shape, hidden_states, owner):
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        raise ValueError(f"{owner}: {name} must be {shape}")
+    if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
+        raise ValueError(f"{owner}: {name} is {weight.dtype} on {weight.device} but hidden_states "
+                         f"{hidden_states.dtype} on {hidden_states.device}; give them one dtype and device")
+
+
 def grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, activation="silu",
                                 backend=None):
     """The routed experts' gated MLPs, ``(act(gate) * up) @ down_proj[e].T`` with gate_up the row's hidden state
@@ -319,18 +369,11 @@ def grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, of
 def _grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, activation, backend):
     owner = "grouped_gated_mlp_recompute"
     check_activation(activation, owner)
-    if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 2:
-        raise ValueError(f"{owner}: hidden_states must be a 2-D tensor [tokens, hidden_size]")
-    if not isinstance(rows, torch.Tensor) or rows.dim() != 1 or rows.dtype != torch.int64:
-        raise ValueError(f"{owner}: rows must be a 1-D int64 tensor (each routed row's token)")
+    _check_gather(hidden_states, rows, owner)
     hidden = hidden_states.shape[1]
     for name, weight, shape in (("gate_up_proj", gate_up_proj, "[experts, 2 * intermediate_size, hidden_size]"),
                                 ("down_proj", down_proj, "[experts, hidden_size, intermediate_size]")):
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
-            raise ValueError(f"{owner}: {name} must be {shape}")
-        if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
-            raise ValueError(f"{owner}: {name} is {weight.dtype} on {weight.device} but hidden_states "
-                             f"{hidden_states.dtype} on {hidden_states.device}; give them one dtype and device")
+        _check_weight(name, weight, shape, hidden_states, owner)
     if (gate_up_proj.shape[2] != hidden or down_proj.shape[1] != hidden or gate_up_proj.shape[0] != down_proj.shape[0]
             or gate_up_proj.shape[1] != 2 * down_proj.shape[2]):
         raise ValueError(f"{owner}: gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} "

@@ -143,15 +143,18 @@ class _FusedExperts:
 
 def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     """What transformers' experts forward computes (the routed tokens' gated MLPs, weighted and summed per
-    token) with the down projection through grouped_gated_linear: per routed token only the [2*I] gate_up is
-    saved for backward, act(gate) and act(gate) * up never are (eager keeps both: 4*I). Recomputing
-    (``mlp="recompute"``), grouped_gated_mlp_recompute saves neither gate_up nor the gathered hidden states.
+    token) with the gate_up projection through grouped_gather_mm (the rows gathered inside the op, so the
+    gathered hidden states, H per routed token, are not saved: eager saves them) and the down projection through
+    grouped_gated_linear: per routed token only the [2*I] gate_up and the row's token index are saved for
+    backward, act(gate) and act(gate) * up never are (eager keeps both: 4*I). Recomputing (``mlp="recompute"``),
+    grouped_gated_mlp_recompute saves no gate_up either.
 
     hidden_states [T, H]; top_k_index [T, k] (int); top_k_weights [T, k]. Routed tokens are sorted by
-    expert (stable), projected by one grouped GEMM, down-projected by another, weighted, put back in
-    token order and summed over the k choices (in the weights' dtype, then the input's, as
+    expert (stable), gathered and projected by one grouped GEMM, down-projected by another, weighted, put back
+    in token order and summed over the k choices (in the weights' dtype, then the input's, as
     transformers' grouped_mm path does)."""
-    from memkernels.fusions.gated_mlp.grouped import grouped_gated_linear, grouped_gated_mlp_recompute, grouped_mm
+    from memkernels.fusions.gated_mlp.grouped import (grouped_gated_linear, grouped_gated_mlp_recompute,
+                                                      grouped_gather_mm)
 
     tokens, top_k = top_k_index.shape
     count = experts.gate_up_proj.shape[0]
@@ -166,7 +169,7 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
         routed = grouped_gated_mlp_recompute(hidden_states, rows, experts.gate_up_proj, experts.down_proj, offsets,
                                              activation=activation)
     else:
-        gate_up = grouped_mm(hidden_states[rows], experts.gate_up_proj.transpose(-2, -1), offsets)
+        gate_up = grouped_gather_mm(hidden_states, rows, experts.gate_up_proj, offsets)
         routed = grouped_gated_linear(gate_up, experts.down_proj, offsets, activation=activation)
     routed = routed * top_k_weights.reshape(-1)[order].unsqueeze(-1)
     restore = torch.empty_like(order)
