@@ -79,6 +79,49 @@ def test_matches_float64(backend, dtype, activation, has_bias, packed):
     check_against_reference(fn, eager, inputs, kwargs={"activation": activation}, sum_length=gemm_sum_lengths(inputs))
 
 
+def eager_with_adapter(gate, up, weight, bias, adapter, activation="silu"):
+    """A peft LoRA down projection's two GEMMs: the base on c, lora_A on c cast to the adapter's dtype."""
+    product = act(gate, activation) * up
+    return F.linear(product, weight, bias), F.linear(product.to(adapter.dtype), adapter)
+
+
+def fused_with_adapter(gate, up, weight, bias, adapter, activation="silu"):
+    return gated_linear(gate, up, weight, bias, activation=activation, adapter=adapter)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["separate", "packed"])
+@pytest.mark.parametrize("dtype, adapter_dtype, activation", [
+    (torch.float32, torch.float32, "silu"), (torch.bfloat16, torch.float32, "silu"),
+    (torch.float16, torch.float16, "gelu_tanh"), (torch.bfloat16, torch.bfloat16, "gelu")], ids=str)
+def test_adapter_on_the_same_product_matches_float64(backend, dtype, adapter_dtype, activation, packed):
+    """gated_linear(adapter=A): y and t = c @ A.T (A a LoRA down_proj's lora_A, float32 beside a half base as peft
+    keeps it) from one c, and every gradient (gate, up, W, b, A), against eager's two GEMMs in float64."""
+    inputs = make_inputs((3, 11), 53, 61, dtype, packed=packed)
+    adapter = (torch.randn(6, 53) * 53 ** -0.5).to(adapter_dtype).requires_grad_()
+    *operands, weight, bias = inputs
+    if packed:
+        fn = lambda gate_up, w, b, a, activation: gated_linear(gate_up=gate_up, weight=w, bias=b,  # noqa: E731
+                                                                activation=activation, adapter=a)
+        eager = lambda gate_up, w, b, a, activation: eager_with_adapter(*gate_up.chunk(2, -1), w, b, a,  # noqa: E731
+                                                                         activation)
+    else:
+        fn, eager = fused_with_adapter, eager_with_adapter
+    lengths = gemm_sum_lengths(inputs)
+    lengths.update({"output[1]": 53, "grad inputs[%d]" % (len(operands) + 2): 33})  # t: I terms; dA: M tokens
+    for index in range(len(operands)):  # dc sums the base's N terms and the adapter's rank
+        lengths[f"grad inputs[{index}]"] = 61 + 6
+    check_against_reference(fn, eager, [*operands, weight, bias, adapter], kwargs={"activation": activation},
+                            sum_length=lengths)
+
+
+def test_adapter_arguments_are_checked():
+    gate, up, weight, bias = make_inputs((4,), 8, 5, torch.float32)
+    with pytest.raises(ValueError, match=r"adapter must be a LoRA A weight of shape \[rank, intermediate_size=8\]"):
+        gated_linear(gate, up, weight, bias, adapter=torch.randn(3, 7))
+    with pytest.raises(ValueError, match="adapter must be a floating tensor"):
+        gated_linear(gate, up, weight, bias, adapter=torch.ones(3, 8, dtype=torch.int64))
+
+
 # (leading dims, I, out features): every compared tensor has ~30+ elements (see test_gelu_linear.py)
 SHAPES = [
     ((1,), 131, 67),  # one token

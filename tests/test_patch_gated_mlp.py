@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from memkernels.fusions.apply import apply
+from memkernels.meters import SavedBytesMeter
 from memkernels.runtime.ledger import activation_ledger
 
 transformers = pytest.importorskip("transformers")
@@ -202,6 +203,34 @@ def test_lora_mlps_are_fused_and_match(family):
     after = activation_ledger(patched, input_ids=ids, labels=labels, use_cache=False).by_category()["mlp"]
     # the product (and act(gate)) is no longer kept, for the base GEMM nor for the down adapter
     assert (before - after) / tokens / COMMON["num_hidden_layers"] == 2 * width * 4
+
+
+def test_a_lora_adapter_on_down_proj_saves_only_its_low_rank_input():
+    """A bf16 Llama MLP with peft's float32 adapters (its default beside a half base): the adapter on down_proj runs
+    on the fused op's own c (gated_linear(adapter=)), so per token it adds only what lora_B saves, its r float32
+    inputs; it used to run a second gated_linear on gate and up cast to float32, saved: 2 * I * 4 bytes more."""
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2)
+
+    def saved_per_token(targets):
+        torch.manual_seed(0)
+        model = peft.get_peft_model(transformers.LlamaForCausalLM(config).to(torch.bfloat16),
+                                    peft.LoraConfig(r=8, target_modules=targets))
+        apply(model, measure=False)
+        mlp = model.base_model.model.model.layers[0].mlp
+
+        def saved(tokens):
+            meter = SavedBytesMeter()
+            with meter:
+                mlp(torch.randn(1, tokens, 64, dtype=torch.bfloat16, requires_grad=True))
+            return meter.total_bytes
+
+        return (saved(1024) - saved(512)) / 512  # per token: what does not grow with the tokens cancels
+
+    added = saved_per_token(["gate_proj", "up_proj", "down_proj"]) - saved_per_token(["gate_proj", "up_proj"])
+    assert added == 8 * 4  # lora_B's input: r float32 values a token
 
 
 def test_lora_dropout_on_down_proj_is_left_alone():

@@ -29,12 +29,13 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   saves only the MLP's input and recomputes gate and up in backward, a long input in
   token chunks (plain Linear projections; LoRA MLPs keep the saving variant). ``peft`` LoRA projections are
   fused too: adapters on gate/up are called as they are, the adapter on down_proj
-  gets one more ``gated_linear`` with lora_A as its weight. Left alone, with the
+  runs lora_A on the down projection's own c (``gated_linear(adapter=)``). Left alone, with the
   reason: quantized (bitsandbytes) or DoRA down
   projections, and LoRA dropout on down_proj (it needs the product materialized).
 - mixture-of-experts experts in transformers' stacked layout (``gate_up_proj`` [E, 2*I, H],
   ``down_proj`` [E, H, I], gate first, no bias) → the same routing with the down projection as
-  ``grouped_gated_linear``: gate_up saved per routed token, act(gate) * up never; ``mlp="recompute"``:
+  ``grouped_gather_mm`` (the rows gathered inside the op, not saved) and ``grouped_gated_linear``: gate_up and
+  each row's token index saved per routed token, act(gate) * up never; ``mlp="recompute"``:
   ``grouped_gated_mlp_recompute``, which saves neither gate_up nor the gathered hidden states and recomputes
   both in backward. Other layouts (GPT-OSS's interleaved, Llama-4's transposed) are left alone, with the
   reason, and so are all experts with ``mlp=False`` (the report lists every mixture-of-experts layer).

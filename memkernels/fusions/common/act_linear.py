@@ -278,10 +278,18 @@ def forward(gate2d, up2d, weight, bias, activation, backend, lead=None):
     """y [*lead, N] (``lead`` default [M]) = (act(gate2d) * up2d) @ weight.T (+ bias), c formed in row chunks where
     it is large. The GEMMs write into y itself, not into a 2-D buffer viewed as y: an op that returns a view of its
     own buffer returns an output autograd forbids to modify in place (Llama-4's MoE adds into its shared expert's)."""
+    return forward_with_adapter(gate2d, up2d, weight, bias, None, activation, backend, lead)[0]
+
+
+def forward_with_adapter(gate2d, up2d, weight, bias, adapter, activation, backend, lead=None):
+    """(y, t): y as :func:`forward`, and t [*lead, R] = c @ adapter.T in ``adapter``'s dtype from the same c (a LoRA
+    A [R, I] on the down projection: c cast to its dtype, as peft casts its input; None: t is None)."""
     passes = PASSES[backend]
     rows, width = gate2d.shape
-    out = gate2d.new_empty(*((rows,) if lead is None else lead), weight.shape[0])
+    lead = (rows,) if lead is None else lead
+    out = gate2d.new_empty(*lead, weight.shape[0])
     out2d = out.view(rows, weight.shape[0])
+    low = None if adapter is None else gate2d.new_empty(*lead, adapter.shape[0], dtype=adapter.dtype)
     step = _chunk(rows, width, gate2d.element_size(), MIN_CHUNK_ROWS)
     for start in range(0, rows, step):
         part = slice(start, start + step)
@@ -290,8 +298,10 @@ def forward(gate2d, up2d, weight, bias, activation, backend, lead=None):
             torch.mm(product, weight.t(), out=out2d[part])
         else:
             torch.addmm(bias, product, weight.t(), out=out2d[part])
+        if adapter is not None:
+            torch.mm(product.to(adapter.dtype), adapter.t(), out=low.view(rows, adapter.shape[0])[part])
         del product  # before the next chunk's is formed
-    return out
+    return out, low
 
 
 def grad_input_buffers(gate2d, gated, packed):
@@ -307,12 +317,16 @@ def grad_input_buffers(gate2d, gated, packed):
     return [grad_gate, grad_up], grad_gate, grad_up
 
 
-def backward(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation, backend):
+def backward(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation, backend, adapter=None,
+             grad_low2d=None, needs_adapter=False):
     """The gradients of gate and up (when ``needs_inputs``: [one [M, 2*I] tensor] if ``packed``, else
-    [d_gate, d_up], or [d_x] with no up) followed by dW [N, I] (when ``needs_weight``), as one list.
+    [d_gate, d_up], or [d_x] with no up) followed by dW [N, I] (when ``needs_weight``) and, with an ``adapter``
+    (:func:`forward_with_adapter`'s, its output's gradient ``grad_low2d`` [M, R]), its gradient [R, I] (when
+    ``needs_adapter``), as one list.
 
-    Column slab by column slab where c is large: g = dy @ W[:, slab], the pass turning g into c, and
-    dW[:, slab] = dy.T @ c, each slab's results final."""
+    Column slab by column slab where c is large: g = dy @ W[:, slab] (+ dt @ A[:, slab], rounded to g's dtype
+    and added, as autograd sums the two uses of c), the pass turning g into c, and dW[:, slab] = dy.T @ c,
+    dA[:, slab] = dt.T @ c in A's dtype, each slab's results final."""
     passes = PASSES[backend]
     rows, width = gate2d.shape
     grads, grad_gate, grad_up = grad_input_buffers(gate2d, up2d is not None, packed) if needs_inputs else ([], None,
@@ -320,22 +334,27 @@ def backward(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weigh
     step = _chunk(width, rows, gate2d.element_size(), MIN_SLAB_COLS)
     whole = step >= width
     grad_weight = None if whole or not needs_weight else grad_out2d.new_empty(weight.shape[0], width)
+    grad_adapter = None if not needs_adapter else grad_low2d.new_empty(adapter.shape)
     for start in range(0, max(width, 1), step):
         part = slice(start, start + step)
         gate = gate2d[:, part]
         up = None if up2d is None else up2d[:, part]
         if needs_inputs:
             product = grad_out2d @ weight[:, part]  # dL/dc, then c
+            if adapter is not None:
+                product += (grad_low2d @ adapter[:, part]).to(product.dtype)
             passes.product_backward(product, gate, up, activation, grad_gate[:, part],
-                                    None if grad_up is None else grad_up[:, part], needs_weight)
+                                    None if grad_up is None else grad_up[:, part], needs_weight or needs_adapter)
         else:
             product = passes.product(gate, up, activation)
         if needs_weight and whole:
             grad_weight = grad_out2d.t() @ product
         elif needs_weight:
             torch.mm(grad_out2d.t(), product, out=grad_weight[:, part])
+        if needs_adapter:
+            torch.mm(grad_low2d.t(), product.to(adapter.dtype), out=grad_adapter[:, part])
         del product
-    return grads + ([grad_weight] if needs_weight else [])
+    return grads + ([grad_weight] if needs_weight else []) + ([grad_adapter] if needs_adapter else [])
 
 
 def backward_keeping_product(grad_out2d, gate2d, up2d, weight, packed, activation, backend):
@@ -354,10 +373,12 @@ def backward_keeping_product_fake(grad_out2d, gate2d, up2d, weight, packed, acti
     return grad_input_buffers(gate2d, up2d is not None, packed)[0] + [gate2d.new_empty(gate2d.shape)]
 
 
-def backward_fake(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation, backend):
+def backward_fake(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation, backend,
+                  adapter=None, grad_low2d=None, needs_adapter=False):
     """backward's outputs, unfilled (the custom op's fake implementation)."""
     grads = grad_input_buffers(gate2d, up2d is not None, packed)[0] if needs_inputs else []
-    return grads + ([grad_out2d.new_empty(weight.shape[0], gate2d.shape[1])] if needs_weight else [])
+    return (grads + ([grad_out2d.new_empty(weight.shape[0], gate2d.shape[1])] if needs_weight else [])
+            + ([grad_low2d.new_empty(adapter.shape)] if needs_adapter else []))
 
 
 def bias_grad(grad_out2d):

@@ -68,7 +68,7 @@ def gated_mlp_forward(x, gate_proj, up_proj, down_proj, activation, *, recompute
     x: [..., H]; ``up_proj`` None for a packed ``gate_up_proj`` (as ``gate_proj``, [2*I] whose first half is gate).
     ``recompute``: gated_mlp_recompute (saves only x; long inputs in token chunks) where the projections are plain,
     hook-free nn.Linear and there is no gate multiplier, else the saving variant: gate and up saved, gated_linear for
-    the down projection, a peft LoRA adapter on down_proj as one more gated_linear with lora_A as its weight.
+    the down projection, a peft LoRA adapter on down_proj as gated_linear's ``adapter=`` (lora_A on the same c).
     Tensor-parallel projections (colwise gate/up, rowwise down: DTensor weights) give down's partial sums to its own
     output hook. Returns None where down_proj cannot be fused (:func:`lora_down` says why): the caller runs the
     unfused computation or raises.
@@ -98,10 +98,14 @@ def gated_mlp_forward(x, gate_proj, up_proj, down_proj, activation, *, recompute
         operands = {"gate": gate if gate_multiplier == 1.0 else gate * gate_multiplier, "up": up_proj(x)}
     if is_dtensor(base.weight):  # colwise then rowwise: this rank's I/tp features
         return _tensor_parallel_down(base, operands, activation, down_multiplier)
-    out = gated_linear(**operands, weight=base.weight, bias=base.bias, activation=activation)
-    for lora_a_weight, lora_b, scaling in adapters:
-        cast = {key: value.to(lora_a_weight.dtype) for key, value in operands.items()}
-        out = out + lora_b(gated_linear(**cast, weight=lora_a_weight, activation=activation)) * scaling
+    if not adapters:
+        out = gated_linear(**operands, weight=base.weight, bias=base.bias, activation=activation)
+    else:  # the adapters' A weights, stacked, on the same transient c: one GEMM more (peft keeps a copy of c for it)
+        weights = [a for a, _, _ in adapters]
+        stacked = weights[0] if len(weights) == 1 else torch.cat([a.to(weights[0].dtype) for a in weights])
+        out, low = gated_linear(**operands, weight=base.weight, bias=base.bias, activation=activation, adapter=stacked)
+        for part, (lora_a_weight, lora_b, scaling) in zip(low.split([a.shape[0] for a in weights], -1), adapters):
+            out = out + lora_b(part.to(lora_a_weight.dtype)) * scaling
     return out if down_multiplier == 1.0 else out * down_multiplier
 
 

@@ -116,6 +116,76 @@ GATED_LINEAR = OpSpec(
     autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1, 2, 3))
 
 
+def _forward_with_adapter(gate, up, weight, bias, adapter, activation, backend):
+    """(y [..., N], t [..., R]) from gate and up [..., I] (or a packed gate_up and up None) and a LoRA A [R, I]."""
+    return act_linear.forward_with_adapter(*_operands(gate, up), weight, bias, adapter, activation, backend,
+                                           lead=gate.shape[:-1])
+
+
+def _forward_with_adapter_fake(gate, up, weight, bias, adapter, activation, backend):
+    lead = gate.shape[:-1]
+    return gate.new_empty(*lead, weight.shape[0]), gate.new_empty(*lead, adapter.shape[0], dtype=adapter.dtype)
+
+
+def _backward_with_adapter(grad_out2d, grad_low2d, gate2d, up2d, weight, adapter, packed, needs_inputs, needs_weight,
+                           needs_adapter, activation, backend):
+    return act_linear.backward(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation,
+                               backend, adapter, grad_low2d, needs_adapter)
+
+
+def _backward_with_adapter_fake(grad_out2d, grad_low2d, gate2d, up2d, weight, adapter, packed, needs_inputs,
+                                needs_weight, needs_adapter, activation, backend):
+    return act_linear.backward_fake(grad_out2d, gate2d, up2d, weight, packed, needs_inputs, needs_weight, activation,
+                                    backend, adapter, grad_low2d, needs_adapter)
+
+
+def _setup_context_with_adapter(ctx, inputs, output):
+    """Saves gate and up (or gate_up), the weight and the adapter: what gated_linear saves, and A [R, I]."""
+    gate, up, weight, bias, adapter, activation, backend = inputs
+    ctx.save_for_backward(gate, up, weight, adapter)
+    ctx.has_bias = bias is not None
+    ctx.activation = activation
+    ctx.backend = backend
+
+
+def _backward_formula_with_adapter(ctx, steps, grad_out, grad_low):
+    gate, up, weight, adapter = ctx.saved_tensors
+    gate2d, up2d = _operands(gate, up)
+    needs = ctx.needs_input_grad
+    grad_out2d = grad_out.reshape(-1, grad_out.shape[-1])
+    # t unused downstream (its gradient None): dL/dt is zero
+    grad_low2d = (grad_out2d.new_zeros(grad_out2d.shape[0], adapter.shape[0], dtype=adapter.dtype) if grad_low is None
+                  else grad_low.reshape(-1, grad_low.shape[-1]))
+    needs_inputs = needs[0] or needs[1]
+    results = steps.backward(grad_out2d, grad_low2d, gate2d, up2d, weight, adapter, up is None, needs_inputs,
+                             needs[2], needs[4], ctx.activation, ctx.backend) \
+        if needs_inputs or needs[2] or needs[4] else []
+    grads = results[:(1 if up is None else 2)] if needs_inputs else []
+    rest = results[len(grads):]
+    grad_weight = rest.pop(0) if needs[2] else None
+    grad_adapter = rest.pop(0) if needs[4] else None
+    grad_gate = grads[0].view(gate.shape) if needs_inputs and needs[0] else None
+    grad_up = grads[1].view(up.shape) if needs_inputs and up is not None and needs[1] else None
+    grad_bias = bias_grad(grad_out2d) if ctx.has_bias and needs[3] else None
+    return grad_gate, grad_up, grad_weight, grad_bias, grad_adapter, None, None
+
+
+# gated_linear with a LoRA adapter on the down projection: t = c @ A.T from the same transient c, one GEMM more each
+# way (peft's adapter path would hold its own copy of c, or here of gate and up cast to the adapter's dtype).
+GATED_LINEAR_WITH_ADAPTER = OpSpec(
+    "gated_linear_with_adapter",
+    Step("gated_linear_with_adapter", _forward_with_adapter, _forward_with_adapter_fake,
+         schema="(Tensor gate, Tensor? up, Tensor weight, Tensor? bias, Tensor adapter, str activation, "
+                "str backend) -> (Tensor, Tensor)"),
+    steps={"backward": Step(
+        "gated_linear_with_adapter_backward", _backward_with_adapter, _backward_with_adapter_fake,
+        schema="(Tensor grad_out2d, Tensor grad_low2d, Tensor gate2d, Tensor up2d, Tensor weight, Tensor adapter, "
+               "bool packed, bool needs_inputs, bool needs_weight, bool needs_adapter, str activation, "
+               "str backend) -> Tensor[]")},
+    setup_context=_setup_context_with_adapter, backward=_backward_formula_with_adapter,
+    autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1, 2, 3, 4))
+
+
 # Tokens per chunk of gated_mlp_recompute over a long input (module constant: tests shrink it). The
 # I-wide tensors of a chunk (gate, up, their gradients, the product: five in backward) are what a recomputed
 # MLP holds at once; 8192 tokens keep every GEMM compute-bound (M >= 4096 at H = 4096).
@@ -305,7 +375,8 @@ def _check_weight(weight, bias, width, like, owner):
             _check_tensor(name, tensor, like, owner)
 
 
-def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, activation="silu", backend=None):
+def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, activation="silu", backend=None,
+                 adapter=None):
     """``F.linear(act(gate) * up, weight, bias)`` without storing act(gate) or the product.
 
     Two forms: ``gated_linear(gate, up, weight, bias)`` and ``gated_linear(gate_up=..., weight=...)``
@@ -322,19 +393,26 @@ def gated_linear(gate=None, up=None, weight=None, bias=None, *, gate_up=None, ac
             (GeGLU: Gemma's ``gelu_pytorch_tanh``).
         backend: None picks by device (Triton on CUDA, the PyTorch reference elsewhere, see
             memkernels.set_backend); "torch" forces the reference, "triton" the kernels.
+        adapter: a LoRA A weight [R, I] on this down projection (any floating dtype, same device; peft keeps
+            it float32 beside a half base): returns ``(y, c @ adapter.T)``, the second [..., R] in the
+            adapter's dtype, from the same transient c (cast to the adapter's dtype as peft casts its
+            input): one GEMM more each way, nothing more saved than the adapter. Not with DTensors.
 
     Returns:
-        [..., out_features] in the inputs' dtype. Only gate and up (or gate_up), and weight, are saved
+        [..., out_features] in the inputs' dtype (with ``adapter``, the pair above). Only gate and up (or gate_up), and weight, are saved
         for backward: 2*I elements per token, against eager's 4*I. Under ``torch.autocast`` every
         tensor argument is cast to the region's dtype first, as ``F.linear`` casts its own. DTensors (tensor
         parallelism): gate and up sharded over I with weight sharded over its columns (colwise then rowwise:
         partial sums), or sharded over tokens with a replicated weight
         (``memkernels.fusions.common.act_linear.on_dtensors``); not the packed form.
     """
-    if any(is_dtensor(t) for t in (gate, up, weight, bias, gate_up)):
+    if any(is_dtensor(t) for t in (gate, up, weight, bias, gate_up, adapter)):
+        if adapter is not None:
+            raise ValueError("gated_linear: adapter= takes no DTensors (a LoRA adapter on a tensor-parallel down "
+                             "projection is not fused); run the adapter separately")
         return _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend)
     return GATED_LINEAR.with_autocast(functools.partial(_gated_linear, activation=activation, backend=backend),
-                                      gate, up, weight, bias, gate_up, positions=range(5))
+                                      gate, up, weight, bias, gate_up, adapter, positions=range(6))
 
 
 def _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend):
@@ -347,7 +425,7 @@ def _gated_linear_dtensor(gate, up, weight, bias, gate_up, activation, backend):
         *operands, weight_local, activation=activation, backend=backend))
 
 
-def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
+def _gated_linear(gate, up, weight, bias, gate_up, adapter, *, activation, backend):
     owner = "gated_linear"
     check_activation(activation, owner)
     if gate_up is not None:
@@ -357,16 +435,27 @@ def _gated_linear(gate, up, weight, bias, gate_up, *, activation, backend):
             raise ValueError(f"{owner}: gate_up must be a tensor of shape [..., 2 * intermediate_size] (an even "
                              f"last dim), got {tuple(gate_up.shape) if isinstance(gate_up, torch.Tensor) else gate_up}")
         _check_weight(weight, bias, gate_up.shape[-1] // 2, gate_up, owner)
-        return GATED_LINEAR(gate_up, None, weight, bias, activation,
-                            GATED_LINEAR.backend(backend, gate_up, owner, "gate_up"))
-    if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor) or gate.dim() < 1:
-        raise ValueError(f"{owner}: gate and up must be tensors of shape [..., intermediate_size] "
-                         "(or pass gate_up= for the packed form)")
-    if gate.shape != up.shape:
-        raise ValueError(f"{owner}: gate has shape {tuple(gate.shape)} but up {tuple(up.shape)}; they must match")
-    _check_tensor("up", up, gate, owner)
-    _check_weight(weight, bias, gate.shape[-1], gate, owner)
-    return GATED_LINEAR(gate, up, weight, bias, activation, GATED_LINEAR.backend(backend, gate, owner, "gate"))
+        gate, up, what = gate_up, None, "gate_up"
+    else:
+        if not isinstance(gate, torch.Tensor) or not isinstance(up, torch.Tensor) or gate.dim() < 1:
+            raise ValueError(f"{owner}: gate and up must be tensors of shape [..., intermediate_size] "
+                             "(or pass gate_up= for the packed form)")
+        if gate.shape != up.shape:
+            raise ValueError(f"{owner}: gate has shape {tuple(gate.shape)} but up {tuple(up.shape)}; they must match")
+        _check_tensor("up", up, gate, owner)
+        _check_weight(weight, bias, gate.shape[-1], gate, owner)
+        what = "gate"
+    resolved = GATED_LINEAR.backend(backend, gate, owner, what)
+    if adapter is None:
+        return GATED_LINEAR(gate, up, weight, bias, activation, resolved)
+    width = weight.shape[1]
+    if not isinstance(adapter, torch.Tensor) or adapter.dim() != 2 or adapter.shape[1] != width:
+        raise ValueError(f"{owner}: adapter must be a LoRA A weight of shape [rank, intermediate_size={width}], got "
+                         f"{tuple(adapter.shape) if isinstance(adapter, torch.Tensor) else adapter}")
+    if adapter.device != gate.device or not adapter.is_floating_point():
+        raise ValueError(f"{owner}: adapter must be a floating tensor on {gate.device} (the input's device), got "
+                         f"{adapter.dtype} on {adapter.device}")
+    return GATED_LINEAR_WITH_ADAPTER(gate, up, weight, bias, adapter, activation, resolved)
 
 
 def gated_mlp_recompute(x, gate_weight, gate_bias, up_weight, up_bias, down_weight, down_bias, *,
