@@ -19,7 +19,7 @@ Memory (any machine): for each norm at [tokens, hidden] in fp32 and bf16,
     torch.library custom ops too, so memkernels' peaks include the op's internal
     buffers: the PyTorch reference path's row-block temporaries (at most
     memkernels.fusions.norm.reference.TEMPORARY_BUDGET_BYTES), or the Triton backward's
-    [programs, 2, H] fp32 partial sums;
+    [programs, H] fp32 partial sums;
   - peak <= eager: "met" when memkernels' peak is at most the eager baseline's
     (the group's first row), compared in bytes; "allowance" when it is over by no
     more than what memkernels holds by design (fp32 statistics where eager CPU keeps
@@ -286,11 +286,11 @@ def kernel_time_section(tokens, hidden):
 
 
 def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
-    """The norm backward's kernel time per launch configuration: elements per warp (so warps per row)
-    and programs per SM, with the registers and spills of each compiled variant."""
+    """The norm backward's kernel time per launch configuration: warps per row and programs per SM,
+    with the registers and spills of each compiled variant."""
     from memkernels.fusions.norm import kernels as _norm_kernels
 
-    defaults = (_norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels.programs_per_sm)
+    defaults = (_norm_kernels.backward_config, _norm_kernels.programs_per_sm)
     print(f"Norm backward sweep, {tokens} rows, {torch.cuda.get_device_name()} (us of GPU kernels per backward)")
     for dtype in (torch.bfloat16, torch.float32):
         for hidden in hidden_sizes:
@@ -300,17 +300,17 @@ def sweep_backward(tokens, hidden_sizes=(1024, 2048, 4096, 8192)):
                 step = _train_step(module, x, torch.randn_like(x))
                 with torch.no_grad():
                     forward_us = sum(_kernel_microseconds(lambda: module(x)).values())
-                for per_warp in (128, 256, 512):
+                for warps in (4, 8, 16, 32):
                     for per_sm in (1, 2):
-                        _norm_kernels.BWD_ELEMENTS_PER_WARP = per_warp
+                        block, _, single_pass = defaults[0](hidden)
+                        _norm_kernels.backward_config = lambda *_, c=(block, warps, single_pass): c
                         _norm_kernels.programs_per_sm = lambda num_warps, n=per_sm: n
-                        warps = _norm_kernels.backward_config(hidden, "LayerNorm" in name)[1]
                         try:
                             backward_us = sum(_kernel_microseconds(step).values()) - forward_us
                             print(f"  {name.split()[-1]:<16}{hidden:>6} {str(dtype).replace('torch.', ''):<9}"
                                   f"{warps:>3} warps {per_sm} per SM {backward_us:9.1f} us")
                         finally:
-                            _norm_kernels.BWD_ELEMENTS_PER_WARP, _norm_kernels.programs_per_sm = defaults
+                            _norm_kernels.backward_config, _norm_kernels.programs_per_sm = defaults
     try:  # triton's per-device kernel cache: (kernels by key, ...) in triton 3.6
         compiled = [k for cache in _norm_kernels._norm_bwd_kernel.device_caches.values() for k in cache[0].values()]
     except (AttributeError, IndexError, TypeError) as error:

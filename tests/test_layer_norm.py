@@ -181,26 +181,28 @@ def test_only_requested_gradients(backend, needs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_group_sums_over_many_rows(backend, dtype):
-    """4096 < H <= 8192 with a bias gradient: plain sums over groups of BWD_GROUP_ROWS rows, folded
-    into compensated partial rows. Each interpreter program here gets three groups, the last short."""
-    from memkernels.fusions.norm.kernels import BWD_GROUP_ROWS, backward_config
-    hidden, programs = 4500, 4  # programs: _norm_kernels.num_programs under the interpreter
-    assert backward_config(hidden, True)[3] == BWD_GROUP_ROWS  # the path under test
-    rows = 2 * programs * BWD_GROUP_ROWS + 5
-    x = leaf(rows, hidden, dtype=dtype, shift=3.0)
-    check_against_reference(layer_norm, layer_norm_eager, (x, *_params(hidden, dtype), 1e-5))
+def test_plain_sums_over_many_rows_per_program(backend, dtype):
+    """dw and db are plain fp32 sums, each program's at most MAX_ROWS_PER_PROGRAM rows long: 261 rows
+    take two waves of the interpreter's 4 programs (33 rows each, the last 32). 5120 wide: one
+    register-resident row with its dw and db sums (the row, a multiple of 16, at 16 warps on a GPU)."""
+    from memkernels.fusions.norm import kernels as _norm_kernels
+    rows = _norm_kernels.INTERPRETER_PROGRAMS * _norm_kernels.MAX_ROWS_PER_PROGRAM + 5
+    if backend == "triton":
+        assert _norm_kernels.num_programs(rows, torch.device("cpu"), 16) == 8  # the path under test
+        assert _norm_kernels.backward_config(5120)[2]
+    x = leaf(rows, 5120, dtype=dtype, shift=3.0)
+    check_against_reference(layer_norm, layer_norm_eager, (x, *_params(5120, dtype), 1e-5))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_chunked_backward_where_group_sums_would_run(backend, monkeypatch, dtype):
-    """4096 < H <= 8192 with a bias gradient as triton 3.7 runs it (test_rms_norm's
-    test_backward_rows_past_4096_loop_where_triton_spills_them): chunks of 4096, no group sums."""
+def test_chunked_backward_of_rows_that_would_fit(backend, monkeypatch, dtype):
+    """4096 < H <= 8192 with a bias gradient as triton 3.7 runs them (test_rms_norm's
+    test_backward_rows_past_4096_loop_where_triton_spills_them): chunks of 4096."""
     from memkernels.fusions.norm import kernels as _norm_kernels
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
-    assert _norm_kernels.backward_config(4500, True)[2:] == (False, 0)  # the path under test
-    x = leaf(2 * _norm_kernels.BWD_GROUP_ROWS + 5, 4500, dtype=dtype, shift=3.0)
-    check_against_reference(layer_norm, layer_norm_eager, (x, *_params(4500, dtype), 1e-5))
+    assert _norm_kernels.backward_config(5120)[2] is False  # the path under test
+    x = leaf(69, 5120, dtype=dtype, shift=3.0)
+    check_against_reference(layer_norm, layer_norm_eager, (x, *_params(5120, dtype), 1e-5))
 
 
 @pytest.mark.parametrize("hidden", [300, 5000])

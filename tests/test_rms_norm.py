@@ -440,9 +440,10 @@ def test_in_place_backward_saves_one_buffer(backend):
 
 @pytest.mark.slow
 def test_kernels_compile_for_sm80_and_sm90_without_spills(aot_ops_reports):
-    """Every registered variant (both norms, fp32/fp16/bf16, widest register-resident, LayerNorm's
-    group-sum and looping rows, and the dw/db reduction); the reports are compiled once per run for every
-    test that reads them (tests/conftest.py)."""
+    """Every registered variant (both norms, fp32/fp16/bf16, widest register-resident and looping rows,
+    the backward's at widths a multiple of 16 as the JIT specializes them and at other widths, and the
+    dw/db reduction); the reports are compiled once per run for every test that reads them
+    (tests/conftest.py)."""
     from memkernels.fusions.norm import kernels as _norm_kernels
 
     reports = [r for r in aot_ops_reports if r.kernel in ("norm_fwd", "norm_bwd", "norm_reduce_partials")]
@@ -451,33 +452,51 @@ def test_kernels_compile_for_sm80_and_sm90_without_spills(aot_ops_reports):
     failed = [(r.kernel, r.variant, r.arch, r.spills, r.error) for r in reports if not r.ok]
     assert not failed, failed
     # No contracted multiply-add in the backward (the H200's LayerNorm dx at H = 1 came from one) nor in
-    # the reduction; only the group-sum rows keep contraction (they would spill without it).
+    # the reduction.
     contracted = [(r.kernel, r.variant, r.arch, r.fused_multiply_adds) for r in reports
-                  if r.kernel in ("norm_bwd", "norm_reduce_partials") and "grouped" not in r.variant
-                  and r.fused_multiply_adds != 0]
+                  if r.kernel in ("norm_bwd", "norm_reduce_partials") and r.fused_multiply_adds != 0]
     assert not contracted, contracted
-    assert all(r.fused_multiply_adds > 0 for r in reports if "grouped" in r.variant)
-    # A backward block of 32 warps is alone on its SM (programs_per_sm): a second block of 1024
-    # threads would need at most 32 registers a thread.
+    # The programs_per_sm blocks of a backward variant fit on one SM together (65536 registers).
     warps = {v["label"]: v["num_warps"] for v in _norm_kernels._BACKWARD_VARIANTS}
-    crowded = [(r.variant, r.arch, r.registers) for r in reports
-               if r.kernel == "norm_bwd" and warps[r.variant] == 32 and r.registers <= 32]
+    crowded = [(r.variant, r.arch, r.registers) for r in reports if r.kernel == "norm_bwd"
+               and r.registers * 32 * warps[r.variant] * _norm_kernels.programs_per_sm(warps[r.variant]) > 65536]
     assert not crowded, crowded
 
 
 def test_backward_grid_is_the_programs_an_sm_holds(monkeypatch):
-    """One program per SM for 32-warp blocks (rows from 4096: any more would run in a second wave and
-    write more dw/db partial rows), two for smaller blocks; never more programs than rows."""
+    """One program per SM for blocks of 16 warps or more (a second would run in a second wave and write
+    more dw/db partial rows), two for smaller blocks; as many waves of them as keep each program's plain
+    fp32 sums at most MAX_ROWS_PER_PROGRAM rows long (64: one wave at 8192 tokens on 132 SMs); never
+    more programs than rows."""
     from memkernels.fusions.norm import kernels as _norm_kernels
     monkeypatch.setattr(_norm_kernels, "_multiprocessors", lambda index: 132)
     cuda = torch.device("cuda", 0)
+    assert _norm_kernels.MAX_ROWS_PER_PROGRAM == 64
 
-    def programs(rows, hidden, with_db):
-        return _norm_kernels.num_programs(rows, cuda, _norm_kernels.backward_config(hidden, with_db)[1])
-    assert programs(8192, 8192, False) == programs(8192, 4096, True) == programs(8192, 5000, True) == 132
-    assert programs(8192, 16384, True) == 132  # chunked rows: blocks of 4096
-    assert programs(8192, 2048, False) == programs(8192, 1024, True) == 264
-    assert programs(100, 1024, False) == 100
+    def programs(rows, hidden):
+        return _norm_kernels.num_programs(rows, cuda, _norm_kernels.backward_config(hidden)[1])
+    assert programs(8192, 8192) == programs(8192, 16384) == 132  # 16 warps (16384: chunks of 4096)
+    assert programs(8192, 5000) == 132  # not a multiple of 16: chunks of 4096 at 32 warps
+    assert programs(8192, 4096) == programs(8192, 2048) == programs(8192, 1024) == 264  # 8, 8, 4 warps
+    assert programs(100, 1024) == 100
+    # Longer batches: more waves, at most 64 rows a program.
+    assert programs(132 * 64, 8192) == 132 and programs(132 * 64 + 1, 8192) == 264
+    assert programs(65536, 8192) == programs(65536, 4096) == 1056  # 62-63 rows a program
+    # Under the interpreter: INTERPRETER_PROGRAMS (4) a wave.
+    cpu = torch.device("cpu")
+    assert [_norm_kernels.num_programs(rows, cpu, 8) for rows in (3, 256, 257, 1024)] == [3, 4, 8, 16]
+
+
+def test_backward_warps_per_row():
+    """Widths a multiple of 16 (vectorized loads): Liger-Kernel's warps, 4 below 2048, 8 up to 4096, 16 at
+    8192 and in the chunks of 4096 of wider rows; other widths 128 elements a warp, looping past 4096."""
+    from memkernels.fusions.norm.kernels import backward_config
+    aligned = {hidden: backward_config(hidden) for hidden in (64, 1024, 2048, 4096, 5120, 8192, 16384)}
+    assert aligned == {64: (64, 4, True), 1024: (1024, 4, True), 2048: (2048, 8, True), 4096: (4096, 8, True),
+                       5120: (8192, 16, True), 8192: (8192, 16, True), 16384: (4096, 16, False)}
+    odd = {hidden: backward_config(hidden) for hidden in (1, 129, 1000, 4095, 5000, 9000)}
+    assert odd == {1: (1, 1, True), 129: (256, 2, True), 1000: (1024, 8, True), 4095: (4096, 32, True),
+                   5000: (4096, 32, False), 9000: (4096, 32, False)}
 
 
 def test_forward_warps_per_row():
@@ -491,21 +510,18 @@ def test_forward_warps_per_row():
 
 
 def test_backward_rows_past_4096_loop_where_triton_spills_them(monkeypatch):
-    """Triton 3.7 (torch 2.13's CUDA wheels pin 3.7.1) spills the backward's register-resident rows of
+    """Triton 3.7 (torch 2.13's CUDA wheels pin 3.7.1) spilled the backward's register-resident rows of
     8192, 240-984 bytes a thread, where 3.6, 3.8 and 3.9 fit them (`python -m memkernels.aot`);
     its rows of 4096 fit. Under it every row wider than 4096 loops over chunks of 4096."""
     from memkernels.fusions.norm import kernels as _norm_kernels
-    from memkernels.fusions.norm.kernels import BWD_GROUP_ROWS, backward_config, _wide_backward_rows_fit
+    from memkernels.fusions.norm.kernels import backward_config, _wide_backward_rows_fit
     versions = ("3.6.0", "3.7.0", "3.7.1", "3.8.0", "3.9.0", "3.10.0")
     assert [_wide_backward_rows_fit(v) for v in versions] == [True, False, False, True, True, True]
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", True)
-    assert backward_config(8192, False) == (8192, 32, True, 0)
-    assert backward_config(6000, True) == (8192, 32, True, BWD_GROUP_ROWS)
+    assert backward_config(8192) == backward_config(6016) == (8192, 16, True)
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
-    for hidden, with_db, memory_efficient in [(8192, False, False), (4097, False, True), (6000, True, False)]:
-        assert backward_config(hidden, with_db, memory_efficient) == (4096, 32, False, 0)
-    for with_db in (False, True):
-        assert backward_config(4096, with_db) == (4096, 32, True, 0)
+    assert backward_config(8192) == backward_config(6016) == (4096, 16, False)
+    assert backward_config(4096) == (4096, 8, True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -513,11 +529,28 @@ def test_chunked_backward_of_rows_that_would_fit(backend, monkeypatch, dtype):
     """Rows of 4096 < H <= 8192 as triton 3.7 runs them: chunks of 4096, not one register-resident row."""
     from memkernels.fusions.norm import kernels as _norm_kernels
     monkeypatch.setattr(_norm_kernels, "WIDE_BACKWARD_ROWS_FIT", False)
-    assert _norm_kernels.backward_config(5000, False)[2] is False  # the path under test
-    x, residual = leaf(7, 5000, dtype=dtype), leaf(7, 5000, dtype=dtype)
-    weight = leaf(5000, dtype=dtype, scale=0.5, shift=1.0)
+    assert _norm_kernels.backward_config(5120)[2] is False  # the path under test
+    x, residual = leaf(7, 5120, dtype=dtype), leaf(7, 5120, dtype=dtype)
+    weight = leaf(5120, dtype=dtype, scale=0.5, shift=1.0)
     check_against_reference(rms_norm, rms_norm_eager, (x, weight, 1e-6))
     check_against_reference(add_rms_norm, add_rms_norm_eager, (x, residual, weight, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_plain_sums_over_many_rows_per_program(backend, dtype):
+    """The backward's dw is plain fp32 sums, each program's at most MAX_ROWS_PER_PROGRAM rows long:
+    257 rows take two waves of the interpreter's 4 programs, 33 rows each (measured through the
+    interpreter, float32 RMSNorm, against the rule's bound: 0.3-0.4 of it at 32 rows a program,
+    0.3-0.8 at 64, one of 6 seeds over it at 128, all over it at 512 (1.5-1.8); Kahan sums 0.1-0.3).
+    5120 wide: one register-resident row, a multiple of 16 (Liger-Kernel's warps on a GPU)."""
+    from memkernels.fusions.norm import kernels as _norm_kernels
+    rows = _norm_kernels.INTERPRETER_PROGRAMS * _norm_kernels.MAX_ROWS_PER_PROGRAM + 1
+    if backend == "triton":
+        assert _norm_kernels.num_programs(rows, torch.device("cpu"), 16) == 8  # the path under test
+        assert _norm_kernels.backward_config(5120)[2]
+    x = leaf(rows, 5120, dtype=dtype)
+    weight = leaf(5120, dtype=dtype, scale=0.5, shift=1.0)
+    check_against_reference(rms_norm, rms_norm_eager, (x, weight, 1e-6))
 
 
 def test_launches_compile_without_contraction(monkeypatch):

@@ -7,21 +7,24 @@ memkernels/fusions/norm/op.py.
 
 Rows are [M, H] contiguous. A row that fits in one block is held in registers
 (the input is read once); a wider row is walked in block-sized chunks, once per
-reduction and once more to write. The backward runs a fixed number of
-programs, each over a strided set of rows, keeping its dw/db partial sums in
-registers (for wide rows, one column chunk at a time over all its rows) and
-writing them once to its own row of an fp32 buffer, which a second kernel
-reduces in a fixed order (no atomics: deterministic). The sums are
-compensated (Kahan): a program adds up M / P rows one after another, and a
-plain fp32 running sum would lose a few ulps more than eager PyTorch's
-pairwise reduction. Where the compensations do not fit in registers beside
-the row (LayerNorm's dw and db at 4096 < H <= 8192), a program keeps plain
-sums of groups of BWD_GROUP_ROWS of its rows and folds each group into its
-compensated partial row in memory: a plain sum of at most 32 terms, then
-Kahan across groups. To fit, it takes the row's two sums, drops the row and
-reads it again for dx (from L1/L2: HBM sees the row once, where the chunked
-walk of wider rows reads it twice). memory_efficient mode's x̂ recovery still
-spills there, so it keeps the chunked walk.
+reduction and once more to write. The backward runs programs over strided
+sets of rows, each holding the weight and its plain fp32 dw/db partial sums
+in registers across its rows (for wide rows, one column chunk at a time over
+all its rows) and writing the sums once to its own row of an fp32 buffer,
+which a second kernel reduces in a fixed order, in float64 (no atomics:
+deterministic). Plain sums, not Kahan's: a program adds up its rows one
+after another, and the error of that running sum grows with their number n.
+Measured through the interpreter against the accuracy tests' rule (error vs
+float64 <= 2x eager PyTorch's + one rounding; RMSNorm float32 is the binding
+case, its eager dw a pairwise sum; LayerNorm's eager dw is itself a running
+sum, bf16/fp16 gradients are dominated by their own rounding): plain sums
+reach 0.3-0.4 of the bound at n = 32, 0.3-0.8 at n = 64, up to 1.1 at 128
+(1 of 6 seeds fails) and 1.5-1.8 at 512 (every seed fails); Kahan sums
+0.1-0.3 at any n. So the grid grows with M (num_programs) to keep n at most
+MAX_ROWS_PER_PROGRAM = 64: one wave at 8192 tokens on an H100 (31-62 rows a
+program), more waves of the same programs on longer batches, at the cost of
+one more fp32 partial row per program (at 65536 tokens, 1056 rows of H: ~2%
+of the backward's bytes).
 """
 import functools
 
@@ -36,39 +39,43 @@ from memkernels.fusions.common.host import cdiv
 # Widest row chunk held in registers, and elements per warp; wider rows loop.
 # Chosen with `python -m memkernels.aot` (ptxas -v) so that every registered
 # variant compiles with no spills on sm_80 and sm_90: forward 8192 (8 warps; 32 in
-# looping rows; 16384 spills in LayerNorm). Backward, which also carries dy, x̂ and the
-# compensated dw (and db) accumulators: 8192 with 32 warps without a bias
-# gradient (RMSNorm: 62-64 registers, the most 32 warps allow), 4096 with one
-# (LayerNorm at 8192 spills 36-180 bytes with 32 warps, the most a block has). LayerNorm rows of
-# 4096 < H <= 8192 keep plain group sums in registers instead (BWD_GROUP_ROWS rows a group): 64
-# registers, no spills, except memory_efficient (120-208 bytes), which loops.
-# Wider rows loop over chunks of 4096 (the loop at 8192 spills 400-700 bytes on sm_90).
+# looping rows; 16384 spills in LayerNorm).
 # Warps per row, measured on the H200 (docs/gpu-runs.md, 2026-11-26 second run): the forward at
 # 1024 elements a warp past 4 warps (4 warps at 4096, 8 at 8192; 256 a warp below) took a bf16
 # [8192, 4096] RMSNorm from 40 to 33 us and [8192, 8192] from 93 to 65 (LayerNorm 50 -> 36,
 # 112 -> 72; float32 within 2 us) against 256 a warp, where each thread held 8 elements of a row:
 # one 16-byte load in flight of a 16-bit row (32 bytes of a float32 one), against 4 now, and the
-# row's sums reduced across 16-32 warps. The backward stays at 128 a warp: 16-bit rows at 256
-# (16 warps at 4096) were 7-10 us faster on the H200, but spill 8-12 bytes on sm_90 at 16 warps'
-# 128-register cap (LayerNorm with a residual, looping rows).
+# row's sums reduced across 16-32 warps.
 FWD_MAX_BLOCK, FWD_ELEMENTS_PER_WARP, FWD_SMALL_ELEMENTS_PER_WARP = 8192, 1024, 256
-BWD_MAX_BLOCK, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP = 8192, 4096, 128
+# Backward: Liger-Kernel's shape of work (issue 31): its warps (backward_config: 16 elements a thread
+# at 2048-8192), the weight held in registers across a program's rows, plain fp32 sums. On the H200
+# the 8-warp RMSNorm bf16 [8192, 4096] backward took 73 us against 106 at 128 elements a warp (32
+# warps) and Liger's 91 (docs/gpu-runs.md). It fits in registers (`python -m memkernels.aot`, sm_80
+# and sm_90: 102-128 registers at the cap of 128) only where the loads vectorize: rows a multiple of
+# 16 wide, which the JIT specializes as 16-byte aligned. Rows of other widths load element by
+# element, each with its own 64-bit address, and spill at 16 elements a thread (8-20 bytes at 4096
+# and 8 warps, 100-800 at 8192 and 16 warps on sm_90): they keep 128 elements a warp (4 a thread,
+# 48-63 registers) and loop past 4096 (at 8192 with 32 warps they spill 4-290 bytes on sm_90).
+# Looping rows take chunks of 4096 at 16 warps (8 warps spill 16 bytes in fp32 memory_efficient
+# LayerNorm with a residual).
+BWD_MAX_BLOCK, BWD_CHUNK, BWD_UNALIGNED_ELEMENTS_PER_WARP = 8192, 4096, 128
 
 
 def _wide_backward_rows_fit(triton_version):
     """Whether this triton holds the backward's rows of BWD_MAX_BLOCK in registers. Triton 3.7 (the
-    version torch 2.13's CUDA wheels pin) spills them where 3.6, 3.8 and 3.9 do not: 240-984
-    bytes a thread at 32 warps (64 registers), more at 16 or 8 warps (128, 255 registers); its rows
-    of 4096 fit (`python -m memkernels.aot` under triton 3.7.1). There rows wider than
-    BWD_MAX_BLOCK_WITH_DB loop over chunks of it instead: x and dy are read twice."""
+    version torch 2.13's CUDA wheels pin) spilled them where 3.6, 3.8 and 3.9 did not, when the
+    backward kept Kahan sums at 32 warps: 240-984 bytes a thread (64 registers), more at 16 or 8
+    warps (128, 255 registers); its rows of 4096 fit (`python -m memkernels.aot` under triton 3.7.1).
+    There rows wider than BWD_CHUNK loop over chunks of it instead: x and dy are read twice."""
     return not triton_version.startswith("3.7.")
 
 
 WIDE_BACKWARD_ROWS_FIT = _wide_backward_rows_fit(triton.__version__)
-# Rows per group: one group per program at 8192 tokens on an H100 (31 rows each), so the fold
-# costs no read there; on longer batches each further group reads and writes the program's
-# partial rows once (4 x H x 4 bytes), against 32 rows of x and dy that a second pass would read.
-BWD_GROUP_ROWS = 32
+# Rows a backward program sums at most (the module docstring: plain fp32 sums of 64 rows stay within the
+# accuracy tests' rule with room, 128 do not always).
+MAX_ROWS_PER_PROGRAM = 64
+# Backward programs under the interpreter (no SMs to count): a few, so that programs sum several rows.
+INTERPRETER_PROGRAMS = 4
 # The dw/db reduction: programs of BLOCK_H columns (coalesced 128-byte rows of the partials;
 # 128 programs at H = 4096), each summing BLOCK_P partial rows per step.
 REDUCE_BLOCK_P, REDUCE_BLOCK_H, REDUCE_WARPS = 32, 32, 4
@@ -81,12 +88,10 @@ def _round(value, dtype):
 
 
 @triton.jit
-def _load_scale(W, cols, mask, offset, dtype, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                RELOAD: tl.constexpr = False):
-    """W' = offset + w in fp32 ([BLOCK]); 1 without a weight; rounded to dtype in casting "none".
-    RELOAD: a second read of the same bytes that the compiler must not merge with the first."""
+def _load_scale(W, cols, mask, offset, dtype, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """W' = offset + w in fp32 ([BLOCK]); 1 without a weight; rounded to dtype in casting "none"."""
     if HAS_WEIGHT:
-        scale = tl.load(W + cols, mask=mask, other=1.0, volatile=RELOAD).to(tl.float32) + offset
+        scale = tl.load(W + cols, mask=mask, other=1.0).to(tl.float32) + offset
         if CASTING == 0:
             scale = _round(scale, dtype)
     else:
@@ -219,18 +224,10 @@ def _norm_fwd_kernel(
 
 
 @triton.jit
-def _kahan_add(total, compensation, term):
-    """total + term with the rounding error carried in ``compensation`` (total - compensation is the sum)."""
-    corrected = term - compensation
-    new_total = total + corrected
-    return new_total, (new_total - total) - corrected
-
-
-@triton.jit
 def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
-               HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, RELOAD: tl.constexpr = False):
+               HAS_BIAS: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr):
     """x̂ for one chunk: (s - mean) * rstd, or (y - b) / W' with unrecoverable columns from FALLBACK."""
-    saved = tl.load(SAVED + cols, mask=mask, other=0.0, volatile=RELOAD).to(tl.float32)
+    saved = tl.load(SAVED + cols, mask=mask, other=0.0).to(tl.float32)
     if MEMORY_EFFICIENT:
         if HAS_BIAS:
             saved -= tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
@@ -246,20 +243,6 @@ def _load_xhat(SAVED, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK,
 
 
 @triton.jit
-def _fold_group(PARTIAL, group, cols, mask, H, first):
-    """Add a group's plain sum into a program's compensated partial row ([2, H]: sum, compensation);
-    the program's first group writes it (no read, no zero fill)."""
-    if first:
-        tl.store(PARTIAL + cols, group, mask=mask)
-        tl.store(PARTIAL + H + cols, tl.zeros_like(group), mask=mask)
-    else:
-        total, compensation = _kahan_add(tl.load(PARTIAL + cols, mask=mask, other=0.0),
-                                         tl.load(PARTIAL + H + cols, mask=mask, other=0.0), group)
-        tl.store(PARTIAL + cols, total, mask=mask)
-        tl.store(PARTIAL + H + cols, compensation, mask=mask)
-
-
-@triton.jit
 def _row_stats(MEAN, RSTD, row, UNCENTERED: tl.constexpr):
     """(mean, rstd) of one row; mean is 0 when x̂ does not need it (RMSNorm, or recovered from y)."""
     if UNCENTERED:
@@ -270,33 +253,34 @@ def _row_stats(MEAN, RSTD, row, UNCENTERED: tl.constexpr):
 
 
 @triton.jit
-def _single_pass_row(row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps, offset,
-                     cols, mask, dw_sum, dw_comp, db_sum, db_comp,
+def _row_scale(held, W, cols, mask, offset, dtype, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+               MEMORY_EFFICIENT: tl.constexpr):
+    """W' for one row: the program's ``held`` copy, or in memory_efficient mode read again (from L1/L2).
+    There x̂'s recovery also reads the bias and the fallback slots, and a held weight spilled (fp32
+    LayerNorm with a residual: 48-72 bytes at 64-128 registers; `python -m memkernels.aot`)."""
+    if MEMORY_EFFICIENT:
+        held = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+    return held
+
+
+@triton.jit
+def _single_pass_row(row, DY, DRESIDUAL_OUT, SAVED, W, held_scale, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps,
+                     offset, cols, mask, dw_sum, db_sum,
                      IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
                      HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
-                     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, COMPENSATED: tl.constexpr):
-    """One register-resident row of the backward: adds its dy * x̂ and dy to the dw/db sums (Kahan
-    when COMPENSATED, else plain; the compensations are passed through) and stores its dx."""
+                     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr):
+    """One register-resident row of the backward: adds its dy * x̂ and dy to the plain fp32 dw/db
+    sums and stores its dx."""
     offs = row * H
-    dtype = DY.dtype.element_ty
-    # The weight is read again for every row (from L1/L2): holding it across rows costs
-    # BLOCK / threads registers, which the widest single-pass block cannot spare.
-    scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+    scale = _row_scale(held_scale, W, cols, mask, offset, DY.dtype.element_ty, CASTING, HAS_WEIGHT, MEMORY_EFFICIENT)
     mean, rstd = _row_stats(MEAN, RSTD, row, IS_RMS or MEMORY_EFFICIENT)
     xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
                       HAS_BIAS, MEMORY_EFFICIENT)
     dy = tl.load(DY + offs + cols, mask=mask, other=0.0).to(tl.float32)
-    # dw and db first: dy is then dead across the row sums below (fewer live registers).
     if COMPUTE_DW:
-        if COMPENSATED:
-            dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
-        else:
-            dw_sum += dy * xhat
+        dw_sum += dy * xhat
     if COMPUTE_DB:
-        if COMPENSATED:
-            db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
-        else:
-            db_sum += dy
+        db_sum += dy
     if COMPUTE_DX:
         g = dy * scale
         mean_g_xhat = tl.sum(g * xhat, axis=0) / H
@@ -306,22 +290,13 @@ def _single_pass_row(row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALL
             # there 1 - x̂² = eps rstd² (exactly, in real arithmetic) is the accurate form.
             one_minus_square = tl.where(xhat * xhat > 0.5, eps * rstd * rstd, 1.0 - xhat * xhat)
             inner = tl.where(H == 1, g * one_minus_square, inner)
-        elif COMPENSATED:
-            inner -= tl.sum(g, axis=0) / H
         else:
-            # Group sums hold no compensations, yet the row and two sums barely fit: take the
-            # sums, drop the row, and read it again (from L1) for dx.
-            mean_g = tl.sum(g, axis=0) / H
-            scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT, True)
-            xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B, SLOT, FALLBACK + row * K,
-                              HAS_BIAS, MEMORY_EFFICIENT, True)
-            g = tl.load(DY + offs + cols, mask=mask, other=0.0, volatile=True).to(tl.float32) * scale
-            inner = g - xhat * mean_g_xhat - mean_g
+            inner -= tl.sum(g, axis=0) / H
         dx = inner * rstd
         if HAS_DRESIDUAL:
             dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
-    return dw_sum, dw_comp, db_sum, db_comp
+        tl.store(DX + offs + cols, dx.to(DY.dtype.element_ty), mask=mask)
+    return dw_sum, db_sum
 
 
 @triton.jit
@@ -336,65 +311,47 @@ def _norm_bwd_kernel(
     SLOT,          # [H] int32 fallback slot per column, -1 where x̂ is recoverable (MEMORY_EFFICIENT)
     FALLBACK,      # [M, K] x̂ at the unrecoverable columns (MEMORY_EFFICIENT)
     DX,            # [M, H] gradient of x (and of residual), DY's dtype (written if COMPUTE_DX)
-    DW_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy * x̂ (if COMPUTE_DW)
-    DB_PARTIAL,    # [P, 2, H] fp32 per-program Kahan sum and compensation of dy (if COMPUTE_DB)
+    DW_PARTIAL,    # [P, H] fp32 per-program sum of dy * x̂ (written if COMPUTE_DW)
+    DB_PARTIAL,    # [P, H] fp32 per-program sum of dy (written if COMPUTE_DB)
     ROW_SUMS,      # [M, 2] fp32 scratch: each row's mean of g * x̂ and of g, g = dy * W' (wide rows with COMPUTE_DX)
     M, H, K, eps, offset,
     IS_RMS: tl.constexpr, CASTING: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_DRESIDUAL: tl.constexpr, MEMORY_EFFICIENT: tl.constexpr, COMPUTE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK: tl.constexpr, SINGLE_PASS: tl.constexpr,
-    GROUP_ROWS: tl.constexpr,
 ):
-    # Program p handles rows p, p + P, p + 2P, ... and owns row p of the partial
-    # sums: a fixed reduction order, so dw/db are bitwise deterministic.
+    # Program p handles rows p, p + P, p + 2P, ... (at most MAX_ROWS_PER_PROGRAM of them) and owns
+    # row p of the partial sums: a fixed reduction order, so dw/db are bitwise deterministic.
     # int64 program id: the row loop below inherits it, so row * H cannot overflow.
     pid = tl.program_id(0).to(tl.int64)
     programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK)
     dtype = DY.dtype.element_ty
-    DW_PARTIAL += pid * 2 * H
-    DB_PARTIAL += pid * 2 * H
+    DW_PARTIAL += pid * H
+    DB_PARTIAL += pid * H
     UNCENTERED: tl.constexpr = IS_RMS or MEMORY_EFFICIENT
 
     if SINGLE_PASS:
         mask = cols < H
-        if GROUP_ROWS == 0:
-            dw_sum = tl.zeros([BLOCK], tl.float32)
-            dw_comp = tl.zeros([BLOCK], tl.float32)
-            db_sum = tl.zeros([BLOCK], tl.float32)
-            db_comp = tl.zeros([BLOCK], tl.float32)
-            for row in range(pid, M, programs):
-                dw_sum, dw_comp, db_sum, db_comp = _single_pass_row(
-                    row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps, offset,
-                    cols, mask, dw_sum, dw_comp, db_sum, db_comp, IS_RMS, CASTING, HAS_WEIGHT, HAS_BIAS,
-                    HAS_DRESIDUAL, MEMORY_EFFICIENT, COMPUTE_DX, COMPUTE_DW, COMPUTE_DB, True)
-            if COMPUTE_DW:
-                tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
-                tl.store(DW_PARTIAL + H + cols, dw_comp, mask=mask)
-            if COMPUTE_DB:
-                tl.store(DB_PARTIAL + cols, db_sum, mask=mask)
-                tl.store(DB_PARTIAL + H + cols, db_comp, mask=mask)
-        else:
-            # Plain sums over GROUP_ROWS of this program's rows, each group folded into the
-            # program's compensated partial row in memory (the compensations need no registers).
-            stride = programs * GROUP_ROWS
-            for first in range(pid, M, stride):
-                dw_sum = tl.zeros([BLOCK], tl.float32)
-                db_sum = tl.zeros([BLOCK], tl.float32)
-                for row in range(first, tl.minimum(first + stride, M), programs):
-                    dw_sum, no_comp, db_sum, no_comp = _single_pass_row(
-                        row, DY, DRESIDUAL_OUT, SAVED, W, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps, offset,
-                        cols, mask, dw_sum, 0.0, db_sum, 0.0, IS_RMS, CASTING, HAS_WEIGHT, HAS_BIAS,
-                        HAS_DRESIDUAL, MEMORY_EFFICIENT, COMPUTE_DX, COMPUTE_DW, COMPUTE_DB, False)
-                if COMPUTE_DW:
-                    _fold_group(DW_PARTIAL, dw_sum, cols, mask, H, first == pid)
-                if COMPUTE_DB:
-                    _fold_group(DB_PARTIAL, db_sum, cols, mask, H, first == pid)
+        # The weight stays in registers across the program's rows, as in Liger-Kernel's backward
+        # (_row_scale: except in memory_efficient mode).
+        scale = _load_scale(W, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
+        dw_sum = tl.zeros([BLOCK], tl.float32)
+        db_sum = tl.zeros([BLOCK], tl.float32)
+        for row in range(pid, M, programs):
+            dw_sum, db_sum = _single_pass_row(
+                row, DY, DRESIDUAL_OUT, SAVED, W, scale, B, MEAN, RSTD, SLOT, FALLBACK, DX, H, K, eps, offset,
+                cols, mask, dw_sum, db_sum, IS_RMS, CASTING, HAS_WEIGHT, HAS_BIAS, HAS_DRESIDUAL, MEMORY_EFFICIENT,
+                COMPUTE_DX, COMPUTE_DW, COMPUTE_DB)
+        if COMPUTE_DW:
+            tl.store(DW_PARTIAL + cols, dw_sum, mask=mask)
+        if COMPUTE_DB:
+            tl.store(DB_PARTIAL + cols, db_sum, mask=mask)
     else:
         # Wide rows. Pass 1 takes each row's two sums over all its chunks into ROW_SUMS. Pass 2
         # walks the columns chunk by chunk, each chunk over all of this program's rows, so the
-        # chunk's dw/db partial sums stay in registers and are written once (a row-by-row pass
-        # would read and write the fp32 partial rows once per row). x and dy are read twice.
+        # chunk's weight and dw/db partial sums stay in registers and the sums are written once
+        # (a row-by-row pass would read and write the fp32 partial rows once per row). x and dy are
+        # read twice.
         if COMPUTE_DX:
             for row in range(pid, M, programs):
                 offs = row * H
@@ -415,13 +372,13 @@ def _norm_bwd_kernel(
             tl.debug_barrier()
         for start in range(0, H, BLOCK):
             mask = start + cols < H
+            held_scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)
             dw_sum = tl.zeros([BLOCK], tl.float32)
-            dw_comp = tl.zeros([BLOCK], tl.float32)
             db_sum = tl.zeros([BLOCK], tl.float32)
-            db_comp = tl.zeros([BLOCK], tl.float32)
             for row in range(pid, M, programs):
                 offs = row * H + start
-                scale = _load_scale(W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT)  # per row, as above
+                scale = _row_scale(held_scale, W + start, cols, mask, offset, dtype, CASTING, HAS_WEIGHT,
+                                   MEMORY_EFFICIENT)
                 mean, rstd = _row_stats(MEAN, RSTD, row, UNCENTERED)
                 xhat = _load_xhat(SAVED + offs, cols, mask, mean, rstd, scale, B + start, SLOT + start,
                                   FALLBACK + row * K, HAS_BIAS, MEMORY_EFFICIENT)
@@ -435,43 +392,39 @@ def _norm_bwd_kernel(
                         dx += tl.load(DRESIDUAL_OUT + offs + cols, mask=mask, other=0.0).to(tl.float32)
                     tl.store(DX + offs + cols, dx.to(dtype), mask=mask)
                 if COMPUTE_DW:
-                    dw_sum, dw_comp = _kahan_add(dw_sum, dw_comp, dy * xhat)
+                    dw_sum += dy * xhat
                 if COMPUTE_DB:
-                    db_sum, db_comp = _kahan_add(db_sum, db_comp, dy)
+                    db_sum += dy
             if COMPUTE_DW:
                 tl.store(DW_PARTIAL + start + cols, dw_sum, mask=mask)
-                tl.store(DW_PARTIAL + H + start + cols, dw_comp, mask=mask)
             if COMPUTE_DB:
                 tl.store(DB_PARTIAL + start + cols, db_sum, mask=mask)
-                tl.store(DB_PARTIAL + H + start + cols, db_comp, mask=mask)
 
 
 @triton.jit
 def _sum_partials(PARTIAL, OUT, programs, H, cols, BLOCK_P: tl.constexpr):
-    """OUT[cols] = sum over programs of (sum - compensation), in float64, rounded to fp32 and then to OUT's dtype."""
+    """OUT[cols] = sum over programs of the partial rows, in float64, rounded to fp32 and then to OUT's dtype."""
     total = tl.zeros([BLOCK_P, cols.shape[0]], tl.float64)
     for first in range(0, programs, BLOCK_P):
         program = (first + tl.arange(0, BLOCK_P)).to(tl.int64)
         mask = (program < programs)[:, None] & (cols < H)[None, :]
-        offsets = program[:, None] * 2 * H + cols[None, :]
-        total += (tl.load(PARTIAL + offsets, mask=mask, other=0.0).to(tl.float64)
-                  - tl.load(PARTIAL + H + offsets, mask=mask, other=0.0).to(tl.float64))
+        total += tl.load(PARTIAL + program[:, None] * H + cols[None, :], mask=mask, other=0.0).to(tl.float64)
     result = tl.sum(total, axis=0).to(tl.float32)
     tl.store(OUT + cols, result.to(OUT.dtype.element_ty), mask=cols < H)
 
 
 @triton.jit
 def _norm_reduce_partials_kernel(
-    DW_PARTIAL,  # [P, 2, H] fp32 per-program Kahan (sum, compensation) of dy * x̂ (read if COMPUTE_DW)
-    DB_PARTIAL,  # [P, 2, H] fp32, the same for dy (read if COMPUTE_DB)
+    DW_PARTIAL,  # [P, H] fp32 per-program sums of dy * x̂ (read if COMPUTE_DW)
+    DB_PARTIAL,  # [P, H] fp32, the same for dy (read if COMPUTE_DB)
     DW,          # [H] weight gradient, the weight's dtype (written if COMPUTE_DW)
     DB,          # [H] bias gradient, the bias's dtype (written if COMPUTE_DB)
     programs, H,
     COMPUTE_DW: tl.constexpr, COMPUTE_DB: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_H: tl.constexpr,
 ):
     # One launch for dw and db, in a fixed order (bitwise deterministic). The sums are taken in
-    # float64 (P * H elements: negligible work) so that sum - compensation keeps its extra
-    # precision and each result is rounded to fp32 once.
+    # float64 (P * H elements: little work beside the backward's M * H) and each result is
+    # rounded to fp32 once: the programs' own sums are then the only fp32 sums.
     cols = tl.program_id(0) * BLOCK_H + tl.arange(0, BLOCK_H)
     if COMPUTE_DW:
         _sum_partials(DW_PARTIAL, DW, programs, H, cols, BLOCK_P)
@@ -496,40 +449,38 @@ def _forward_config(hidden):
     return block, num_warps, single_pass
 
 
-def backward_config(hidden, with_db, memory_efficient=False):
-    """(BLOCK, num_warps, SINGLE_PASS, GROUP_ROWS) of the backward: one block per row up to its widest
-    spill-free block (with a bias gradient past BWD_MAX_BLOCK_WITH_DB: group sums, GROUP_ROWS > 0,
-    except in memory_efficient mode, whose x̂ recovery spills there), else chunks of BWD_MAX_BLOCK_WITH_DB.
-    Where the installed triton spills wider rows (not WIDE_BACKWARD_ROWS_FIT), every row wider than
-    BWD_MAX_BLOCK_WITH_DB goes in chunks."""
-    wide_in_registers = WIDE_BACKWARD_ROWS_FIT and BWD_MAX_BLOCK_WITH_DB < hidden <= BWD_MAX_BLOCK
-    grouped = wide_in_registers and with_db and not memory_efficient
-    if hidden <= BWD_MAX_BLOCK_WITH_DB or (wide_in_registers and not with_db) or grouped:
-        block, num_warps, _ = _launch_config(hidden, BWD_MAX_BLOCK, BWD_ELEMENTS_PER_WARP)
-        return block, num_warps, True, BWD_GROUP_ROWS if grouped else 0
-    block, num_warps, _ = _launch_config(BWD_MAX_BLOCK_WITH_DB, BWD_MAX_BLOCK_WITH_DB, BWD_ELEMENTS_PER_WARP)
-    return block, num_warps, False, 0
+def backward_config(hidden, with_db=False, memory_efficient=False):
+    """(BLOCK, num_warps, SINGLE_PASS) of the backward. Rows whose width is a multiple of 16 (the JIT
+    then knows every row 16-byte aligned, and loads vectorize): Liger-Kernel's warps (4 below 2048
+    elements, 8 up to 4096, 16 at 8192), one block per row up to BWD_MAX_BLOCK, wider rows in chunks
+    of BWD_CHUNK. Other widths: BWD_UNALIGNED_ELEMENTS_PER_WARP, one block up to BWD_CHUNK, wider rows
+    in chunks. Where the installed triton spills rows wider than BWD_CHUNK (not WIDE_BACKWARD_ROWS_FIT),
+    they go in chunks too. (The shape no longer depends on ``with_db`` or ``memory_efficient``, which
+    callers still pass.)"""
+    aligned = hidden % 16 == 0
+    widest = BWD_MAX_BLOCK if aligned and WIDE_BACKWARD_ROWS_FIT else BWD_CHUNK
+    single_pass = hidden <= widest
+    block = 1 << (hidden - 1).bit_length() if single_pass else BWD_CHUNK  # next power of 2 (triton's: ~1.5 us)
+    if aligned:
+        num_warps = 4 if block < 2048 else 8 if block <= 4096 and single_pass else 16
+    else:
+        num_warps = min(max(block // BWD_UNALIGNED_ELEMENTS_PER_WARP, 1), 32)
+    return block, num_warps, single_pass
 
 
 def _register_cap(num_warps):
-    """Registers per thread that one block of ``num_warps`` may use: the SM's 65536 over its threads
-    (at most 255). Without the cap ptxas for sm_90 budgets half of that for the backward kernel at
-    16 and 32 warps, and spills."""
-    return min(65536 // (32 * num_warps), 255)
+    """Registers per thread that a backward block of ``num_warps`` may use: the SM's 65536 over the
+    threads of the programs_per_sm blocks that share it (at most 255). Without the cap ptxas for
+    sm_90 budgets half of that at 16 and 32 warps, and spills."""
+    return min(65536 // (32 * num_warps * programs_per_sm(num_warps)), 255)
 
 
 # Launches (and AOT variants) compile without floating-point contraction: a * b + c stays a rounded
 # multiply and an add, as in the Triton interpreter where the accuracy tests run. On the H200 a
 # contracted g * w - mean(g * w) kept the product's rounding error and left 3.9e-6 in a LayerNorm dx
 # that is exactly 0 (docs/gpu-runs.md). The kernels are bound by memory: the FMAs they give up cost
-# no time. One exception: LayerNorm's group-sum rows (GROUP_ROWS > 0) keep contraction, without
-# which their 16-bit variants spill 8-16 B on sm_90 at the 64-register cap of 32 warps.
+# no time.
 _LAUNCH_OPTIONS = {"enable_fp_fusion": False}
-
-
-def _backward_options(group_rows):
-    """The backward launch's compile options: _LAUNCH_OPTIONS, except for group-sum rows."""
-    return {} if group_rows else _LAUNCH_OPTIONS
 
 
 def _slots(unsafe_cols, hidden, device):
@@ -573,20 +524,23 @@ def norm_forward(x, residual, weight, bias, eps, offset, is_rms, casting, memory
 
 
 def programs_per_sm(num_warps):
-    """Backward programs per SM: as many as can be resident at once, at most two. A block of 32 warps
-    (rows from 4096 up) is alone on its SM: two of its 1024 threads' blocks would need at most 32
-    registers a thread, and the backward uses 40-64. A second program per SM would only run after
-    the first, in a second wave, and double the dw/db partial rows written and read (on the H200,
-    one per SM took the dw/db reduction from 10 to 4 us and the step 5-14 us down, docs/gpu-runs.md)."""
-    return 1 if num_warps >= 32 else 2
+    """Backward programs resident per SM: two blocks of up to 8 warps (_register_cap holds them to 128
+    registers a thread; the H200's fastest RMSNorm 4096 backward ran 8 warps, 2 per SM), one of 16 or
+    more (a 16-warp block of 8192 takes 102-128 registers: a second would wait for the first, in a
+    second wave, and double the dw/db partial rows written and read; on the H200, one 32-warp block
+    per SM took the reduction from 10 to 4 us, docs/gpu-runs.md)."""
+    return 1 if num_warps >= 16 else 2
 
 
 def num_programs(rows, device, num_warps):
-    """Backward programs: programs_per_sm per SM on a GPU; under the interpreter a few, so that
-    each program still sums several rows as it does on a GPU."""
+    """Backward programs: the programs the GPU holds at once (programs_per_sm per SM; under the
+    interpreter a few, so that each program still sums several rows as it does on a GPU), times as
+    many waves as keep each program's share at most MAX_ROWS_PER_PROGRAM rows; never more than rows."""
     if device.type == "cuda":
-        return min(rows, programs_per_sm(num_warps) * _multiprocessors(device.index))
-    return min(rows, 4)
+        resident = programs_per_sm(num_warps) * _multiprocessors(device.index)
+    else:
+        resident = INTERPRETER_PROGRAMS
+    return min(rows, resident * cdiv(rows, resident * MAX_ROWS_PER_PROGRAM))
 
 
 @functools.lru_cache(maxsize=None)
@@ -603,7 +557,7 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     ``dx_out`` may be dy itself: every program reads a row chunk of dy before writing dx there.
     """
     rows, hidden = dy.shape
-    block, num_warps, single_pass, group_rows = backward_config(hidden, needs_db, memory_efficient)
+    block, num_warps, single_pass = backward_config(hidden)
     programs = max(num_programs(rows, dy.device, num_warps), 1)
     dx = (torch.empty_like(dy) if dx_out is None else dx_out) if needs_dx else None
     dw = torch.empty_like(weight) if needs_dw else None
@@ -611,8 +565,8 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
     if not rows:  # no row: zero gradients for the parameters
         return dx, dw.zero_() if needs_dw else None, db.zero_() if needs_db else None
     # Every program writes all of its partial row: no zero fill.
-    dw_partial = torch.empty((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
-    db_partial = torch.empty((programs, 2, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
+    dw_partial = torch.empty((programs, hidden), dtype=torch.float32, device=dy.device) if needs_dw else None
+    db_partial = torch.empty((programs, hidden), dtype=torch.float32, device=dy.device) if needs_db else None
     row_sums = torch.empty((rows, 2), dtype=torch.float32, device=dy.device) if needs_dx and not single_pass else None
     unused, unused32 = dy, rstd  # never dereferenced (see norm_forward)
     slot = _slots(unsafe_cols, hidden, dy.device) if memory_efficient else None
@@ -627,8 +581,8 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
         IS_RMS=is_rms, CASTING=casting, HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         HAS_DRESIDUAL=dresidual_out is not None, MEMORY_EFFICIENT=memory_efficient,
         COMPUTE_DX=needs_dx, COMPUTE_DW=needs_dw, COMPUTE_DB=needs_db,
-        BLOCK=block, SINGLE_PASS=single_pass, GROUP_ROWS=group_rows, num_warps=num_warps,
-        maxnreg=_register_cap(num_warps), **_backward_options(group_rows),
+        BLOCK=block, SINGLE_PASS=single_pass, num_warps=num_warps, maxnreg=_register_cap(num_warps),
+        **_LAUNCH_OPTIONS,
     )
     if needs_dw or needs_db:
         _norm_reduce_partials_kernel[(cdiv(hidden, REDUCE_BLOCK_H),)](
@@ -641,60 +595,67 @@ def norm_backward(dy, dresidual_out, saved, mean, rstd, weight, bias, eps, offse
 
 
 def _aot_variants():
-    """Launch variants for memkernels.aot: the widest register-resident row ("single": BLOCK = the
-    widest block holding Kahan sums, 8192, or 4096 with a bias gradient), LayerNorm's group-sum rows
-    ("grouped": 8192 with a bias gradient) and looping rows ("loop": H > 8192, e.g. 16384), for every
-    dtype and both norms as drop-ins use them (plain, weights in x's dtype or fp32), and feature-heavy
-    combinations (residual, memory_efficient, casting modes)."""
+    """Launch variants for memkernels.aot, for every dtype and both norms as drop-ins use them (plain,
+    weights in x's dtype or fp32) and feature-heavy combinations (residual, memory_efficient, casting
+    modes). The forward: its widest register-resident row ("single", 8192) and looping rows ("loop",
+    16384). The backward: rows a multiple of 16 wide, compiled as the JIT specializes them ("aligned":
+    vectorized loads) at 4096 (8 warps), 8192 (16) and looping (16384: chunks of 4096, 8 warps), and
+    other widths ("odd": 4095, 32 warps, and 8191, chunks of 4096)."""
     short = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
-    plain = [  # (dtype, param dtype, is_rms, casting, residual, weight, bias, memory_efficient, width)
-        (dtype, param_dtype, is_rms, 1 if is_rms else 2, False, True, not is_rms, False, width)
-        for dtype in short for param_dtype in dict.fromkeys((dtype, torch.float32))
-        for is_rms in (True, False) for width in ("single", "loop") + (() if is_rms else ("grouped",))
-    ]
+    single, loop = FWD_MAX_BLOCK, 2 * BWD_MAX_BLOCK
+    params = [(dtype, param_dtype) for dtype in short for param_dtype in dict.fromkeys((dtype, torch.float32))]
+    # (dtype, param dtype, is_rms, casting, residual, weight, bias, memory_efficient, hidden)
+    plain = [(dtype, param_dtype, is_rms, 1 if is_rms else 2, False, True, not is_rms, False, hidden)
+             for dtype, param_dtype in params for is_rms in (True, False)
+             for hidden in (BWD_CHUNK, single, loop, BWD_CHUNK - 1, single - 1)]
     features = [
-        (torch.bfloat16, torch.bfloat16, True, 1, True, True, False, False, "single"),
-        (torch.bfloat16, torch.bfloat16, True, 1, False, True, False, True, "single"),
-        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, False, "single"),
-        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, True, "loop"),
-        (torch.bfloat16, torch.bfloat16, True, 0, True, True, False, False, "loop"),
-        (torch.bfloat16, torch.float32, True, 1, True, True, False, True, "loop"),
-        (torch.float16, torch.float16, False, 2, False, True, True, True, "single"),
-        (torch.float16, torch.float16, False, 2, True, True, True, False, "grouped"),
-        (torch.float32, torch.float32, True, 2, True, True, False, False, "single"),
-        (torch.float32, torch.float32, False, 2, True, True, True, True, "loop"),
+        (torch.bfloat16, torch.bfloat16, True, 1, True, True, False, False, single),
+        (torch.bfloat16, torch.bfloat16, True, 1, False, True, False, True, single),
+        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, False, single),
+        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, True, single - 16),  # backward only
+        (torch.bfloat16, torch.bfloat16, False, 2, True, True, True, True, loop),
+        (torch.bfloat16, torch.bfloat16, True, 0, True, True, False, False, loop),
+        (torch.bfloat16, torch.float32, True, 1, True, True, False, True, loop),
+        (torch.float16, torch.float16, False, 2, False, True, True, True, single),
+        (torch.float16, torch.float16, False, 2, True, True, True, True, BWD_CHUNK),
+        (torch.float16, torch.float16, False, 2, True, True, True, True, BWD_CHUNK - 1),
+        (torch.float32, torch.float32, True, 2, True, True, False, False, single),
+        (torch.float32, torch.float32, False, 2, True, True, True, True, single - 16),  # backward only
+        (torch.float32, torch.float32, False, 2, True, True, True, True, loop),
+        (torch.float32, torch.float32, False, 2, True, True, True, True, single - 1),
     ]
     forward, backward = [], []
-    for dtype, param_dtype, is_rms, casting, residual, weight, bias, memory_efficient, width in plain + features:
+    for dtype, param_dtype, is_rms, casting, residual, weight, bias, memory_efficient, hidden in plain + features:
         t, p = "*" + short[dtype], "*" + short[param_dtype]
         label = (f"{short[dtype]}{'' if param_dtype == dtype else '-w' + short[param_dtype]}"
                  f"-{'rms' if is_rms else 'ln'}-{['none', 'llama', 'gemma'][casting]}"
-                 f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}-{width}")
-        fwd_block, fwd_warps, _ = _forward_config(2 * FWD_MAX_BLOCK if width == "loop" else FWD_MAX_BLOCK)
-        hidden = {"single": BWD_MAX_BLOCK_WITH_DB if bias else BWD_MAX_BLOCK, "grouped": BWD_MAX_BLOCK,
-                  "loop": 2 * BWD_MAX_BLOCK}[width]
-        bwd_block, bwd_warps, single_pass, group_rows = backward_config(hidden, bias, memory_efficient)
+                 f"{'-residual' if residual else ''}{'-meff' if memory_efficient else ''}")
         common = {"IS_RMS": is_rms, "CASTING": casting, "HAS_WEIGHT": weight, "HAS_BIAS": bias,
-                  "MEMORY_EFFICIENT": memory_efficient, "SINGLE_PASS": single_pass}
-        if width != "grouped":  # its forward is the "single" one
+                  "MEMORY_EFFICIENT": memory_efficient}
+        if hidden in (single, loop):
+            block, num_warps, single_pass = _forward_config(hidden)
             forward.append({
                 "signature": {"X": t, "RESIDUAL": t, "RESIDUAL_OUT": t, "W": p, "B": p, "Y": t, "MEAN": "*fp32",
                               "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "H": "i32", "K": "i32",
                               "eps": "fp32", "offset": "fp32"},
-                "constexprs": {**common, "HAS_RESIDUAL": residual,
-                               "STORE_MEAN": not is_rms and not memory_efficient, "BLOCK": fwd_block},
-                "num_warps": fwd_warps, "num_stages": 1, "options": dict(_LAUNCH_OPTIONS),
-                "label": f"{label}{fwd_block}"})
+                "constexprs": {**common, "SINGLE_PASS": single_pass, "HAS_RESIDUAL": residual,
+                               "STORE_MEAN": not is_rms and not memory_efficient, "BLOCK": block},
+                "num_warps": num_warps, "num_stages": 1, "options": dict(_LAUNCH_OPTIONS),
+                "label": f"{label}-{'single' if single_pass else 'loop'}{block}"})
+        block, num_warps, single_pass = backward_config(hidden)
+        aligned = hidden % 16 == 0
+        signature = {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": p, "B": p, "MEAN": "*fp32", "RSTD": "*fp32",
+                     "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32",
+                     "ROW_SUMS": "*fp32", "M": "i32", "H": "i32", "K": "i32", "eps": "fp32", "offset": "fp32"}
         backward.append({
-            "signature": {"DY": t, "DRESIDUAL_OUT": t, "SAVED": t, "W": p, "B": p, "MEAN": "*fp32",
-                          "RSTD": "*fp32", "SLOT": "*i32", "FALLBACK": t, "DX": t, "DW_PARTIAL": "*fp32",
-                          "DB_PARTIAL": "*fp32", "ROW_SUMS": "*fp32", "M": "i32", "H": "i32", "K": "i32",
-                          "eps": "fp32", "offset": "fp32"},
-            "constexprs": {**common, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True, "COMPUTE_DW": weight,
-                           "COMPUTE_DB": bias, "BLOCK": bwd_block, "GROUP_ROWS": group_rows},
-            "num_warps": bwd_warps, "num_stages": 1,
-            "options": {"maxnreg": _register_cap(bwd_warps), **_backward_options(group_rows)},
-            "label": f"{label}{bwd_block}"})
+            "signature": signature,
+            "constexprs": {**common, "SINGLE_PASS": single_pass, "HAS_DRESIDUAL": residual, "COMPUTE_DX": True,
+                           "COMPUTE_DW": weight, "COMPUTE_DB": bias, "BLOCK": block},
+            "num_warps": num_warps, "num_stages": 1,
+            "options": {"maxnreg": _register_cap(num_warps), **_LAUNCH_OPTIONS},
+            # The JIT's specialization of a row width that is a multiple of 16: every pointer 16-byte aligned.
+            "aligned": [name for name, kind in signature.items() if kind.startswith("*")] + ["H"] if aligned else [],
+            "label": f"{label}-{'aligned' if aligned else 'odd'}-{'single' if single_pass else 'loop'}{block}"})
     reduce = [
         {"signature": {"DW_PARTIAL": "*fp32", "DB_PARTIAL": "*fp32", "DW": p, "DB": p, "programs": "i32", "H": "i32"},
          "constexprs": {"COMPUTE_DW": True, "COMPUTE_DB": bias, "BLOCK_P": REDUCE_BLOCK_P, "BLOCK_H": REDUCE_BLOCK_H},
