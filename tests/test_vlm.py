@@ -160,15 +160,16 @@ def test_every_vision_language_head_is_tested_here():
 
 
 # Gemma 3 is not here: its gradients err 1.7-2.14x what the unpatched bf16 model errs over seeds 0-3 (patch and
-# position embeddings, fc1, attention projections), at the 2x rule's edge. Each fusion alone (seeds 0-2): RoPE
-# 1.75-2.48x, the MLPs 1.66-1.93x, the norms 1.31-1.77x, the loss 1.0x: rounding that differs from eager's, not one
-# op's defect found; the per-tensor max-error rule, with a float32 floor, is at its limit over a bf16 model's ~100
-# gradients.
+# position embeddings, fc1, attention projections). Each fusion alone (seeds 0-2): RoPE 1.75-2.48x, the MLPs
+# 1.66-1.93x, the norms 1.31-1.77x, the loss 1.0x: rounding that differs from eager's, no one op's defect found. With
+# the bf16 floor below it reaches 0.73-0.92 of the bound: too near the edge to hold on every machine's kernels.
 @pytest.mark.parametrize("name", ["qwen2_5_vl"])
 def test_bfloat16_loss_and_gradients_match_with_images(name):
     """The same parity in bfloat16 (the model and the pixel values; the float64 reference from the same weights):
-    every gradient, the vision tower's included, errs at most 2x what the unpatched bf16 model errs (measured over
-    seeds 0-3: at most 1.85x)."""
+    every gradient, the vision tower's included, errs at most 2x what the unpatched bf16 model errs plus one bf16
+    rounding of its scale (test_patch._assert_parity: a bf16 gradient is stored no nearer). Measured over seeds 0-2
+    and ATEN_CPU_CAPABILITY default / avx2 / this machine's: 0.54-0.84 of that bound (seed 0, the test's: at most
+    0.68); without the bf16 floor 1.04x at avx2."""
     model, ids, labels, images = _build(name)
     model = model.to(torch.bfloat16)
     images = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in images.items()}
