@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from memkernels.fusions.loss.linear_cross_entropy import linear_cross_entropy, pick_strategy
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.testing import benchmark_step
 
 CONFIGS = [
     (4096, 1024, 32000, torch.float32),
@@ -196,17 +197,12 @@ def test_linear_cross_entropy_forward_backward(benchmark, strategy):
         loss = method(hidden, weight, target)
     loss.backward()
     del loss
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         hidden.grad = weight.grad = None
         method(hidden, weight, target).backward()
-        sync()
 
-    if device == "cuda":
-        benchmark(run)
-    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
-        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark_step(benchmark, run, device)
     picked = pick_strategy(strategy, n_tokens, hidden_size, n_classes, dtype, True, "mean", device=hidden.device)
     benchmark.extra_info.update(config=[n_tokens, hidden_size, n_classes], dtype=str(dtype), strategy=picked,
                                 held_hooks_bytes=saved.new_bytes)

@@ -29,6 +29,7 @@ import memkernels  # noqa: E402
 from memkernels.fusions.dyt import reference  # noqa: E402
 from memkernels.fusions.dyt.op import dyt  # noqa: E402
 from memkernels.meters import SavedBytesMeter  # noqa: E402
+from memkernels.testing import benchmark_step  # noqa: E402
 
 eager_dyt = reference.eager  # the paper's DynamicTanh, op for op
 
@@ -117,18 +118,13 @@ def test_dyt_forward_backward(benchmark):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = (8192, 4096) if device == "cuda" else (256, 512)
     args = inputs(*shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         step(dyt, *args)
         for leaf in args[:4]:
             leaf.grad = None
-        sync()
 
-    if device == "cuda":
-        benchmark(run)
-    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
-        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark_step(benchmark, run, device)
 
 
 def main(argv=None):

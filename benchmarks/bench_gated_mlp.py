@@ -41,6 +41,7 @@ import memkernels
 from memkernels._backend import resolve
 from memkernels.fusions.gated_mlp.module import FusedGatedMLP
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.testing import benchmark_step
 
 TARGET_VS_EAGER = 0.50
 TARGET_VS_LIGER = 0.67
@@ -239,19 +240,14 @@ def test_gated_mlp_forward_backward(benchmark):
     x = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(tokens, hidden, device=device, dtype=dtype)
     saved = {name: measure(model, x, grad_out)[0] / tokens for name, model in (("eager", eager), ("memkernels", fused))}
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         fused(x).backward(grad_out)
         x.grad = None
         for param in fused.parameters():
             param.grad = None
-        sync()
 
-    if device == "cuda":
-        benchmark(run)
-    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
-        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark_step(benchmark, run, device)
     benchmark.extra_info.update(shape=[tokens, hidden, intermediate], dtype=str(dtype),
                                 backend=resolve(x, "gated_linear"),
                                 saved_bytes_per_token=saved)

@@ -36,6 +36,7 @@ from memkernels._backend import resolve
 from memkernels.fusions.gelu_mlp.module import FusedMLP
 from memkernels.fusions.gelu_mlp.op import gelu_linear
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter
+from memkernels.testing import benchmark_step
 
 TARGET_SAVED_RATIO = 0.55
 
@@ -204,17 +205,12 @@ def test_gelu_linear_forward_backward(benchmark):
     weight = (torch.randn(hidden, ffn, device=device, dtype=dtype) * ffn ** -0.5).requires_grad_()
     bias = torch.randn(hidden, device=device, dtype=dtype, requires_grad=True)
     grad_out = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         gelu_linear(x, weight, bias).backward(grad_out)
         x.grad = weight.grad = bias.grad = None
-        sync()
 
-    if device == "cuda":
-        benchmark(run)
-    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
-        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark_step(benchmark, run, device)
     benchmark.extra_info.update(shape=[tokens, ffn, hidden], dtype=str(dtype), backend=resolve(x, "gelu_linear"),
                                 saved_bytes_per_token=saved)
     assert saved["memkernels"] <= TARGET_SAVED_RATIO * saved["eager"]

@@ -76,6 +76,7 @@ from torch import nn  # noqa: E402
 
 import memkernels  # noqa: E402
 from memkernels.meters import PeakBytesMeter, SavedBytesMeter  # noqa: E402
+from memkernels.testing import benchmark_step  # noqa: E402
 
 
 def _groups(hidden, dtype, device):
@@ -436,19 +437,14 @@ def test_norm_forward_backward(benchmark, norm):
     module = _groups(hidden, dtype, device)[group][1][1][1]
     x = torch.randn(tokens, hidden, dtype=dtype, device=device, requires_grad=True)
     grad = torch.randn_like(x)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         module(x).backward(grad)
         x.grad = None
         for parameter in module.parameters():
             parameter.grad = None
-        sync()
 
-    if device == "cuda":
-        benchmark(run)
-    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
-        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark_step(benchmark, run, device)
     benchmark.extra_info.update(shape=[tokens, hidden], dtype=str(dtype), module=type(module).__name__,
                                 saved_bytes_per_token=saved)
     assert saved["memkernels"] <= saved["eager"]

@@ -28,6 +28,7 @@ import memkernels  # noqa: E402
 from memkernels.fusions.rope import reference  # noqa: E402
 from memkernels.fusions.rope.op import rope  # noqa: E402
 from memkernels.meters import SavedBytesMeter  # noqa: E402
+from memkernels.testing import benchmark_step  # noqa: E402
 
 
 eager_rope = reference.eager  # Hugging Face's apply_rotary_pos_emb, op for op
@@ -110,17 +111,12 @@ def test_rope_forward_backward(benchmark):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shape = (8192, 32, 8, 128) if device == "cuda" else (256, 8, 2, 64)
     args = inputs(*shape, torch.bfloat16 if device == "cuda" else torch.float32, device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
     def run():
         step(rope, *args)
         args[0].grad = args[1].grad = None
-        sync()
 
-    if device == "cuda":
-        benchmark(run)
-    else:  # fixed rounds: on a shared CPU pytest-benchmark's calibration can ask for hundreds of slow ones
-        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
+    benchmark_step(benchmark, run, device)
 
 
 def main(argv=None):

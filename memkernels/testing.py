@@ -515,3 +515,16 @@ def settle_offload_copies(offload, timeout=None):
         if deadline is not None and time.monotonic() > deadline:
             raise TimeoutError(f"the simulator's copy threads did not finish the offload copies within {timeout} s")
         time.sleep(1e-3)
+
+
+# ------------------------------------------------------------ the benchmarks' pytest-benchmark entry points
+
+
+def benchmark_step(benchmark, run, device):
+    """Time ``run`` (one forward + backward) with pytest-benchmark's ``benchmark`` fixture on ``device``: on CUDA
+    its own calibration, each round ending in ``torch.cuda.synchronize()`` so that the GPU's time is counted; on a
+    CPU a fixed 10 rounds after one warm-up (on a shared CPU the calibration can ask for hundreds of slow ones)."""
+    if device == "cuda":
+        benchmark(lambda: (run(), torch.cuda.synchronize()))
+    else:
+        benchmark.pedantic(run, rounds=10, warmup_rounds=1, iterations=1)
