@@ -757,15 +757,15 @@ def measure(case, shape, dtype, impl="memkernels"):
 
 
 def _pass_result(counts):
+    ops = {}  # (kind, name) -> {unit: elementwise instructions}, summed over the kernel's launches
+    for launch in counts.launches:
+        entry = ops.setdefault((launch.kind, launch.name), {})
+        for unit, n in launch.ops.items():
+            entry[unit] = entry.get(unit, 0) + n
     kernels = {}
     for (kind, name), (launches, hbm, requested, flops) in counts.by_kernel().items():
-        ops = {}
-        for launch in counts.launches:
-            if (launch.kind, launch.name) == (kind, name):
-                for unit, n in launch.ops.items():
-                    ops[unit] = ops.get(unit, 0) + n
         kernels[(kind, name)] = {"launches": launches, "hbm": hbm, "requested": requested, "flops": flops,
-                                 "ops": ops}
+                                 "ops": ops[(kind, name)]}
     return PassResult(kernels, sorted(set(counts.matmul_dtypes)), counts.syncs)
 
 
@@ -884,7 +884,9 @@ def fit(case, dtype, impl="memkernels", measure_fn=None):
         # GPU's masked lanes still execute): not a polynomial in the shape. Its ops are scaled from the
         # largest measured shape by the kernel's requested bytes (exact), where padding is the smallest
         # share it is measured at; the result says which kernels (ops_scaled), never silently.
-        largest = max(range(len(runs)), key=lambda i: sum(summaries[i].get(k, 0) for k in keys if k[2] == "requested"))
+        if scaled:
+            largest = max(range(len(runs)),
+                          key=lambda i: sum(summaries[i].get(k, 0) for k in keys if k[2] == "requested"))
         for index, key in enumerate(keys):
             if key in scaled:
                 requested = (key[0], key[1], "requested")

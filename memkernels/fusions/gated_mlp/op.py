@@ -80,6 +80,15 @@ def _setup_context(ctx, inputs, output):
     ctx.backend = backend
 
 
+def _operand_grads(grads, gate, up, needs):
+    """(d_gate, d_up) in gate's and up's shapes from the backward step's 2-D input gradients ([d_gate_up] when
+    packed, up None), each only where ``needs`` (ctx.needs_input_grad) asks for it; ``grads`` None: none."""
+    if grads is None:
+        return None, None
+    return (grads[0].view(gate.shape) if needs[0] else None,
+            grads[1].view(up.shape) if up is not None and needs[1] else None)
+
+
 def _backward_formula(ctx, steps, grad_out):
     gate, up, weight = ctx.saved_tensors
     gate2d, up2d = _operands(gate, up)
@@ -87,11 +96,7 @@ def _backward_formula(ctx, steps, grad_out):
     grads, grad_weight, grad_bias = _down_backward(
         steps.backward, ctx.backend, ctx.activation, grad_out.reshape(-1, grad_out.shape[-1]), gate2d, up2d, weight,
         up is None, needs[0] or needs[1], needs[2], ctx.has_bias and needs[3])
-    grad_gate = grad_up = None
-    if grads is not None:
-        grad_gate = grads[0].view(gate.shape) if needs[0] else None
-        grad_up = grads[1].view(up.shape) if up is not None and needs[1] else None
-    return grad_gate, grad_up, grad_weight, grad_bias, None, None
+    return *_operand_grads(grads, gate, up, needs), grad_weight, grad_bias, None, None
 
 
 GATED_LINEAR = OpSpec(
@@ -160,14 +165,12 @@ def _backward_formula_with_adapter(ctx, steps, grad_out, grad_low):
     results = steps.backward(grad_out2d, grad_low2d, gate2d, up2d, weight, adapter, up is None, needs_inputs,
                              needs[2], needs[4], ctx.activation, ctx.backend) \
         if needs_inputs or needs[2] or needs[4] else []
-    grads = results[:(1 if up is None else 2)] if needs_inputs else []
-    rest = results[len(grads):]
+    grads = results[:(1 if up is None else 2)] if needs_inputs else None
+    rest = results[len(grads or ()):]
     grad_weight = rest.pop(0) if needs[2] else None
     grad_adapter = rest.pop(0) if needs[4] else None
-    grad_gate = grads[0].view(gate.shape) if needs_inputs and needs[0] else None
-    grad_up = grads[1].view(up.shape) if needs_inputs and up is not None and needs[1] else None
     grad_bias = bias_grad(grad_out2d) if ctx.has_bias and needs[3] else None
-    return grad_gate, grad_up, grad_weight, grad_bias, grad_adapter, None, None
+    return *_operand_grads(grads, gate, up, needs), grad_weight, grad_bias, grad_adapter, None, None
 
 
 # gated_linear with a LoRA adapter on the down projection: t = c @ A.T from the same transient c, one GEMM more each
