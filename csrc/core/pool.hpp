@@ -128,8 +128,8 @@ class DevicePool {
   void set_memory_cap(std::size_t bytes, double fraction);
   void set_trace_capacity(std::size_t entries);
   void reset_peak_stats();
-  // The caller's loop ended a step (a training loop: the optimizer's step). When a step repeats the
-  // one before it, the next step runs as a repeating loop; see pool.cpp, "Repeating loops".
+  // The caller's loop ended a step (a training loop: the optimizer's step). While the next step's
+  // requests repeat this one's, it runs as a repeating loop; see pool.cpp, "Repeating loops".
   void end_step();
 
   DeviceStats stats();

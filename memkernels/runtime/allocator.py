@@ -491,11 +491,12 @@ def empty_cache():
 def end_step():
     """A step of the training loop ended: tell the installed pool (every device it serves).
 
-    ``install()`` calls it on every optimizer step. A step whose requests repeat the step before
-    it makes the pool serve the next one as a repeating loop: nothing is released before the pool
+    ``install()`` calls it on every optimizer step. While a step's requests so far repeat the last
+    step's, in order, the pool serves it as a repeating loop: nothing is released before the pool
     grows, and a request takes any free block that fits rather than a new segment, so after its
     first two steps such a loop makes no ``cudaMalloc`` or ``cudaFree`` (docs/allocator.md,
-    "Repeating loops"). A step that differs (another batch shape) keeps the peak-lowering rules.
+    "Repeating loops"). From the first request that differs (another batch shape) to the step's
+    end, the peak-lowering rules hold as without step ends.
     Call it yourself where a step ends without an optimizer step, or after ``install(mark_steps=False)``.
     """
     pool = installed_pool()

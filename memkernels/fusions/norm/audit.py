@@ -61,17 +61,17 @@ def _norm_minimum(is_rms, with_residual):
     return minimum
 
 
-def _norm_backward_programs(hidden, is_rms):
+def _norm_backward_programs(hidden):
     """memkernels' norm backward programs on an H100 at rows of ``hidden`` (kernels.num_programs)."""
     from memkernels.fusions.norm import kernels
-    num_warps = kernels.backward_config(hidden, not is_rms)[1]
+    num_warps = kernels.backward_config(hidden)[1]
     return kernels.programs_per_sm(num_warps) * H100_SMS
 
 
-def _norm_real_shape(is_rms):
+def _norm_real_shape(shape, dtype, phase):
     """The shape with the backward's programs at its own H (case_at moves H: a benchmark's rows of 1024
     run two programs per SM where the case's 4096 run one)."""
-    return lambda shape, dtype, phase: dict(shape, P=_norm_backward_programs(shape["H"], is_rms))
+    return dict(shape, P=_norm_backward_programs(shape["H"]))
 
 
 @contextlib.contextmanager
@@ -137,10 +137,10 @@ def cases():
             # At least 8 rows per program, as at the real shape (31): a wide row's second pass then
             # re-reads rows from beyond the program's L2 share at the small shapes too, so the counts
             # are the polynomial the fit assumes.
-            cases.append(Case(op, f"H={h}", {"N": TOKENS, "H": h, "P": _norm_backward_programs(h, is_rms)},
+            cases.append(Case(op, f"H={h}", {"N": TOKENS, "H": h, "P": _norm_backward_programs(h)},
                               ("N", "P"), {"N": (32, 64), "P": (2, 4)}, ({"N": 48, "P": 3},),
                               _norm_problem(op, is_rms, residual), _norm_minimum(is_rms, residual),
-                              setup=_norm_programs, real_shape=_norm_real_shape(is_rms),
+                              setup=_norm_programs, real_shape=_norm_real_shape,
                               liger_setup=_liger_norm_programs,
                               liger_real_shape=lambda shape: dict(shape, P=H100_SMS),
                               aot_kernels=("norm_fwd", "norm_bwd", "norm_reduce_partials"), liger=True))

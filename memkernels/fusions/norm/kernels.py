@@ -449,14 +449,13 @@ def _forward_config(hidden):
     return block, num_warps, single_pass
 
 
-def backward_config(hidden, with_db=False, memory_efficient=False):
+def backward_config(hidden):
     """(BLOCK, num_warps, SINGLE_PASS) of the backward. Rows whose width is a multiple of 16 (the JIT
     then knows every row 16-byte aligned, and loads vectorize): Liger-Kernel's warps (4 below 2048
     elements, 8 up to 4096, 16 at 8192), one block per row up to BWD_MAX_BLOCK, wider rows in chunks
     of BWD_CHUNK. Other widths: BWD_UNALIGNED_ELEMENTS_PER_WARP, one block up to BWD_CHUNK, wider rows
     in chunks. Where the installed triton spills rows wider than BWD_CHUNK (not WIDE_BACKWARD_ROWS_FIT),
-    they go in chunks too. (The shape no longer depends on ``with_db`` or ``memory_efficient``, which
-    callers still pass.)"""
+    they go in chunks too. Neither a bias gradient nor memory_efficient changes the shape."""
     aligned = hidden % 16 == 0
     widest = BWD_MAX_BLOCK if aligned and WIDE_BACKWARD_ROWS_FIT else BWD_CHUNK
     single_pass = hidden <= widest
