@@ -23,7 +23,10 @@
 #      (bench_gelu_linear, bench_gated_mlp), the norms (bench_rms_norm), RoPE (bench_rope), DyT (bench_dyt), the losses
 #      (bench_cross_entropy), the RL log-probs (bench_logprobs), MoE experts (bench_moe), offload (bench_offload: no offload, everything, budget auto, recompute,
 #      offloaded checkpoints)
-#   5. the kernel test files without the Triton interpreter: the kernels run on the GPU
+#   5. bench_plan_stack.py: a 4-layer Llama-3-8B-shaped stack planned by place() and run at 16k and 64k tokens
+#      (keep everything, checkpointing at half the activation peak, offload among the choices): measured peak
+#      and step-time overhead against the plan's (issue 35)
+#   6. the kernel test files without the Triton interpreter: the kernels run on the GPU
 #      (tests/backends.py puts the "triton" tests' tensors on CUDA), on $MEMKERNELS_GPU_CHECK_WORKERS
 #      xdist workers (default 8). Each failure is appended to RESULTS_FILE.failures as it happens
 #      (MEMKERNELS_FAILURE_LOG): a step cut short loses pytest's summary, not the failures.
@@ -36,7 +39,7 @@
 # of the suite run anywhere and are not spent on a GPU window.
 # MEMKERNELS_GPU_CHECK_SECONDS=N bounds the whole run to N seconds (default 600; 0: no bound): each
 # step runs under `timeout` with its share of what is left (bench_step a third, then the allocator
-# tests a third, each op benchmark an eighth, the kernel tests all the rest). On the H200 (15 minutes,
+# tests a third, each op benchmark an eighth, bench_plan_stack half, the kernel tests all the rest). On the H200 (15 minutes,
 # docs/gpu-runs.md) the build took 15-20 s, the allocator tests about a minute, the kernel test
 # files more than 4 minutes on 10 workers, the benchmarks' GPU sections 10-60 s each; bench_step
 # has not run on a GPU yet.
@@ -101,6 +104,9 @@ step() {  # step LABEL SHARE COMMAND...: run it, log it, count a failure; SHARE:
     for bench in gated_mlp gelu_linear rms_norm rope dyt cross_entropy logprobs moe offload; do
         step "bench_$bench.py" 8 python "benchmarks/bench_$bench.py"
     done
+    # issue 35: a plan carried out at real width (4 Llama-3-8B layers at 16k and 64k tokens), peak and overhead
+    # against the plan's; each run's figures are printed as it ends, so a cut run keeps what it measured
+    step "bench_plan_stack.py" 2 python benchmarks/bench_plan_stack.py --steps 2
     step "kernel tests on the GPU" 1 python -m pytest -q -p no:randomly -n "$WORKERS" tests/test_gated_linear.py \
         tests/test_gelu_linear.py tests/test_rms_norm.py tests/test_layer_norm.py tests/test_cross_entropy.py \
         tests/test_linear_cross_entropy.py tests/test_linear_logprobs.py tests/test_rope.py tests/test_dyt.py tests/test_autocast.py \
