@@ -534,6 +534,7 @@ def test_second_backward_of_chunked_raises():
 @pytest.mark.parametrize("call,error,match", [
     (lambda h, w, t: linear_cross_entropy(h, w.t(), t), ValueError, "weight has shape"),
     (lambda h, w, t: linear_cross_entropy(h, w.double(), t), ValueError, "must match hidden"),
+    (lambda h, w, t: linear_cross_entropy(h.double(), w.double(), t), TypeError, "hidden has dtype torch.float64; supported"),
     (lambda h, w, t: linear_cross_entropy(h, w, t.float()), TypeError, "target must hold integer"),
     (lambda h, w, t: linear_cross_entropy(h, w, t[:3]), ValueError, "target has 3 elements"),
     (lambda h, w, t: linear_cross_entropy(h, w, t, bias=torch.zeros(4)), ValueError, "bias must have shape"),

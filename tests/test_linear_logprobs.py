@@ -280,6 +280,7 @@ def test_second_derivative_raises():
 @pytest.mark.parametrize("call,error,match", [
     (lambda h, w, t: linear_logprobs(h, w.t(), t), ValueError, "weight has shape"),
     (lambda h, w, t: linear_logprobs(h, w.double(), t), ValueError, "must match hidden"),
+    (lambda h, w, t: linear_logprobs(h.double(), w.double(), t), TypeError, "hidden has dtype torch.float64; supported"),
     (lambda h, w, t: linear_logprobs(h, w, t.float()), TypeError, "target must hold integer"),
     (lambda h, w, t: linear_logprobs(h, w, t[:3]), ValueError, "target has 3 elements"),
     (lambda h, w, t: linear_logprobs(h, w, [0] * 5), TypeError, "target must be a tensor"),

@@ -741,9 +741,12 @@ def _vocab_parallel(hidden, weight, target, bias, cfg, reduction, chunk_size, pr
 
 def validate_head(hidden, weight, bias):
     """Raise TypeError/ValueError naming the argument unless hidden (..., H), weight (V, H) and bias (V,) or None
-    make an LM head: floating point, one dtype and device. Shared with linear_logprobs."""
+    make an LM head: float32, float16 or bfloat16, one dtype and device. Shared with linear_logprobs."""
     if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
         raise TypeError("hidden must be a floating-point tensor of shape (..., H)")
+    if hidden.dtype not in RIDGE_FLOPS_PER_BYTE:  # the dtypes the chunking rules (and the row kernels) know
+        raise TypeError(f"hidden has dtype {hidden.dtype}; supported are float32, float16 and bfloat16 (cast the "
+                        "head's input and weight, e.g. .float())")
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"weight must be the LM head's (V, H) matrix, got shape {tuple(getattr(weight, 'shape', ()))}")
     if weight.shape[1] != hidden.shape[-1]:
