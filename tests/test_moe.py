@@ -17,9 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from memkernels.fusions.gated_mlp.grouped import (grouped_gated_linear, grouped_gated_mlp_recompute, grouped_gather_mm,
-                                                  grouped_mm)
-from memkernels.meters import SavedBytesMeter
+from memkernels.fusions.gated_mlp import op as gated_mlp_op
+from memkernels.fusions.gated_mlp.grouped import (expert_chunks, grouped_gated_linear, grouped_gated_mlp_recompute,
+                                                  grouped_gather_mm, grouped_mm)
+from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 from memkernels.testing import check_against_reference
 
 transformers = pytest.importorskip("transformers")
@@ -461,6 +462,101 @@ def test_torch_compile_fullgraph_keeps_the_custom_ops(op):
                   "grouped_gather_mm": ["grouped_gather_mm", "grouped_gated_linear"],
                   "grouped_gated_mlp_recompute": ["grouped_gather_mm", "grouped_gated_linear_recomputing"]}[op]
     assert all(f"memkernels.{name}.default" in seen for name in custom_ops), seen
+
+
+# Over many routed rows the experts' steps run a run of whole experts at a time (expert_chunks): 96 rows in runs of
+# at most 16 here, with an expert of 20 rows (a run alone), an empty one and one of 1.
+LONG_ENDS = [10, 30, 30, 31, 45, 60, 75, 96]
+
+
+def test_expert_chunks_are_runs_of_whole_experts():
+    offsets = torch.tensor(LONG_ENDS, dtype=torch.int32)
+    runs = expert_chunks(offsets, 96, 8, 4)  # 96 rows fit one run (CHUNK_TOKENS 8192): offsets themselves
+    assert len(runs) == 1 and runs[0][2] is offsets
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gated_mlp_op, "CHUNK_TOKENS", 16)
+        runs = expert_chunks(offsets, 96, 8, 4)
+        assert [(e.start, e.stop, r.start, r.stop) for e, r, _ in runs] == [
+            (0, 1, 0, 10), (1, 2, 10, 30), (2, 5, 30, 45), (5, 6, 45, 60), (6, 7, 60, 75), (7, 8, 75, 96)]
+        for experts, rows, run_offsets in runs:
+            assert run_offsets.tolist() == [end - rows.start for end in LONG_ENDS[experts]]
+        # a step whose weight gradient outweighs its transients keeps one run; on meta the rows are spread evenly
+        assert len(expert_chunks(offsets, 96, 8, 4, grad_weight_bytes=96 * 8 * 4)) == 1
+        assert len(expert_chunks(offsets, 96, 8, 4, grad_weight_bytes=96 * 8 * 4 - 1)) == 6
+        meta = expert_chunks(offsets.to("meta"), 96, 8, 4)
+        assert [(e.start, e.stop, r.start, r.stop) for e, r, _ in meta] == [
+            (0, 1, 0, 12), (1, 2, 12, 24), (2, 3, 24, 36), (3, 4, 36, 48), (4, 5, 48, 60), (5, 6, 60, 72),
+            (6, 7, 72, 84), (7, 8, 84, 96)]
+
+
+def _long_experts(dtype, generator):
+    """96 routed rows of 40 tokens (H 8), 8 experts of I 4 (N 8): every step's transients outweigh its weights."""
+    hidden = torch.randn(40, 8, generator=generator).to(dtype).requires_grad_()
+    rows = torch.randint(0, 40, (96,), generator=generator)
+    gate_up_proj = (torch.randn(8, 8, 8, generator=generator) * 0.5).to(dtype).requires_grad_()
+    down_proj = (torch.randn(8, 8, 4, generator=generator) * 0.5).to(dtype).requires_grad_()
+    return hidden, rows, gate_up_proj, down_proj
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("mlp", ["saves", "recompute"])
+def test_experts_over_many_rows_run_by_runs_and_match(dtype, mlp, monkeypatch):
+    """Run by run (CHUNK_TOKENS 16: six runs) the experts' MLP computes what it computes in one run: the output,
+    d_gate_up_proj and d_down_proj bitwise (each expert's rows in the same GEMMs), the hidden states' gradient to
+    the order of its per-token sums; and against float64 autograd by check_against_reference's rule."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, rows, gate_up_proj, down_proj = _long_experts(dtype, generator)
+    offsets = torch.tensor(LONG_ENDS, dtype=torch.int32)
+    grad = torch.randn(96, 8, generator=generator).to(dtype)
+
+    def fused(h, w1, w2):
+        if mlp == "recompute":
+            return grouped_gated_mlp_recompute(h, rows, w1, w2, offsets)
+        return grouped_gated_linear(grouped_gather_mm(h, rows, w1, offsets), w2, offsets)
+
+    def run():
+        out = fused(hidden, gate_up_proj, down_proj)
+        return (out, *torch.autograd.grad(out, (hidden, gate_up_proj, down_proj), grad))
+
+    whole = run()
+    monkeypatch.setattr(gated_mlp_op, "CHUNK_TOKENS", 16)
+    runs = run()
+    for name, a, b in zip(("output", "d_gate_up_proj", "d_down_proj"), (whole[0], *whole[2:]), (runs[0], *runs[2:])):
+        assert torch.equal(a, b), name
+    torch.testing.assert_close(runs[1], whole[1])
+
+    def eager(h, w1, w2):
+        starts = [0] + LONG_ENDS[:-1]
+        gathered = h[rows]
+        gate_up = torch.cat([gathered[start:end] @ w1[expert].t()
+                             for expert, (start, end) in enumerate(zip(starts, LONG_ENDS))])
+        return _eager_grouped(gate_up, w2, LONG_ENDS, "silu")
+
+    check_against_reference(fused, eager, [hidden, gate_up_proj, down_proj], name=f"experts' MLP ({mlp}) in runs")
+
+
+def test_the_recomputed_experts_backward_holds_a_runs_rows():
+    """grouped_gated_mlp_recompute's backward, float32, 96 rows: in one run it holds every row's recomputed gate_up
+    and dL/dc, and every row's gathered hidden state (for gate_up, then again for d_gate_up_proj) and its gradient;
+    run by run (at most 16 rows, the largest run 21) a run's, beside the same outputs (d_gate_up [96, 8], d_hidden
+    [40, 8], the weight gradients) and each run's share of the weight gradients. Measured: 15,360 -> 12,032 bytes
+    at the peak (the outputs are most of it at this size); pinned: at least one H-wide float32 row (32 bytes) for
+    each of the 75 rows outside the largest run."""
+    generator = torch.Generator().manual_seed(0)
+    hidden, rows, gate_up_proj, down_proj = _long_experts(torch.float32, generator)
+    offsets = torch.tensor(LONG_ENDS, dtype=torch.int32)
+
+    def backward_peak():
+        out = grouped_gated_mlp_recompute(hidden, rows, gate_up_proj, down_proj, offsets)
+        with PeakBytesMeter() as meter:
+            torch.autograd.grad(out, (hidden, gate_up_proj, down_proj), torch.ones_like(out))
+        return meter.peak_bytes
+
+    whole = backward_peak()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gated_mlp_op, "CHUNK_TOKENS", 16)
+        chunked = backward_peak()
+    assert whole - chunked >= (96 - 21) * 8 * 4, (whole, chunked)
 
 
 def test_grouped_mm_loop_matches_the_grouped_kernel():

@@ -27,8 +27,13 @@ grouped_gated_linear: per routed token gate_up (2*I) and the index are saved.
 grouped_gather_mm, then the down projection above recomputing gate_up in backward (grouped_gated_linear_recomputing:
 one more grouped GEMM and gather). Neither saves gate_up: no tensor is saved per routed token beyond the index,
 where the default path saves gate_up (2*I). Two ops, so that autograd adds and frees one weight gradient before
-the next is made, as in eager. No token chunks, unlike the dense gated_mlp_recompute: backward holds gate_up and
-its gradient for all routed tokens at once, as the default path's backward does.
+the next is made, as in eager.
+
+Long inputs: over more routed rows than the dense recompute's token chunks, each step runs a run of whole experts at
+a time (:func:`expert_chunks`), so that its row-sized transients (the gathered rows, the recomputed gate_up, dL/dc)
+are a run's; the outputs (gate_up or its gradient, the hidden states' gradient) are every row's, as they must be.
+A run never splits an expert: each expert's weight gradient is still one GEMM on the same rows, bitwise as in one
+run.
 
 File order: the grouped GEMM → steps → autograd and OpSpec → public functions.
 """
@@ -37,7 +42,7 @@ import functools
 import torch
 
 from memkernels.fusions.common import act_linear
-from memkernels.fusions.gated_mlp.op import check_activation, halves
+from memkernels.fusions.gated_mlp.op import check_activation, chunk_tokens, halves
 from memkernels.fusions.op_spec import OpSpec, Step
 
 
@@ -89,27 +94,79 @@ def grouped_mm(a, b, offsets):
 # Steps: the forward and the backward, each a custom op (memkernels/fusions/op_spec.py)
 
 
+def expert_chunks(offsets, rows, width, element_size, grad_weight_bytes=0):
+    """[(experts, rows, offsets)] to run a step over: runs of whole experts (slices of the experts and of the rows,
+    and the run's own end rows) of at most :func:`~memkernels.fusions.gated_mlp.op.chunk_tokens` rows each, as
+    the dense recompute chunks tokens (an expert with more rows is a run alone), so that a step's transients of
+    ``width`` elements a row are a run's, not every routed row's; a run never splits an expert, so each expert's
+    weight gradient is one GEMM, as unchunked. A step that makes a weight gradient (``grad_weight_bytes``) makes a
+    run's share of it apart and copies it in (torch._grouped_mm writes into no given buffer): it runs in one run
+    unless its transients outweigh that gradient (Qwen3-30B-A3B, top-8: past 12,288 tokens for the down
+    projection's backward, 24,576 for the gather's; the forwards past 1,024). One run, ``offsets`` itself, when
+    every row fits one; only else are the offsets read on the host (one device sync a step), and on meta (a
+    planner's profile, no values) the rows are taken as spread evenly over the experts."""
+    experts = offsets.shape[0]
+    limit = chunk_tokens(rows, width, element_size)
+    if limit >= rows or rows * width * element_size <= grad_weight_bytes:
+        return [(slice(0, experts), slice(0, rows), offsets)]
+    ends = [(expert + 1) * rows // experts for expert in range(experts)] if offsets.device.type == "meta" \
+        else offsets.tolist()
+    bounds, first, start = [], 0, 0
+    for expert in range(1, experts):
+        if ends[expert] - start > limit:  # expert does not fit beside the run so far: the run ends before it
+            bounds.append((first, expert, start, ends[expert - 1]))
+            first, start = expert, ends[expert - 1]
+    bounds.append((first, experts, start, rows))
+    return [(slice(first, end), slice(start, stop), offsets[first:end] - start) for first, end, start, stop in bounds]
+
+
 def _forward(gate_up, weight, offsets, activation, backend):
     """[S, N] from gate_up [S, 2*I] and weight [E, N, I]."""
+    chunks = expert_chunks(offsets, gate_up.shape[0], weight.shape[2], gate_up.element_size())
+    if len(chunks) == 1:
+        return _forward_rows(gate_up, weight, offsets, activation, backend)
+    out = gate_up.new_empty(gate_up.shape[0], weight.shape[1])
+    for experts, rows, run_offsets in chunks:
+        out[rows] = _forward_rows(gate_up[rows], weight[experts], run_offsets, activation, backend)
+    return out
+
+
+def _forward_rows(gate_up, weight, offsets, activation, backend):
     product = act_linear.PASSES[backend].product(*halves(gate_up), activation)
     return grouped_mm(product, weight.transpose(-2, -1), offsets)
 
 
-def _backward(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend):
-    """[d_gate_up [S, 2*I]] when ``needs_input``, then [dW [E, N, I]] when ``needs_weight``."""
+def _backward(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend, gathered=None):
+    """[d_gate_up [S, 2*I]] when ``needs_input``, then [dW [E, N, I]] when ``needs_weight``. ``gathered``: (hidden
+    states, rows, gate_up_proj) to recompute gate_up from, run by run, in place of ``gate_up`` (None then)."""
+    width = weight.shape[2] if gathered is None else max(2 * weight.shape[2], gathered[0].shape[1])
+    chunks = expert_chunks(offsets, grad_out.shape[0], width, grad_out.element_size(),
+                           weight.numel() * weight.element_size() if needs_weight else 0)
+    grad_gate_up = grad_out.new_empty(grad_out.shape[0], 2 * weight.shape[2]) if needs_input else None
+    grad_weight = weight.new_empty(weight.shape) if needs_weight and len(chunks) > 1 else None
+    for experts, rows, run_offsets in chunks:
+        run_gate_up = gate_up[rows] if gathered is None else _gather_rows(
+            gathered[0], gathered[1][rows], gathered[2][experts], run_offsets)
+        grad_run = _backward_rows(grad_out[rows], run_gate_up, weight[experts], run_offsets, needs_weight, activation,
+                                  backend, None if grad_gate_up is None else grad_gate_up[rows])
+        del run_gate_up
+        if grad_weight is not None:
+            grad_weight[experts] = grad_run
+        elif needs_weight:
+            grad_weight = grad_run
+    return [grad for grad in (grad_gate_up, grad_weight) if grad is not None]
+
+
+def _backward_rows(grad_out, gate_up, weight, offsets, needs_weight, activation, backend, grad_gate_up):
+    """One run's dW (when ``needs_weight``), its d_gate_up written into ``grad_gate_up`` (when given)."""
     passes = act_linear.PASSES[backend]
     gate, up = halves(gate_up)
-    results = []
-    if needs_input:
-        grads, grad_gate, grad_up = act_linear.grad_input_buffers(gate, True, packed=True)
+    if grad_gate_up is not None:
         product = grouped_mm(grad_out, weight, offsets)  # dL/dc, then c
-        passes.product_backward(product, gate, up, activation, grad_gate, grad_up, needs_weight)
-        results += grads
+        passes.product_backward(product, gate, up, activation, *halves(grad_gate_up), needs_weight)
     else:
         product = passes.product(gate, up, activation)
-    if needs_weight:
-        results.append(grouped_mm(grad_out.t(), product, offsets))
-    return results
+    return grouped_mm(grad_out.t(), product, offsets) if needs_weight else None
 
 
 def _backward_fake(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend):
@@ -119,21 +176,41 @@ def _backward_fake(grad_out, gate_up, weight, offsets, needs_input, needs_weight
 
 def _gather_forward(hidden_states, rows, gate_up_proj, offsets):
     """gate_up [S, 2*I]: hidden_states [T, H] gathered by ``rows`` [S] (each row's token), grouped through
-    gate_up_proj [E, 2*I, H]; the gathered rows are transient. No elementwise pass, so no backend argument."""
+    gate_up_proj [E, 2*I, H]; the gathered rows are transient, a run of experts' at a time. No elementwise pass, so
+    no backend argument."""
+    chunks = expert_chunks(offsets, rows.shape[0], hidden_states.shape[1], hidden_states.element_size())
+    if len(chunks) == 1:
+        return _gather_rows(hidden_states, rows, gate_up_proj, offsets)
+    out = hidden_states.new_empty(rows.shape[0], gate_up_proj.shape[1])
+    for experts, run, run_offsets in chunks:
+        out[run] = _gather_rows(hidden_states, rows[run], gate_up_proj[experts], run_offsets)
+    return out
+
+
+def _gather_rows(hidden_states, rows, gate_up_proj, offsets):
     return grouped_mm(hidden_states[rows], gate_up_proj.transpose(-2, -1), offsets)
 
 
 def _gather_backward(grad_gate_up, hidden_states, rows, gate_up_proj, offsets, needs_input, needs_weight):
     """[d_hidden_states [T, H]] when ``needs_input`` (the rows' gradients summed per token, as autograd sums an
-    index's), then [d_gate_up_proj [E, 2*I, H]] when ``needs_weight``; the rows gathered again for it."""
-    results = []
-    if needs_input:
-        grad_routed = grouped_mm(grad_gate_up, gate_up_proj, offsets)
-        results.append(hidden_states.new_zeros(hidden_states.shape).index_put_((rows,), grad_routed, accumulate=True))
-        del grad_routed
-    if needs_weight:
-        results.append(grouped_mm(grad_gate_up.t(), hidden_states[rows], offsets))
-    return results
+    index's), then [d_gate_up_proj [E, 2*I, H]] when ``needs_weight``; the rows gathered again for it. A run of
+    experts at a time over many rows (:func:`expert_chunks`)."""
+    chunks = expert_chunks(offsets, rows.shape[0], hidden_states.shape[1], hidden_states.element_size(),
+                           gate_up_proj.numel() * gate_up_proj.element_size() if needs_weight else 0)
+    grad_hidden = hidden_states.new_zeros(hidden_states.shape) if needs_input else None
+    grad_weight = gate_up_proj.new_empty(gate_up_proj.shape) if needs_weight and len(chunks) > 1 else None
+    for experts, run, run_offsets in chunks:
+        if needs_input:
+            grad_routed = grouped_mm(grad_gate_up[run], gate_up_proj[experts], run_offsets)
+            grad_hidden.index_put_((rows[run],), grad_routed, accumulate=True)
+            del grad_routed
+        if needs_weight:
+            grad_run = grouped_mm(grad_gate_up[run].t(), hidden_states[rows[run]], run_offsets)
+            if grad_weight is None:
+                grad_weight = grad_run
+            else:
+                grad_weight[experts] = grad_run
+    return [grad for grad in (grad_hidden, grad_weight) if grad is not None]
 
 
 def _gather_backward_fake(grad_gate_up, hidden_states, rows, gate_up_proj, offsets, needs_input, needs_weight):
@@ -148,9 +225,9 @@ def _recomputing_forward(gate_up, hidden_states, rows, gate_up_proj, weight, off
 
 def _recomputing_backward(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, needs_input, needs_weight,
                           activation, backend):
-    """:func:`_backward`'s results with gate_up recomputed (one more grouped GEMM)."""
-    return _backward(grad_out, _gather_forward(hidden_states, rows, gate_up_proj, offsets), weight, offsets,
-                     needs_input, needs_weight, activation, backend)
+    """:func:`_backward`'s results with gate_up recomputed (one more grouped GEMM), a run of experts at a time."""
+    return _backward(grad_out, None, weight, offsets, needs_input, needs_weight, activation, backend,
+                     gathered=(hidden_states, rows, gate_up_proj))
 
 
 def _recomputing_backward_fake(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, needs_input, needs_weight,
