@@ -7,12 +7,12 @@ On a machine with a GPU it also measures the Qwen3-30B-A3B-shaped experts on it 
 What runs: one transformers ``Qwen3MoeExperts`` module (stacked ``gate_up_proj`` [E, 2*I, H] and
 ``down_proj`` [E, H, I]) called as its sparse MoE block calls it: hidden states [T, H], each token routed to
 its top-k experts by a random router's softmax; the loss is sum(out * dy) for a fixed random dy, then
-backward. Methods, each on a fresh copy with the same weights and routing:
+backward, to the hidden states and the routing weights (a trained router's gradient). Methods, each on a fresh copy with the same weights and routing:
 - eager: transformers' own experts forward (``experts_implementation="grouped_mm"``, its default: one grouped
   GEMM each way around act(gate) * up);
 - memkernels: the same module after ``memkernels.apply`` (gate_up projection through grouped_gather_mm, the rows
-  gathered inside the op and not saved; down projection through grouped_gated_linear: gate_up saved per routed
-  token);
+  gathered inside the op and not saved; down projection through grouped_gated_linear, the routing weights
+  multiplied in: gate_up saved per routed token, nothing H-wide for the weights' gradient);
 - memkernels recompute: after ``memkernels.apply(mlp="recompute")`` (grouped_gated_mlp_recompute: no gate_up
   saved either, gate_up recomputed in backward);
 - Liger: Liger-Kernel's ``LigerFusedMoEFunction`` (``liger_kernel.ops.fused_moe``, in releases from April 2026 on)
@@ -106,7 +106,7 @@ def methods(module, device):
 
 def measure(module, x, index, weights, dy):
     """(saved bytes, extra peak bytes) of one forward + backward."""
-    x = x.detach().requires_grad_()
+    x, weights = x.detach().requires_grad_(), weights.detach().requires_grad_()
     for parameter in module.parameters():
         parameter.grad = torch.zeros_like(parameter)
     with PeakBytesMeter() as peak:
@@ -114,7 +114,7 @@ def measure(module, x, index, weights, dy):
             out = module(x, index, weights)
         out.backward(dy)
         del out
-    return saved.new_bytes, peak.peak_bytes - x.nbytes  # x.grad is the gradient the step returns
+    return saved.new_bytes, peak.peak_bytes - x.nbytes - weights.nbytes  # the gradients the step returns
 
 
 def memory_section(configs):
@@ -149,7 +149,7 @@ def timing_section(repeats=10):
         if isinstance(computed, str):
             print(f"  {label} {method:<21} {computed}")
             continue
-        inputs = x.detach().requires_grad_()
+        inputs, routing = x.detach().requires_grad_(), weights.detach().requires_grad_()
         for parameter in computed.parameters():
             parameter.grad = torch.zeros_like(parameter)
         times = []
@@ -160,7 +160,7 @@ def timing_section(repeats=10):
                 before = torch.cuda.memory_allocated()
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
-            computed(inputs, index, weights).backward(dy)
+            computed(inputs, index, routing).backward(dy)
             end.record()
             torch.cuda.synchronize()
             if attempt >= 3:

@@ -302,19 +302,23 @@ def _experts_call(name, dtype):
     return experts, hidden, index, weights.to(dtype)
 
 
+@pytest.mark.parametrize("router", ["frozen", "trained"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_experts_save_at_most_half_of_eager(name, dtype):
+def test_experts_save_at_most_half_of_eager(name, dtype, router):
     """New bytes the experts save for backward (saved_tensors_hooks): eager keeps the gathered hidden states (H),
     gate_up, act(gate) and the product per routed token (H + 4*I); fused only gate_up (2*I), grouped_gather_mm
     gathering the rows inside the op (it saves the caller's hidden states, not new, and each row's token index,
-    which eager's index saves too): exactly H + 2*I per routed token fewer, the routing indices and weights the
-    same in both. So the fused experts keep (2*I + routing) / (H + 4*I + routing) of eager's new bytes: 35.0-39.6%
-    at these shapes (Qwen3-MoE and DeepSeek-V3, H 64, I 32: 276 / 788 B a routed token in fp32, 146 / 402 in
-    bf16; Mixtral, I 48: 404 / 1044 and 210 / 530), where saving the gathered rows too gave 63-68%."""
+    which eager's index saves too): exactly H + 2*I per routed token fewer. With the routing weights' gradient
+    (a trained router), eager's ``routed * weights`` also saves each routed row's output (H); the fused op weights
+    its rows inside and saves nothing H-wide for that gradient: 2*H + 2*I fewer. So the fused experts keep 35.0-39.6%
+    of eager's new bytes with a frozen router (Qwen3-MoE and DeepSeek-V3, H 64, I 32: 276 / 788 B a routed token
+    in fp32, 146 / 402 in bf16; Mixtral, I 48: 404 / 1044 and 210 / 530) and 27.0-32.7% with a trained one, where
+    weighting outside the op kept 51.1-52.4% (and saving the gathered rows too, 63-68% frozen)."""
     experts, hidden, index, weights = _experts_call(name, dtype)
     width, features = experts.down_proj.shape[2], experts.down_proj.shape[1]
     hidden.requires_grad_()
+    weights.requires_grad_(router == "trained")
     with SavedBytesMeter() as eager:
         experts(hidden, index, weights)
     apply(experts, measure=False)
@@ -323,20 +327,24 @@ def test_experts_save_at_most_half_of_eager(name, dtype):
         experts(hidden, index, weights)
     routed = index.numel()
     element = hidden.element_size()
-    assert eager.new_bytes - fused.new_bytes == (2 * width + features) * element * routed
+    output = features if router == "trained" else 0
+    assert eager.new_bytes - fused.new_bytes == (2 * width + features + output) * element * routed
     assert fused.new_bytes <= 0.5 * eager.new_bytes
 
 
+@pytest.mark.parametrize("router", ["frozen", "trained"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_recomputed_experts_save_neither_gate_up_nor_the_gathered_rows(name, dtype):
+def test_recomputed_experts_save_neither_gate_up_nor_the_gathered_rows(name, dtype, router):
     """mlp="recompute" saves per routed token exactly gate_up (2*I) fewer bytes than the default fused experts
     (saved_tensors_hooks; neither saves the gathered hidden states, both gather in grouped_gather_mm): what is
-    left is the routing (each row's token and expert order, the offsets) and the weighting, 18-20 bytes a routed
-    token here, 1.9-4.5% of eager's new bytes (Mixtral fp32 1.9%, Qwen3-MoE and DeepSeek-V3 bf16 4.5%) against
-    the default's 35-40%."""
+    left is the routing (each row's token and expert order, the offsets) and the weighting, 18-28 bytes a routed
+    token here: 1.9-4.5% of eager's new bytes with a frozen router (Mixtral fp32 1.9%, Qwen3-MoE and DeepSeek-V3
+    bf16 4.5%), 2.1-4.9% with a trained one (21.7-28.6% where the rows were weighted outside the op, which saved
+    their H-wide output), against the default's 27-40%."""
     experts, hidden, index, weights = _experts_call(name, dtype)
     hidden.requires_grad_()
+    weights.requires_grad_(router == "trained")
     saved = {}
     for mlp in (None, True, "recompute"):
         module = copy.deepcopy(experts)
@@ -429,20 +437,23 @@ def test_grouped_gated_mlp_recompute_matches_float64(backend, dtype, activation,
 def test_torch_compile_fullgraph_keeps_the_custom_ops(op):
     """Under torch.compile (aot_eager, fullgraph) the forward and backward are the custom ops (the default experts
     path's two: grouped_gather_mm then grouped_gated_linear; the recomputed MLP's two), with the eager twin's
-    gradients."""
+    gradients, the routing weights' included."""
     generator = torch.Generator().manual_seed(0)
     offsets = torch.tensor([3, 3, 9, 13], dtype=torch.int32)
     rows = torch.randint(0, 5, (13,), generator=generator)
 
     def function(*tensors):
+        *tensors, row_weights = tensors
         if op == "grouped_gated_linear":
-            return grouped_gated_linear(*tensors, offsets)
+            return grouped_gated_linear(*tensors, offsets, row_weights=row_weights)
         hidden, gate_up_proj, down_proj = tensors
         if op == "grouped_gather_mm":
-            return grouped_gated_linear(grouped_gather_mm(hidden, rows, gate_up_proj, offsets), down_proj, offsets)
-        return grouped_gated_mlp_recompute(hidden, rows, gate_up_proj, down_proj, offsets)
+            return grouped_gated_linear(grouped_gather_mm(hidden, rows, gate_up_proj, offsets), down_proj, offsets,
+                                        row_weights=row_weights)
+        return grouped_gated_mlp_recompute(hidden, rows, gate_up_proj, down_proj, offsets, row_weights=row_weights)
 
     shapes = [(13, 32), (4, 8, 16)] if op == "grouped_gated_linear" else [(5, 8), (4, 32, 8), (4, 8, 16)]
+    shapes.append((13,))  # the routing weights, multiplied in by the down projection
     inputs = [torch.randn(shape, generator=generator).requires_grad_() for shape in shapes]
     grad = torch.randn(13, 8, generator=generator)
     eager = torch.autograd.grad(function(*inputs), inputs, grad)
@@ -559,6 +570,40 @@ def test_the_recomputed_experts_backward_holds_a_runs_rows():
     assert whole - chunked >= (96 - 21) * 8 * 4, (whole, chunked)
 
 
+@pytest.mark.parametrize("ends", [[3, 3, 9, 13], LONG_ENDS], ids=["one-run", "runs"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("mlp", ["saves", "recompute"])
+def test_row_weights_inside_the_op_match_float64(backend, dtype, mlp, ends, monkeypatch):
+    """row_weights: each routed row's output times its routing weight inside the op, its gradient <dy W, c> from
+    the GEMM backward makes anyway: output and the gradients of the hidden states, both projections and the row
+    weights against float64 autograd of ``experts' MLP * weights``; over LONG_ENDS' 96 rows in runs of whole
+    experts (CHUNK_TOKENS 16)."""
+    monkeypatch.setattr(gated_mlp_op, "CHUNK_TOKENS", 16)
+    generator = torch.Generator().manual_seed(0)
+    routed = ends[-1]
+    hidden = torch.randn(40, 8, generator=generator).to(dtype).requires_grad_()
+    rows = torch.randint(0, 40, (routed,), generator=generator)
+    gate_up_proj = (torch.randn(len(ends), 8, 8, generator=generator) * 0.5).to(dtype).requires_grad_()
+    down_proj = (torch.randn(len(ends), 8, 4, generator=generator) * 0.5).to(dtype).requires_grad_()
+    row_weights = torch.rand(routed, generator=generator).to(dtype).requires_grad_()
+    offsets = torch.tensor(ends, dtype=torch.int32)
+
+    def eager(h, w1, w2, weights):
+        starts = [0] + ends[:-1]
+        gathered = h[rows]
+        gate_up = torch.cat([gathered[start:end] @ w1[expert].t()
+                             for expert, (start, end) in enumerate(zip(starts, ends))])
+        return _eager_grouped(gate_up, w2, ends, "silu") * weights.unsqueeze(-1)
+
+    def fused(h, w1, w2, weights):
+        if mlp == "recompute":
+            return grouped_gated_mlp_recompute(h, rows, w1, w2, offsets, row_weights=weights)
+        return grouped_gated_linear(grouped_gather_mm(h, rows, w1, offsets), w2, offsets, row_weights=weights)
+
+    check_against_reference(fused, eager, [hidden, gate_up_proj, down_proj, row_weights],
+                            name=f"weighted experts' MLP ({mlp}) {ends}")
+
+
 def test_grouped_mm_loop_matches_the_grouped_kernel():
     """The loop over experts (float64, or strides torch._grouped_mm refuses) computes what torch._grouped_mm does."""
     generator = torch.Generator().manual_seed(0)
@@ -576,6 +621,8 @@ def test_grouped_mm_loop_matches_the_grouped_kernel():
     (dict(offsets=torch.tensor([2, 4])), "offsets"),
     (dict(offsets=torch.tensor([4], dtype=torch.int32)), "offsets"),
     (dict(activation="relu"), "activation"),
+    (dict(row_weights=torch.zeros(3)), "row_weights"),
+    (dict(row_weights=torch.zeros(4, dtype=torch.float64)), "row_weights"),
 ])
 def test_grouped_gated_linear_bad_input_names_the_argument(kwargs, argument):
     arguments = dict(gate_up=torch.zeros(4, 16), weight=torch.zeros(2, 8, 8),
@@ -636,11 +683,13 @@ def test_trainer_trains_two_steps(name):
 
 
 def test_benchmark_qwen3_30b_a3b_row_on_meta():
-    """bench_moe.py's Qwen3-30B-A3B row (meta, bf16, 2048 tokens, top-8), measured by the benchmark's own meter: the
-    fused experts save exactly H + 2*I elements a routed token fewer than transformers' grouped_mm path (the
-    gathered rows and act(gate), product: 3,090 of 10,258 B a routed token, 30.1%), recomputing 4*I + H fewer
-    (nothing a routed token but the routing); neither's peak is above eager's (888 against 944 MiB: the two ops
-    free down_proj's gradient before gate_up_proj's is made, and backward gathers the rows only for dW)."""
+    """bench_moe.py's Qwen3-30B-A3B row (meta, bf16, 2048 tokens, top-8, the routing weights' gradient asked for as
+    a trained router's is), measured by the benchmark's own meter: the fused experts save exactly 2*H + 2*I
+    elements a routed token fewer than transformers' grouped_mm path (the gathered rows, act(gate), the product,
+    and the unweighted output its ``routed * weights`` keeps for the weights' gradient: 3,098 of 14,362 B a routed
+    token, 21.6%), recomputing 4*I + 2*H fewer (nothing a routed token but the routing); neither's peak is above
+    eager's (888 against 944 MiB: the two ops free down_proj's gradient before gate_up_proj's is made, and
+    backward gathers the rows only for dW)."""
     from bench_loader import load_benchmark
     bench = load_benchmark("bench_moe")
     label, hidden, intermediate, experts, top_k, tokens, dtype, device = bench.CONFIGS[1]
@@ -649,9 +698,9 @@ def test_benchmark_qwen3_30b_a3b_row_on_meta():
     measured = {method: bench.measure(computed, x, index, weights, dy)
                 for method, computed in bench.methods(module, device).items() if not isinstance(computed, str)}
     routed_bytes = 2 * tokens * top_k  # bf16
-    assert measured["eager"][0] - measured["memkernels"][0] == (2 * intermediate + hidden) * routed_bytes
+    assert measured["eager"][0] - measured["memkernels"][0] == (2 * intermediate + 2 * hidden) * routed_bytes
     assert measured["memkernels"][0] <= 0.5 * measured["eager"][0]
-    assert measured["eager"][0] - measured["memkernels recompute"][0] == (4 * intermediate + hidden) * routed_bytes
+    assert measured["eager"][0] - measured["memkernels recompute"][0] == (4 * intermediate + 2 * hidden) * routed_bytes
     assert measured["memkernels recompute"][1] <= measured["memkernels"][1] <= measured["eager"][1]
 
 

@@ -64,6 +64,8 @@ import torch
 import trl
 from torch import nn
 
+from memkernels.fusions.common.autocast import compute_dtype
+
 __all__ = ["patch_trainer", "unpatch_trainer", "counts", "UnsupportedTRL", "SUPPORTED_TRL"]
 
 SUPPORTED_TRL = "1.16"  # the TRL whose add_fused_lm_head / ChunkedLogProbFunction this was written and tested against
@@ -155,8 +157,7 @@ def _score(hidden, weight, bias, targets, temperature, chunk_size, final_logit_s
 
     # TRL's kernel computes in the autocast dtype inside an autocast region, else in the hidden states' dtype
     # (float32 under cast_lm_head_to_fp32, where TRL turns autocast off and casts the hidden states).
-    device_type = hidden.device.type
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    dtype = compute_dtype(hidden)
     scaled_hidden, scaled_weight = hidden.to(dtype), weight.to(dtype)
     scaled_bias = None if bias is None else bias.to(dtype)
     if logit_scale != 1.0:  # (h @ W.T + b) * s == (h * s) @ W.T + b * s

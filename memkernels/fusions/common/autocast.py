@@ -45,6 +45,12 @@ def _enabled(device_type):
     return device_type in _AUTOCAST_DEVICE_TYPES and torch.is_autocast_enabled(device_type)
 
 
+def compute_dtype(tensor):
+    """The dtype a GEMM on ``tensor`` computes in: the active autocast region's for its device, else its own."""
+    device_type = tensor.device.type
+    return torch.get_autocast_dtype(device_type) if _enabled(device_type) else tensor.dtype
+
+
 def _target_dtype(policy, device_type):
     if policy == "fp32":
         return torch.float32

@@ -29,6 +29,10 @@ one more grouped GEMM and gather). Neither saves gate_up: no tensor is saved per
 where the default path saves gate_up (2*I). Two ops, so that autograd adds and frees one weight gradient before
 the next is made, as in eager.
 
+Routing weights: ``row_weights`` [S] multiplies each row's output inside the down projection, and its gradient
+<dy_r, c_r W^T> = <dy_r W, c_r> comes from the g the backward computes anyway (an elementwise product and a sum
+over I in c's buffer), so the unweighted [S, N] output is not saved for it, as ``routed * weights`` saves it.
+
 Long inputs: over more routed rows than the dense recompute's token chunks, each step runs a run of whole experts at
 a time (:func:`expert_chunks`), so that its row-sized transients (the gathered rows, the recomputed gate_up, dL/dc)
 are a run's; the outputs (gate_up or its gradient, the hidden states' gradient) are every row's, as they must be.
@@ -120,15 +124,16 @@ def expert_chunks(offsets, rows, width, element_size, grad_weight_bytes=0):
     return [(slice(first, end), slice(start, stop), offsets[first:end] - start) for first, end, start, stop in bounds]
 
 
-def _forward(gate_up, weight, offsets, activation, backend):
-    """[S, N] from gate_up [S, 2*I] and weight [E, N, I]."""
+def _forward(gate_up, weight, offsets, row_weights, activation, backend):
+    """[S, N] from gate_up [S, 2*I] and weight [E, N, I], each row times its ``row_weights`` [S] entry (when given)."""
     chunks = expert_chunks(offsets, gate_up.shape[0], weight.shape[2], gate_up.element_size())
     if len(chunks) == 1:
-        return _forward_rows(gate_up, weight, offsets, activation, backend)
-    out = gate_up.new_empty(gate_up.shape[0], weight.shape[1])
-    for experts, rows, run_offsets in chunks:
-        out[rows] = _forward_rows(gate_up[rows], weight[experts], run_offsets, activation, backend)
-    return out
+        out = _forward_rows(gate_up, weight, offsets, activation, backend)
+    else:
+        out = gate_up.new_empty(gate_up.shape[0], weight.shape[1])
+        for experts, rows, run_offsets in chunks:
+            out[rows] = _forward_rows(gate_up[rows], weight[experts], run_offsets, activation, backend)
+    return out if row_weights is None else out.mul_(row_weights.unsqueeze(-1))
 
 
 def _forward_rows(gate_up, weight, offsets, activation, backend):
@@ -136,42 +141,64 @@ def _forward_rows(gate_up, weight, offsets, activation, backend):
     return grouped_mm(product, weight.transpose(-2, -1), offsets)
 
 
-def _backward(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend, gathered=None):
-    """[d_gate_up [S, 2*I]] when ``needs_input``, then [dW [E, N, I]] when ``needs_weight``. ``gathered``: (hidden
-    states, rows, gate_up_proj) to recompute gate_up from, run by run, in place of ``gate_up`` (None then)."""
+def _backward(grad_out, gate_up, weight, offsets, row_weights, needs_input, needs_weight, needs_row_weights,
+              activation, backend, gathered=None):
+    """[d_gate_up [S, 2*I]] when ``needs_input``, then [dW [E, N, I]] when ``needs_weight``, then [d_row_weights
+    [S]] when ``needs_row_weights``. ``gathered``: (hidden states, rows, gate_up_proj) to recompute gate_up from,
+    run by run, in place of ``gate_up`` (None then)."""
     width = weight.shape[2] if gathered is None else max(2 * weight.shape[2], gathered[0].shape[1])
     chunks = expert_chunks(offsets, grad_out.shape[0], width, grad_out.element_size(),
                            weight.numel() * weight.element_size() if needs_weight else 0)
     grad_gate_up = grad_out.new_empty(grad_out.shape[0], 2 * weight.shape[2]) if needs_input else None
     grad_weight = weight.new_empty(weight.shape) if needs_weight and len(chunks) > 1 else None
+    grad_row_weights = row_weights.new_empty(row_weights.shape) if needs_row_weights else None
     for experts, rows, run_offsets in chunks:
         run_gate_up = gate_up[rows] if gathered is None else _gather_rows(
             gathered[0], gathered[1][rows], gathered[2][experts], run_offsets)
-        grad_run = _backward_rows(grad_out[rows], run_gate_up, weight[experts], run_offsets, needs_weight, activation,
-                                  backend, None if grad_gate_up is None else grad_gate_up[rows])
+        grad_run = _backward_rows(
+            grad_out[rows], run_gate_up, weight[experts], run_offsets, None if row_weights is None else
+            row_weights[rows], needs_weight, activation, backend, None if grad_gate_up is None else grad_gate_up[rows],
+            None if grad_row_weights is None else grad_row_weights[rows])
         del run_gate_up
         if grad_weight is not None:
             grad_weight[experts] = grad_run
         elif needs_weight:
             grad_weight = grad_run
-    return [grad for grad in (grad_gate_up, grad_weight) if grad is not None]
+    return [grad for grad in (grad_gate_up, grad_weight, grad_row_weights) if grad is not None]
 
 
-def _backward_rows(grad_out, gate_up, weight, offsets, needs_weight, activation, backend, grad_gate_up):
-    """One run's dW (when ``needs_weight``), its d_gate_up written into ``grad_gate_up`` (when given)."""
+def _backward_rows(grad_out, gate_up, weight, offsets, row_weights, needs_weight, activation, backend, grad_gate_up,
+                   grad_row_weights):
+    """One run's dW (when ``needs_weight``), its d_gate_up written into ``grad_gate_up`` and its rows' weights'
+    gradient into ``grad_row_weights`` (when given). Weighted rows: the output y_r = w_r (c_r W^T) saved nothing
+    H-wide for w's gradient, <dy_r, c_r W^T> = <dy_r W, c_r>, a dot over I of the GEMM backward makes anyway."""
     passes = act_linear.PASSES[backend]
     gate, up = halves(gate_up)
-    if grad_gate_up is not None:
-        product = grouped_mm(grad_out, weight, offsets)  # dL/dc, then c
-        passes.product_backward(product, gate, up, activation, *halves(grad_gate_up), needs_weight)
+    scale = None if row_weights is None else row_weights.unsqueeze(-1)
+    if grad_gate_up is not None or grad_row_weights is not None:
+        product = grouped_mm(grad_out, weight, offsets)  # dL/dc of unit row weights, then c
+        if grad_row_weights is not None:  # in c's own buffer: elementwise work, as eager's (dy * y).sum is
+            torch.sum(passes.product(gate, up, activation).mul_(product), -1, out=grad_row_weights)
+        if scale is not None:
+            product.mul_(scale)
+        if grad_gate_up is not None:
+            passes.product_backward(product, gate, up, activation, *halves(grad_gate_up), needs_weight)
+        elif needs_weight:
+            product = passes.product(gate, up, activation)
     else:
         product = passes.product(gate, up, activation)
-    return grouped_mm(grad_out.t(), product, offsets) if needs_weight else None
+    if not needs_weight:
+        return None
+    if scale is not None:  # dW = sum_r (w_r dy_r)^T c_r
+        product.mul_(scale)
+    return grouped_mm(grad_out.t(), product, offsets)
 
 
-def _backward_fake(grad_out, gate_up, weight, offsets, needs_input, needs_weight, activation, backend):
+def _backward_fake(grad_out, gate_up, weight, offsets, row_weights, needs_input, needs_weight, needs_row_weights,
+                   activation, backend):
     return ([gate_up.new_empty(gate_up.shape)] if needs_input else []) + (
-        [weight.new_empty(weight.shape)] if needs_weight else [])
+        [weight.new_empty(weight.shape)] if needs_weight else []) + (
+        [row_weights.new_empty(row_weights.shape)] if needs_row_weights else [])
 
 
 def _gather_forward(hidden_states, rows, gate_up_proj, offsets):
@@ -218,22 +245,24 @@ def _gather_backward_fake(grad_gate_up, hidden_states, rows, gate_up_proj, offse
                                                                  (needs_weight, gate_up_proj)) if needs]
 
 
-def _recomputing_forward(gate_up, hidden_states, rows, gate_up_proj, weight, offsets, activation, backend):
+def _recomputing_forward(gate_up, hidden_states, rows, gate_up_proj, weight, offsets, row_weights, activation,
+                         backend):
     """:func:`_forward`'s [S, N]; hidden_states, rows and gate_up_proj go only to backward, to recompute gate_up."""
-    return _forward(gate_up, weight, offsets, activation, backend)
+    return _forward(gate_up, weight, offsets, row_weights, activation, backend)
 
 
-def _recomputing_backward(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, needs_input, needs_weight,
-                          activation, backend):
+def _recomputing_backward(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, row_weights, needs_input,
+                          needs_weight, needs_row_weights, activation, backend):
     """:func:`_backward`'s results with gate_up recomputed (one more grouped GEMM), a run of experts at a time."""
-    return _backward(grad_out, None, weight, offsets, needs_input, needs_weight, activation, backend,
-                     gathered=(hidden_states, rows, gate_up_proj))
+    return _backward(grad_out, None, weight, offsets, row_weights, needs_input, needs_weight, needs_row_weights,
+                     activation, backend, gathered=(hidden_states, rows, gate_up_proj))
 
 
-def _recomputing_backward_fake(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, needs_input, needs_weight,
-                               activation, backend):
+def _recomputing_backward_fake(grad_out, hidden_states, rows, gate_up_proj, weight, offsets, row_weights, needs_input,
+                               needs_weight, needs_row_weights, activation, backend):
     return ([weight.new_empty(rows.shape[0], 2 * weight.shape[2])] if needs_input else []) + (
-        [weight.new_empty(weight.shape)] if needs_weight else [])
+        [weight.new_empty(weight.shape)] if needs_weight else []) + (
+        [row_weights.new_empty(row_weights.shape)] if needs_row_weights else [])
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,34 +270,36 @@ def _recomputing_backward_fake(grad_out, hidden_states, rows, gate_up_proj, weig
 
 
 def _setup_context(ctx, inputs, output):
-    gate_up, weight, offsets, activation, backend = inputs
-    ctx.save_for_backward(gate_up, weight, offsets)
+    gate_up, weight, offsets, row_weights, activation, backend = inputs
+    ctx.save_for_backward(gate_up, weight, offsets, row_weights)
     ctx.activation, ctx.backend = activation, backend
 
 
 def _backward_formula(ctx, steps, grad_out):
-    gate_up, weight, offsets = ctx.saved_tensors
-    needs_input, needs_weight = ctx.needs_input_grad[:2]
-    if not (needs_input or needs_weight):
-        return None, None, None, None, None
-    results = steps.backward(grad_out.contiguous(), gate_up, weight, offsets, needs_input, needs_weight,
-                             ctx.activation, ctx.backend)
-    grad_gate_up = results[0] if needs_input else None
-    grad_weight = results[-1] if needs_weight else None
-    return grad_gate_up, grad_weight, None, None, None
+    gate_up, weight, offsets, row_weights = ctx.saved_tensors
+    needs_input, needs_weight, _, needs_row_weights = ctx.needs_input_grad[:4]
+    if not (needs_input or needs_weight or needs_row_weights):
+        return None, None, None, None, None, None
+    results = iter(steps.backward(grad_out.contiguous(), gate_up, weight, offsets, row_weights, needs_input,
+                                  needs_weight, needs_row_weights, ctx.activation, ctx.backend))
+    return (next(results) if needs_input else None, next(results) if needs_weight else None, None,
+            next(results) if needs_row_weights else None, None, None)
 
 
 GROUPED_GATED_LINEAR = OpSpec(
     "grouped_gated_linear",
     Step("grouped_gated_linear", _forward,
-         lambda gate_up, weight, offsets, activation, backend: gate_up.new_empty(gate_up.shape[0], weight.shape[1]),
-         schema="(Tensor gate_up, Tensor weight, Tensor offsets, str activation, str backend) -> Tensor"),
+         lambda gate_up, weight, offsets, row_weights, activation, backend:
+         gate_up.new_empty(gate_up.shape[0], weight.shape[1]),
+         schema="(Tensor gate_up, Tensor weight, Tensor offsets, Tensor? row_weights, str activation, str backend) "
+                "-> Tensor"),
     steps={"backward": Step(
         "grouped_gated_linear_backward", _backward, _backward_fake,
-        schema="(Tensor grad_out, Tensor gate_up, Tensor weight, Tensor offsets, bool needs_input, bool needs_weight, "
-               "str activation, str backend) -> Tensor[]")},
+        schema="(Tensor grad_out, Tensor gate_up, Tensor weight, Tensor offsets, Tensor? row_weights, "
+               "bool needs_input, bool needs_weight, bool needs_row_weights, str activation, str backend) -> Tensor[]")},
     setup_context=_setup_context, backward=_backward_formula,
-    # A GEMM: under autocast gate_up and weight are cast to the region's dtype, as F.linear's are.
+    # A GEMM: under autocast gate_up and weight are cast to the region's dtype, as F.linear's are (row weights are
+    # not: they must come in that dtype, as a router's do; another dtype is refused, not silently rounded).
     autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1))
 
 
@@ -299,32 +330,36 @@ GROUPED_GATHER_MM = OpSpec(
 
 
 def _recomputing_setup_context(ctx, inputs, output):
-    gate_up, hidden_states, rows, gate_up_proj, weight, offsets, activation, backend = inputs
-    ctx.save_for_backward(hidden_states, rows, gate_up_proj, weight, offsets)  # not gate_up
+    gate_up, hidden_states, rows, gate_up_proj, weight, offsets, row_weights, activation, backend = inputs
+    ctx.save_for_backward(hidden_states, rows, gate_up_proj, weight, offsets, row_weights)  # not gate_up
     ctx.activation, ctx.backend = activation, backend
 
 
 def _recomputing_backward_formula(ctx, steps, grad_out):
-    hidden_states, rows, gate_up_proj, weight, offsets = ctx.saved_tensors
-    needs_input, needs_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[4]
+    hidden_states, rows, gate_up_proj, weight, offsets, row_weights = ctx.saved_tensors
+    needs_input, needs_weight, needs_row_weights = (ctx.needs_input_grad[index] for index in (0, 4, 6))
     results = iter(steps.backward(grad_out.contiguous(), hidden_states, rows, gate_up_proj, weight, offsets,
-                                  needs_input, needs_weight, ctx.activation, ctx.backend)
-                   if needs_input or needs_weight else [])
+                                  row_weights, needs_input, needs_weight, needs_row_weights, ctx.activation,
+                                  ctx.backend)
+                   if needs_input or needs_weight or needs_row_weights else [])
     grad_gate_up = next(results) if needs_input else None
-    return grad_gate_up, None, None, None, (next(results) if needs_weight else None), None, None, None
+    grad_weight = next(results) if needs_weight else None
+    return (grad_gate_up, None, None, None, grad_weight, None, next(results) if needs_row_weights else None, None,
+            None)
 
 
 GROUPED_GATED_LINEAR_RECOMPUTING = OpSpec(
     "grouped_gated_linear_recomputing",
     Step("grouped_gated_linear_recomputing", _recomputing_forward,
-         lambda gate_up, hidden_states, rows, gate_up_proj, weight, offsets, activation, backend:
+         lambda gate_up, hidden_states, rows, gate_up_proj, weight, offsets, row_weights, activation, backend:
          gate_up.new_empty(gate_up.shape[0], weight.shape[1]),
          schema="(Tensor gate_up, Tensor hidden_states, Tensor rows, Tensor gate_up_proj, Tensor weight, "
-                "Tensor offsets, str activation, str backend) -> Tensor"),
+                "Tensor offsets, Tensor? row_weights, str activation, str backend) -> Tensor"),
     steps={"backward": Step(
         "grouped_gated_linear_recomputing_backward", _recomputing_backward, _recomputing_backward_fake,
         schema="(Tensor grad_out, Tensor hidden_states, Tensor rows, Tensor gate_up_proj, Tensor weight, "
-               "Tensor offsets, bool needs_input, bool needs_weight, str activation, str backend) -> Tensor[]")},
+               "Tensor offsets, Tensor? row_weights, bool needs_input, bool needs_weight, bool needs_row_weights, "
+               "str activation, str backend) -> Tensor[]")},
     setup_context=_recomputing_setup_context, backward=_recomputing_backward_formula,
     autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1, 3, 4))
 
@@ -333,7 +368,7 @@ GROUPED_GATED_LINEAR_RECOMPUTING = OpSpec(
 # Public functions
 
 
-def grouped_gated_linear(gate_up, weight, offsets, *, activation="silu", backend=None):
+def grouped_gated_linear(gate_up, weight, offsets, *, row_weights=None, activation="silu", backend=None):
     """Each expert's ``(act(gate) * up) @ weight[e].T`` over its rows, saving only gate_up for backward.
 
     Args:
@@ -342,6 +377,9 @@ def grouped_gated_linear(gate_up, weight, offsets, *, activation="silu", backend
         weight: [E, N, I], the experts' down projections (Hugging Face's stacked ``down_proj``), same dtype
             and device.
         offsets: [E] int32, each expert's end row (``tokens_per_expert.cumsum(0)``), ending at S.
+        row_weights: None, or [S] (gate_up's dtype and device): each row's routing weight, multiplied in (the
+            router's top-k weights in row order), with its gradient, so that nothing H-wide is saved for it where
+            ``out * weights`` outside saves the [S, N] output.
         activation: "silu", "gelu" or "gelu_tanh".
         backend: None (by device), "torch" or "triton", as gated_linear's.
 
@@ -349,10 +387,11 @@ def grouped_gated_linear(gate_up, weight, offsets, *, activation="silu", backend
         [S, N] in the inputs' dtype.
     """
     return GROUPED_GATED_LINEAR.with_autocast(
-        functools.partial(_grouped_gated_linear, activation=activation, backend=backend), gate_up, weight, offsets)
+        functools.partial(_grouped_gated_linear, row_weights=row_weights, activation=activation, backend=backend),
+        gate_up, weight, offsets)
 
 
-def _grouped_gated_linear(gate_up, weight, offsets, *, activation, backend):
+def _grouped_gated_linear(gate_up, weight, offsets, *, row_weights, activation, backend):
     owner = "grouped_gated_linear"
     check_activation(activation, owner)
     if not isinstance(gate_up, torch.Tensor) or gate_up.dim() != 2 or gate_up.shape[1] % 2:
@@ -365,8 +404,19 @@ def _grouped_gated_linear(gate_up, weight, offsets, *, activation, backend):
         raise ValueError(f"{owner}: weight is {weight.dtype} on {weight.device} but gate_up {gate_up.dtype} on "
                          f"{gate_up.device}; give them one dtype and device")
     _check_offsets(offsets, weight.shape[0], gate_up.device, owner)
-    return GROUPED_GATED_LINEAR(gate_up, weight, offsets, activation,
+    _check_row_weights(row_weights, gate_up.shape[0], gate_up, owner)
+    return GROUPED_GATED_LINEAR(gate_up, weight, offsets, row_weights, activation,
                                 GROUPED_GATED_LINEAR.backend(backend, gate_up, what="gate_up"))
+
+
+def _check_row_weights(row_weights, count, like, owner):
+    """row_weights None, or [count] of ``like``'s dtype and device."""
+    if row_weights is not None and (not isinstance(row_weights, torch.Tensor) or row_weights.shape != (count,)
+                                    or row_weights.dtype != like.dtype or row_weights.device != like.device):
+        raise ValueError(f"{owner}: row_weights must be None or a tensor of shape ({count},) (one weight a routed "
+                         f"row), dtype {like.dtype} and device {like.device}; got "
+                         f"{getattr(row_weights, 'shape', type(row_weights).__name__)}, "
+                         f"{getattr(row_weights, 'dtype', None)} on {getattr(row_weights, 'device', None)}")
 
 
 def _check_offsets(offsets, experts, device, owner):
@@ -421,8 +471,8 @@ def _check_weight(name, weight, shape, hidden_states, owner):
                          f"{hidden_states.dtype} on {hidden_states.device}; give them one dtype and device")
 
 
-def grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, activation="silu",
-                                backend=None):
+def grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, row_weights=None,
+                                activation="silu", backend=None):
     """The routed experts' gated MLPs, ``(act(gate) * up) @ down_proj[e].T`` with gate_up the row's hidden state
     through ``gate_up_proj[e]``, saving only the inputs: gate_up is recomputed in backward (``mlp="recompute"``).
 
@@ -433,17 +483,19 @@ def grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, of
         gate_up_proj: [E, 2*I, H], the experts' packed gate and up projections (first half gate; Hugging Face's
             stacked ``gate_up_proj``); down_proj: [E, H, I]. Same dtype and device as hidden_states.
         offsets: [E] int32, each expert's end row, ending at S.
-        activation, backend: as :func:`grouped_gated_linear`'s.
+        row_weights, activation, backend: as :func:`grouped_gated_linear`'s (row_weights in hidden_states' dtype).
 
     Returns:
-        [S, H] in the inputs' dtype, row r the down projection of token ``rows[r]``'s gated MLP.
+        [S, H] in the inputs' dtype, row r the down projection of token ``rows[r]``'s gated MLP (times
+        ``row_weights[r]``).
     """
     return GROUPED_GATHER_MM.with_autocast(
-        functools.partial(_grouped_gated_mlp_recompute, activation=activation, backend=backend), hidden_states, rows,
-        gate_up_proj, down_proj, offsets, positions=(0, 2, 3))
+        functools.partial(_grouped_gated_mlp_recompute, row_weights=row_weights, activation=activation,
+                          backend=backend), hidden_states, rows, gate_up_proj, down_proj, offsets, positions=(0, 2, 3))
 
 
-def _grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, activation, backend):
+def _grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, offsets, *, row_weights, activation,
+                                 backend):
     owner = "grouped_gated_mlp_recompute"
     check_activation(activation, owner)
     _check_gather(hidden_states, rows, owner)
@@ -456,9 +508,10 @@ def _grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, o
         raise ValueError(f"{owner}: gate_up_proj {tuple(gate_up_proj.shape)} and down_proj {tuple(down_proj.shape)} "
                          f"must be [E, 2*I, H={hidden}] and [E, H, I]")
     _check_offsets(offsets, down_proj.shape[0], hidden_states.device, owner)
+    _check_row_weights(row_weights, rows.shape[0], hidden_states, owner)
     # Two autograd nodes, not one: autograd adds and frees down_proj's gradient before gate_up_proj's is made, as
     # it does eager's (one node returning both would hold both, E*H*I elements more at backward's peak).
     gate_up = GROUPED_GATHER_MM(hidden_states, rows, gate_up_proj, offsets)
     return GROUPED_GATED_LINEAR_RECOMPUTING(
-        gate_up, hidden_states, rows, gate_up_proj, down_proj, offsets, activation,
+        gate_up, hidden_states, rows, gate_up_proj, down_proj, offsets, row_weights, activation,
         GROUPED_GATED_LINEAR_RECOMPUTING.backend(backend, hidden_states, owner, "hidden_states"))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from memkernels.distributed import layout_hooks_only, sharded_along
+from memkernels.fusions.common.autocast import compute_dtype
 from memkernels.fusions.gated_mlp.module import gated_activation, gated_mlp_forward, gated_mlp_parts, lora_down
 from memkernels.fusions.rule import Rule, dtensor_reason, plain_reason, probe_of, switch_class
 
@@ -150,9 +151,10 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     grouped_gated_mlp_recompute saves no gate_up either.
 
     hidden_states [T, H]; top_k_index [T, k] (int); top_k_weights [T, k]. Routed tokens are sorted by
-    expert (stable), gathered and projected by one grouped GEMM, down-projected by another, weighted, put back
-    in token order and summed over the k choices (in the weights' dtype, then the input's, as
-    transformers' grouped_mm path does)."""
+    expert (stable), gathered and projected by one grouped GEMM, down-projected by another and weighted (inside
+    that op where the weights come in its compute dtype, so the unweighted rows, H per routed token, are not saved
+    for the weights' gradient as ``routed * weights`` saves them), put back in token order and summed over the k
+    choices (in the weights' dtype, then the input's, as transformers' grouped_mm path does)."""
     from memkernels.fusions.gated_mlp.grouped import (grouped_gated_linear, grouped_gated_mlp_recompute,
                                                       grouped_gather_mm)
 
@@ -165,13 +167,18 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     offsets = torch.histc(ids, bins=count, min=0, max=count - 1).cumsum(0, dtype=torch.int32)
     rows = order // top_k
     activation = experts._memkernels_gated_activation
+    row_weights = top_k_weights.reshape(-1)[order]
+    # The weighting inside the op (nothing H-wide saved for the weights' gradient) where the weights come in the
+    # dtype the experts compute in, as a router's do; else multiplied after, promoting as transformers' does.
+    inside = row_weights if row_weights.dtype == compute_dtype(hidden_states) else None
     if experts._memkernels_recompute:
         routed = grouped_gated_mlp_recompute(hidden_states, rows, experts.gate_up_proj, experts.down_proj, offsets,
-                                             activation=activation)
+                                             row_weights=inside, activation=activation)
     else:
         gate_up = grouped_gather_mm(hidden_states, rows, experts.gate_up_proj, offsets)
-        routed = grouped_gated_linear(gate_up, experts.down_proj, offsets, activation=activation)
-    routed = routed * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        routed = grouped_gated_linear(gate_up, experts.down_proj, offsets, row_weights=inside, activation=activation)
+    if inside is None:
+        routed = routed * row_weights.unsqueeze(-1)
     restore = torch.empty_like(order)
     restore[order] = torch.arange(order.numel(), device=order.device)
     return routed[restore].view(tokens, top_k, -1).sum(1).to(hidden_states.dtype)
