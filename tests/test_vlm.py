@@ -178,13 +178,14 @@ def test_bfloat16_loss_and_gradients_match_with_images(name):
 
 # bfloat16, fusion by fusion. Through a whole model, each gradient's error is the sum of every op's rounding on
 # the way back, and the patched model's roundings differ from the unpatched one's wherever one fused op sits: the
-# per-tensor rule then compares two draws of the same noise. Gemma 3 (seeds 0-5, ATEN_CPU_CAPABILITY default and
-# avx2): the patched model's error over all gradients is 0.90-1.16x the unpatched one's and its median tensor's
-# 0.84-1.18x, while the largest per-tensor ratio is 1.47-2.48x (16-element q/k norm weights, and the embeddings and
-# projections at the far end of the chain). The RoPE op alone (random q, k) errs 0.61-1.00x what Hugging Face's
-# errs. So each fusion is held to test_patch's rule on the inputs it sees in the model (seeds 0-5 at avx2, 0-3 at
-# default, both models: modules at most 0.56 of the bound, RoPE 0.35, the loss head 0.61), and the whole model to
-# its error over all gradients. A norm whose output is 2^-7 too large, or RoPE's sin table 2^-6 too large, fails.
+# per-tensor rule then compares two draws of the same noise. Gemma 3 (seeds 0-5, ATEN_CPU_CAPABILITY default, avx2
+# and AVX512): the patched model's error over all gradients is 0.90-1.16x the unpatched one's and its median
+# tensor's 0.84-1.18x, while the largest per-tensor ratio is 1.47-2.48x (16-element q/k norm weights, and the
+# embeddings and projections at the far end of the chain). The RoPE op alone (random q, k) errs 0.61-1.00x what
+# Hugging Face's errs. So each fusion is held to test_patch's rule on the inputs it sees in the model (seeds 0-5 at
+# AVX512, 0-3 at default, 0-2 at avx2, both models: modules at most 0.56 of the bound, RoPE 0.35, the loss head
+# 0.61), and the whole model to its error over all gradients. A norm whose output is 2^-7 too large, or RoPE's sin
+# table 2^-6 too large, fails.
 
 def _bf16(name):
     model, ids, labels, images = _build(name)
