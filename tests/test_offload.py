@@ -1195,6 +1195,58 @@ def test_unpack_reads_the_device_copy_still_held_after_its_copy_completed(offloa
     assert stats["prefetch_hits"] == 1 and stats["restores_on_demand"] == 0
 
 
+@pytest.mark.parametrize("first_read", ["from_host", "on_device"])
+def test_a_storage_saved_by_two_ops_is_restored_once_for_both(offload, first_read):
+    """tanh saves its output and sin, the next op, saves the same tensor as its input: one storage, two
+    readers. Backward's first reader (sin) restores it from the host, or reads the device copy still held
+    after its D2H copy completed; the second (tanh) must find that copy still on the device, not copy the
+    storage back again (an H2D copy, and on a GPU a wait no prefetch hid). Once both read it, nothing holds
+    it: after each pass only x's gradient is left, and a second pass (retain_graph) restores it once more."""
+    x = torch.randn(256, 256, requires_grad=True)
+    expected = torch.autograd.grad((x * 2).tanh().sin().sum(), x)[0]
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None)
+    sim.hold_events(first_read == "on_device")
+    with manager:
+        loss = (x * 2).tanh().sin().sum()  # one stash, packed twice
+    sim.hold_events(False)
+    if first_read == "from_host":
+        settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
+    else:
+        device.synchronize()  # the copy completed; the manager has not looked since (stats() would)
+        assert manager._pending, "the device copy is still held"
+
+    restores = []
+    for retain_graph in (True, False):
+        with PeakBytesMeter() as live:
+            loss.backward(retain_graph=retain_graph)
+        assert live.current_bytes <= x.nbytes, "a restored copy outlived the pass that read it"
+        stats = manager.stats()
+        restores.append((stats["engine"]["bytes_prefetched"], stats["restores_on_demand"]))
+    assert torch.equal(x.grad, 2 * expected)
+    assert manager.stats()["storages_offloaded"] == 1
+    # The first pass copies back once from the host, or not at all; the second, once.
+    first_pass = (x.nbytes, 1) if first_read == "from_host" else (0, 0)
+    assert restores == [first_pass, (first_pass[0] + x.nbytes, first_pass[1] + 1)]
+    assert manager.stats()["restores_from_device"] == (first_read == "on_device")
+
+
+def test_each_offloaded_storage_comes_back_once_per_backward(offload):
+    """In the GPT, softmax saves its output and the matmul with v saves it as its input: after the forward's
+    copies completed, backward copies each offloaded storage back once, however many ops read it."""
+    model, batch = GPT(), make_batch()
+    expected = train(model, [batch])
+    model = copy.deepcopy(model)
+    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None)
+    with manager:
+        loss = model(*batch)
+    settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
+    loss.backward()
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+    stats = manager.stats()
+    assert stats["engine"]["prefetches"] == stats["storages_offloaded"]
+    assert stats["engine"]["bytes_prefetched"] == stats["bytes_offloaded"]
+
+
 class CheckpointedTimedLayers(TimedLayers):
     """TimedLayers with every layer checkpointed: backward recomputes each layer's forward kernel (the
     kernel comes first in the region: checkpoint stops recomputing once it has every saved tensor)."""

@@ -65,7 +65,10 @@ How a saved tensor is handled:
   (polled with event queries at each save; :meth:`wait_for_offloads` blocks).
 * Unpacking is idempotent (``retain_graph=True``, double backward): the
   pinned copy lives as long as the autograd graph holds the saved tensor; a
-  restored storage is shared while alive and restored again otherwise.
+  restored storage is shared while alive and restored again otherwise. It
+  stays alive until every save of it that autograd holds has been unpacked:
+  a tensor saved by two ops (one op's output, the next op's input) comes back
+  once per backward pass, not once per op.
 * Prefetch: each unpack (of an offloaded tensor, or of one still on the
   device) also starts restoring the tensors packed just before the one
   unpacked, up to the prefetch window in flight: by default
@@ -288,10 +291,11 @@ class _Order(list):
 
 
 class _Stash:
-    """One storage's bytes: on the device, in flight, or in a pinned block."""
+    """One storage's bytes: on the device, in flight, or in a pinned block; and its readers, the saves of
+    it that autograd holds (one op saving its output and the next saving it as its input: two)."""
 
     __slots__ = ("owner", "nbytes", "version", "order", "index", "handle", "state", "source", "restored",
-                 "prefetched", "pageable", "storage_ref", "__weakref__")
+                 "resident", "readers", "unread", "prefetched", "pageable", "storage_ref", "__weakref__")
 
     DEFERRED, OFFLOADING, OFFLOADED, KEPT, DISCARDED = "deferred", "offloading", "offloaded", "kept", "discarded"
 
@@ -306,6 +310,9 @@ class _Stash:
         self.state = self.DEFERRED
         self.source = storage        # the device storage, held until its D2H copy completed
         self.restored = None         # weakref to the restored storage
+        self.resident = None         # the restored storage, held while a reader has not read it
+        self.readers = weakref.WeakSet()  # the _Packed that autograd holds of it
+        self.unread = None           # the readers that have not read the restored storage (a WeakSet)
         self.prefetched = None       # (restored storage not yet handed to autograd, its stream)
         self.pageable = None         # the bytes in pageable host memory, when pinned memory was refused
         self.storage_ref = weakref.ref(storage)
@@ -914,6 +921,7 @@ class OffloadActivations:
             self._drain()
             packed = _Packed(stash, tensor)
             self._held.add(packed)
+            stash.readers.add(packed)
             return packed
 
     def _flush_deferred(self):
@@ -1001,7 +1009,7 @@ class OffloadActivations:
             storage = self._recast(packed)
         else:
             packed.check_version()
-            storage = self._materialize(packed.stash)
+            storage = self._materialize(packed)
         out = torch.empty((0,), dtype=packed.dtype, device=self._device)
         out.set_(storage, packed.storage_offset, packed.size, packed.stride)
         return out
@@ -1032,7 +1040,9 @@ class OffloadActivations:
     def _new_device_storage(self, nbytes):
         return torch.empty((nbytes,), dtype=torch.uint8, device=self._device).untyped_storage()
 
-    def _materialize(self, stash):
+    def _materialize(self, reader):
+        """The device storage of `reader`'s stash: the device copy while alive, else the restored one."""
+        stash = reader.stash
         with self._lock:
             if stash.state == _Stash.DISCARDED:
                 raise RuntimeError(
@@ -1047,22 +1057,18 @@ class OffloadActivations:
                 self._drain_when_backward_ends()
             if source is not None:  # deferred, kept, or its D2H copy still running (or just completed)
                 self._counts["restores_from_device"] += 1
-                # Later unpacks share it while it lives (once drained, the stash no longer holds it).
-                stash.restored = weakref.ref(source)
                 # The offloaded stashes before it (kept under a budget, or copies still running) must start
                 # coming back now, behind this part of backward, not on demand when it reaches them.
                 self._prefetch_before(stash)
-                return source
+                return self._hand_out(reader, source)  # once drained, the stash holds it only for other readers
             storage = stash.restored() if stash.restored is not None else None
             if storage is not None:
-                return storage
+                return self._hand_out(reader, storage)
             if stash.pageable is not None:
                 restored = torch.empty((stash.nbytes,), dtype=torch.uint8, device=self._device)
                 restored.copy_(stash.pageable, non_blocking=True)  # staged by the driver: safe from pageable
-                storage = restored.untyped_storage()
-                stash.restored = weakref.ref(storage)
                 self._counts["restores_on_demand"] += 1
-                return storage
+                return self._hand_out(reader, restored.untyped_storage())
             if stash.prefetched is not None:
                 (storage, _), stash.prefetched = stash.prefetched, None
                 self._prefetched_bytes -= stash.nbytes
@@ -1073,8 +1079,22 @@ class OffloadActivations:
                 self._counts["restores_on_demand"] += 1
             self._prefetch_before(stash)
             self._wait(stash.handle)
+            return self._hand_out(reader, storage)
+
+    @staticmethod
+    def _hand_out(reader, storage):
+        """Give `storage`, the device storage of `reader`'s stash, to `reader`. The stash holds it until every
+        other reader has read it too (or was dropped by autograd unread): autograd frees the first reader's
+        tensor once its node ran, and the next reader of the same storage would otherwise copy it back from
+        the host again. With one reader (the common case) the stash never holds it; a later pass
+        (``retain_graph=True``) finds it freed, restores it again and holds it again for its other readers."""
+        stash = reader.stash
+        if stash.restored is None or stash.restored() is not storage:  # a new copy: nobody has read it yet
             stash.restored = weakref.ref(storage)
-            return storage
+            stash.unread = weakref.WeakSet(stash.readers)
+        stash.unread.discard(reader)
+        stash.resident = storage if stash.unread else None
+        return storage
 
     def _wait(self, handle, stream=None):
         if self._mode == "cuda":
@@ -1163,7 +1183,7 @@ class OffloadActivations:
                 self._prefetched_bytes -= stash.nbytes
             if stash.handle:
                 self._engine.release(stash.handle)
-            stash.source = stash.pageable = None
+            stash.source = stash.pageable = stash.resident = None
             stash.state = _Stash.DISCARDED
         self._pending = collections.deque(s for s in self._pending if s.state != _Stash.DISCARDED)
         self._reset_block_state()
