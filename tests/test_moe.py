@@ -302,8 +302,10 @@ def _experts_call(name, dtype):
     return experts, hidden, index, weights.to(dtype)
 
 
-@pytest.mark.parametrize("router", ["frozen", "trained"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype, router", [(torch.float32, "frozen"), (torch.float32, "trained"),
+                                           (torch.bfloat16, "frozen"), (torch.bfloat16, "trained"),
+                                           (torch.bfloat16, "trained-fp32")],
+                         ids=["fp32-frozen", "fp32-trained", "bf16-frozen", "bf16-trained", "bf16-trained-fp32"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_experts_save_at_most_half_of_eager(name, dtype, router):
     """New bytes the experts save for backward (saved_tensors_hooks): eager keeps the gathered hidden states (H),
@@ -313,12 +315,15 @@ def test_experts_save_at_most_half_of_eager(name, dtype, router):
     (a trained router), eager's ``routed * weights`` also saves each routed row's output (H); the fused op weights
     its rows inside and saves nothing H-wide for that gradient: 2*H + 2*I fewer. So the fused experts keep 35.0-39.6%
     of eager's new bytes with a frozen router (Qwen3-MoE and DeepSeek-V3, H 64, I 32: 276 / 788 B a routed token
-    in fp32, 146 / 402 in bf16; Mixtral, I 48: 404 / 1044 and 210 / 530) and 27.0-32.7% with a trained one, where
+    in fp32, 146 / 402 in bf16; Mixtral, I 48: 404 / 1044 and 210 / 530) and 27.0-32.9% with a trained one (its
+    weights float32 beside bf16 experts, as Mixtral's and DeepSeek-V3's routers give them, included), where
     weighting outside the op kept 51.1-52.4% (and saving the gathered rows too, 63-68% frozen)."""
     experts, hidden, index, weights = _experts_call(name, dtype)
     width, features = experts.down_proj.shape[2], experts.down_proj.shape[1]
     hidden.requires_grad_()
-    weights.requires_grad_(router == "trained")
+    if router == "trained-fp32":
+        weights = weights.float()
+    weights.requires_grad_(router != "frozen")
     with SavedBytesMeter() as eager:
         experts(hidden, index, weights)
     apply(experts, measure=False)
@@ -327,7 +332,7 @@ def test_experts_save_at_most_half_of_eager(name, dtype, router):
         experts(hidden, index, weights)
     routed = index.numel()
     element = hidden.element_size()
-    output = features if router == "trained" else 0
+    output = 0 if router == "frozen" else features
     assert eager.new_bytes - fused.new_bytes == (2 * width + features + output) * element * routed
     assert fused.new_bytes <= 0.5 * eager.new_bytes
 
@@ -571,13 +576,15 @@ def test_the_recomputed_experts_backward_holds_a_runs_rows():
 
 
 @pytest.mark.parametrize("ends", [[3, 3, 9, 13], LONG_ENDS], ids=["one-run", "runs"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype, weights_dtype", [(torch.float32, torch.float32), (torch.float16, torch.float16),
+                                                  (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["fp32", "fp16", "bf16", "bf16-fp32-weights"])
 @pytest.mark.parametrize("mlp", ["saves", "recompute"])
-def test_row_weights_inside_the_op_match_float64(backend, dtype, mlp, ends, monkeypatch):
+def test_row_weights_inside_the_op_match_float64(backend, dtype, weights_dtype, mlp, ends, monkeypatch):
     """row_weights: each routed row's output times its routing weight inside the op, its gradient <dy W, c> from
     the GEMM backward makes anyway: output and the gradients of the hidden states, both projections and the row
-    weights against float64 autograd of ``experts' MLP * weights``; over LONG_ENDS' 96 rows in runs of whole
-    experts (CHUNK_TOKENS 16)."""
+    weights against float64 autograd of ``experts' MLP * weights``, float32 weights beside bf16 experts promoting
+    the output as that product does; over LONG_ENDS' 96 rows in runs of whole experts (CHUNK_TOKENS 16)."""
     monkeypatch.setattr(gated_mlp_op, "CHUNK_TOKENS", 16)
     generator = torch.Generator().manual_seed(0)
     routed = ends[-1]
@@ -585,7 +592,7 @@ def test_row_weights_inside_the_op_match_float64(backend, dtype, mlp, ends, monk
     rows = torch.randint(0, 40, (routed,), generator=generator)
     gate_up_proj = (torch.randn(len(ends), 8, 8, generator=generator) * 0.5).to(dtype).requires_grad_()
     down_proj = (torch.randn(len(ends), 8, 4, generator=generator) * 0.5).to(dtype).requires_grad_()
-    row_weights = torch.rand(routed, generator=generator).to(dtype).requires_grad_()
+    row_weights = torch.rand(routed, generator=generator).to(weights_dtype).requires_grad_()
     offsets = torch.tensor(ends, dtype=torch.int32)
 
     def eager(h, w1, w2, weights):
@@ -600,6 +607,7 @@ def test_row_weights_inside_the_op_match_float64(backend, dtype, mlp, ends, monk
             return grouped_gated_mlp_recompute(h, rows, w1, w2, offsets, row_weights=weights)
         return grouped_gated_linear(grouped_gather_mm(h, rows, w1, offsets), w2, offsets, row_weights=weights)
 
+    assert fused(hidden, gate_up_proj, down_proj, row_weights).dtype == torch.promote_types(dtype, weights_dtype)
     check_against_reference(fused, eager, [hidden, gate_up_proj, down_proj, row_weights],
                             name=f"weighted experts' MLP ({mlp}) {ends}")
 

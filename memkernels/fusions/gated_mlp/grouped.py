@@ -29,9 +29,10 @@ one more grouped GEMM and gather). Neither saves gate_up: no tensor is saved per
 where the default path saves gate_up (2*I). Two ops, so that autograd adds and frees one weight gradient before
 the next is made, as in eager.
 
-Routing weights: ``row_weights`` [S] multiplies each row's output inside the down projection, and its gradient
-<dy_r, c_r W^T> = <dy_r W, c_r> comes from the g the backward computes anyway (an elementwise product and a sum
-over I in c's buffer), so the unweighted [S, N] output is not saved for it, as ``routed * weights`` saves it.
+Routing weights: ``row_weights`` [S] multiplies each row's output inside the down projection (in float32 where
+they are, as ``routed * weights`` promotes), and its gradient <dy_r, c_r W^T> = <dy_r W, c_r> comes from the g the
+backward computes anyway (an elementwise product and a sum over I), so the unweighted [S, N] output is not saved
+for it, as ``routed * weights`` saves it.
 
 Long inputs: over more routed rows than the dense recompute's token chunks, each step runs a run of whole experts at
 a time (:func:`expert_chunks`), so that its row-sized transients (the gathered rows, the recomputed gate_up, dL/dc)
@@ -133,7 +134,10 @@ def _forward(gate_up, weight, offsets, row_weights, activation, backend):
         out = gate_up.new_empty(gate_up.shape[0], weight.shape[1])
         for experts, rows, run_offsets in chunks:
             out[rows] = _forward_rows(gate_up[rows], weight[experts], run_offsets, activation, backend)
-    return out if row_weights is None else out.mul_(row_weights.unsqueeze(-1))
+    if row_weights is None:
+        return out
+    # in the weights' dtype where they are wider (a float32 router beside bf16 experts), as routed * weights
+    return out.mul_(row_weights.unsqueeze(-1)) if row_weights.dtype == out.dtype else out * row_weights.unsqueeze(-1)
 
 
 def _forward_rows(gate_up, weight, offsets, activation, backend):
@@ -149,7 +153,7 @@ def _backward(grad_out, gate_up, weight, offsets, row_weights, needs_input, need
     width = weight.shape[2] if gathered is None else max(2 * weight.shape[2], gathered[0].shape[1])
     chunks = expert_chunks(offsets, grad_out.shape[0], width, grad_out.element_size(),
                            weight.numel() * weight.element_size() if needs_weight else 0)
-    grad_gate_up = grad_out.new_empty(grad_out.shape[0], 2 * weight.shape[2]) if needs_input else None
+    grad_gate_up = weight.new_empty(grad_out.shape[0], 2 * weight.shape[2]) if needs_input else None
     grad_weight = weight.new_empty(weight.shape) if needs_weight and len(chunks) > 1 else None
     grad_row_weights = row_weights.new_empty(row_weights.shape) if needs_row_weights else None
     for experts, rows, run_offsets in chunks:
@@ -175,10 +179,11 @@ def _backward_rows(grad_out, gate_up, weight, offsets, row_weights, needs_weight
     passes = act_linear.PASSES[backend]
     gate, up = halves(gate_up)
     scale = None if row_weights is None else row_weights.unsqueeze(-1)
+    grad_out = grad_out.to(gate_up.dtype)  # a wider weights' output gradient: the GEMMs' dtype, as eager's dy is
     if grad_gate_up is not None or grad_row_weights is not None:
         product = grouped_mm(grad_out, weight, offsets)  # dL/dc of unit row weights, then c
-        if grad_row_weights is not None:  # in c's own buffer: elementwise work, as eager's (dy * y).sum is
-            torch.sum(passes.product(gate, up, activation).mul_(product), -1, out=grad_row_weights)
+        if grad_row_weights is not None:
+            _row_dots(passes.product(gate, up, activation), product, grad_row_weights)
         if scale is not None:
             product.mul_(scale)
         if grad_gate_up is not None:
@@ -192,6 +197,21 @@ def _backward_rows(grad_out, gate_up, weight, offsets, row_weights, needs_weight
     if scale is not None:  # dW = sum_r (w_r dy_r)^T c_r
         product.mul_(scale)
     return grouped_mm(grad_out.t(), product, offsets)
+
+
+def _row_dots(c, grad, out):
+    """out[r] = <c[r], grad[r]> ([R, I] each), elementwise work in c's buffer as eager's (dy * y).sum is: in c's dtype
+    for weights of that dtype, else in the weights' (float32) a block of rows at a time."""
+    if out.dtype == c.dtype:
+        torch.sum(c.mul_(grad), -1, out=out)
+        return
+    for start in range(0, c.shape[0], ROW_DOT_BLOCK):
+        block = slice(start, start + ROW_DOT_BLOCK)
+        torch.sum(c[block].to(out.dtype).mul_(grad[block]), -1, out=out[block])
+
+
+# Rows a float32 block of _row_dots holds (I elements each): 32 MiB at I = 1024.
+ROW_DOT_BLOCK = 8192
 
 
 def _backward_fake(grad_out, gate_up, weight, offsets, row_weights, needs_input, needs_weight, needs_row_weights,
@@ -269,6 +289,10 @@ def _recomputing_backward_fake(grad_out, hidden_states, rows, gate_up_proj, weig
 # Autograd and the declaration
 
 
+def _output_dtype(gate_up, row_weights):
+    return gate_up.dtype if row_weights is None else torch.promote_types(gate_up.dtype, row_weights.dtype)
+
+
 def _setup_context(ctx, inputs, output):
     gate_up, weight, offsets, row_weights, activation, backend = inputs
     ctx.save_for_backward(gate_up, weight, offsets, row_weights)
@@ -290,7 +314,7 @@ GROUPED_GATED_LINEAR = OpSpec(
     "grouped_gated_linear",
     Step("grouped_gated_linear", _forward,
          lambda gate_up, weight, offsets, row_weights, activation, backend:
-         gate_up.new_empty(gate_up.shape[0], weight.shape[1]),
+         gate_up.new_empty(gate_up.shape[0], weight.shape[1], dtype=_output_dtype(gate_up, row_weights)),
          schema="(Tensor gate_up, Tensor weight, Tensor offsets, Tensor? row_weights, str activation, str backend) "
                 "-> Tensor"),
     steps={"backward": Step(
@@ -352,7 +376,7 @@ GROUPED_GATED_LINEAR_RECOMPUTING = OpSpec(
     "grouped_gated_linear_recomputing",
     Step("grouped_gated_linear_recomputing", _recomputing_forward,
          lambda gate_up, hidden_states, rows, gate_up_proj, weight, offsets, row_weights, activation, backend:
-         gate_up.new_empty(gate_up.shape[0], weight.shape[1]),
+         gate_up.new_empty(gate_up.shape[0], weight.shape[1], dtype=_output_dtype(gate_up, row_weights)),
          schema="(Tensor gate_up, Tensor hidden_states, Tensor rows, Tensor gate_up_proj, Tensor weight, "
                 "Tensor offsets, Tensor? row_weights, str activation, str backend) -> Tensor"),
     steps={"backward": Step(
@@ -377,14 +401,14 @@ def grouped_gated_linear(gate_up, weight, offsets, *, row_weights=None, activati
         weight: [E, N, I], the experts' down projections (Hugging Face's stacked ``down_proj``), same dtype
             and device.
         offsets: [E] int32, each expert's end row (``tokens_per_expert.cumsum(0)``), ending at S.
-        row_weights: None, or [S] (gate_up's dtype and device): each row's routing weight, multiplied in (the
-            router's top-k weights in row order), with its gradient, so that nothing H-wide is saved for it where
-            ``out * weights`` outside saves the [S, N] output.
+        row_weights: None, or [S] on gate_up's device, of its dtype or float32: each row's routing weight,
+            multiplied in (the router's top-k weights in row order), with its gradient, so that nothing H-wide is
+            saved for it where ``out * weights`` outside saves the [S, N] output.
         activation: "silu", "gelu" or "gelu_tanh".
         backend: None (by device), "torch" or "triton", as gated_linear's.
 
     Returns:
-        [S, N] in the inputs' dtype.
+        [S, N] in the inputs' dtype (float32 for float32 row weights beside half inputs, as ``out * weights``).
     """
     return GROUPED_GATED_LINEAR.with_autocast(
         functools.partial(_grouped_gated_linear, row_weights=row_weights, activation=activation, backend=backend),
@@ -410,11 +434,12 @@ def _grouped_gated_linear(gate_up, weight, offsets, *, row_weights, activation, 
 
 
 def _check_row_weights(row_weights, count, like, owner):
-    """row_weights None, or [count] of ``like``'s dtype and device."""
+    """row_weights None, or [count] on ``like``'s device, of its dtype or float32 (a router's, beside half experts)."""
     if row_weights is not None and (not isinstance(row_weights, torch.Tensor) or row_weights.shape != (count,)
-                                    or row_weights.dtype != like.dtype or row_weights.device != like.device):
+                                    or row_weights.dtype not in (like.dtype, torch.float32)
+                                    or row_weights.device != like.device):
         raise ValueError(f"{owner}: row_weights must be None or a tensor of shape ({count},) (one weight a routed "
-                         f"row), dtype {like.dtype} and device {like.device}; got "
+                         f"row), dtype {like.dtype} or torch.float32 and device {like.device}; got "
                          f"{getattr(row_weights, 'shape', type(row_weights).__name__)}, "
                          f"{getattr(row_weights, 'dtype', None)} on {getattr(row_weights, 'device', None)}")
 
@@ -483,11 +508,12 @@ def grouped_gated_mlp_recompute(hidden_states, rows, gate_up_proj, down_proj, of
         gate_up_proj: [E, 2*I, H], the experts' packed gate and up projections (first half gate; Hugging Face's
             stacked ``gate_up_proj``); down_proj: [E, H, I]. Same dtype and device as hidden_states.
         offsets: [E] int32, each expert's end row, ending at S.
-        row_weights, activation, backend: as :func:`grouped_gated_linear`'s (row_weights in hidden_states' dtype).
+        row_weights, activation, backend: as :func:`grouped_gated_linear`'s (row_weights of hidden_states' dtype
+            or float32).
 
     Returns:
-        [S, H] in the inputs' dtype, row r the down projection of token ``rows[r]``'s gated MLP (times
-        ``row_weights[r]``).
+        [S, H] in the inputs' dtype (or row_weights', as :func:`grouped_gated_linear`'s), row r the down projection
+        of token ``rows[r]``'s gated MLP (times ``row_weights[r]``).
     """
     return GROUPED_GATHER_MM.with_autocast(
         functools.partial(_grouped_gated_mlp_recompute, row_weights=row_weights, activation=activation,

@@ -169,8 +169,8 @@ def fused_experts_forward(experts, hidden_states, top_k_index, top_k_weights):
     activation = experts._memkernels_gated_activation
     row_weights = top_k_weights.reshape(-1)[order]
     # The weighting inside the op (nothing H-wide saved for the weights' gradient) where the weights come in the
-    # dtype the experts compute in, as a router's do; else multiplied after, promoting as transformers' does.
-    inside = row_weights if row_weights.dtype == compute_dtype(hidden_states) else None
+    # dtype the experts compute in or in float32 (the op promotes as routed * weights does); else after it.
+    inside = row_weights if row_weights.dtype in (compute_dtype(hidden_states), torch.float32) else None
     if experts._memkernels_recompute:
         routed = grouped_gated_mlp_recompute(hidden_states, rows, experts.gate_up_proj, experts.down_proj, offsets,
                                              row_weights=inside, activation=activation)
