@@ -119,6 +119,19 @@ def train(model, batches, context=None, on_step=None):
     return grads
 
 
+def offloaded_step(model, batch, manager):
+    """One forward of a copy of `model` under `manager`, its copies settled, then backward: asserts the gradients
+    are bitwise the plain step's; returns the manager's stats."""
+    expected = train(model, [batch])
+    model = copy.deepcopy(model)
+    with manager:
+        loss = model(*batch)
+    settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
+    loss.backward()
+    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
+    return manager.stats()
+
+
 def assert_bitwise_equal(expected, actual):
     assert len(expected) == len(actual)
     for step, (e_step, a_step) in enumerate(zip(expected, actual)):
@@ -846,18 +859,10 @@ def test_offloaded_checkpoints_move_only_the_region_inputs_and_match_bitwise(off
 def test_offloaded_checkpoints_prefetch_one_region_ahead(offload, monkeypatch, prefetch_bytes):
     monkeypatch.setattr(offload_runtime, "_AUTO_PREFETCH_FLOOR", 1 << 10)  # under one region's input
     layers, region_input = 5, 4 * 16 * 32 * 4
-    model, batch = CheckpointedGPT(False, layers=layers), make_batch()
-    expected = train(model, [batch])
     # A window smaller than one region's input still restores the next one ahead of its recompute; "auto"'s is
     # one region's input, not every region's (the block is the whole forward).
     manager = offload(only_checkpoint_inputs=True, min_offload_bytes=0, prefetch_bytes=prefetch_bytes)
-    model = copy.deepcopy(model)
-    with manager:
-        loss = model(*batch)
-    settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
-    loss.backward()
-    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
-    stats = manager.stats()
+    stats = offloaded_step(CheckpointedGPT(False, layers=layers), make_batch(), manager)
     assert stats["storages_offloaded"] == layers - 1
     assert stats["prefetch_hits"] == layers - 1 and stats["restores_on_demand"] == 0
     assert stats["prefetch_window_bytes"] == (1 if prefetch_bytes == 1 else region_input)
@@ -1233,16 +1238,7 @@ def test_a_storage_saved_by_two_ops_is_restored_once_for_both(offload, first_rea
 def test_each_offloaded_storage_comes_back_once_per_backward(offload):
     """In the GPT, softmax saves its output and the matmul with v saves it as its input: after the forward's
     copies completed, backward copies each offloaded storage back once, however many ops read it."""
-    model, batch = GPT(), make_batch()
-    expected = train(model, [batch])
-    model = copy.deepcopy(model)
-    manager = offload(min_offload_bytes=0, offload_last_module=True, budget=None)
-    with manager:
-        loss = model(*batch)
-    settle_offload_copies(manager, timeout=SIM_SYNC_TIMEOUT_S)
-    loss.backward()
-    assert_bitwise_equal(expected, [[p.grad for p in model.parameters()]])
-    stats = manager.stats()
+    stats = offloaded_step(GPT(), make_batch(), offload(min_offload_bytes=0, offload_last_module=True, budget=None))
     assert stats["engine"]["prefetches"] == stats["storages_offloaded"]
     assert stats["engine"]["bytes_prefetched"] == stats["bytes_offloaded"]
 
