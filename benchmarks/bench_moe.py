@@ -24,8 +24,8 @@ Columns (measured by memkernels.meters, never from formulas):
   routed token;
 - extra peak: peak live bytes over forward + backward beyond the inputs, weights and gradients.
 The Qwen3-30B-A3B row (H 2048, I 768, 128 experts, top-8, 2048 tokens, bf16) runs on the meta device (every
-allocation made and counted, no arithmetic), and on the GPU when there is one; a small row runs on the CPU in
-float32. The GPU section adds the median time of forward + backward, its ratio to eager's (flagged above 1.00x)
+allocation made and counted, no arithmetic), and on the GPU when there is one; the same layer at 32,768 tokens on
+meta (long context: the experts' steps run by runs of whole experts); a small row runs on the CPU in float32. The GPU section adds the median time of forward + backward, its ratio to eager's (flagged above 1.00x)
 and the CUDA allocator's peak over one forward + backward (torch.cuda.max_memory_allocated, beyond what was
 allocated before it).
 """
@@ -41,7 +41,9 @@ from memkernels.meters import PeakBytesMeter, SavedBytesMeter
 
 # (label, hidden, intermediate, experts, top-k, tokens, dtype, device)
 CONFIGS = [("small (CPU)", 256, 128, 16, 4, 512, torch.float32, "cpu"),
-           ("Qwen3-30B-A3B layer (meta)", 2048, 768, 128, 8, 2048, torch.bfloat16, "meta")]
+           ("Qwen3-30B-A3B layer (meta)", 2048, 768, 128, 8, 2048, torch.bfloat16, "meta"),
+           # long context: every step past 8,192 routed rows runs by runs of whole experts
+           ("Qwen3-30B-A3B, 32k (meta)", 2048, 768, 128, 8, 32768, torch.bfloat16, "meta")]
 GPU_CONFIG = ("Qwen3-30B-A3B layer (cuda)", *CONFIGS[1][1:-1], "cuda")
 
 
