@@ -34,8 +34,9 @@ What it replaces (each switch off with ``norms=False`` / ``mlp=False`` / ``loss=
   projections, and LoRA dropout on down_proj (it needs the product materialized).
 - mixture-of-experts experts in transformers' stacked layout (``gate_up_proj`` [E, 2*I, H],
   ``down_proj`` [E, H, I], gate first, no bias) → the same routing with the down projection as
-  ``grouped_gather_mm`` (the rows gathered inside the op, not saved) and ``grouped_gated_linear``: gate_up and
-  each row's token index saved per routed token, act(gate) * up never; ``mlp="recompute"``:
+  ``grouped_gather_mm`` (the rows gathered inside the op, not saved) and ``grouped_gated_linear`` (the routing
+  weights multiplied in, so no row's output is saved for their gradient): gate_up and each row's token index
+  saved per routed token, act(gate) * up never; ``mlp="recompute"``:
   ``grouped_gated_mlp_recompute``, which saves neither gate_up nor the gathered hidden states and recomputes
   both in backward. Other layouts (GPT-OSS's interleaved, Llama-4's transposed) are left alone, with the
   reason, and so are all experts with ``mlp=False`` (the report lists every mixture-of-experts layer).
