@@ -125,15 +125,21 @@ def expert_chunks(offsets, rows, width, element_size, grad_weight_bytes=0):
     return [(slice(first, end), slice(start, stop), offsets[first:end] - start) for first, end, start, stop in bounds]
 
 
+def _joined(whole, where, part):
+    """A step's result made run by run: ``part``, one run's, written at ``where`` into ``whole`` (the buffer made
+    for several runs), or with one run (``whole`` None) the step's result itself."""
+    if whole is None:
+        return part
+    whole[where] = part
+    return whole
+
+
 def _forward(gate_up, weight, offsets, row_weights, activation, backend):
     """[S, N] from gate_up [S, 2*I] and weight [E, N, I], each row times its ``row_weights`` [S] entry (when given)."""
     chunks = expert_chunks(offsets, gate_up.shape[0], weight.shape[2], gate_up.element_size())
-    if len(chunks) == 1:
-        out = _forward_rows(gate_up, weight, offsets, activation, backend)
-    else:
-        out = gate_up.new_empty(gate_up.shape[0], weight.shape[1])
-        for experts, rows, run_offsets in chunks:
-            out[rows] = _forward_rows(gate_up[rows], weight[experts], run_offsets, activation, backend)
+    out = gate_up.new_empty(gate_up.shape[0], weight.shape[1]) if len(chunks) > 1 else None
+    for experts, rows, run_offsets in chunks:
+        out = _joined(out, rows, _forward_rows(gate_up[rows], weight[experts], run_offsets, activation, backend))
     if row_weights is None:
         return out
     # in the weights' dtype where they are wider (a float32 router beside bf16 experts), as routed * weights
@@ -164,10 +170,7 @@ def _backward(grad_out, gate_up, weight, offsets, row_weights, needs_input, need
             row_weights[rows], needs_weight, activation, backend, None if grad_gate_up is None else grad_gate_up[rows],
             None if grad_row_weights is None else grad_row_weights[rows])
         del run_gate_up
-        if grad_weight is not None:
-            grad_weight[experts] = grad_run
-        elif needs_weight:
-            grad_weight = grad_run
+        grad_weight = _joined(grad_weight, experts, grad_run)
     return [grad for grad in (grad_gate_up, grad_weight, grad_row_weights) if grad is not None]
 
 
@@ -226,11 +229,9 @@ def _gather_forward(hidden_states, rows, gate_up_proj, offsets):
     gate_up_proj [E, 2*I, H]; the gathered rows are transient, a run of experts' at a time. No elementwise pass, so
     no backend argument."""
     chunks = expert_chunks(offsets, rows.shape[0], hidden_states.shape[1], hidden_states.element_size())
-    if len(chunks) == 1:
-        return _gather_rows(hidden_states, rows, gate_up_proj, offsets)
-    out = hidden_states.new_empty(rows.shape[0], gate_up_proj.shape[1])
+    out = hidden_states.new_empty(rows.shape[0], gate_up_proj.shape[1]) if len(chunks) > 1 else None
     for experts, run, run_offsets in chunks:
-        out[run] = _gather_rows(hidden_states, rows[run], gate_up_proj[experts], run_offsets)
+        out = _joined(out, run, _gather_rows(hidden_states, rows[run], gate_up_proj[experts], run_offsets))
     return out
 
 
@@ -252,11 +253,8 @@ def _gather_backward(grad_gate_up, hidden_states, rows, gate_up_proj, offsets, n
             grad_hidden.index_put_((rows[run],), grad_routed, accumulate=True)
             del grad_routed
         if needs_weight:
-            grad_run = grouped_mm(grad_gate_up[run].t(), hidden_states[rows[run]], run_offsets)
-            if grad_weight is None:
-                grad_weight = grad_run
-            else:
-                grad_weight[experts] = grad_run
+            grad_weight = _joined(grad_weight, experts,
+                                  grouped_mm(grad_gate_up[run].t(), hidden_states[rows[run]], run_offsets))
     return [grad for grad in (grad_hidden, grad_weight) if grad is not None]
 
 
@@ -293,6 +291,19 @@ def _output_dtype(gate_up, row_weights):
     return gate_up.dtype if row_weights is None else torch.promote_types(gate_up.dtype, row_weights.dtype)
 
 
+def _input_grads(ctx, positions, backward):
+    """A backward formula's result, one entry an input: ``backward(*needs)`` (the backward step's results, in
+    order, for the inputs at ``positions`` that need a gradient) at those inputs, None elsewhere; the step is not
+    run when none does."""
+    needs = [ctx.needs_input_grad[position] for position in positions]
+    results = iter(backward(*needs) if any(needs) else ())
+    grads = [None] * len(ctx.needs_input_grad)
+    for position, need in zip(positions, needs):
+        if need:
+            grads[position] = next(results)
+    return tuple(grads)
+
+
 def _setup_context(ctx, inputs, output):
     gate_up, weight, offsets, row_weights, activation, backend = inputs
     ctx.save_for_backward(gate_up, weight, offsets, row_weights)
@@ -301,13 +312,8 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_formula(ctx, steps, grad_out):
     gate_up, weight, offsets, row_weights = ctx.saved_tensors
-    needs_input, needs_weight, _, needs_row_weights = ctx.needs_input_grad[:4]
-    if not (needs_input or needs_weight or needs_row_weights):
-        return None, None, None, None, None, None
-    results = iter(steps.backward(grad_out.contiguous(), gate_up, weight, offsets, row_weights, needs_input,
-                                  needs_weight, needs_row_weights, ctx.activation, ctx.backend))
-    return (next(results) if needs_input else None, next(results) if needs_weight else None, None,
-            next(results) if needs_row_weights else None, None, None)
+    return _input_grads(ctx, (0, 1, 3), lambda *needs: steps.backward(
+        grad_out.contiguous(), gate_up, weight, offsets, row_weights, *needs, ctx.activation, ctx.backend))
 
 
 GROUPED_GATED_LINEAR = OpSpec(
@@ -323,7 +329,7 @@ GROUPED_GATED_LINEAR = OpSpec(
                "bool needs_input, bool needs_weight, bool needs_row_weights, str activation, str backend) -> Tensor[]")},
     setup_context=_setup_context, backward=_backward_formula,
     # A GEMM: under autocast gate_up and weight are cast to the region's dtype, as F.linear's are (row weights are
-    # not: they must come in that dtype, as a router's do; another dtype is refused, not silently rounded).
+    # not: they come in that dtype or float32, as a router's do, and float32 ones promote the output, unrounded).
     autocast={"cpu": "lower_precision_fp", "cuda": "lower_precision_fp"}, casts=(0, 1))
 
 
@@ -333,10 +339,8 @@ def _gather_setup_context(ctx, inputs, output):
 
 def _gather_backward_formula(ctx, steps, grad_gate_up):
     hidden_states, rows, gate_up_proj, offsets = ctx.saved_tensors
-    needs_input, _, needs_weight = ctx.needs_input_grad[:3]
-    results = iter(steps.backward(grad_gate_up.contiguous(), hidden_states, rows, gate_up_proj, offsets, needs_input,
-                                  needs_weight) if needs_input or needs_weight else [])
-    return (next(results) if needs_input else None), None, (next(results) if needs_weight else None), None
+    return _input_grads(ctx, (0, 2), lambda *needs: steps.backward(
+        grad_gate_up.contiguous(), hidden_states, rows, gate_up_proj, offsets, *needs))
 
 
 GROUPED_GATHER_MM = OpSpec(
@@ -361,15 +365,9 @@ def _recomputing_setup_context(ctx, inputs, output):
 
 def _recomputing_backward_formula(ctx, steps, grad_out):
     hidden_states, rows, gate_up_proj, weight, offsets, row_weights = ctx.saved_tensors
-    needs_input, needs_weight, needs_row_weights = (ctx.needs_input_grad[index] for index in (0, 4, 6))
-    results = iter(steps.backward(grad_out.contiguous(), hidden_states, rows, gate_up_proj, weight, offsets,
-                                  row_weights, needs_input, needs_weight, needs_row_weights, ctx.activation,
-                                  ctx.backend)
-                   if needs_input or needs_weight or needs_row_weights else [])
-    grad_gate_up = next(results) if needs_input else None
-    grad_weight = next(results) if needs_weight else None
-    return (grad_gate_up, None, None, None, grad_weight, None, next(results) if needs_row_weights else None, None,
-            None)
+    return _input_grads(ctx, (0, 4, 6), lambda *needs: steps.backward(
+        grad_out.contiguous(), hidden_states, rows, gate_up_proj, weight, offsets, row_weights, *needs,
+        ctx.activation, ctx.backend))
 
 
 GROUPED_GATED_LINEAR_RECOMPUTING = OpSpec(
