@@ -513,7 +513,6 @@ class OffloadActivations:
         self._reset_block_state()
         self._pending = collections.deque()  # stashes whose D2H copy may still run (they hold their source)
         self._live = weakref.WeakSet()   # every stash some autograd graph may still hold, all blocks
-        self._held = weakref.WeakSet()   # what autograd graphs hold of those (_Packed): empty between steps
         self._prefetched_bytes = 0
         self._orphans = []  # (storage, handle, stream) of retired prefetches: freed at an explicit point
         self._refusals_seen = 0  # the pinned pool's refusals already answered with a trim (between steps)
@@ -769,7 +768,7 @@ class OffloadActivations:
         """At a block's start between steps: if the pinned pool refused memory since the last trim, free
         the cached slabs nothing uses so that the right sizes fit this time.
 
-        Only when no graph holds a saved tensor of ours (nothing in ``self._held`` but discarded ones):
+        Only when no graph holds a saved tensor of ours (no live stash but discarded ones has a reader):
         ``trim()`` waits for every copy in flight (and ``cudaFreeHost`` synchronizes the device). With a
         block per layer, every later block of a forward finds the earlier blocks' saves held there, so
         it never trims mid-step behind their copies; the refusal is answered at the first block after
@@ -779,7 +778,7 @@ class OffloadActivations:
         refusals = self._engine.stats()["pool"]["refusals"]
         if refusals == self._refusals_seen:
             return
-        if any(packed.stash.state != _Stash.DISCARDED for packed in self._held):
+        if any(stash.readers and stash.state != _Stash.DISCARDED for stash in self._live):
             return  # inside a step (or a graph is still held): wait for the next block between steps
         self._refusals_seen = refusals
         # trim() would wait for them anyway; drained first, a copy left running by the last backward (its
@@ -920,7 +919,6 @@ class OffloadActivations:
                     self._flush_deferred()
             self._drain()
             packed = _Packed(stash, tensor)
-            self._held.add(packed)
             stash.readers.add(packed)
             return packed
 
