@@ -16,6 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from memkernels.fusions.apply import apply  # noqa: E402
+from memkernels.testing import check_against_reference  # noqa: E402
 from test_patch import _assert_parity, _loss_and_grads, _with_random_norm_weights  # noqa: E402
 
 VOCAB = 160
@@ -182,10 +183,10 @@ def test_bfloat16_loss_and_gradients_match_with_images(name):
 # and AVX512): the patched model's error over all gradients is 0.90-1.16x the unpatched one's and its median
 # tensor's 0.84-1.18x, while the largest per-tensor ratio is 1.47-2.48x (16-element q/k norm weights, and the
 # embeddings and projections at the far end of the chain). The RoPE op alone (random q, k) errs 0.61-1.00x what
-# Hugging Face's errs. So each fusion is held to test_patch's rule on the inputs it sees in the model (seeds 0-5 at
-# AVX512, 0-3 at default, 0-2 at avx2, both models: modules at most 0.56 of the bound, RoPE 0.35, the loss head
-# 0.61), and the whole model to its error over all gradients. A norm whose output is 2^-7 too large, or RoPE's sin
-# table 2^-6 too large, fails.
+# Hugging Face's errs. So each fusion is held to test_patch's rule (check_against_reference's) on the inputs it sees
+# in the model (seeds 0-5 at AVX512, 0-3 at default, 0-2 at avx2, both models: modules at most 0.71 of the bound,
+# RoPE 0.31, the loss head 0.61), and the whole model to its error over all gradients. A norm whose output is 2^-7
+# too large, or RoPE's sin table 2^-6 too large, fails.
 
 def _bf16(name):
     model, ids, labels, images = _build(name)
@@ -193,45 +194,13 @@ def _bf16(name):
     return model.to(torch.bfloat16), ids, labels, images
 
 
-def _as(value, dtype):
-    """``value`` (a tensor, or tuples / lists of them) detached, floating tensors cast to ``dtype``, each a leaf that
-    requires grad where the recorded tensor did."""
-    if isinstance(value, (tuple, list)):
-        return type(value)(_as(v, dtype) for v in value)
-    if not torch.is_tensor(value) or not value.is_floating_point():
-        return value
-    return value.detach().to(dtype).requires_grad_(value.requires_grad)
-
-
-def _output_and_grads(fn, inputs, params, dtype):
-    """``fn(*inputs)`` in ``dtype`` and the gradients of its outputs' sum weighted by fixed random tensors (the same
-    for every dtype), with respect to the inputs that require grad (tensors of ``inputs``, not inside nested tuples)
-    and ``params`` (name -> tensor)."""
-    inputs = _as(inputs, dtype)
-    outputs = fn(*inputs)
-    outputs = [t for t in (outputs if isinstance(outputs, (tuple, list)) else (outputs,)) if torch.is_tensor(t)]
-    generator = torch.Generator().manual_seed(0)
-    weights = [torch.randn(t.shape, generator=generator, dtype=torch.float64).to(t.dtype) for t in outputs]
-    leaves = [t for t in inputs if torch.is_tensor(t) and t.requires_grad]
-    grads = torch.autograd.grad(outputs, leaves + list(params.values()), weights, allow_unused=True)
-    names = [f"input {i}" for i in range(len(leaves))] + list(params)
-    results = {f"output {i}": t for i, t in enumerate(outputs)}
-    results.update((n, g) for n, g in zip(names, grads) if g is not None)
-    return results
-
-
-def _assert_fusion_parity(what, reference, eager, patched):
-    assert set(patched) == set(eager) == set(reference), what
-    for key, r in reference.items():
-        _assert_parity(r, eager[key], patched[key], f"{what}: {key}")
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_bfloat16_each_fused_module_matches_on_its_inputs_in_the_model(name):
     """Every module apply() replaced (norms and MLPs of both towers, the projector's norm) run in bf16 on the
     inputs it gets in the unpatched bf16 model, forward and backward: each output and gradient (inputs' and
-    weights') within test_patch's rule of the unpatched module's, against the module in float64 on the same inputs.
-    Attention modules are checked at their RoPE call (next test), the wrapper at its loss head (the one after)."""
+    weights') within check_against_reference's rule (test_patch's) of the unpatched module's, against the module
+    in float64 on the same inputs. Attention modules are checked at their RoPE call (next test), the wrapper at its
+    loss head (the one after)."""
     model, ids, labels, images = _bf16(name)
     patched = copy.deepcopy(model)
     report = apply(patched, measure=False)
@@ -247,20 +216,24 @@ def test_bfloat16_each_fused_module_matches_on_its_inputs_in_the_model(name):
     assert set(calls) == set(names) and len(names) >= 10
     for n in names:
         args, kwargs = calls[n]
-        runs = []
-        for module, dtype in ((copy.deepcopy(model.get_submodule(n)).double(), torch.float64),
-                              (model.get_submodule(n), torch.bfloat16), (patched.get_submodule(n), torch.bfloat16)):
-            keys = list(kwargs)
-            call = lambda *values, module=module, keys=keys: module(*values[:len(args)], **dict(zip(
-                keys, values[len(args):])))
-            runs.append(_output_and_grads(call, (*args, *kwargs.values()), dict(module.named_parameters()), dtype))
-        _assert_fusion_parity(n, *runs)
+        assert not any(torch.is_tensor(value) for value in kwargs.values()), (n, kwargs)  # passed as they are
+        eager, fused = model.get_submodule(n), patched.get_submodule(n)
+        weights = dict(eager.named_parameters())
+        assert list(dict(fused.named_parameters())) == list(weights), n  # apply() keeps the module's parameters
+
+        def call(module):  # the module on (its inputs, then its parameters), each an input to check
+            return lambda *tensors: torch.func.functional_call(
+                module, dict(zip(weights, tensors[len(args):])), tensors[:len(args)], kwargs)
+
+        inputs = [a.detach().requires_grad_(a.requires_grad) if torch.is_tensor(a) else a for a in args]
+        check_against_reference(call(fused), call(eager), [*inputs, *(w.detach().requires_grad_() for w in
+                                                                      weights.values())], name=n)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_bfloat16_rope_matches_on_the_queries_and_keys_in_the_model(name, monkeypatch):
     """The fused RoPE on each (q, k, cos, sin) the patched bf16 model's attention passes it: outputs and q's and k's
-    gradients within test_patch's rule of Hugging Face's formula in bf16 (rope's eager twin), against float64."""
+    gradients within check_against_reference's rule of Hugging Face's formula in bf16 (rope's eager twin)."""
     from memkernels.fusions.rope import op as rope_op
     from memkernels.fusions.rope import reference as rope_reference
     model, ids, labels, images = _bf16(name)
@@ -271,10 +244,8 @@ def test_bfloat16_rope_matches_on_the_queries_and_keys_in_the_model(name, monkey
     assert len(calls) == model.config.text_config.num_hidden_layers
     for index, (q, k, cos, sin, *backend) in enumerate(calls):
         q, k = q.detach().requires_grad_(), k.detach().requires_grad_()  # queries and keys are what is rotated
-        runs = [_output_and_grads(fn, (q, k, cos, sin), {}, dtype)
-                for fn, dtype in ((rope_reference.eager, torch.float64), (rope_reference.eager, torch.bfloat16),
-                                  (lambda *a: fused(*a, *backend), torch.bfloat16))]
-        _assert_fusion_parity(f"RoPE call {index}", *runs)
+        check_against_reference(lambda *a: fused(*a, *backend), rope_reference.eager, [q, k, cos, sin],
+                                name=f"RoPE call {index}")
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
