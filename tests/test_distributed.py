@@ -105,15 +105,19 @@ def _training(rank, mode, model_name):
         patched(local, local).backward()
         grads = {n: p.grad.full_tensor() for n, p in patched.named_parameters() if p.requires_grad}
         assert all(type(p).__name__ == "DTensor" for p in patched.parameters())
-    failures = []
     scale = max(g.abs().max().item() for g in reference.values())
-    for name, g64 in reference.items():
-        eager_error = (eager[name].double() - g64).abs().max().item()
-        error = (grads[name].double() - g64).abs().max().item()
-        floor = 8 * torch.finfo(torch.float32).eps * scale
-        if error > 2 * eager_error + floor:
-            failures.append(f"{name}: {error:.3e} > 2 x {eager_error:.3e} + {floor:.1e}")
+    failures = [f"{name}: {excess}" for name, g64 in reference.items()
+                if (excess := _excess(grads[name], eager[name], g64, scale))]
     return [f"replaced {len(report.replaced)}"] + failures
+
+
+def _excess(value, single, reference, scale):
+    """How ``value`` errs past this file's rule against ``reference`` (float64): 2x what ``single`` (the
+    one-process result) errs, plus 8 float32 roundings of ``scale``; None within it."""
+    error = (value.double() - reference).abs().max().item()
+    single_error = (single.double() - reference).abs().max().item()
+    floor = 8 * torch.finfo(torch.float32).eps * scale
+    return None if error <= 2 * single_error + floor else f"{error:.3e} > 2 x {single_error:.3e} + {floor:.1e}"
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
@@ -454,11 +458,9 @@ def _vocab_parallel(rank, backend):
                 if with_bias:
                     got.append(("grad bias", bias_dt.grad.full_tensor(), leaves[2].grad, leaves64[2].grad))
                 for what, value, want, want64 in got:
-                    single = (want.double() - want64).abs().max().item()
-                    error = (value.double() - want64).abs().max().item()
-                    floor = 8 * torch.finfo(torch.float32).eps * want64.abs().max().item()
-                    if error > 2 * single + floor:
-                        lines.append(f"{case} {what}: {error:.3e} > 2 x {single:.3e} + {floor:.1e}")
+                    excess = _excess(value, want, want64, want64.abs().max().item())
+                    if excess:
+                        lines.append(f"{case} {what}: {excess}")
     lce.head_logits = head_logits
     weight_dt = distribute_tensor(weight, mesh, [Shard(0)])
     lines += _errors(lambda: lce.linear_cross_entropy(hidden, weight_dt, target.reshape(-1), strategy="chunked"),
