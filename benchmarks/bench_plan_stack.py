@@ -139,6 +139,12 @@ def run(shape, device, seqs, fraction, steps, progress=None):
     passed to ``progress`` as it ends."""
     pcie = link_gbps(device) if device.type == "cuda" else 25.0
     rows = []
+
+    def record(**row):
+        rows.append(row)
+        if progress:
+            progress(row)
+
     for seq in seqs:
         ids = torch.randint(0, shape.vocab, (1, seq), generator=torch.Generator().manual_seed(seq)).to(device)
         model = build(shape, device, seq)
@@ -148,10 +154,8 @@ def run(shape, device, seqs, fraction, steps, progress=None):
         del model
         _release(device)
         tflops = base["flops"] / base["seconds"] / 1e12
-        rows.append(dict(seq=seq, run="keep", placement=keep, predicted_overhead=0.0, tflops=tflops, pcie=pcie, **base,
-                         overhead=0.0))
-        if progress:
-            progress(rows[-1])
+        record(seq=seq, run="keep", placement=keep, predicted_overhead=0.0, tflops=tflops, pcie=pcie, **base,
+               overhead=0.0)
         budget = int(fraction * keep.keep_peak)
         for name, offload in (("recompute", False), ("offload", True)):
             if offload and device.type != "cuda":
@@ -160,20 +164,16 @@ def run(shape, device, seqs, fraction, steps, progress=None):
             placement = place(model, batch=1, seq=seq, budget=budget, kernels=True, offload=offload, tflops=tflops,
                               pcie_gbps=pcie)
             if not placement.fits:
-                rows.append(dict(seq=seq, run=name, placement=placement, missing=True))
-                del model
-                if progress:
-                    progress(rows[-1])
+                del model  # before the next one is built
+                record(seq=seq, run=name, placement=placement, missing=True)
                 continue
             memkernels.apply(model, placement)
             measured = measure_run(model, ids, steps)
             del model
             _release(device)
-            rows.append(dict(seq=seq, run=name, placement=placement, **measured,
-                             predicted_overhead=placement.added_seconds / base["seconds"],
-                             overhead=measured["seconds"] / base["seconds"] - 1))
-            if progress:
-                progress(rows[-1])
+            record(seq=seq, run=name, placement=placement, **measured,
+                   predicted_overhead=placement.added_seconds / base["seconds"],
+                   overhead=measured["seconds"] / base["seconds"] - 1)
     return rows
 
 
