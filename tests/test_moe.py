@@ -381,6 +381,15 @@ def test_float64_experts_train_through_the_loop_over_experts(mlp):
         torch.testing.assert_close(grads_p[key], grad, rtol=1e-10, atol=1e-12, msg=key)
 
 
+def _eager_experts(hidden, rows, gate_up_proj, down_proj, ends, activation):
+    """The routed experts' MLP in eager PyTorch: each row's token gathered, one GEMM an expert each way."""
+    starts = [0] + ends[:-1]
+    gathered = hidden[rows]
+    gate_up = torch.cat([gathered[start:end] @ gate_up_proj[expert].t()
+                         for expert, (start, end) in enumerate(zip(starts, ends))])
+    return _eager_grouped(gate_up, down_proj, ends, activation)
+
+
 def _eager_grouped(gate_up, weight, ends, activation):
     gate, up = gate_up.chunk(2, -1)
     product = (F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")) * up
@@ -424,11 +433,7 @@ def test_grouped_gated_mlp_recompute_matches_float64(backend, dtype, activation,
     offsets = torch.tensor(ends, dtype=torch.int32)
 
     def eager(h, w1, w2):
-        starts = [0] + ends[:-1]
-        gathered = h[rows]
-        gate_up = torch.cat([gathered[start:end] @ w1[expert].t()
-                             for expert, (start, end) in enumerate(zip(starts, ends))])
-        return _eager_grouped(gate_up, w2, ends, activation)
+        return _eager_experts(h, rows, w1, w2, ends, activation)
 
     def fused(h, w1, w2):
         if mlp == "recompute":
@@ -542,11 +547,7 @@ def test_experts_over_many_rows_run_by_runs_and_match(dtype, mlp, monkeypatch):
     torch.testing.assert_close(runs[1], whole[1])
 
     def eager(h, w1, w2):
-        starts = [0] + LONG_ENDS[:-1]
-        gathered = h[rows]
-        gate_up = torch.cat([gathered[start:end] @ w1[expert].t()
-                             for expert, (start, end) in enumerate(zip(starts, LONG_ENDS))])
-        return _eager_grouped(gate_up, w2, LONG_ENDS, "silu")
+        return _eager_experts(h, rows, w1, w2, LONG_ENDS, "silu")
 
     check_against_reference(fused, eager, [hidden, gate_up_proj, down_proj], name=f"experts' MLP ({mlp}) in runs")
 
@@ -596,11 +597,7 @@ def test_row_weights_inside_the_op_match_float64(backend, dtype, weights_dtype, 
     offsets = torch.tensor(ends, dtype=torch.int32)
 
     def eager(h, w1, w2, weights):
-        starts = [0] + ends[:-1]
-        gathered = h[rows]
-        gate_up = torch.cat([gathered[start:end] @ w1[expert].t()
-                             for expert, (start, end) in enumerate(zip(starts, ends))])
-        return _eager_grouped(gate_up, w2, ends, "silu") * weights.unsqueeze(-1)
+        return _eager_experts(h, rows, w1, w2, ends, "silu") * weights.unsqueeze(-1)
 
     def fused(h, w1, w2, weights):
         if mlp == "recompute":
